@@ -1,0 +1,29 @@
+"""The few domain errors ggmoe raises.
+
+They carry a user-facing message; only the CLI and HTTP edges turn them into
+output and exit codes. Everything else lets them propagate.
+"""
+
+
+class GgmoeError(Exception):
+    """Base class: a problem the user can fix (bad file, bad flag, bad request)."""
+
+
+class ModelFileError(GgmoeError):
+    """A GGUF file that is missing, truncated, corrupt or not a MoE model."""
+
+
+class EngineError(GgmoeError):
+    """llama.cpp failed to load, decode or tokenize."""
+
+
+class EngineNotPatchedError(EngineError):
+    """The installed llama-cpp-python lacks ggmoe's patched symbols."""
+
+
+class TraceFormatError(GgmoeError):
+    """A trace file that is not a valid ggmoe trace."""
+
+
+class UsageError(GgmoeError):
+    """A bad argument value (e.g. cache slots below n_expert_used)."""
