@@ -1,0 +1,495 @@
+#!/usr/bin/env python3
+"""Tiny random-weight GGUF Mixture-of-Experts models for the test suite.
+
+Each fixture is a real llama.cpp model of one architecture, with every tensor
+and hparam key that the vendored llama.cpp's loader requires, but tiny shapes
+(n_embd 64, 8 experts of width 32, 4 layers) and seeded random weights, so it
+loads and generates in milliseconds and weighs well under 2 MB. A byte-level
+BPE tokenizer (256 byte tokens, a few merges, BOS/EOS) is embedded so ASCII
+text tokenizes and detokenizes losslessly.
+
+Fixture names (ARCHES) and the llama.cpp architecture written to the file:
+
+    qwen3moe  -> qwen3moe (per-head q/k RMS norm)
+    qwen2moe  -> qwen2moe (q/k/v biases, shared expert with a sigmoid gate)
+    olmoe     -> olmoe    (full-width q/k RMS norm)
+    mixtral   -> llama    (llama.expert_count > 0: Mixtral-style MoE)
+
+``write_dense_fixture`` writes a plain ``llama`` model without experts, for
+tests that must reject non-MoE models.
+
+Usage:
+    python tools/make_fixtures.py --out DIR [--arch A ...] [--expert-type f16|f32|q8_0] [--dense]
+
+As a module (tests):
+    fixture_path("qwen3moe", expert_type="q8_0")  # generated on demand, cached
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import hashlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+T = gguf.MODEL_TENSOR
+QType = gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Hyperparameters shared by every fixture (counts; widths in elements)."""
+
+    n_layer: int = 4
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2  # GQA: two query heads share one K/V head
+    n_ff: int = 128  # width of a dense FFN (the non-MoE fixture)
+    n_ff_exp: int = 32  # width of one routed expert's FFN
+    n_ff_shexp: int = 64  # width of the shared expert's FFN (qwen2moe)
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_ctx_train: int = 256  # tokens
+    rms_eps: float = 1e-6
+    rope_freq_base: float = 10000.0
+
+    @property
+    def n_embd_head(self) -> int:
+        return self.n_embd // self.n_head
+
+
+SHAPE = Shape()
+
+
+class QkNorm(enum.Enum):
+    """Where the architecture RMS-normalizes Q and K before RoPE."""
+
+    NONE = "none"
+    PER_HEAD = "per_head"  # attn_{q,k}_norm has n_embd_head elements (qwen3moe)
+    FULL = "full"  # attn_{q,k}_norm has n_embd elements (olmoe, needs n_head_kv == n_head)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What distinguishes one fixture architecture from the others, per the vendored llama.cpp loader."""
+
+    arch: gguf.MODEL_ARCH
+    qk_norm: QkNorm = QkNorm.NONE
+    qkv_bias: bool = False
+    shared_expert: bool = False
+    # True: n_ff_exp goes in {arch}.expert_feed_forward_length; False: the loader
+    # takes the expert width from {arch}.feed_forward_length (olmoe, llama).
+    expert_ff_key: bool = True
+    mha: bool = False  # force n_head_kv == n_head
+
+    @property
+    def arch_name(self) -> str:
+        return gguf.MODEL_ARCH_NAMES[self.arch]
+
+
+ARCH_SPECS: dict[str, ArchSpec] = {
+    "qwen3moe": ArchSpec(gguf.MODEL_ARCH.QWEN3MOE, qk_norm=QkNorm.PER_HEAD),
+    "qwen2moe": ArchSpec(gguf.MODEL_ARCH.QWEN2MOE, qkv_bias=True, shared_expert=True),
+    "olmoe": ArchSpec(gguf.MODEL_ARCH.OLMOE, qk_norm=QkNorm.FULL, expert_ff_key=False, mha=True),
+    "mixtral": ArchSpec(gguf.MODEL_ARCH.LLAMA, expert_ff_key=False),
+}
+ARCHES: tuple[str, ...] = tuple(ARCH_SPECS)
+DENSE_NAME = "llama-dense"
+
+# --expert-type value -> ggml type of the routed expert tensors; everything else stays F32.
+EXPERT_TYPES: dict[str, QType] = {"f32": QType.F32, "f16": QType.F16, "q8_0": QType.Q8_0}
+
+# Standard deviations of the random weights. Inputs to every matmul are RMS-normed
+# (unit variance per element), so an [n_in -> n_out] matrix of std s gives outputs of
+# std s*sqrt(n_in) = s*8 for n_in = 64: 0.1 keeps activations near 1.
+WEIGHT_STD = 0.1
+BIAS_STD = 0.02
+EMBD_STD = 1.0
+# The router's logits get std 0.3*8 = 2.4: sharp enough that top-k depends on the
+# token (different tokens pick different experts), not so sharp that one expert wins all.
+ROUTER_STD = 0.3
+
+
+class Role(enum.Enum):
+    """How a tensor's random values are drawn."""
+
+    NORM = "norm"  # all ones
+    WEIGHT = "weight"
+    BIAS = "bias"
+    EMBD = "embd"
+    ROUTER = "router"
+    EXPERT = "expert"  # routed expert weights: written as the chosen expert type
+
+
+ROLE_STD: dict[Role, float] = {
+    Role.WEIGHT: WEIGHT_STD,
+    Role.BIAS: BIAS_STD,
+    Role.EMBD: EMBD_STD,
+    Role.ROUTER: ROUTER_STD,
+    Role.EXPERT: WEIGHT_STD,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # GGUF tensor name, e.g. "blk.0.ffn_up_exps.weight"
+    ne: tuple[int, ...]  # ggml shape, innermost dimension first (numpy shape reversed)
+    role: Role
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer: GPT-2 style byte-level BPE
+
+
+def byte_tokens() -> list[str]:
+    """The 256 byte tokens in GPT-2's byte-to-unicode mapping; token id == byte value.
+
+    Printable bytes map to themselves; the others (space, control bytes, ...) to
+    code points from 256 up, e.g. space -> "Ġ", newline -> "Ċ". llama.cpp's BPE
+    tokenizer maps text bytes the same way before looking tokens up.
+    """
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+# A few merges in rank order; each merged string is also a token.
+MERGES: tuple[tuple[str, str], ...] = (
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("i", "n"),
+    ("r", "e"),
+    ("o", "n"),
+    ("Ġt", "he"),
+    ("e", "r"),
+    ("Ġ", "a"),
+    ("a", "n"),
+    ("Ġ", "s"),
+    ("o", "u"),
+    ("i", "s"),
+)
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+
+
+@dataclass(frozen=True)
+class Vocab:
+    tokens: list[str]  # [n_vocab]
+    token_types: list[int]  # [n_vocab] gguf.TokenType values
+    merges: list[str]  # "left right", in rank order
+    bos_id: int
+    eos_id: int
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+
+def make_vocab() -> Vocab:
+    tokens = byte_tokens() + [left + right for left, right in MERGES]
+    types = [gguf.TokenType.NORMAL] * len(tokens)
+    bos_id, eos_id = len(tokens), len(tokens) + 1
+    tokens += [BOS_TOKEN, EOS_TOKEN]
+    types += [gguf.TokenType.CONTROL] * 2
+    return Vocab(tokens, [int(t) for t in types], [f"{a} {b}" for a, b in MERGES], bos_id, eos_id)
+
+
+# ---------------------------------------------------------------------------
+# Tensor lists
+
+
+def tensor_name(kind: gguf.MODEL_TENSOR, il: int | None = None, suffix: str = "weight") -> str:
+    base = gguf.TENSOR_NAMES[kind]
+    return f"{base.format(bid=il) if il is not None else base}.{suffix}"
+
+
+def _global_tensors(shape: Shape, n_vocab: int) -> list[TensorSpec]:
+    return [
+        TensorSpec(tensor_name(T.TOKEN_EMBD), (shape.n_embd, n_vocab), Role.EMBD),
+        TensorSpec(tensor_name(T.OUTPUT_NORM), (shape.n_embd,), Role.NORM),
+        TensorSpec(tensor_name(T.OUTPUT), (shape.n_embd, n_vocab), Role.WEIGHT),
+    ]
+
+
+def _attention_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec]:
+    n_head_kv = shape.n_head if spec.mha else shape.n_head_kv
+    n_q = shape.n_embd_head * shape.n_head
+    n_kv = shape.n_embd_head * n_head_kv
+    out = [
+        TensorSpec(tensor_name(T.ATTN_NORM, il), (shape.n_embd,), Role.NORM),
+        TensorSpec(tensor_name(T.ATTN_Q, il), (shape.n_embd, n_q), Role.WEIGHT),
+        TensorSpec(tensor_name(T.ATTN_K, il), (shape.n_embd, n_kv), Role.WEIGHT),
+        TensorSpec(tensor_name(T.ATTN_V, il), (shape.n_embd, n_kv), Role.WEIGHT),
+        TensorSpec(tensor_name(T.ATTN_OUT, il), (n_q, shape.n_embd), Role.WEIGHT),
+    ]
+    if spec.qkv_bias:
+        out += [
+            TensorSpec(tensor_name(T.ATTN_Q, il, "bias"), (n_q,), Role.BIAS),
+            TensorSpec(tensor_name(T.ATTN_K, il, "bias"), (n_kv,), Role.BIAS),
+            TensorSpec(tensor_name(T.ATTN_V, il, "bias"), (n_kv,), Role.BIAS),
+        ]
+    norm_len = {QkNorm.PER_HEAD: shape.n_embd_head, QkNorm.FULL: shape.n_embd}.get(spec.qk_norm)
+    if norm_len is not None:
+        out += [
+            TensorSpec(tensor_name(T.ATTN_Q_NORM, il), (norm_len,), Role.NORM),
+            TensorSpec(tensor_name(T.ATTN_K_NORM, il), (norm_len,), Role.NORM),
+        ]
+    return out
+
+
+def _moe_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec]:
+    e, d, f = shape.n_expert, shape.n_embd, shape.n_ff_exp
+    out = [
+        TensorSpec(tensor_name(T.FFN_NORM, il), (d,), Role.NORM),
+        TensorSpec(tensor_name(T.FFN_GATE_INP, il), (d, e), Role.ROUTER),
+        TensorSpec(tensor_name(T.FFN_GATE_EXP, il), (d, f, e), Role.EXPERT),
+        TensorSpec(tensor_name(T.FFN_UP_EXP, il), (d, f, e), Role.EXPERT),
+        TensorSpec(tensor_name(T.FFN_DOWN_EXP, il), (f, d, e), Role.EXPERT),
+    ]
+    if spec.shared_expert:
+        s = shape.n_ff_shexp
+        out += [
+            TensorSpec(tensor_name(T.FFN_GATE_INP_SHEXP, il), (d,), Role.WEIGHT),
+            TensorSpec(tensor_name(T.FFN_GATE_SHEXP, il), (d, s), Role.WEIGHT),
+            TensorSpec(tensor_name(T.FFN_UP_SHEXP, il), (d, s), Role.WEIGHT),
+            TensorSpec(tensor_name(T.FFN_DOWN_SHEXP, il), (s, d), Role.WEIGHT),
+        ]
+    return out
+
+
+def _dense_ffn_tensors(shape: Shape, il: int) -> list[TensorSpec]:
+    d, f = shape.n_embd, shape.n_ff
+    return [
+        TensorSpec(tensor_name(T.FFN_NORM, il), (d,), Role.NORM),
+        TensorSpec(tensor_name(T.FFN_GATE, il), (d, f), Role.WEIGHT),
+        TensorSpec(tensor_name(T.FFN_UP, il), (d, f), Role.WEIGHT),
+        TensorSpec(tensor_name(T.FFN_DOWN, il), (f, d), Role.WEIGHT),
+    ]
+
+
+def moe_tensor_specs(spec: ArchSpec, shape: Shape, n_vocab: int) -> list[TensorSpec]:
+    out = _global_tensors(shape, n_vocab)
+    for il in range(shape.n_layer):
+        out += _attention_tensors(spec, shape, il) + _moe_tensors(spec, shape, il)
+    return out
+
+
+def dense_tensor_specs(shape: Shape, n_vocab: int) -> list[TensorSpec]:
+    spec = ArchSpec(gguf.MODEL_ARCH.LLAMA)
+    out = _global_tensors(shape, n_vocab)
+    for il in range(shape.n_layer):
+        out += _attention_tensors(spec, shape, il) + _dense_ffn_tensors(shape, il)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Writing
+
+
+def _random_values(rng: np.random.Generator, t: TensorSpec) -> np.ndarray:
+    """Float32 values for a tensor, numpy shape = reversed ggml shape."""
+    np_shape = tuple(reversed(t.ne))
+    if t.role is Role.NORM:
+        return np.ones(np_shape, dtype=np.float32)
+    return (rng.standard_normal(np_shape, dtype=np.float32) * ROLE_STD[t.role]).astype(np.float32)
+
+
+def _encode(values: np.ndarray, qtype: QType) -> tuple[np.ndarray, QType | None]:
+    """Array to hand to GGUFWriter.add_tensor and its raw_dtype (None: infer from numpy dtype)."""
+    if qtype is QType.F32:
+        return values, None
+    if qtype is QType.F16:
+        return values.astype(np.float16), None
+    return gguf.quants.quantize(values, qtype), qtype
+
+
+def _write_header_keys(
+    w: gguf.GGUFWriter, shape: Shape, spec: ArchSpec, vocab: Vocab, name: str, moe: bool
+) -> None:
+    w.add_name(name)
+    w.add_block_count(shape.n_layer)
+    w.add_context_length(shape.n_ctx_train)
+    w.add_embedding_length(shape.n_embd)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(shape.n_head if spec.mha else shape.n_head_kv)
+    w.add_rope_dimension_count(shape.n_embd_head)
+    w.add_rope_freq_base(shape.rope_freq_base)
+    w.add_layer_norm_rms_eps(shape.rms_eps)
+    if moe:
+        w.add_expert_count(shape.n_expert)
+        w.add_expert_used_count(shape.n_expert_used)
+        if spec.expert_ff_key:
+            w.add_expert_feed_forward_length(shape.n_ff_exp)
+            w.add_feed_forward_length(shape.n_ff)
+        else:
+            w.add_feed_forward_length(shape.n_ff_exp)
+        if spec.shared_expert:
+            w.add_expert_shared_feed_forward_length(shape.n_ff_shexp)
+    else:
+        w.add_feed_forward_length(shape.n_ff)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.token_types)
+    w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(vocab.bos_id)
+    w.add_eos_token_id(vocab.eos_id)
+    w.add_add_bos_token(True)
+
+
+def _write_gguf(
+    path: Path,
+    spec: ArchSpec,
+    tensors: Sequence[TensorSpec],
+    vocab: Vocab,
+    name: str,
+    moe: bool,
+    expert_qtype: QType,
+    seed: int,
+    shape: Shape,
+) -> Path:
+    """Write atomically (temp file + rename) so concurrent test workers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        w = gguf.GGUFWriter(tmp, arch=spec.arch_name)
+        _write_header_keys(w, shape, spec, vocab, name, moe)
+        for t in tensors:
+            values = _random_values(rng, t)
+            qtype = expert_qtype if t.role is Role.EXPERT else QType.F32
+            data, raw_dtype = _encode(values, qtype)
+            w.add_tensor(t.name, data, raw_dtype=raw_dtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _check_arch(arch: str) -> ArchSpec:
+    if arch not in ARCH_SPECS:
+        raise ValueError(f"unknown fixture arch {arch!r}; choose from {', '.join(ARCHES)}")
+    return ARCH_SPECS[arch]
+
+
+def _check_expert_type(expert_type: str) -> QType:
+    if expert_type not in EXPERT_TYPES:
+        raise ValueError(f"unknown expert type {expert_type!r}; choose from {', '.join(EXPERT_TYPES)}")
+    return EXPERT_TYPES[expert_type]
+
+
+def write_fixture(
+    arch: str, path: Path, expert_type: str = "f16", seed: int = 0, shape: Shape = SHAPE
+) -> Path:
+    """Write the MoE fixture `arch` (one of ARCHES) to `path`; deterministic in (arch, expert_type, seed)."""
+    spec = _check_arch(arch)
+    qtype = _check_expert_type(expert_type)
+    vocab = make_vocab()
+    tensors = moe_tensor_specs(spec, shape, vocab.n_vocab)
+    name = f"ggmoe tiny {arch} {expert_type}"
+    return _write_gguf(path, spec, tensors, vocab, name, True, qtype, seed, shape)
+
+
+def write_dense_fixture(path: Path, seed: int = 0, shape: Shape = SHAPE) -> Path:
+    """Write a plain `llama` model without experts (for tests that must reject non-MoE models)."""
+    spec = ArchSpec(gguf.MODEL_ARCH.LLAMA)
+    vocab = make_vocab()
+    tensors = dense_tensor_specs(shape, vocab.n_vocab)
+    return _write_gguf(path, spec, tensors, vocab, "ggmoe tiny llama dense", False, QType.F32, seed, shape)
+
+
+# ---------------------------------------------------------------------------
+# Cache
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("GGMOE_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "ggmoe") / "fixtures"
+
+
+def _cache_key(*args: object) -> str:
+    """Hash of this script's source and the arguments: editing the generator regenerates fixtures."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(repr(args).encode())
+    return h.hexdigest()[:16]
+
+
+def _cached(
+    stem: str, cache_dir: Path | None, key_args: tuple[object, ...], write: Callable[[Path], Path]
+) -> Path:
+    path = (cache_dir or default_cache_dir()) / f"{stem}-{_cache_key(*key_args)}.gguf"
+    if not path.is_file():
+        write(path)
+    return path
+
+
+def fixture_path(arch: str, cache_dir: Path | None = None, expert_type: str = "f16") -> Path:
+    """Path of the cached MoE fixture `arch` with experts of `expert_type`, generating it if missing."""
+    _check_arch(arch)
+    _check_expert_type(expert_type)
+    return _cached(
+        f"{arch}-{expert_type}",
+        cache_dir,
+        (arch, expert_type, 0),
+        lambda p: write_fixture(arch, p, expert_type=expert_type),
+    )
+
+
+def dense_fixture_path(cache_dir: Path | None = None) -> Path:
+    """Path of the cached non-MoE `llama` fixture, generating it if missing."""
+    return _cached(DENSE_NAME, cache_dir, (DENSE_NAME, 0), write_dense_fixture)
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+
+def _written(out: Path, archs: Sequence[str], expert_type: str, dense: bool) -> Iterator[Path]:
+    for arch in archs:
+        yield write_fixture(arch, out / f"{arch}-{expert_type}.gguf", expert_type=expert_type)
+    if dense:
+        yield write_dense_fixture(out / f"{DENSE_NAME}.gguf")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write tiny random-weight GGUF MoE fixture models.")
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument(
+        "--arch", action="append", choices=ARCHES, help="fixture to write (repeatable; default: all)"
+    )
+    parser.add_argument(
+        "--expert-type", choices=tuple(EXPERT_TYPES), default="f16", help="ggml type of expert tensors"
+    )
+    parser.add_argument("--dense", action="store_true", help=f"also write the non-MoE {DENSE_NAME} model")
+    args = parser.parse_args(argv)
+    for path in _written(args.out, args.arch or ARCHES, args.expert_type, args.dense):
+        print(f"{path}  {path.stat().st_size / 1024:.1f} KiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
