@@ -320,10 +320,23 @@ def _encode(values: np.ndarray, qtype: QType) -> tuple[np.ndarray, QType | None]
     return gguf.quants.quantize(values, qtype), qtype
 
 
-def _write_header_keys(
-    w: gguf.GGUFWriter, shape: Shape, spec: ArchSpec, vocab: Vocab, name: str, moe: bool
-) -> None:
-    w.add_name(name)
+@dataclass(frozen=True)
+class ModelPlan:
+    """Everything that determines a fixture file's bytes."""
+
+    spec: ArchSpec
+    shape: Shape
+    vocab: Vocab
+    tensors: tuple[TensorSpec, ...]
+    name: str  # general.name
+    moe: bool
+    expert_qtype: QType  # ggml type of Role.EXPERT tensors; all others are F32
+    seed: int
+
+
+def _write_header_keys(w: gguf.GGUFWriter, plan: ModelPlan) -> None:
+    shape, spec, vocab = plan.shape, plan.spec, plan.vocab
+    w.add_name(plan.name)
     w.add_block_count(shape.n_layer)
     w.add_context_length(shape.n_ctx_train)
     w.add_embedding_length(shape.n_embd)
@@ -332,7 +345,7 @@ def _write_header_keys(
     w.add_rope_dimension_count(shape.n_embd_head)
     w.add_rope_freq_base(shape.rope_freq_base)
     w.add_layer_norm_rms_eps(shape.rms_eps)
-    if moe:
+    if plan.moe:
         w.add_expert_count(shape.n_expert)
         w.add_expert_used_count(shape.n_expert_used)
         if spec.expert_ff_key:
@@ -354,40 +367,34 @@ def _write_header_keys(
     w.add_add_bos_token(True)
 
 
-def _write_gguf(
-    path: Path,
-    spec: ArchSpec,
-    tensors: Sequence[TensorSpec],
-    vocab: Vocab,
-    name: str,
-    moe: bool,
-    expert_qtype: QType,
-    seed: int,
-    shape: Shape,
-) -> Path:
-    """Write atomically (temp file + rename) so concurrent test workers never see half a file."""
+def _write_gguf(path: Path, plan: ModelPlan, split_max_tensors: int = 0) -> Path:
+    """Write `plan` to `path` and return it (the first shard's path when split).
+
+    With split_max_tensors > 0 the model is split into shards of at most that
+    many tensors, named like llama.cpp's splits: `<stem>-00001-of-0000N.gguf`.
+    Files are written in a temporary directory and renamed into place, so
+    concurrent test workers never see half a file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        w = gguf.GGUFWriter(tmp, arch=spec.arch_name)
-        _write_header_keys(w, shape, spec, vocab, name, moe)
-        for t in tensors:
-            values = _random_values(rng, t)
-            qtype = expert_qtype if t.role is Role.EXPERT else QType.F32
-            data, raw_dtype = _encode(values, qtype)
+    rng = np.random.default_rng(plan.seed)
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp_dir:
+        w = gguf.GGUFWriter(
+            Path(tmp_dir) / path.name, arch=plan.spec.arch_name, split_max_tensors=split_max_tensors
+        )
+        _write_header_keys(w, plan)
+        for t in plan.tensors:
+            qtype = plan.expert_qtype if t.role is Role.EXPERT else QType.F32
+            data, raw_dtype = _encode(_random_values(rng, t), qtype)
             w.add_tensor(t.name, data, raw_dtype=raw_dtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+        written = sorted(Path(tmp_dir).iterdir())
+        for f in written:
+            os.replace(f, path.parent / f.name)
+    return path.parent / written[0].name
 
 
 def _check_arch(arch: str) -> ArchSpec:
@@ -402,24 +409,53 @@ def _check_expert_type(expert_type: str) -> QType:
     return EXPERT_TYPES[expert_type]
 
 
-def write_fixture(
-    arch: str, path: Path, expert_type: str = "f16", seed: int = 0, shape: Shape = SHAPE
-) -> Path:
-    """Write the MoE fixture `arch` (one of ARCHES) to `path`; deterministic in (arch, expert_type, seed)."""
+def moe_plan(arch: str, expert_type: str = "f16", seed: int = 0, shape: Shape = SHAPE) -> ModelPlan:
     spec = _check_arch(arch)
-    qtype = _check_expert_type(expert_type)
     vocab = make_vocab()
-    tensors = moe_tensor_specs(spec, shape, vocab.n_vocab)
-    name = f"ggmoe tiny {arch} {expert_type}"
-    return _write_gguf(path, spec, tensors, vocab, name, True, qtype, seed, shape)
+    return ModelPlan(
+        spec=spec,
+        shape=shape,
+        vocab=vocab,
+        tensors=tuple(moe_tensor_specs(spec, shape, vocab.n_vocab)),
+        name=f"ggmoe tiny {arch} {expert_type}",
+        moe=True,
+        expert_qtype=_check_expert_type(expert_type),
+        seed=seed,
+    )
+
+
+def dense_plan(seed: int = 0, shape: Shape = SHAPE) -> ModelPlan:
+    vocab = make_vocab()
+    return ModelPlan(
+        spec=ArchSpec(gguf.MODEL_ARCH.LLAMA),
+        shape=shape,
+        vocab=vocab,
+        tensors=tuple(dense_tensor_specs(shape, vocab.n_vocab)),
+        name="ggmoe tiny llama dense",
+        moe=False,
+        expert_qtype=QType.F32,
+        seed=seed,
+    )
+
+
+def write_fixture(
+    arch: str,
+    path: Path,
+    expert_type: str = "f16",
+    seed: int = 0,
+    shape: Shape = SHAPE,
+    split_max_tensors: int = 0,
+) -> Path:
+    """Write the MoE fixture `arch` (one of ARCHES) to `path`; deterministic in its arguments.
+
+    Returns the path written (the first shard's when split_max_tensors > 0).
+    """
+    return _write_gguf(path, moe_plan(arch, expert_type, seed, shape), split_max_tensors)
 
 
 def write_dense_fixture(path: Path, seed: int = 0, shape: Shape = SHAPE) -> Path:
     """Write a plain `llama` model without experts (for tests that must reject non-MoE models)."""
-    spec = ArchSpec(gguf.MODEL_ARCH.LLAMA)
-    vocab = make_vocab()
-    tensors = dense_tensor_specs(shape, vocab.n_vocab)
-    return _write_gguf(path, spec, tensors, vocab, "ggmoe tiny llama dense", False, QType.F32, seed, shape)
+    return _write_gguf(path, dense_plan(seed, shape))
 
 
 # ---------------------------------------------------------------------------
