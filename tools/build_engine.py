@@ -31,7 +31,8 @@ from pathlib import Path
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "patches"
-VENDOR = "vendor/llama.cpp"  # where the sdist keeps llama.cpp, relative to its root
+VENDOR = "vendor/llama.cpp"
+KEY_FILE = "GGMOE_ENGINE_KEY"  # written beside llama_cpp/__init__.py: which build is installed  # where the sdist keeps llama.cpp, relative to its root
 
 # Everything llama-cpp-python's bindings do not need is off: fewer targets, shorter build.
 BASE_CMAKE_ARGS = [
@@ -158,6 +159,28 @@ def build_wheel(out: Path, args: list[str]) -> Path:
         return final
 
 
+def installed_key() -> str | None:
+    """The build key of the installed llama-cpp-python, if ggmoe installed it."""
+    proc = subprocess.run([sys.executable, "-c", "import llama_cpp, pathlib; "
+                           "print(pathlib.Path(llama_cpp.__file__).with_name(KEY_FILE).read_text())"
+                           .replace("KEY_FILE", repr(KEY_FILE))], text=True, capture_output=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def install(wheel: Path, key: str) -> None:
+    if installed_key() == key:
+        print(f"engine {key} already installed", flush=True)
+        return
+    # Force only this package (an unpatched 0.3.36 may be installed), then resolve its dependencies.
+    run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
+        "installing the engine wheel")
+    run([sys.executable, "-m", "pip", "install", "-q", str(wheel)], "installing the engine's dependencies")
+    run([sys.executable, "-c", "import llama_cpp, pathlib; "
+         f"pathlib.Path(llama_cpp.__file__).with_name({KEY_FILE!r}).write_text({key!r})"],
+        "marking the installed engine")
+    print(f"installed {wheel.name} (engine {key})", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--install", action="store_true", help="pip install the wheel into this Python")
@@ -184,9 +207,7 @@ def main() -> int:
                 shutil.rmtree(out)
             wheel = build_wheel(out, args)
         if opts.install:
-            run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)],
-                "installing the engine wheel")
-            print(f"installed {wheel.name}", flush=True)
+            install(wheel, out.name)
         print(wheel)
         return 0
     except BuildError as e:

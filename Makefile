@@ -1,0 +1,30 @@
+# ggmoe: the two commands a fresh machine needs are `make run` and `make test`.
+PY ?= python3
+PROMPT ?= The quick brown fox
+export PIP_DISABLE_PIP_VERSION_CHECK = 1
+
+.PHONY: setup engine run test test-unit lint
+
+# Build (or reuse the cached) patched llama-cpp-python wheel, then install ggmoe with its extras.
+setup: engine
+	$(PY) -m pip install -q -e '.[dev,train]'
+
+engine:
+	$(PY) tools/build_engine.py --install
+
+# The main job: generate with the embedded default model (a fixture model until it ships).
+run: setup
+	@if $(PY) -c "from ggmoe.models import default_model_path as d; raise SystemExit(d() is None)"; then \
+		ggmoe run -p "$(PROMPT)" -n 32; \
+	else \
+		ggmoe run "$$($(PY) -c "import sys; sys.path.insert(0, 'tools'); from make_fixtures import fixture_path; print(fixture_path('qwen3moe'))")" -p "$(PROMPT)" -n 32; \
+	fi
+
+test: setup
+	$(PY) -m pytest -q
+
+test-unit:
+	$(PY) -m pytest -q -m unit
+
+lint:
+	$(PY) -m ruff check ggmoe predictors tools tests

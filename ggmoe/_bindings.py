@@ -1,0 +1,152 @@
+"""Raw ctypes declarations for the ggml symbols ggmoe needs beyond llama-cpp-python.
+
+The lowest layer: each function carries its C prototype as a comment, nothing
+here owns memory or knows about MoE. llama-cpp-python already declares the
+``llama_*`` API; this module adds ggml's tensor accessors and backend
+registry from the libraries that sit beside ``libllama`` (``libggml-base``,
+``libggml``, ``libggml-cpu``). Only ``ggmoe.engine`` imports this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import sys
+
+from .errors import EngineError
+
+try:
+    import llama_cpp
+    from llama_cpp import llama_cpp as _llama_lowlevel
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise EngineError(
+        "llama-cpp-python is not installed; run `make setup` (it builds the patched engine)"
+    ) from e
+
+LIB_DIR = pathlib.Path(_llama_lowlevel._base_path)
+
+
+def _load(name: str) -> ctypes.CDLL:
+    suffix = ".dylib" if sys.platform == "darwin" else ".so"
+    path = LIB_DIR / f"lib{name}{suffix}"
+    try:
+        return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise EngineError(f"cannot load {path}: {e}") from e
+
+
+libggml_base = _load("ggml-base")
+libggml = _load("ggml")
+libggml_cpu = _load("ggml-cpu")
+
+GGML_MAX_DIMS = 4
+GGML_MAX_SRC = 10
+GGML_MAX_OP_PARAMS = 64  # bytes
+GGML_MAX_NAME = 64  # bytes
+
+# enum ggml_type (subset ggmoe reads directly)
+GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
+GGML_TYPE_I32 = 26
+
+# enum ggml_backend_dev_type
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+
+
+# struct ggml_tensor {
+#     enum ggml_type type;
+#     struct ggml_backend_buffer * buffer;
+#     int64_t ne[GGML_MAX_DIMS];
+#     size_t  nb[GGML_MAX_DIMS];
+#     enum ggml_op op;
+#     int32_t op_params[GGML_MAX_OP_PARAMS / sizeof(int32_t)];
+#     int32_t flags;
+#     struct ggml_tensor * src[GGML_MAX_SRC];
+#     struct ggml_tensor * view_src;
+#     size_t               view_offs;
+#     void * data;
+#     char name[GGML_MAX_NAME];
+#     void * extra;
+#     char padding[8];
+# };
+class ggml_tensor(ctypes.Structure):
+    pass
+
+
+ggml_tensor._fields_ = [
+    ("type", ctypes.c_int),
+    ("buffer", ctypes.c_void_p),
+    ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+    ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+    ("op", ctypes.c_int),
+    ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+    ("flags", ctypes.c_int32),
+    ("src", ctypes.POINTER(ggml_tensor) * GGML_MAX_SRC),
+    ("view_src", ctypes.POINTER(ggml_tensor)),
+    ("view_offs", ctypes.c_size_t),
+    ("data", ctypes.c_void_p),
+    ("name", ctypes.c_char * GGML_MAX_NAME),
+    ("extra", ctypes.c_void_p),
+    ("padding", ctypes.c_char * 8),
+]
+ggml_tensor_p = ctypes.POINTER(ggml_tensor)
+
+# struct ggml_object { size_t offs; size_t size; struct ggml_object * next; enum ggml_object_type type; char padding[4]; };
+GGML_OBJECT_SIZE = 32  # bytes, used to check the ggml_tensor mirror above
+
+# size_t ggml_tensor_overhead(void);
+libggml_base.ggml_tensor_overhead.argtypes = []
+libggml_base.ggml_tensor_overhead.restype = ctypes.c_size_t
+
+# size_t ggml_nbytes(const struct ggml_tensor * tensor);
+libggml_base.ggml_nbytes.argtypes = [ggml_tensor_p]
+libggml_base.ggml_nbytes.restype = ctypes.c_size_t
+
+# const char * ggml_get_name(const struct ggml_tensor * tensor);
+libggml_base.ggml_get_name.argtypes = [ggml_tensor_p]
+libggml_base.ggml_get_name.restype = ctypes.c_char_p
+
+# void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
+libggml_base.ggml_backend_tensor_get.argtypes = [ggml_tensor_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+libggml_base.ggml_backend_tensor_get.restype = None
+
+# bool ggml_backend_buffer_is_host(ggml_backend_buffer_t buffer);
+libggml_base.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
+libggml_base.ggml_backend_buffer_is_host.restype = ctypes.c_bool
+
+# ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);
+libggml_cpu.ggml_backend_cpu_buffer_type.argtypes = []
+libggml_cpu.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+
+# ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
+libggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+libggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+
+# ggml_backend_buffer_type_t ggml_backend_dev_host_buffer_type(ggml_backend_dev_t device);
+libggml.ggml_backend_dev_host_buffer_type.argtypes = [ctypes.c_void_p]
+libggml.ggml_backend_dev_host_buffer_type.restype = ctypes.c_void_p
+
+# const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+libggml.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+libggml.ggml_backend_dev_name.restype = ctypes.c_char_p
+
+
+# struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; };
+class llama_model_tensor_buft_override(ctypes.Structure):
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def check_tensor_layout() -> None:
+    """The ggml_tensor mirror must match the library's size, or every read is garbage."""
+    expected = libggml_base.ggml_tensor_overhead() - GGML_OBJECT_SIZE
+    if ctypes.sizeof(ggml_tensor) != expected:
+        raise EngineError(
+            f"ggml_tensor layout mismatch: ctypes {ctypes.sizeof(ggml_tensor)} bytes, "
+            f"library {expected} bytes; the installed llama-cpp-python is not the pinned version"
+        )
+
+
+check_tensor_layout()
+
+__all__ = ["llama_cpp", "LIB_DIR", "libggml_base", "libggml", "libggml_cpu", "ggml_tensor", "ggml_tensor_p"]

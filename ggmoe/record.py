@@ -1,0 +1,118 @@
+"""Run prompts through the engine and record their routing into a trace.
+
+Three modes, because a tiny model decoding greedily soon repeats itself and
+repeated tokens route to the same experts, which flatters caching:
+- ``greedy``: prefill the prompt, then decode greedily;
+- ``sample``: prefill, then sample (temperature, seed);
+- ``teacher``: prefill the first ``prefill_tokens`` of a document, then feed its
+  real continuation one token per decode step (teacher forcing).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__
+from .engine import Engine
+from .errors import UsageError
+from .fingerprint import model_fingerprint
+from .hook import HookRequest, RouteRecorder
+from .trace import STAGE_DECODE, STAGE_PREFILL, TraceMeta, TraceWriter
+
+MODES = ("greedy", "sample", "teacher")
+
+
+@dataclass(frozen=True)
+class RecordConfig:
+    mode: str = "greedy"
+    max_tokens: int = 64  # decode steps per prompt
+    prefill_tokens: int = 64  # teacher mode: tokens of the document fed as the prefill
+    temp: float = 0.8  # sample mode
+    seed: int = 0
+    keep_hidden: bool = True
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a JSONL file: one object per line with a ``prompt`` or ``text`` string."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"prompts file not found: {path}")
+    prompts = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text ({e})") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
+        if not isinstance(text, str) or not text:
+            raise UsageError(f'{path}:{n}: expected an object with a non-empty "prompt" or "text" string')
+        prompts.append(text)
+    if not prompts:
+        raise UsageError(f"{path}: no prompts")
+    return prompts
+
+
+def record_trace(engine: Engine, prompts: Iterable[str], config: RecordConfig, out: str | Path,
+                 arch: str, n_expert: int, n_expert_used: int,
+                 progress: Callable[[int], None] | None = None) -> Path:
+    """Trace every prompt and write ``out`` (a ``.npz`` path); returns the path written."""
+    if config.mode not in MODES:
+        raise UsageError(f"unknown mode {config.mode!r}; choose one of {', '.join(MODES)}")
+    if config.max_tokens < 1:
+        raise UsageError("max_tokens must be at least 1")
+    recorder = RouteRecorder(HookRequest(probs=True, hidden=config.keep_hidden))
+    meta = TraceMeta(
+        model_fingerprint=model_fingerprint(engine.config.model_path),
+        model_name=Path(engine.config.model_path).name, arch=arch, n_layer=engine.n_layer,
+        n_expert=n_expert, n_expert_used=n_expert_used, n_embd=engine.n_embd,
+        mode=config.mode, max_tokens=config.max_tokens, ggmoe_version=__version__,
+    )
+    writer = TraceWriter(meta, keep_hidden=config.keep_hidden)
+    previous = engine.observer
+    engine.observer = recorder
+    try:
+        for i, prompt in enumerate(prompts):
+            _record_one(engine, prompt, config, recorder, writer, seed=config.seed + i)
+            writer.end_prompt()
+            if progress:
+                progress(1)
+    finally:
+        engine.observer = previous
+    return writer.save(out)
+
+
+def _record_one(engine: Engine, text: str, cfg: RecordConfig, rec: RouteRecorder, w: TraceWriter, seed: int) -> None:
+    engine.reset()
+    ids = engine.tokenize(text)
+    forced = None
+    if cfg.mode == "teacher":
+        if len(ids) < cfg.prefill_tokens + 2:
+            ids_needed = cfg.prefill_tokens + 2
+            raise UsageError(f"teacher mode: a document has {len(ids)} tokens, needs at least {ids_needed}")
+        forced = ids[cfg.prefill_tokens:]
+        ids = ids[: cfg.prefill_tokens]
+    budget = engine.n_ctx - len(ids)  # decode steps the KV cache still holds
+    # max_tokens decode steps feed max_tokens tokens: one more is produced than is fed.
+    steps = min(cfg.max_tokens, budget, len(forced) - 1 if forced is not None else cfg.max_tokens) + 1
+    if budget < 1:
+        raise UsageError(f"a prompt of {len(ids)} tokens does not fit n_ctx {engine.n_ctx}")
+    temp = cfg.temp if cfg.mode == "sample" else 0.0
+    pos = 0
+    stage = STAGE_PREFILL
+    pending = list(ids)
+    for tok, _ in engine.stream(ids, steps, temp=temp, seed=seed, forced=forced):
+        # The step that produced `tok` consumed `pending`; record it under that step.
+        w.add_step(pending, pos, stage, rec.take())
+        pos += len(pending)
+        pending, stage = [tok], STAGE_DECODE
+        if forced is None and engine.is_eog(tok):
+            break

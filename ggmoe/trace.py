@@ -1,0 +1,203 @@
+"""The trace format: per processed token and MoE layer, the router's decision.
+
+Format ``ggmoe-trace`` version 1, one uncompressed ``.npz`` (read and written
+with ``allow_pickle=False``). Arrays, with T processed tokens, L MoE layers,
+k = n_expert_used, E = n_expert:
+
+==================  ============  =================  ==========================================
+name                dtype         shape              meaning
+==================  ============  =================  ==========================================
+``meta``            uint8         [n_bytes]          UTF-8 JSON, see ``TraceMeta``
+``token_ids``       int32         [T]                the token fed to the model at that step
+``positions``       int32         [T]                its position in its sequence
+``stage``           uint8         [T]                0 prefill, 1 decode
+``prompt_offsets``  int64         [P + 1]            tokens of prompt p are rows
+                                                     ``prompt_offsets[p]:prompt_offsets[p+1]``
+``layers``          int32         [L]                il of each MoE layer, ascending
+``ids``             int16         [T, L, k]          selected expert ids, router order
+``probs``           float16       [T, L, E]          router probabilities after gating
+``hidden``          float16       [T, L, n_embd]     MoE layer input (optional)
+==================  ============  =================  ==========================================
+
+Every processed token has one row: the prompt tokens of a prefill and each token
+fed in a decode step. The last sampled token of a prompt is never fed, so it has
+no row. A reader validates every dtype, shape and id range.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import TraceFormatError
+from .hook import RouteEvent
+
+FORMAT = "ggmoe-trace"
+VERSION = 1
+STAGE_PREFILL = 0
+STAGE_DECODE = 1
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    model_fingerprint: str
+    model_name: str
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    n_embd: int
+    mode: str  # greedy | sample | teacher
+    max_tokens: int  # decode steps asked per prompt
+    ggmoe_version: str
+    format: str = FORMAT
+    version: int = VERSION
+
+
+@dataclass(frozen=True)
+class Trace:
+    meta: TraceMeta
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    stage: np.ndarray  # [T] uint8
+    prompt_offsets: np.ndarray  # [P + 1] int64
+    layers: np.ndarray  # [L] int32
+    ids: np.ndarray  # [T, L, k] int16
+    probs: np.ndarray  # [T, L, E] float16
+    hidden: np.ndarray | None  # [T, L, n_embd] float16
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def n_prompts(self) -> int:
+        return int(self.prompt_offsets.shape[0] - 1)
+
+    def prompt_slice(self, p: int) -> slice:
+        return slice(int(self.prompt_offsets[p]), int(self.prompt_offsets[p + 1]))
+
+    def layer_index(self, il: int) -> int:
+        """Column of layer ``il`` in ids/probs/hidden."""
+        hits = np.nonzero(self.layers == il)[0]
+        if hits.size == 0:
+            raise KeyError(f"layer {il} is not a traced MoE layer")
+        return int(hits[0])
+
+
+class TraceWriter:
+    """Accumulates steps (one ``decode`` call each) and writes the ``.npz`` at the end."""
+
+    def __init__(self, meta: TraceMeta, keep_hidden: bool) -> None:
+        self.meta = meta
+        self.keep_hidden = keep_hidden
+        self._rows: dict[str, list[np.ndarray]] = {k: [] for k in
+                                                   ("token_ids", "positions", "stage", "ids", "probs", "hidden")}
+        self._offsets = [0]
+        self._layers: list[int] | None = None
+        self._n = 0
+
+    def add_step(self, tokens: list[int], pos0: int, stage: int, events: dict[int, RouteEvent]) -> None:
+        n = len(tokens)
+        layers = sorted(events)
+        if self._layers is None:
+            self._layers = layers
+        elif layers != self._layers:
+            raise TraceFormatError(f"MoE layers changed between steps: {self._layers} vs {layers}")
+        for il in layers:
+            ev = events[il]
+            if ev.n_tokens != n or ev.probs is None or (self.keep_hidden and ev.hidden is None):
+                raise TraceFormatError(f"layer {il}: hook delivered {ev.n_tokens} rows for {n} tokens")
+        r = self._rows
+        r["token_ids"].append(np.asarray(tokens, dtype=np.int32))
+        r["positions"].append(np.arange(pos0, pos0 + n, dtype=np.int32))
+        r["stage"].append(np.full(n, stage, dtype=np.uint8))
+        r["ids"].append(np.stack([events[il].ids for il in layers], axis=1).astype(np.int16))
+        r["probs"].append(np.stack([events[il].probs for il in layers], axis=1).astype(np.float16))
+        if self.keep_hidden:
+            r["hidden"].append(np.stack([events[il].hidden for il in layers], axis=1).astype(np.float16))
+        self._n += n
+
+    def end_prompt(self) -> None:
+        self._offsets.append(self._n)
+
+    def save(self, path: str | Path) -> Path:
+        if self._layers is None or self._n == 0:
+            raise TraceFormatError("nothing was traced")
+        if self._offsets[-1] != self._n:
+            self.end_prompt()
+        arrays = {k: np.concatenate(v, axis=0) for k, v in self._rows.items() if v}
+        arrays["prompt_offsets"] = np.asarray(self._offsets, dtype=np.int64)
+        arrays["layers"] = np.asarray(self._layers, dtype=np.int32)
+        arrays["meta"] = np.frombuffer(json.dumps(asdict(self.meta)).encode(), dtype=np.uint8)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, **arrays)
+        tmp.replace(path)  # never leave a half-written trace under the final name
+        return path
+
+
+def _meta(raw: np.ndarray) -> TraceMeta:
+    try:
+        d = json.loads(raw.tobytes().decode("utf-8"))
+        if d.get("format") != FORMAT:
+            raise TraceFormatError(f"not a ggmoe trace (format {d.get('format')!r})")
+        if d.get("version") != VERSION:
+            raise TraceFormatError(f"trace format version {d.get('version')} is not supported (this is {VERSION})")
+        return TraceMeta(**d)
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
+        raise TraceFormatError(f"bad trace metadata: {e}") from e
+
+
+def _expect(name: str, a: np.ndarray, dtype: type, shape: tuple) -> None:
+    if a.dtype != np.dtype(dtype):
+        raise TraceFormatError(f"{name}: dtype {a.dtype}, expected {np.dtype(dtype)}")
+    if a.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, a.shape, strict=True)):
+        raise TraceFormatError(f"{name}: shape {a.shape}, expected {shape}")
+
+
+def load_trace(path: str | Path, hidden: bool = True) -> Trace:
+    """Read and validate a trace; ``hidden=False`` skips the (large) hidden states."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "trace.npz"
+    if not path.is_file():
+        raise TraceFormatError(f"trace file not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            names = set(z.files)
+            need = {"meta", "token_ids", "positions", "stage", "prompt_offsets", "layers", "ids", "probs"}
+            if need - names:
+                raise TraceFormatError(f"{path}: missing arrays {sorted(need - names)}")
+            a = {k: z[k] for k in need}
+            h = z["hidden"] if hidden and "hidden" in names else None
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise TraceFormatError(f"{path}: not a readable .npz trace ({e})") from e
+    meta = _meta(a["meta"])
+    t = a["token_ids"].shape[0] if a["token_ids"].ndim == 1 else -1
+    n_l = a["layers"].shape[0] if a["layers"].ndim == 1 else -1
+    _expect("token_ids", a["token_ids"], np.int32, (None,))
+    _expect("positions", a["positions"], np.int32, (t,))
+    _expect("stage", a["stage"], np.uint8, (t,))
+    _expect("prompt_offsets", a["prompt_offsets"], np.int64, (None,))
+    _expect("layers", a["layers"], np.int32, (None,))
+    _expect("ids", a["ids"], np.int16, (t, n_l, meta.n_expert_used))
+    _expect("probs", a["probs"], np.float16, (t, n_l, meta.n_expert))
+    if h is not None:
+        _expect("hidden", h, np.float16, (t, n_l, meta.n_embd))
+    ids, offs = a["ids"], a["prompt_offsets"]
+    if ids.size and (ids.min() < 0 or ids.max() >= meta.n_expert):
+        raise TraceFormatError(f"expert ids outside [0, {meta.n_expert})")
+    if offs.size < 2 or offs[0] != 0 or offs[-1] != t or np.any(np.diff(offs) < 0):
+        raise TraceFormatError("prompt_offsets must rise from 0 to the number of tokens")
+    if np.any(a["layers"] < 0) or np.any(a["layers"] >= meta.n_layer) or np.any(np.diff(a["layers"]) <= 0):
+        raise TraceFormatError("layers must be ascending layer indices below n_layer")
+    if np.any(a["stage"] > STAGE_DECODE):
+        raise TraceFormatError("stage must be 0 (prefill) or 1 (decode)")
+    return Trace(meta=meta, token_ids=a["token_ids"], positions=a["positions"], stage=a["stage"],
+                 prompt_offsets=offs, layers=a["layers"], ids=ids, probs=a["probs"], hidden=h)
