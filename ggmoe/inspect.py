@@ -16,6 +16,7 @@ one contiguous slice per expert in the outermost dimension. Everything else
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import mmap
 import os
@@ -49,6 +50,7 @@ _SCALAR_FORMAT: dict[VT, str] = {
 }
 _INT_TYPES = frozenset({VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64})
 _GGUF_MAGIC = b"GGUF"
+_GGUF_VERSION = importlib.metadata.version("gguf")  # named in "unknown ggml type" errors
 _SUPPORTED_VERSIONS = (2, 3)  # version 1 used 32-bit counts; llama.cpp dropped it too
 _HEADER_BYTES = 24  # magic u32, version u32, n_tensors u64, n_kv u64
 _MIN_KV_BYTES = 8 + 4 + 1  # key length u64, value type u32, smallest value
@@ -399,8 +401,8 @@ def _tensor_nbytes(cur: _Cursor, name: str, shape: tuple[int, ...], raw_type: in
         block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     except (ValueError, KeyError):
         raise ModelFileError(
-            f"{cur.path}: unsupported GGUF file: tensor {name!r} has ggml type {raw_type}, unknown to gguf "
-            f"{getattr(gguf, '__version__', '')}".rstrip()
+            f"{cur.path}: unsupported GGUF file: tensor {name!r} has ggml type {raw_type}, "
+            f"unknown to gguf {_GGUF_VERSION}"
         ) from None
     n_elements = math.prod(shape)
     if any(n > _INT64_MAX for n in shape) or n_elements > _INT64_MAX:
