@@ -37,6 +37,7 @@ llama_cpp = B.llama_cpp
 # Every expert tensor of every MoE layer; shared experts (`_shexp`) stay dense.
 EXPERT_TENSOR_PATTERN = r"blk\.\d+\.ffn_(up|gate|down|gate_up)_exps"
 
+_OVERRIDDEN = re.compile(r"^tensor (\S+) \(.*\) buffer type overridden to ")
 _HOOK_NAME = re.compile(rb"^ffn_moe_(topk|probs|logits)-(\d+)$")
 
 
@@ -47,17 +48,24 @@ class _LlamaLog:
 
     def __init__(self) -> None:
         self.verbose = False
-        self.lines: deque[str] = deque(maxlen=64)
+        self.lines: deque[str] = deque(maxlen=4096)  # recent lines: error messages, tests
+        self.count = 0  # lines seen in all
         self._cb = llama_cpp.llama_log_callback(self._on_log)
         llama_cpp.llama_log_set(self._cb, ctypes.c_void_p(0))
 
     def _on_log(self, level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         s = text.decode("utf-8", errors="replace")
         self.lines.append(s)
+        self.count += 1
         if self.verbose:
             import sys
 
             print(s, end="", file=sys.stderr, flush=True)
+
+    def since(self, mark: int) -> list[str]:
+        """Lines logged after ``count`` was ``mark`` (as many as the ring still holds)."""
+        n = min(self.count - mark, len(self.lines))
+        return list(self.lines)[len(self.lines) - n:] if n > 0 else []
 
     def last_error(self) -> str:
         errs = [ln.strip() for ln in self.lines if "error" in ln.lower() or "failed" in ln.lower()]
@@ -112,7 +120,12 @@ class _Model:
             params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
             # llama.cpp recommends no mmap for overridden tensors: they are copied anyway.
             params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        mark = log.count
         self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        # llama.cpp logs (at debug level) each tensor the override placed: keep their names.
+        loaded = log.since(mark)
+        self.host_expert_tensors = tuple(
+            m.group(1) for m in (_OVERRIDDEN.match(ln) for ln in loaded) if m is not None)
         if not self.ptr:
             detail = log.last_error()
             raise ModelFileError(f"llama.cpp could not load {path}" + (f": {detail}" if detail else ""))
@@ -281,6 +294,7 @@ class EngineConfig:
     n_threads: int = field(default_factory=lambda: os.cpu_count() or 2)
     n_gpu_layers: int = -1  # dense layers on the GPU when there is one (-1: all)
     experts_on_host: bool = True  # expert tensors in host memory (pinned when a GPU exists)
+    gate_hook: bool = True  # install the cb_eval gate hook (False: stock compute, for baselines)
     verbose: bool = False
 
 
@@ -321,11 +335,10 @@ class Engine:
         _backend().verbose = config.verbose
         self.config = config
         self._hook = _GateHook()
-        self._hook.observer = observer
         self._model = _Model(path, config.n_gpu_layers, config.experts_on_host)
         try:
             self._ctx = _Context(self._model, config.n_ctx, config.n_batch, min(config.n_ubatch, config.n_batch),
-                                 config.n_threads, self._hook)
+                                 config.n_threads, self._hook if config.gate_hook else None)
         except BaseException:
             self._model.close()
             raise
@@ -335,6 +348,9 @@ class Engine:
         self.n_layer = llama_cpp.llama_model_n_layer(self._model.ptr)
         self.n_ctx = self._ctx.n_ctx
         self.n_past = 0  # tokens in the KV cache
+        self.observer = observer
+        # expert tensors llama.cpp placed in the host buffer type, as it logged them
+        self.host_expert_tensors: tuple[str, ...] = self._model.host_expert_tensors
 
     # -- lifecycle
     def close(self) -> None:
@@ -361,6 +377,8 @@ class Engine:
 
     @observer.setter
     def observer(self, obs: RouteObserver | None) -> None:
+        if obs is not None and not self.config.gate_hook:
+            raise UsageError("this engine was created with gate_hook=False")
         self._hook.observer = obs
 
     def meta(self, key: str) -> str | None:
@@ -424,7 +442,8 @@ class Engine:
             if rc != 0:
                 raise EngineError(f"llama_decode failed with code {rc}: {_backend().last_error()}")
             self.n_past += len(chunk)
-            out.append(self._logits(len(chunk) if all_logits else 1))
+            if all_logits or i + self.config.n_batch >= len(tokens):
+                out.append(self._logits(len(chunk) if all_logits else 1))
         return np.concatenate(out, axis=0) if all_logits else out[-1]
 
     def _logits(self, n_rows: int) -> np.ndarray:
@@ -433,16 +452,18 @@ class Engine:
 
     # -- generation
     def stream(self, prompt_ids: Sequence[int], max_tokens: int, temp: float = 0.0, seed: int = 0,
-               forced: Sequence[int] | None = None) -> Iterator[tuple[int, float]]:
+               forced: Sequence[int] | None = None, all_logits: bool = False) -> Iterator[tuple[int, float]]:
         """Prefill ``prompt_ids`` then yield (token, seconds for its decode step).
 
         With ``forced`` tokens (teacher forcing) those are fed instead of sampled ones.
-        The first item's seconds is the prefill time.
+        The first item's seconds is the prefill time. ``all_logits`` makes the prefill
+        compute every token's output: llama.cpp otherwise runs the last layer only for
+        the tokens whose logits are wanted, so its MoE routes just those (traces want all).
         """
         sampler = _Sampler(temp, seed)
         try:
             t0 = time.perf_counter()
-            self.decode(prompt_ids)
+            self.decode(prompt_ids, all_logits=all_logits)
             dt = time.perf_counter() - t0
             for i in range(max_tokens):
                 tok = int(forced[i]) if forced is not None else sampler.sample(self._ctx)

@@ -109,7 +109,7 @@ def _record_one(engine: Engine, text: str, cfg: RecordConfig, rec: RouteRecorder
     pos = 0
     stage = STAGE_PREFILL
     pending = list(ids)
-    for tok, _ in engine.stream(ids, steps, temp=temp, seed=seed, forced=forced):
+    for tok, _ in engine.stream(ids, steps, temp=temp, seed=seed, forced=forced, all_logits=True):
         # The step that produced `tok` consumed `pending`; record it under that step.
         w.add_step(pending, pos, stage, rec.take())
         pos += len(pending)

@@ -36,7 +36,7 @@ def check_hook(engine: Engine, routers: dict[int, Router], prompt_ids: list[int]
     previous, engine.observer = engine.observer, rec
     try:
         engine.reset()
-        engine.decode(prompt_ids)
+        engine.decode(prompt_ids, all_logits=True)  # else the last layer routes one token
         events = rec.take()
     finally:
         engine.observer = previous
