@@ -38,6 +38,7 @@ llama_cpp = B.llama_cpp
 EXPERT_TENSOR_PATTERN = r"blk\.\d+\.ffn_(up|gate|down|gate_up)_exps"
 
 _OVERRIDDEN = re.compile(r"^tensor (\S+) \(.*\) buffer type overridden to ")
+_NAME_OFFSET = B.ggml_tensor.name.offset  # bytes from a ggml_tensor * to its name
 _HOOK_NAME = re.compile(rb"^ffn_moe_(topk|probs|logits)-(\d+)$")
 
 
@@ -234,11 +235,15 @@ class _GateHook:
         self._logits: dict[int, int] = {}  # il -> address of ffn_moe_logits-{il}
 
     def __call__(self, t_ptr: int, ask: bool, user_data: int) -> bool:
+        # Called for every graph node with ask=True: keep that path to a name read and a
+        # prefix test (about 1 us); only the three ffn_moe_* names of a layer go further.
         try:
             if self.observer is None or self.error is not None:
                 return False
-            t = ctypes.cast(t_ptr, B.ggml_tensor_p).contents
-            m = _HOOK_NAME.match(t.name)
+            name = ctypes.string_at(t_ptr + _NAME_OFFSET)
+            if not name.startswith(b"ffn_moe_"):
+                return False
+            m = _HOOK_NAME.match(name)
             if m is None:
                 return False
             kind, il = m.group(1), int(m.group(2))
@@ -247,6 +252,7 @@ class _GateHook:
                     return True
                 (self._probs if kind == b"probs" else self._logits)[il] = t_ptr
                 return False
+            t = ctypes.cast(t_ptr, B.ggml_tensor_p).contents
             self.observer.on_route(self._event(t, il))
             return True
         except BaseException as e:  # noqa: BLE001 - must not unwind through C

@@ -30,7 +30,7 @@ def _write(tmp_path, keep_hidden=True):
     rng = np.random.default_rng(0)
     w = TraceWriter(META, keep_hidden=keep_hidden)
     steps = []
-    for p in range(2):
+    for _ in range(2):
         for n, stage in ((5, STAGE_PREFILL), (1, STAGE_DECODE), (1, STAGE_DECODE)):
             ev = _events(rng, n)
             toks = rng.integers(0, 100, n).tolist()
