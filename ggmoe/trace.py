@@ -54,6 +54,7 @@ class TraceMeta:
     mode: str  # greedy | sample | teacher
     max_tokens: int  # decode steps asked per prompt
     ggmoe_version: str
+    n_ubatch: int = 512  # tokens per micro-batch the engine used (replays chunk prefills alike)
     format: str = FORMAT
     version: int = VERSION
 

@@ -1,0 +1,67 @@
+"""Eviction policies of the expert cache: which resident expert of a layer gives up its slot.
+
+A policy only ranks; ``ggmoe.cache.ExpertCache`` owns the slots, decides what is
+a hit or a miss, and never offers as victims the experts the current layer call
+is using. Policies register in ``POLICIES`` by name (the built-ins too).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import numpy as np
+
+from .registry import Registry
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+    # False: nothing survives a layer call (on-demand loading, the no-cache baseline).
+    reuse: ClassVar[bool] = True
+
+    def __init__(self, n_expert: int, layers: list[int]) -> None:
+        self.n_expert = n_expert
+        self.layers = list(layers)
+
+    def on_access(self, il: int, experts: np.ndarray, clock: int) -> None:  # noqa: B027 - optional hook
+        """Experts [n] (distinct) used by layer ``il`` at access number ``clock`` (hits and misses)."""
+
+    def on_insert(self, il: int, expert: int, clock: int) -> None:  # noqa: B027 - optional hook
+        """``expert`` was loaded into a slot of layer ``il``."""
+
+    def on_evict(self, il: int, expert: int) -> None:  # noqa: B027 - optional hook
+        """``expert`` left its slot of layer ``il``."""
+
+    @abstractmethod
+    def victim(self, il: int, candidates: np.ndarray, clock: int) -> int:
+        """Pick one of ``candidates`` (resident experts [n] of layer ``il``, n >= 1) to evict."""
+
+
+POLICIES: Registry[Policy] = Registry("policy")
+
+
+@POLICIES.register("on-demand")
+class OnDemand(Policy):
+    """Load every expert a layer call needs, keep nothing: the baseline without a cache."""
+
+    reuse = False
+
+    def victim(self, il: int, candidates: np.ndarray, clock: int) -> int:
+        return int(candidates[0])
+
+
+@POLICIES.register("lru")
+class LRU(Policy):
+    """Evict the expert of the layer used least recently."""
+
+    def __init__(self, n_expert: int, layers: list[int]) -> None:
+        super().__init__(n_expert, layers)
+        self.last_use = {il: np.full(n_expert, -1, dtype=np.int64) for il in layers}  # [n_expert] clock
+
+    def on_access(self, il: int, experts: np.ndarray, clock: int) -> None:  # noqa: B027 - optional hook
+        self.last_use[il][experts] = clock
+
+    def victim(self, il: int, candidates: np.ndarray, clock: int) -> int:
+        lu = self.last_use[il][candidates]
+        return int(candidates[int(np.argmin(lu))])  # ties: lowest expert id among the oldest
