@@ -96,6 +96,17 @@ class SlotTable:
         self.expert_in[:] = -1
 
 
+def slots_for_budget(budget: int, bytes_per_expert: dict[int, int], n_expert: int,
+                     n_expert_used: int) -> dict[int, int]:
+    """Spread a VRAM budget (bytes) for cached experts evenly over the MoE layers: slots per layer."""
+    per_slot = sum(bytes_per_expert.values())  # bytes of one slot in every layer
+    n = min(budget // per_slot, n_expert) if per_slot else n_expert
+    if n < n_expert_used:
+        raise UsageError(f"a budget of {budget} bytes gives {n} slots per layer; at least n_expert_used = "
+                         f"{n_expert_used} are needed ({n_expert_used * per_slot} bytes)")
+    return {il: int(n) for il in bytes_per_expert}
+
+
 class ExpertCache:
     """Slot tables for every MoE layer, driven by a policy; ``route`` maps ids to slots."""
 

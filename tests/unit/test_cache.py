@@ -157,3 +157,29 @@ def test_replay_matches_reference_lru_and_counts_native_calls():
     tot = stats.total()
     assert (tot.hits, tot.misses) == reference_lru(calls, 6)
     assert tot.native_calls == native > 0
+
+
+@pytest.mark.parametrize("text, value", [("123", 123), ("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
+                                         ("2 kib", 2048), ("10B", 10)])
+def test_parse_bytes(text, value):
+    from ggmoe.units import parse_bytes
+
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "4XB", "-1GiB", "1e9"])
+def test_parse_bytes_rejects(text):
+    from ggmoe.units import parse_bytes
+
+    with pytest.raises(UsageError, match="bad size"):
+        parse_bytes(text)
+
+
+def test_slots_for_budget():
+    from ggmoe.cache import slots_for_budget
+
+    bpe = {0: 1000, 1: 1000, 3: 2000}
+    assert slots_for_budget(16_000, bpe, E, K) == {0: 4, 1: 4, 3: 4}
+    assert slots_for_budget(10**9, bpe, E, K) == {0: E, 1: E, 3: E}
+    with pytest.raises(UsageError, match="at least"):
+        slots_for_budget(7_999, bpe, E, K)
