@@ -4,7 +4,7 @@
 Each fixture is a real llama.cpp model of one architecture, with every tensor
 and hparam key that the vendored llama.cpp's loader requires, but tiny shapes
 (n_embd 64, 8 experts of width 32, 4 layers) and seeded random weights, so it
-loads and generates in milliseconds and weighs well under 2 MB. A byte-level
+loads and generates in milliseconds and weighs under 1 MB. A byte-level
 BPE tokenizer (256 byte tokens, a few merges, BOS/EOS) is embedded so ASCII
 text tokenizes and detokenizes losslessly.
 
@@ -14,6 +14,8 @@ Fixture names (ARCHES) and the llama.cpp architecture written to the file:
     qwen2moe  -> qwen2moe (q/k/v biases, shared expert with a sigmoid gate)
     olmoe     -> olmoe    (full-width q/k RMS norm)
     mixtral   -> llama    (llama.expert_count > 0: Mixtral-style MoE)
+    deepseek2 -> deepseek2 (MLA attention, layer 0 dense, one shared expert,
+                            sigmoid routing with the exp_probs_b selection bias)
 
 ``write_dense_fixture`` writes a plain ``llama`` model without experts, for
 tests that must reject non-MoE models.
@@ -57,13 +59,24 @@ class Shape:
     n_ff_shexp: int = 64  # width of the shared expert's FFN (qwen2moe)
     n_expert: int = 8
     n_expert_used: int = 2
+    n_expert_shared: int = 1  # deepseek2: shared experts of width n_ff_exp
     n_ctx_train: int = 256  # tokens
+    # deepseek2 multi-head latent attention (MLA), head sizes in elements:
+    q_lora_rank: int = 32  # rank of the low-rank Q projection
+    kv_lora_rank: int = 32  # width of the compressed KV latent
+    n_rot_mla: int = 8  # rotary part of each Q/K head (qk_rope_head_dim)
+    n_embd_head_qk_nope: int = 16  # non-rotary part of each Q/K head
+    n_embd_head_v_mla: int = 16  # V head size after decompression
     rms_eps: float = 1e-6
     rope_freq_base: float = 10000.0
 
     @property
     def n_embd_head(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def n_embd_head_k_mla(self) -> int:
+        return self.n_embd_head_qk_nope + self.n_rot_mla
 
 
 SHAPE = Shape()
@@ -77,6 +90,16 @@ class QkNorm(enum.Enum):
     FULL = "full"  # attn_{q,k}_norm has n_embd elements (olmoe, needs n_head_kv == n_head)
 
 
+class SharedExpert(enum.Enum):
+    """Whether and how a MoE layer has always-active shared experts."""
+
+    NONE = "none"
+    GATED = "gated"  # qwen2moe: one shared FFN of width n_ff_shexp behind a sigmoid gate ffn_gate_inp_shexp
+    PLAIN = (
+        "plain"  # deepseek2: n_expert_shared experts fused into one FFN of width n_ff_exp * n_expert_shared
+    )
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """What distinguishes one fixture architecture from the others, per the vendored llama.cpp loader."""
@@ -84,11 +107,15 @@ class ArchSpec:
     arch: gguf.MODEL_ARCH
     qk_norm: QkNorm = QkNorm.NONE
     qkv_bias: bool = False
-    shared_expert: bool = False
+    shared_expert: SharedExpert = SharedExpert.NONE
     # True: n_ff_exp goes in {arch}.expert_feed_forward_length; False: the loader
     # takes the expert width from {arch}.feed_forward_length (olmoe, llama).
     expert_ff_key: bool = True
     mha: bool = False  # force n_head_kv == n_head
+    mla: bool = False  # deepseek2 multi-head latent attention instead of Q/K/V projections
+    n_layer_dense_lead: int = 0  # leading layers with a dense FFN instead of experts
+    # deepseek-v3 style routing: sigmoid gating plus a selection-only bias exp_probs_b
+    router_bias: bool = False
 
     @property
     def arch_name(self) -> str:
@@ -97,9 +124,16 @@ class ArchSpec:
 
 ARCH_SPECS: dict[str, ArchSpec] = {
     "qwen3moe": ArchSpec(gguf.MODEL_ARCH.QWEN3MOE, qk_norm=QkNorm.PER_HEAD),
-    "qwen2moe": ArchSpec(gguf.MODEL_ARCH.QWEN2MOE, qkv_bias=True, shared_expert=True),
+    "qwen2moe": ArchSpec(gguf.MODEL_ARCH.QWEN2MOE, qkv_bias=True, shared_expert=SharedExpert.GATED),
     "olmoe": ArchSpec(gguf.MODEL_ARCH.OLMOE, qk_norm=QkNorm.FULL, expert_ff_key=False, mha=True),
     "mixtral": ArchSpec(gguf.MODEL_ARCH.LLAMA, expert_ff_key=False),
+    "deepseek2": ArchSpec(
+        gguf.MODEL_ARCH.DEEPSEEK2,
+        shared_expert=SharedExpert.PLAIN,
+        mla=True,
+        n_layer_dense_lead=1,
+        router_bias=True,
+    ),
 }
 ARCHES: tuple[str, ...] = tuple(ARCH_SPECS)
 DENSE_NAME = "llama-dense"
@@ -228,7 +262,26 @@ def _global_tensors(shape: Shape, n_vocab: int) -> list[TensorSpec]:
     ]
 
 
+def _mla_attention_tensors(shape: Shape, il: int) -> list[TensorSpec]:
+    """deepseek2 MLA in the split k_b/v_b form that convert_hf_to_gguf.py writes."""
+    d, n_head = shape.n_embd, shape.n_head
+    q_rank, kv_rank = shape.q_lora_rank, shape.kv_lora_rank
+    return [
+        TensorSpec(tensor_name(T.ATTN_NORM, il), (d,), Role.NORM),
+        TensorSpec(tensor_name(T.ATTN_Q_A_NORM, il), (q_rank,), Role.NORM),
+        TensorSpec(tensor_name(T.ATTN_KV_A_NORM, il), (kv_rank,), Role.NORM),
+        TensorSpec(tensor_name(T.ATTN_Q_A, il), (d, q_rank), Role.WEIGHT),
+        TensorSpec(tensor_name(T.ATTN_Q_B, il), (q_rank, n_head * shape.n_embd_head_k_mla), Role.WEIGHT),
+        TensorSpec(tensor_name(T.ATTN_KV_A_MQA, il), (d, kv_rank + shape.n_rot_mla), Role.WEIGHT),
+        TensorSpec(tensor_name(T.ATTN_K_B, il), (shape.n_embd_head_qk_nope, kv_rank, n_head), Role.WEIGHT),
+        TensorSpec(tensor_name(T.ATTN_V_B, il), (kv_rank, shape.n_embd_head_v_mla, n_head), Role.WEIGHT),
+        TensorSpec(tensor_name(T.ATTN_OUT, il), (n_head * shape.n_embd_head_v_mla, d), Role.WEIGHT),
+    ]
+
+
 def _attention_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec]:
+    if spec.mla:
+        return _mla_attention_tensors(shape, il)
     n_head_kv = shape.n_head if spec.mha else shape.n_head_kv
     n_q = shape.n_embd_head * shape.n_head
     n_kv = shape.n_embd_head * n_head_kv
@@ -259,14 +312,20 @@ def _moe_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec]:
     out = [
         TensorSpec(tensor_name(T.FFN_NORM, il), (d,), Role.NORM),
         TensorSpec(tensor_name(T.FFN_GATE_INP, il), (d, e), Role.ROUTER),
+        *(
+            [TensorSpec(tensor_name(T.FFN_EXP_PROBS_B, il, "bias"), (e,), Role.BIAS)]
+            if spec.router_bias
+            else []
+        ),
         TensorSpec(tensor_name(T.FFN_GATE_EXP, il), (d, f, e), Role.EXPERT),
         TensorSpec(tensor_name(T.FFN_UP_EXP, il), (d, f, e), Role.EXPERT),
         TensorSpec(tensor_name(T.FFN_DOWN_EXP, il), (f, d, e), Role.EXPERT),
     ]
-    if spec.shared_expert:
-        s = shape.n_ff_shexp
+    if spec.shared_expert is SharedExpert.GATED:
+        out.append(TensorSpec(tensor_name(T.FFN_GATE_INP_SHEXP, il), (d,), Role.WEIGHT))
+    if spec.shared_expert is not SharedExpert.NONE:
+        s = shape.n_ff_shexp if spec.shared_expert is SharedExpert.GATED else f * shape.n_expert_shared
         out += [
-            TensorSpec(tensor_name(T.FFN_GATE_INP_SHEXP, il), (d,), Role.WEIGHT),
             TensorSpec(tensor_name(T.FFN_GATE_SHEXP, il), (d, s), Role.WEIGHT),
             TensorSpec(tensor_name(T.FFN_UP_SHEXP, il), (d, s), Role.WEIGHT),
             TensorSpec(tensor_name(T.FFN_DOWN_SHEXP, il), (s, d), Role.WEIGHT),
@@ -287,7 +346,8 @@ def _dense_ffn_tensors(shape: Shape, il: int) -> list[TensorSpec]:
 def moe_tensor_specs(spec: ArchSpec, shape: Shape, n_vocab: int) -> list[TensorSpec]:
     out = _global_tensors(shape, n_vocab)
     for il in range(shape.n_layer):
-        out += _attention_tensors(spec, shape, il) + _moe_tensors(spec, shape, il)
+        ffn = _dense_ffn_tensors(shape, il) if il < spec.n_layer_dense_lead else _moe_tensors(spec, shape, il)
+        out += _attention_tensors(spec, shape, il) + ffn
     return out
 
 
@@ -334,6 +394,18 @@ class ModelPlan:
     seed: int
 
 
+def _write_mla_keys(w: gguf.GGUFWriter, shape: Shape) -> None:
+    """MLA as convert_hf_to_gguf.py writes it: one latent KV head ("MQA") that is decompressed per head."""
+    w.add_head_count_kv(1)
+    w.add_q_lora_rank(shape.q_lora_rank)
+    w.add_kv_lora_rank(shape.kv_lora_rank)
+    w.add_key_length(shape.kv_lora_rank + shape.n_rot_mla)
+    w.add_value_length(shape.kv_lora_rank)
+    w.add_key_length_mla(shape.n_embd_head_k_mla)
+    w.add_value_length_mla(shape.n_embd_head_v_mla)
+    w.add_rope_dimension_count(shape.n_rot_mla)
+
+
 def _write_header_keys(w: gguf.GGUFWriter, plan: ModelPlan) -> None:
     shape, spec, vocab = plan.shape, plan.spec, plan.vocab
     w.add_name(plan.name)
@@ -341,10 +413,13 @@ def _write_header_keys(w: gguf.GGUFWriter, plan: ModelPlan) -> None:
     w.add_context_length(shape.n_ctx_train)
     w.add_embedding_length(shape.n_embd)
     w.add_head_count(shape.n_head)
-    w.add_head_count_kv(shape.n_head if spec.mha else shape.n_head_kv)
-    w.add_rope_dimension_count(shape.n_embd_head)
     w.add_rope_freq_base(shape.rope_freq_base)
     w.add_layer_norm_rms_eps(shape.rms_eps)
+    if spec.mla:
+        _write_mla_keys(w, shape)
+    else:
+        w.add_head_count_kv(shape.n_head if spec.mha else shape.n_head_kv)
+        w.add_rope_dimension_count(shape.n_embd_head)
     if plan.moe:
         w.add_expert_count(shape.n_expert)
         w.add_expert_used_count(shape.n_expert_used)
@@ -353,8 +428,16 @@ def _write_header_keys(w: gguf.GGUFWriter, plan: ModelPlan) -> None:
             w.add_feed_forward_length(shape.n_ff)
         else:
             w.add_feed_forward_length(shape.n_ff_exp)
-        if spec.shared_expert:
+        if spec.shared_expert is SharedExpert.GATED:
             w.add_expert_shared_feed_forward_length(shape.n_ff_shexp)
+        if spec.shared_expert is SharedExpert.PLAIN:
+            w.add_expert_shared_count(shape.n_expert_shared)
+        if spec.n_layer_dense_lead:
+            w.add_leading_dense_block_count(spec.n_layer_dense_lead)
+        if spec.router_bias:
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+            w.add_expert_weights_norm(True)
+            w.add_expert_weights_scale(1.0)
     else:
         w.add_feed_forward_length(shape.n_ff)
     w.add_tokenizer_model("gpt2")

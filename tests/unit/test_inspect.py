@@ -31,7 +31,8 @@ SHAPE = make_fixtures.SHAPE
 BYTES_PER_EXPERT_TENSOR = {"f16": 4096, "f32": 8192, "q8_0": 2176}
 EXPERT_KINDS = ("ffn_down_exps.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight")
 
-# (fixture, file arch, n_expert_shared, dense bytes computed by hand for n_vocab=270, n_embd=64, 4 layers)
+# (fixture, file arch, n_expert_shared, MoE layers, dense bytes computed by hand for n_vocab=270, n_embd=64,
+# 4 layers; all dense tensors are F32)
 N_VOCAB = 270
 _GLOBAL = (64 * N_VOCAB * 2 + 64) * 4  # token_embd + output (F32) + output_norm
 _ATTN_GQA = (64 * 64 + 2 * 64 * 32 + 64 * 64 + 64) * 4  # q, k, v (2 kv heads of 16), o, attn_norm
@@ -41,12 +42,32 @@ _QWEN3_QK_NORM = 2 * 16 * 4
 _OLMOE_QK_NORM = 2 * 64 * 4
 _QWEN2_QKV_BIAS = (64 + 32 + 32) * 4
 _QWEN2_SHEXP = (64 + 3 * 64 * 64) * 4  # gate_inp_shexp + gate/up/down_shexp (width 64)
+# deepseek2 MLA: attn_norm, q_a_norm, kv_a_norm, q_a [64,32], q_b [32,4*24], kv_a_mqa [64,32+8],
+# k_b [16,32,4], v_b [32,16,4], attn_output [4*16,64]
+_ATTN_MLA = (64 + 32 + 32 + 64 * 32 + 32 * 96 + 64 * 40 + 16 * 32 * 4 + 32 * 16 * 4 + 64 * 64) * 4
+_DS2_DENSE_FFN = (64 + 3 * 64 * 128) * 4  # layer 0: ffn_norm + gate/up/down (n_ff 128)
+_DS2_MOE_EXTRA = (8 + 3 * 64 * 32) * 4  # exp_probs_b + one shared expert of width 32
+ALL_MOE = (0, 1, 2, 3)
 CASES = [
-    ("qwen3moe", "qwen3moe", 0, _GLOBAL + 4 * (_ATTN_GQA + _FFN_COMMON + _QWEN3_QK_NORM)),
-    ("qwen2moe", "qwen2moe", 1, _GLOBAL + 4 * (_ATTN_GQA + _FFN_COMMON + _QWEN2_QKV_BIAS + _QWEN2_SHEXP)),
-    ("olmoe", "olmoe", 0, _GLOBAL + 4 * (_ATTN_MHA + _FFN_COMMON + _OLMOE_QK_NORM)),
-    ("mixtral", "llama", 0, _GLOBAL + 4 * (_ATTN_GQA + _FFN_COMMON)),
+    ("qwen3moe", "qwen3moe", 0, ALL_MOE, _GLOBAL + 4 * (_ATTN_GQA + _FFN_COMMON + _QWEN3_QK_NORM)),
+    (
+        "qwen2moe",
+        "qwen2moe",
+        1,
+        ALL_MOE,
+        _GLOBAL + 4 * (_ATTN_GQA + _FFN_COMMON + _QWEN2_QKV_BIAS + _QWEN2_SHEXP),
+    ),
+    ("olmoe", "olmoe", 0, ALL_MOE, _GLOBAL + 4 * (_ATTN_MHA + _FFN_COMMON + _OLMOE_QK_NORM)),
+    ("mixtral", "llama", 0, ALL_MOE, _GLOBAL + 4 * (_ATTN_GQA + _FFN_COMMON)),
+    (
+        "deepseek2",
+        "deepseek2",
+        1,
+        (1, 2, 3),
+        _GLOBAL + 4 * _ATTN_MLA + _DS2_DENSE_FFN + 3 * (_FFN_COMMON + _DS2_MOE_EXTRA),
+    ),
 ]
+CASE_IDS = [case[0] for case in CASES]
 
 
 @pytest.fixture(scope="session")
@@ -54,14 +75,20 @@ def fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fixtures")
 
 
-def test_arches_cover_the_four_families() -> None:
+def test_arches_are_all_tested() -> None:
     assert set(make_fixtures.ARCHES) == {case[0] for case in CASES}
 
 
 @pytest.mark.parametrize("expert_type", ["f16", "q8_0", "f32"])
-@pytest.mark.parametrize(("fixture", "arch", "n_shared", "dense_bytes"), CASES)
+@pytest.mark.parametrize(("fixture", "arch", "n_shared", "moe_layers", "dense_bytes"), CASES, ids=CASE_IDS)
 def test_facts_of_fixture(
-    fixture_dir: Path, fixture: str, arch: str, n_shared: int, dense_bytes: int, expert_type: str
+    fixture_dir: Path,
+    fixture: str,
+    arch: str,
+    n_shared: int,
+    moe_layers: tuple[int, ...],
+    dense_bytes: int,
+    expert_type: str,
 ) -> None:
     path = make_fixtures.fixture_path(fixture, fixture_dir, expert_type=expert_type)
     facts = inspect_model(path)
@@ -69,8 +96,9 @@ def test_facts_of_fixture(
     assert facts.arch == arch
     assert (facts.n_layer, facts.n_expert, facts.n_expert_used) == (4, 8, 2)
     assert (facts.n_embd, facts.n_ff_exp, facts.n_expert_shared) == (64, 32, n_shared)
-    assert facts.moe_layers == (0, 1, 2, 3)
-    assert facts.dense_layers == ()
+    assert facts.moe_layers == moe_layers
+    assert facts.dense_layers == tuple(il for il in range(4) if il not in moe_layers)
+    n_moe = len(moe_layers)
     per_tensor = BYTES_PER_EXPERT_TENSOR[expert_type]
     for layer in facts.layers:
         assert tuple(t.kind for t in layer.tensors) == EXPERT_KINDS
@@ -79,17 +107,15 @@ def test_facts_of_fixture(
         assert layer.tensor("ffn_down_exps.weight").shape == (32, 64, 8)
         assert layer.bytes_per_expert == 3 * per_tensor
         assert facts.bytes_per_expert(layer.il) == 3 * per_tensor
-    assert facts.expert_bytes == 4 * 8 * 3 * per_tensor
+    assert facts.expert_bytes == n_moe * 8 * 3 * per_tensor
     assert facts.dense_bytes == dense_bytes
     assert facts.vram_bytes(0) == dense_bytes
-    assert facts.vram_bytes(2) == dense_bytes + 2 * 4 * 3 * per_tensor
+    assert facts.vram_bytes(2) == dense_bytes + 2 * n_moe * 3 * per_tensor
     assert facts.vram_bytes(8) == dense_bytes + facts.expert_bytes
 
 
-@pytest.mark.parametrize(("fixture", "arch", "n_shared", "dense_bytes"), CASES)
-def test_expert_offsets_match_gguf_reader(
-    fixture_dir: Path, fixture: str, arch: str, n_shared: int, dense_bytes: int
-) -> None:
+@pytest.mark.parametrize("fixture", CASE_IDS)
+def test_expert_offsets_match_gguf_reader(fixture_dir: Path, fixture: str) -> None:
     """The bounded parser finds the same data offsets and sizes as gguf.GGUFReader on a good file."""
     path = make_fixtures.fixture_path(fixture, fixture_dir, expert_type="q8_0")
     reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
@@ -174,10 +200,12 @@ def test_cli_writes_requested_fixtures(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("arch", make_fixtures.ARCHES)
 def test_router_is_not_degenerate(fixture_dir: Path, arch: str) -> None:
-    """Layer 0's router, applied to RMS-normed token embeddings, spreads tokens over many top-2 pairs."""
-    tensors = {t.name: t for t in gguf.GGUFReader(make_fixtures.fixture_path(arch, fixture_dir)).tensors}
+    """The first MoE layer's router, applied to RMS-normed token embeddings, spreads tokens over many top-2 pairs."""
+    path = make_fixtures.fixture_path(arch, fixture_dir)
+    il = inspect_model(path).moe_layers[0]
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     embd = np.asarray(tensors["token_embd.weight"].data, dtype=np.float32)  # [n_vocab, n_embd]
-    router = np.asarray(tensors["blk.0.ffn_gate_inp.weight"].data, dtype=np.float32)  # [n_expert, n_embd]
+    router = np.asarray(tensors[f"blk.{il}.ffn_gate_inp.weight"].data, dtype=np.float32)  # [n_expert, n_embd]
     x = embd / np.sqrt((embd**2).mean(axis=1, keepdims=True) + SHAPE.rms_eps)
     top2 = np.sort(np.argsort(x @ router.T, axis=1)[:, -2:], axis=1)  # [n_vocab, 2]
     pairs = {tuple(p) for p in top2.tolist()}
