@@ -1,0 +1,143 @@
+"""Raw ctypes declarations of the symbols ggmoe's llama.cpp patches add (see patches/README.md).
+
+The lowest layer for the expert cache: each function carries its C prototype
+as a comment, nothing here owns memory or holds policy. The symbols live in
+llama-cpp-python's ``libllama``; a library built without ``patches/`` lacks
+them, and ``load()`` then raises ``EngineNotPatchedError`` naming the first
+missing symbol.
+
+Usage (engine layer only)::
+
+    P = _patched.load()
+    P.llama_ggmoe_set_route_cb(ctx, P.route_cb(fn), None)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import EngineNotPatchedError
+
+# Return codes of llama_ggmoe_set_layer_cache and errors of llama_ggmoe_get_error
+# (mirror of the LLAMA_GGMOE_* defines in llama.h; negative so they never collide
+# with a route callback's own nonzero return value).
+LLAMA_GGMOE_OK = 0
+LLAMA_GGMOE_ERR_LAYER = -1001  # il out of range [0, n_layer)
+LLAMA_GGMOE_ERR_NOT_MOE = -1002  # the layer has no routed expert tensors
+LLAMA_GGMOE_ERR_TENSOR = -1003  # cache tensor missing for a kind the layer has, or given for one it lacks
+LLAMA_GGMOE_ERR_TYPE = -1004  # cache tensor type differs from the expert tensor's
+LLAMA_GGMOE_ERR_SHAPE = -1005  # cache tensor is not [ne0, ne1, n_slots] of the expert tensor (or not contiguous)
+LLAMA_GGMOE_ERR_ALLOC = -1006  # cache tensor has no memory
+LLAMA_GGMOE_ERR_SLOT = -1007  # the route callback wrote a slot outside [0, n_slots)
+LLAMA_GGMOE_ERR_NO_CB = -1008  # a cache layer ran without a route callback
+LLAMA_GGMOE_ERR_ARG = -1009  # NULL context or negative n_slots
+
+ERROR_NAMES: dict[int, str] = {
+    LLAMA_GGMOE_ERR_LAYER: "LLAMA_GGMOE_ERR_LAYER",
+    LLAMA_GGMOE_ERR_NOT_MOE: "LLAMA_GGMOE_ERR_NOT_MOE",
+    LLAMA_GGMOE_ERR_TENSOR: "LLAMA_GGMOE_ERR_TENSOR",
+    LLAMA_GGMOE_ERR_TYPE: "LLAMA_GGMOE_ERR_TYPE",
+    LLAMA_GGMOE_ERR_SHAPE: "LLAMA_GGMOE_ERR_SHAPE",
+    LLAMA_GGMOE_ERR_ALLOC: "LLAMA_GGMOE_ERR_ALLOC",
+    LLAMA_GGMOE_ERR_SLOT: "LLAMA_GGMOE_ERR_SLOT",
+    LLAMA_GGMOE_ERR_NO_CB: "LLAMA_GGMOE_ERR_NO_CB",
+    LLAMA_GGMOE_ERR_ARG: "LLAMA_GGMOE_ERR_ARG",
+}
+
+# typedef int32_t (*llama_ggmoe_route_cb)(
+#         void * user_data, int32_t il, int32_t n_tokens, int32_t n_expert_used, int32_t n_expert, int32_t n_embd,
+#         const int32_t * ids, const float * probs, const float * inp, int32_t * slots);
+route_cb = ctypes.CFUNCTYPE(
+    ctypes.c_int32,
+    ctypes.c_void_p,  # user_data
+    ctypes.c_int32,  # il
+    ctypes.c_int32,  # n_tokens
+    ctypes.c_int32,  # n_expert_used
+    ctypes.c_int32,  # n_expert
+    ctypes.c_int32,  # n_embd
+    ctypes.c_void_p,  # ids   [n_tokens][n_expert_used] int32
+    ctypes.c_void_p,  # probs [n_tokens][n_expert] float32
+    ctypes.c_void_p,  # inp   [n_tokens][n_embd] float32
+    ctypes.c_void_p,  # slots [n_tokens][n_expert_used] int32, NULL in observe mode
+)
+
+# (name, argtypes, restype) of every patched symbol; ggml tensors are passed as void pointers
+# so that callers may hand in any ctypes tensor pointer or address.
+_SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
+    # struct ggml_tensor * llama_ggmoe_model_get_tensor(const struct llama_model * model, const char * name);
+    ("llama_ggmoe_model_get_tensor", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p),
+    # void llama_ggmoe_set_route_cb(struct llama_context * ctx, llama_ggmoe_route_cb cb, void * user_data);
+    ("llama_ggmoe_set_route_cb", [ctypes.c_void_p, route_cb, ctypes.c_void_p], None),
+    # int32_t llama_ggmoe_get_error(struct llama_context * ctx);
+    ("llama_ggmoe_get_error", [ctypes.c_void_p], ctypes.c_int32),
+    # int32_t llama_ggmoe_set_layer_cache(struct llama_context * ctx, int32_t il, int32_t n_slots,
+    #         struct ggml_tensor * up, struct ggml_tensor * gate, struct ggml_tensor * down,
+    #         struct ggml_tensor * gate_up);
+    ("llama_ggmoe_set_layer_cache",
+     [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
+     ctypes.c_int32),
+)
+
+SYMBOLS: tuple[str, ...] = tuple(name for name, _, _ in _SIGNATURES)
+
+
+@dataclass(frozen=True)
+class PatchedLib:
+    """The patched entry points, bound with argtypes/restype (attribute = C function)."""
+
+    llama_ggmoe_model_get_tensor: Any
+    llama_ggmoe_set_route_cb: Any
+    llama_ggmoe_get_error: Any
+    llama_ggmoe_set_layer_cache: Any
+    route_cb: Any = route_cb
+
+
+def _libllama() -> ctypes.CDLL:
+    try:
+        from llama_cpp import llama_cpp as lowlevel
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise EngineNotPatchedError(
+            "llama-cpp-python is not installed, so the ggmoe engine is missing: run `make engine`"
+        ) from e
+    return lowlevel._lib
+
+
+def bind(lib: ctypes.CDLL) -> PatchedLib:
+    """Declare every patched symbol of ``lib``; raise EngineNotPatchedError if one is missing."""
+    funcs = {}
+    for name, argtypes, restype in _SIGNATURES:
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise EngineNotPatchedError(
+                f"the llama.cpp library {getattr(lib, '_name', lib)!s} lacks `{name}`: the ggmoe engine "
+                "is not patched; run `make engine` (tools/build_engine.py --install) to build and install "
+                "llama-cpp-python with patches/ applied"
+            ) from None
+        fn.argtypes = argtypes
+        fn.restype = restype
+        funcs[name] = fn
+    return PatchedLib(**funcs)
+
+
+_loaded: PatchedLib | None = None
+
+
+def load() -> PatchedLib:
+    """The patched symbols of llama-cpp-python's libllama (bound once, then cached)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = bind(_libllama())
+    return _loaded
+
+
+def is_patched() -> bool:
+    """True if the installed libllama exports every symbol ggmoe's patches add."""
+    try:
+        load()
+    except EngineNotPatchedError:
+        return False
+    return True
