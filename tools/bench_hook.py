@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -21,7 +22,21 @@ from pathlib import Path
 
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.hook import HookRequest, RouteRecorder
+from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
+
+
+def machine() -> str:
+    """CPU model and core count, for the record."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def decode_rate(eng: Engine, prompt_ids: list[int], n_tokens: int, rec: RouteRecorder | None) -> float:
@@ -61,15 +76,15 @@ def main() -> int:
         rates["stock"].append(decode_rate(stock, prompt, a.tokens, None))
         rates["hook"].append(decode_rate(hooked, prompt, a.tokens, rec))
     med = {k: statistics.median(v) for k, v in rates.items()}
-    n_moe = len(rec.take()) or None
+    n_moe = len(inspect_model(model).moe_layers)
     res = {
-        "model": model.name, "machine": f"{platform.machine()}, {platform.processor() or ''} "
-        f"{__import__('os').cpu_count()} cores".strip(),
+        "model": model.name, "machine": machine(),
         "rounds": a.rounds, "tokens_per_round": a.tokens,
         "stock_decode_tps_median": med["stock"], "hook_decode_tps_median": med["hook"],
         "ratio_hook_over_stock": med["hook"] / med["stock"],
         "hook_cost_us_per_token": (1 / med["hook"] - 1 / med["stock"]) * 1e6,
         "moe_layers": n_moe,
+        "hook_cost_us_per_layer": (1 / med["hook"] - 1 / med["stock"]) * 1e6 / n_moe,
     }
     if a.json:
         print(json.dumps(res, indent=2))
@@ -78,8 +93,9 @@ def main() -> int:
         print(f"{'path':<8}{'decode tok/s (median)':>24}")
         print(f"{'stock':<8}{med['stock']:>24.1f}")
         print(f"{'hook':<8}{med['hook']:>24.1f}")
-        print(f"ratio hook/stock {res['ratio_hook_over_stock']:.3f}; "
-              f"hook costs {res['hook_cost_us_per_token']:.0f} us per token")
+        print(f"ratio hook/stock {res['ratio_hook_over_stock']:.3f}; hook costs "
+              f"{res['hook_cost_us_per_token']:.0f} us per token, {res['hook_cost_us_per_layer']:.0f} us per MoE layer")
+        print(f"machine: {res['machine']}")
     stock.close()
     hooked.close()
     return 0
