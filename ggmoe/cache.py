@@ -74,26 +74,59 @@ class CacheStats:
 
 
 class SlotTable:
-    """One layer's slots: expert -> slot and slot -> expert (-1 where empty)."""
+    """One layer's slots: expert -> slot and slot -> expert (-1 where empty).
+
+    Plain lists, not numpy: the route callback touches a handful of entries per
+    call, where Python indexing costs far less than numpy's per-call overhead.
+    """
 
     def __init__(self, n_expert: int, n_slots: int) -> None:
-        self.slot_of = np.full(n_expert, -1, dtype=np.int32)  # [n_expert] slot or -1
-        self.expert_in = np.full(n_slots, -1, dtype=np.int32)  # [n_slots] expert or -1
+        self.slot_of_list = [-1] * n_expert  # [n_expert] slot or -1
+        self.expert_in_list = [-1] * n_slots  # [n_slots] expert or -1
+        self.free = list(range(n_slots))  # empty slots, lowest first
 
     @property
     def n_slots(self) -> int:
-        return int(self.expert_in.shape[0])
+        return len(self.expert_in_list)
+
+    @property
+    def slot_of(self) -> np.ndarray:
+        return np.asarray(self.slot_of_list, dtype=np.int32)
+
+    @property
+    def expert_in(self) -> np.ndarray:
+        return np.asarray(self.expert_in_list, dtype=np.int32)
 
     def place(self, expert: int, slot: int) -> None:
-        old = self.expert_in[slot]
+        old = self.expert_in_list[slot]
         if old >= 0:
-            self.slot_of[old] = -1
-        self.expert_in[slot] = expert
-        self.slot_of[expert] = slot
+            self.slot_of_list[old] = -1
+        self.expert_in_list[slot] = expert
+        self.slot_of_list[expert] = slot
+
+    def resident(self) -> list[int]:
+        return [e for e in self.expert_in_list if e >= 0]
 
     def clear(self) -> None:
-        self.slot_of[:] = -1
-        self.expert_in[:] = -1
+        self.slot_of_list = [-1] * len(self.slot_of_list)
+        self.expert_in_list = [-1] * len(self.expert_in_list)
+        self.free = list(range(len(self.expert_in_list)))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How big the expert cache is and how it evicts: slots per layer, or a VRAM budget."""
+
+    n_slots: int | None = None  # slots per MoE layer
+    vram_bytes: int | None = None  # budget in bytes for all layers' slots (spread evenly)
+    policy: str = "lru"
+
+    def slots(self, bytes_per_expert: dict[int, int], n_expert: int, n_expert_used: int) -> dict[int, int]:
+        if (self.n_slots is None) == (self.vram_bytes is None):
+            raise UsageError("give the cache size as slots per layer or as a VRAM budget, not both or neither")
+        if self.n_slots is not None:
+            return {il: self.n_slots for il in bytes_per_expert}
+        return slots_for_budget(self.vram_bytes, bytes_per_expert, n_expert, n_expert_used)
 
 
 def slots_for_budget(budget: int, bytes_per_expert: dict[int, int], n_expert: int,
@@ -140,24 +173,25 @@ class ExpertCache:
         self.clock += 1
         st.calls += 1
         if not self.policy.reuse:
-            for e in table.expert_in[table.expert_in >= 0]:
-                self.policy.on_evict(il, int(e))
+            for e in table.resident():
+                self.policy.on_evict(il, e)
             table.clear()
-        need = np.unique(ids)  # distinct experts, ascending
-        if need.size > table.n_slots:
-            raise UsageError(f"layer {il}: {need.size} distinct experts do not fit {table.n_slots} slots "
+        flat = ids.ravel().tolist()
+        need = sorted(set(flat))  # distinct experts, ascending
+        if len(need) > table.n_slots:
+            raise UsageError(f"layer {il}: {len(need)} distinct experts do not fit {table.n_slots} slots "
                              "(the caller should have used the native path)")
-        resident = table.slot_of[need] >= 0
-        missing = need[~resident]
-        st.hits += int(resident.sum())
-        st.misses += int(missing.size)
-        if missing.size:
+        slot_of = table.slot_of_list
+        missing = [e for e in need if slot_of[e] < 0]
+        st.hits += len(need) - len(missing)
+        st.misses += len(missing)
+        if missing:
             self._load(il, table, need, missing)
             tw = time.perf_counter()
             self.loader.wait(il)
             st.wait_s += time.perf_counter() - tw
         self.policy.on_access(il, need, self.clock)
-        slots = table.slot_of[ids]
+        slots = np.array([slot_of[e] for e in flat], dtype=np.int32).reshape(ids.shape)
         st.hook_s += time.perf_counter() - t0
         return slots
 
@@ -167,21 +201,18 @@ class ExpertCache:
         st.calls += 1
         st.native_calls += 1
 
-    def _load(self, il: int, table: SlotTable, need: np.ndarray, missing: np.ndarray) -> None:
-        free = list(np.nonzero(table.expert_in < 0)[0])
-        in_use = np.zeros(self.n_expert, dtype=bool)
-        in_use[need] = True  # never evict what this call uses
+    def _load(self, il: int, table: SlotTable, need: list[int], missing: list[int]) -> None:
+        in_use = set(need)  # never evict what this call uses
+        bpe = self.bytes_per_expert.get(il, 0)
         for e in missing:
-            e = int(e)
-            if free:
-                slot = int(free.pop(0))
+            if table.free:
+                slot = table.free.pop(0)
             else:
-                cand = table.expert_in[(table.expert_in >= 0)]
-                cand = np.sort(cand[~in_use[cand]])
+                cand = sorted(x for x in table.expert_in_list if x >= 0 and x not in in_use)
                 victim = self.policy.victim(il, cand, self.clock)
-                slot = int(table.slot_of[victim])
+                slot = table.slot_of_list[victim]
                 self.policy.on_evict(il, victim)
             table.place(e, slot)
             self.policy.on_insert(il, e, self.clock)
             self.loader.load(il, e, slot)
-            self.stats.layers[il].bytes_copied += self.bytes_per_expert.get(il, 0)
+            self.stats.layers[il].bytes_copied += bpe

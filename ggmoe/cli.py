@@ -46,11 +46,48 @@ def _model_path(model: str | None) -> Path:
     return path
 
 
-def _engine(model: Path, n_ctx: int, threads: int | None, verbose: bool):
+def _engine(model: Path, n_ctx: int, threads: int | None, verbose: bool, cache=None):
     from .engine import Engine, EngineConfig
 
     kw = {"n_threads": threads} if threads else {}
-    return Engine(EngineConfig(model_path=model, n_ctx=n_ctx, verbose=verbose, **kw))
+    return Engine(EngineConfig(model_path=model, n_ctx=n_ctx, verbose=verbose, cache=cache, **kw))
+
+
+def _cache_config(cache_slots: int | None, vram: str | None, policy: str | None):
+    """A CacheConfig from the flags, or None when no cache flag was given."""
+    if cache_slots is None and vram is None:
+        if policy is not None:
+            raise UsageError("--policy needs a cache size: --cache-slots N or --vram BYTES")
+        return None
+    from .cache import CacheConfig
+    from .policy import POLICIES
+    from .units import parse_bytes
+
+    if cache_slots is not None and vram is not None:
+        raise UsageError("give either --cache-slots or --vram, not both")
+    POLICIES.get(policy or "lru")  # an unknown name fails here, listing the choices
+    return CacheConfig(n_slots=cache_slots, vram_bytes=parse_bytes(vram) if vram is not None else None,
+                       policy=policy or "lru")
+
+
+def _cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--stats-json", type=click.Path(dir_okay=False),
+                      help="Write cache statistics (hit rate per layer, bytes copied, copy waits) here.")(fn)
+    fn = click.option("--policy", help="Cache eviction policy (default lru; see `ggmoe policies`).")(fn)
+    fn = click.option("--vram", help="Expert cache budget in bytes over all layers, e.g. 4GiB.")(fn)
+    fn = click.option("--cache-slots", type=click.IntRange(min=1),
+                      help="Expert cache slots per MoE layer (needs the patched engine).")(fn)
+    return fn
+
+
+def _write_stats(eng: Any, path: str | None, extra: dict) -> None:
+    if path is None:
+        return
+    if eng.cache_stats is None:
+        raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
+    d = {"policy": eng.config.cache.policy, "slots_per_layer": {str(k): v for k, v in eng.cache_slots.items()},
+         **extra, **eng.cache_stats.to_dict()}
+    Path(path).write_text(json.dumps(d, indent=2))
 
 
 _model_arg = click.argument("model", required=False, type=click.Path(dir_okay=False))
@@ -100,22 +137,40 @@ def inspect(model: str, as_json: bool) -> None:
               help="Sampling temperature (0: greedy).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed.")
 @click.option("--json", "as_json", is_flag=True, help="Print text, token ids and timings as JSON.")
+@click.option("--trace-out", type=click.Path(file_okay=False),
+              help="Also record this run's routing into DIR/trace.npz (prefill routes every token).")
+@_cache_options
 @_ctx_opt
 @_threads_opt
 @_verbose_opt
 @_edge
 def run(model: str | None, prompt: str, max_tokens: int, temp: float, seed: int, as_json: bool,
-        n_ctx: int, threads: int | None, verbose: bool) -> None:
+        trace_out: str | None, cache_slots: int | None, vram: str | None, policy: str | None,
+        stats_json: str | None, n_ctx: int, threads: int | None, verbose: bool) -> None:
     """Generate text (the embedded default model when MODEL is omitted).
 
     \b
     Examples:
       ggmoe run -p "The quick brown fox" -n 32
       ggmoe run model.gguf -p "def main():" --temp 0.7 --seed 1 --json
+      ggmoe run -p "def fib(n):" --cache-slots 4 --policy lru --stats-json stats.json
     """
     path = _model_path(model)
-    with _engine(path, n_ctx, threads, verbose) as eng:
-        gen = eng.generate(prompt, max_tokens, temp=temp, seed=seed)
+    cache = _cache_config(cache_slots, vram, policy)
+    if stats_json and cache is None:
+        raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
+    with _engine(path, n_ctx, threads, verbose, cache) as eng:
+        if trace_out:
+            from .inspect import inspect_model
+            from .record import trace_generation
+
+            facts = inspect_model(path)
+            gen = trace_generation(eng, prompt, max_tokens, temp, seed, Path(trace_out) / "trace.npz",
+                                   facts.arch, facts.n_expert, facts.n_expert_used)
+        else:
+            gen = eng.generate(prompt, max_tokens, temp=temp, seed=seed)
+        _write_stats(eng, stats_json, {"model": str(path), "prompt_tokens": len(gen.prompt_ids),
+                                       "generated_tokens": len(gen.token_ids)})
     if as_json:
         t = gen.timings
         click.echo(json.dumps({
@@ -145,12 +200,14 @@ def run(model: str | None, prompt: str, max_tokens: int, temp: float, seed: int,
               help="Sample mode temperature.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Sample mode seed (prompt i uses seed+i).")
 @click.option("--no-hidden", is_flag=True, help="Do not store MoE input hidden states (smaller traces).")
+@_cache_options
 @_ctx_opt
 @_threads_opt
 @_verbose_opt
 @_edge
 def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode: str, prefill_tokens: int,
-          temp: float, seed: int, no_hidden: bool, n_ctx: int, threads: int | None, verbose: bool) -> None:
+          temp: float, seed: int, no_hidden: bool, cache_slots: int | None, vram: str | None, policy: str | None,
+          stats_json: str | None, n_ctx: int, threads: int | None, verbose: bool) -> None:
     """Record per-token routing (ids, router probabilities, MoE inputs) into OUT/trace.npz.
 
     \b
@@ -166,12 +223,26 @@ def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode:
     prompts = read_prompts(prompts_file)
     cfg = RecordConfig(mode=mode, max_tokens=max_tokens, prefill_tokens=prefill_tokens, temp=temp, seed=seed,
                        keep_hidden=not no_hidden)
-    with _engine(path, n_ctx, threads, verbose) as eng:
+    cache = _cache_config(cache_slots, vram, policy)
+    if stats_json and cache is None:
+        raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
+    with _engine(path, n_ctx, threads, verbose, cache) as eng:
         with click.progressbar(length=len(prompts), label="tracing", file=sys.stderr) as bar:
             written = record_trace(eng, prompts, cfg, Path(out) / "trace.npz", arch=facts.arch,
                                    n_expert=facts.n_expert, n_expert_used=facts.n_expert_used,
                                    progress=bar.update)
+        _write_stats(eng, stats_json, {"model": str(path), "prompts": len(prompts), "mode": mode})
     click.echo(str(written))
+
+
+@main.command()
+def policies() -> None:
+    """List the expert cache eviction policies."""
+    from .policy import POLICIES
+
+    for name in POLICIES.names():
+        doc = (POLICIES.get(name).__doc__ or "").strip().splitlines()
+        click.echo(f"{name:<12} {doc[0] if doc else ''}")
 
 
 @main.command("verify-hook")

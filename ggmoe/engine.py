@@ -29,8 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from . import _bindings as B
+from . import _patched
+from .cache import CacheConfig, CacheStats
+from .engine_slots import CacheRuntime, RouteAdapter
 from .errors import EngineError, ModelFileError, UsageError
 from .hook import RouteEvent, RouteObserver
+from .inspect import inspect_model
 
 llama_cpp = B.llama_cpp
 
@@ -291,6 +295,9 @@ def _read_2d(t: B.ggml_tensor, dtype: type, rows: int, cols: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------- the Pythonic API
 
+# on_step(tokens fed, position of the first, whether it was the prefill)
+StepCallback = Callable[[list[int], int, bool], None]
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: Path
@@ -300,7 +307,8 @@ class EngineConfig:
     n_threads: int = field(default_factory=lambda: os.cpu_count() or 2)
     n_gpu_layers: int = -1  # dense layers on the GPU when there is one (-1: all)
     experts_on_host: bool = True  # expert tensors in host memory (pinned when a GPU exists)
-    gate_hook: bool = True  # install the cb_eval gate hook (False: stock compute, for baselines)
+    gate_hook: bool = True  # install the gate hook (False: stock compute, for baselines)
+    cache: CacheConfig | None = None  # the expert cache (needs the patched engine)
     verbose: bool = False
 
 
@@ -340,13 +348,27 @@ class Engine:
             raise UsageError("n_ctx must be >= 8 and n_batch, n_ubatch >= 1")
         _backend().verbose = config.verbose
         self.config = config
+        # The patched engine's route op is the gate hook; a stock build falls back to cb_eval.
+        self.patched = _patched.is_patched()
+        if config.cache is not None and not self.patched:
+            _patched.load()  # raises EngineNotPatchedError with the fix in its message
+        if config.cache is not None and not config.experts_on_host:
+            raise UsageError("the expert cache needs the experts in host memory (experts_on_host=True)")
+        use_route = config.gate_hook and self.patched
         self._hook = _GateHook()
+        self._route = RouteAdapter() if use_route else None
+        self._runtime: CacheRuntime | None = None
         self._model = _Model(path, config.n_gpu_layers, config.experts_on_host)
         try:
             self._ctx = _Context(self._model, config.n_ctx, config.n_batch, min(config.n_ubatch, config.n_batch),
-                                 config.n_threads, self._hook if config.gate_hook else None)
+                                 config.n_threads, self._hook if config.gate_hook and not use_route else None)
+            if self._route is not None:
+                _patched.load().llama_ggmoe_set_route_cb(self._ctx.ptr, self._route.c_callback, None)
+            if config.cache is not None:
+                self._runtime = self._make_cache(path, config.cache)
+                self._route.cache = self._runtime.cache
         except BaseException:
-            self._model.close()
+            self.close()
             raise
         self._batch = _Batch(config.n_batch)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._model.vocab)
@@ -358,12 +380,29 @@ class Engine:
         # expert tensors llama.cpp placed in the host buffer type, as it logged them
         self.host_expert_tensors: tuple[str, ...] = self._model.host_expert_tensors
 
+    def _make_cache(self, path: Path, cache: CacheConfig) -> CacheRuntime:
+        facts = inspect_model(path)
+        bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+        return CacheRuntime(self._model.ptr, self._ctx.ptr, cache, facts.moe_layers, facts.n_expert,
+                            facts.n_expert_used, bpe)
+
+    @property
+    def cache_stats(self) -> CacheStats | None:
+        """Hits, misses, bytes copied and waits per layer since load (None without a cache)."""
+        return self._runtime.cache.stats if self._runtime is not None else None
+
+    @property
+    def cache_slots(self) -> dict[int, int] | None:
+        return self._runtime.cache.n_slots if self._runtime is not None else None
+
     # -- lifecycle
     def close(self) -> None:
-        for part in ("_batch", "_ctx", "_model"):
+        # The context goes before the slot tensors it computes with.
+        for part in ("_batch", "_ctx", "_runtime", "_model"):
             obj = getattr(self, part, None)
             if obj is not None:
                 obj.close()
+                setattr(self, part, None)
 
     def __enter__(self) -> Engine:
         return self
@@ -379,13 +418,16 @@ class Engine:
 
     @property
     def observer(self) -> RouteObserver | None:
-        return self._hook.observer
+        return self._route.observer if self._route is not None else self._hook.observer
 
     @observer.setter
     def observer(self, obs: RouteObserver | None) -> None:
         if obs is not None and not self.config.gate_hook:
             raise UsageError("this engine was created with gate_hook=False")
-        self._hook.observer = obs
+        if self._route is not None:
+            self._route.observer = obs
+        else:
+            self._hook.observer = obs
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as llama.cpp loaded it (e.g. ``qwen3moe.expert_count``)."""
@@ -442,9 +484,7 @@ class Engine:
             chunk = tokens[i : i + self.config.n_batch]
             self._batch.fill(chunk, self.n_past, all_logits)
             rc = llama_cpp.llama_decode(self._ctx.ptr, self._batch.batch)
-            err, self._hook.error = self._hook.error, None
-            if err is not None:
-                raise err
+            self._raise_hook_error()
             if rc != 0:
                 raise EngineError(f"llama_decode failed with code {rc}: {_backend().last_error()}")
             self.n_past += len(chunk)
@@ -452,39 +492,57 @@ class Engine:
                 out.append(self._logits(len(chunk) if all_logits else 1))
         return np.concatenate(out, axis=0) if all_logits else out[-1]
 
+    def _raise_hook_error(self) -> None:
+        """Re-raise what a callback stored during llama_decode (they never raise into C)."""
+        err, self._hook.error = self._hook.error, None
+        if self._route is not None:
+            err, self._route.error = err or self._route.error, None
+            code = _patched.load().llama_ggmoe_get_error(self._ctx.ptr)
+            if err is None and code != 0:
+                err = EngineError(f"the route op failed: {_patched.ERROR_NAMES.get(code, code)}")
+        if err is not None:
+            raise err
+
     def _logits(self, n_rows: int) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits(self._ctx.ptr)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab)).copy()
 
     # -- generation
     def stream(self, prompt_ids: Sequence[int], max_tokens: int, temp: float = 0.0, seed: int = 0,
-               forced: Sequence[int] | None = None, all_logits: bool = False) -> Iterator[tuple[int, float]]:
-        """Prefill ``prompt_ids`` then yield (token, seconds for its decode step).
+               forced: Sequence[int] | None = None, all_logits: bool = False,
+               on_step: StepCallback | None = None) -> Iterator[tuple[int, float]]:
+        """Prefill ``prompt_ids`` then yield (token, seconds of the decode that produced it).
 
+        The first item's seconds is the prefill time; the last token is not fed back.
         With ``forced`` tokens (teacher forcing) those are fed instead of sampled ones.
-        The first item's seconds is the prefill time. ``all_logits`` makes the prefill
-        compute every token's output: llama.cpp otherwise runs the last layer only for
-        the tokens whose logits are wanted, so its MoE routes just those (traces want all).
+        ``all_logits`` makes the prefill compute every token's output: llama.cpp
+        otherwise runs the last layer only for the tokens whose logits are wanted, so
+        its MoE routes just those (traces want all). ``on_step(tokens, pos0, prefill)``
+        runs after every decode, while the gate hook's events of that step are fresh.
         """
         sampler = _Sampler(temp, seed)
         try:
             t0 = time.perf_counter()
+            pos0 = self.n_past
             self.decode(prompt_ids, all_logits=all_logits)
             dt = time.perf_counter() - t0
+            if on_step:
+                on_step(list(prompt_ids), pos0, True)
             for i in range(max_tokens):
                 tok = int(forced[i]) if forced is not None else sampler.sample(self._ctx)
                 yield tok, dt
-                if forced is None and self.is_eog(tok):
-                    return
-                if i == max_tokens - 1:
+                if (forced is None and self.is_eog(tok)) or i == max_tokens - 1:
                     return
                 t0 = time.perf_counter()
                 self.decode([tok])
                 dt = time.perf_counter() - t0
+                if on_step:
+                    on_step([tok], self.n_past - 1, False)
         finally:
             sampler.close()
 
-    def generate(self, prompt: str, max_tokens: int, temp: float = 0.0, seed: int = 0) -> Generation:
+    def generate(self, prompt: str, max_tokens: int, temp: float = 0.0, seed: int = 0,
+                 all_logits: bool = False, on_step: StepCallback | None = None) -> Generation:
         if max_tokens < 1:
             raise UsageError("max_tokens must be at least 1")
         self.reset()
@@ -493,7 +551,8 @@ class Engine:
             raise UsageError("the prompt is empty after tokenization")
         out: list[int] = []
         prefill_s, decode_s, eog = 0.0, 0.0, False
-        for i, (tok, dt) in enumerate(self.stream(prompt_ids, max_tokens, temp, seed)):
+        for i, (tok, dt) in enumerate(self.stream(prompt_ids, max_tokens, temp, seed, all_logits=all_logits,
+                                                  on_step=on_step)):
             if i == 0:
                 prefill_s = dt
             else:

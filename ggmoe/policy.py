@@ -10,8 +10,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-import numpy as np
-
 from .registry import Registry
 
 
@@ -24,8 +22,8 @@ class Policy(ABC):
         self.n_expert = n_expert
         self.layers = list(layers)
 
-    def on_access(self, il: int, experts: np.ndarray, clock: int) -> None:  # noqa: B027 - optional hook
-        """Experts [n] (distinct) used by layer ``il`` at access number ``clock`` (hits and misses)."""
+    def on_access(self, il: int, experts: list[int], clock: int) -> None:  # noqa: B027 - optional hook
+        """Distinct experts (ascending) used by layer ``il`` at access number ``clock`` (hits and misses)."""
 
     def on_insert(self, il: int, expert: int, clock: int) -> None:  # noqa: B027 - optional hook
         """``expert`` was loaded into a slot of layer ``il``."""
@@ -34,8 +32,8 @@ class Policy(ABC):
         """``expert`` left its slot of layer ``il``."""
 
     @abstractmethod
-    def victim(self, il: int, candidates: np.ndarray, clock: int) -> int:
-        """Pick one of ``candidates`` (resident experts [n] of layer ``il``, n >= 1) to evict."""
+    def victim(self, il: int, candidates: list[int], clock: int) -> int:
+        """Pick one of ``candidates`` (resident experts of layer ``il``, ascending, n >= 1) to evict."""
 
 
 POLICIES: Registry[Policy] = Registry("policy")
@@ -47,8 +45,8 @@ class OnDemand(Policy):
 
     reuse = False
 
-    def victim(self, il: int, candidates: np.ndarray, clock: int) -> int:
-        return int(candidates[0])
+    def victim(self, il: int, candidates: list[int], clock: int) -> int:
+        return candidates[0]
 
 
 @POLICIES.register("lru")
@@ -57,11 +55,12 @@ class LRU(Policy):
 
     def __init__(self, n_expert: int, layers: list[int]) -> None:
         super().__init__(n_expert, layers)
-        self.last_use = {il: np.full(n_expert, -1, dtype=np.int64) for il in layers}  # [n_expert] clock
+        self.last_use = {il: [-1] * n_expert for il in layers}  # [n_expert] clock of the last use
 
-    def on_access(self, il: int, experts: np.ndarray, clock: int) -> None:  # noqa: B027 - optional hook
-        self.last_use[il][experts] = clock
+    def on_access(self, il: int, experts: list[int], clock: int) -> None:
+        lu = self.last_use[il]
+        for e in experts:
+            lu[e] = clock
 
-    def victim(self, il: int, candidates: np.ndarray, clock: int) -> int:
-        lu = self.last_use[il][candidates]
-        return int(candidates[int(np.argmin(lu))])  # ties: lowest expert id among the oldest
+    def victim(self, il: int, candidates: list[int], clock: int) -> int:
+        return min(candidates, key=self.last_use[il].__getitem__)  # ties: lowest expert id among the oldest

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-from .engine import Engine
+from .engine import Engine, Generation, StepCallback
 from .errors import UsageError
 from .fingerprint import model_fingerprint
 from .hook import HookRequest, RouteRecorder
@@ -61,6 +61,24 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
+def _meta(engine: Engine, arch: str, n_expert: int, n_expert_used: int, mode: str, max_tokens: int) -> TraceMeta:
+    return TraceMeta(
+        model_fingerprint=model_fingerprint(engine.config.model_path),
+        model_name=Path(engine.config.model_path).name, arch=arch, n_layer=engine.n_layer,
+        n_expert=n_expert, n_expert_used=n_expert_used, n_embd=engine.n_embd,
+        mode=mode, max_tokens=max_tokens, ggmoe_version=__version__, n_ubatch=engine.config.n_ubatch,
+    )
+
+
+def _step_writer(writer: TraceWriter, rec: RouteRecorder) -> StepCallback:
+    """An ``on_step`` callback moving each decode's routing into the trace."""
+
+    def on_step(tokens: list[int], pos0: int, prefill: bool) -> None:
+        writer.add_step(tokens, pos0, STAGE_PREFILL if prefill else STAGE_DECODE, rec.take())
+
+    return on_step
+
+
 def record_trace(engine: Engine, prompts: Iterable[str], config: RecordConfig, out: str | Path,
                  arch: str, n_expert: int, n_expert_used: int,
                  progress: Callable[[int], None] | None = None) -> Path:
@@ -70,18 +88,13 @@ def record_trace(engine: Engine, prompts: Iterable[str], config: RecordConfig, o
     if config.max_tokens < 1:
         raise UsageError("max_tokens must be at least 1")
     recorder = RouteRecorder(HookRequest(probs=True, hidden=config.keep_hidden))
-    meta = TraceMeta(
-        model_fingerprint=model_fingerprint(engine.config.model_path),
-        model_name=Path(engine.config.model_path).name, arch=arch, n_layer=engine.n_layer,
-        n_expert=n_expert, n_expert_used=n_expert_used, n_embd=engine.n_embd,
-        mode=config.mode, max_tokens=config.max_tokens, ggmoe_version=__version__,
-    )
+    meta = _meta(engine, arch, n_expert, n_expert_used, config.mode, config.max_tokens)
     writer = TraceWriter(meta, keep_hidden=config.keep_hidden)
     previous = engine.observer
     engine.observer = recorder
     try:
         for i, prompt in enumerate(prompts):
-            _record_one(engine, prompt, config, recorder, writer, seed=config.seed + i)
+            _record_one(engine, prompt, config, _step_writer(writer, recorder), seed=config.seed + i)
             writer.end_prompt()
             if progress:
                 progress(1)
@@ -90,7 +103,25 @@ def record_trace(engine: Engine, prompts: Iterable[str], config: RecordConfig, o
     return writer.save(out)
 
 
-def _record_one(engine: Engine, text: str, cfg: RecordConfig, rec: RouteRecorder, w: TraceWriter, seed: int) -> None:
+def trace_generation(engine: Engine, prompt: str, max_tokens: int, temp: float, seed: int, out: str | Path,
+                     arch: str, n_expert: int, n_expert_used: int) -> Generation:
+    """``engine.generate`` that also writes its routing as a one-prompt trace (full prefill routing)."""
+    recorder = RouteRecorder(HookRequest(probs=True, hidden=True))
+    writer = TraceWriter(_meta(engine, arch, n_expert, n_expert_used, "sample" if temp > 0 else "greedy",
+                               max_tokens), keep_hidden=True)
+    previous = engine.observer
+    engine.observer = recorder
+    try:
+        gen = engine.generate(prompt, max_tokens, temp=temp, seed=seed, all_logits=True,
+                              on_step=_step_writer(writer, recorder))
+    finally:
+        engine.observer = previous
+    writer.end_prompt()
+    writer.save(out)
+    return gen
+
+
+def _record_one(engine: Engine, text: str, cfg: RecordConfig, on_step: StepCallback, seed: int) -> None:
     engine.reset()
     ids = engine.tokenize(text)
     forced = None
@@ -101,18 +132,10 @@ def _record_one(engine: Engine, text: str, cfg: RecordConfig, rec: RouteRecorder
         forced = ids[cfg.prefill_tokens:]
         ids = ids[: cfg.prefill_tokens]
     budget = engine.n_ctx - len(ids)  # decode steps the KV cache still holds
-    # max_tokens decode steps feed max_tokens tokens: one more is produced than is fed.
-    steps = min(cfg.max_tokens, budget, len(forced) - 1 if forced is not None else cfg.max_tokens) + 1
     if budget < 1:
         raise UsageError(f"a prompt of {len(ids)} tokens does not fit n_ctx {engine.n_ctx}")
+    # max_tokens decode steps feed max_tokens tokens: one more is produced than is fed.
+    steps = min(cfg.max_tokens, budget, len(forced) - 1 if forced is not None else cfg.max_tokens) + 1
     temp = cfg.temp if cfg.mode == "sample" else 0.0
-    pos = 0
-    stage = STAGE_PREFILL
-    pending = list(ids)
-    for tok, _ in engine.stream(ids, steps, temp=temp, seed=seed, forced=forced, all_logits=True):
-        # The step that produced `tok` consumed `pending`; record it under that step.
-        w.add_step(pending, pos, stage, rec.take())
-        pos += len(pending)
-        pending, stage = [tok], STAGE_DECODE
-        if forced is None and engine.is_eog(tok):
-            break
+    for _ in engine.stream(ids, steps, temp=temp, seed=seed, forced=forced, all_logits=True, on_step=on_step):
+        pass
