@@ -69,6 +69,7 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
     # struct ggml_tensor * llama_ggmoe_model_get_tensor(const struct llama_model * model, const char * name);
     ("llama_ggmoe_model_get_tensor", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p),
     # void llama_ggmoe_set_route_cb(struct llama_context * ctx, llama_ggmoe_route_cb cb, void * user_data);
+    # (pass route_cb() -- a NULL function pointer -- to remove the hook)
     ("llama_ggmoe_set_route_cb", [ctypes.c_void_p, route_cb, ctypes.c_void_p], None),
     # int32_t llama_ggmoe_get_error(struct llama_context * ctx);
     ("llama_ggmoe_get_error", [ctypes.c_void_p], ctypes.c_int32),
