@@ -133,58 +133,18 @@ libggml.ggml_backend_dev_name.restype = ctypes.c_char_p
 
 
 
-# --------------------------------------------------------------------------- ggml contexts and buffers
-# (expert cache tensors: created in a no_alloc ggml context, then allocated on a buffer type)
+# --------------------------------------------------------------------------- ggml buffer usage
+# (cache slot buffers can be marked as weights, as llama.cpp marks its own weight buffers)
 
 # enum ggml_backend_buffer_usage
 GGML_BACKEND_BUFFER_USAGE_ANY = 0
 GGML_BACKEND_BUFFER_USAGE_WEIGHTS = 1
 GGML_BACKEND_BUFFER_USAGE_COMPUTE = 2
 
-
-# struct ggml_init_params { size_t mem_size; void * mem_buffer; bool no_alloc; };
-class ggml_init_params(ctypes.Structure):
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
-
-
-# struct ggml_context * ggml_init(struct ggml_init_params params);
-libggml_base.ggml_init.argtypes = [ggml_init_params]
-libggml_base.ggml_init.restype = ctypes.c_void_p
-
-# void ggml_free(struct ggml_context * ctx);
-libggml_base.ggml_free.argtypes = [ctypes.c_void_p]
-libggml_base.ggml_free.restype = None
-
-# struct ggml_tensor * ggml_new_tensor_3d(struct ggml_context * ctx, enum ggml_type type,
-#                                         int64_t ne0, int64_t ne1, int64_t ne2);
-libggml_base.ggml_new_tensor_3d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                                            ctypes.c_int64]
-libggml_base.ggml_new_tensor_3d.restype = ggml_tensor_p
-
-# struct ggml_tensor * ggml_set_name(struct ggml_tensor * tensor, const char * name);
-libggml_base.ggml_set_name.argtypes = [ggml_tensor_p, ctypes.c_char_p]
-libggml_base.ggml_set_name.restype = ggml_tensor_p
-
-# ggml_backend_buffer_t ggml_backend_alloc_ctx_tensors_from_buft(struct ggml_context * ctx,
-#                                                                ggml_backend_buffer_type_t buft);
-libggml_base.ggml_backend_alloc_ctx_tensors_from_buft.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-libggml_base.ggml_backend_alloc_ctx_tensors_from_buft.restype = ctypes.c_void_p
-
-# void ggml_backend_tensor_set(struct ggml_tensor * tensor, const void * data, size_t offset, size_t size);
-libggml_base.ggml_backend_tensor_set.argtypes = [ggml_tensor_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-libggml_base.ggml_backend_tensor_set.restype = None
-
 # void ggml_backend_buffer_set_usage(ggml_backend_buffer_t buffer, enum ggml_backend_buffer_usage usage);
 libggml_base.ggml_backend_buffer_set_usage.argtypes = [ctypes.c_void_p, ctypes.c_int]
 libggml_base.ggml_backend_buffer_set_usage.restype = None
 
-# size_t ggml_backend_buffer_get_size(ggml_backend_buffer_t buffer);
-libggml_base.ggml_backend_buffer_get_size.argtypes = [ctypes.c_void_p]
-libggml_base.ggml_backend_buffer_get_size.restype = ctypes.c_size_t
-
-# void ggml_backend_buffer_free(ggml_backend_buffer_t buffer);
-libggml_base.ggml_backend_buffer_free.argtypes = [ctypes.c_void_p]
-libggml_base.ggml_backend_buffer_free.restype = None
 
 # struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; };
 class llama_model_tensor_buft_override(ctypes.Structure):
