@@ -308,6 +308,7 @@ class EngineConfig:
     n_gpu_layers: int = -1  # dense layers on the GPU when there is one (-1: all)
     experts_on_host: bool = True  # expert tensors in host memory (pinned when a GPU exists)
     gate_hook: bool = True  # install the gate hook (False: stock compute, for baselines)
+    hook_path: str = "auto"  # auto: the patched route op when available, else cb_eval | route | cb_eval
     cache: CacheConfig | None = None  # the expert cache (needs the patched engine)
     verbose: bool = False
 
@@ -354,7 +355,13 @@ class Engine:
             _patched.load()  # raises EngineNotPatchedError with the fix in its message
         if config.cache is not None and not config.experts_on_host:
             raise UsageError("the expert cache needs the experts in host memory (experts_on_host=True)")
-        use_route = config.gate_hook and self.patched
+        if config.hook_path not in ("auto", "route", "cb_eval"):
+            raise UsageError(f"hook_path must be auto, route or cb_eval, not {config.hook_path!r}")
+        if config.hook_path == "route" and not self.patched:
+            _patched.load()
+        if config.hook_path == "cb_eval" and config.cache is not None:
+            raise UsageError("the expert cache runs on the route op, not on cb_eval")
+        use_route = config.gate_hook and self.patched and config.hook_path != "cb_eval"
         self._hook = _GateHook()
         self._route = RouteAdapter() if use_route else None
         self._runtime: CacheRuntime | None = None
@@ -390,6 +397,18 @@ class Engine:
     def cache_stats(self) -> CacheStats | None:
         """Hits, misses, bytes copied and waits per layer since load (None without a cache)."""
         return self._runtime.cache.stats if self._runtime is not None else None
+
+    def record_hook_times(self, on: bool = True) -> None:
+        """Start (or stop) recording the seconds of every route callback (one per layer call)."""
+        if self._route is None:
+            raise UsageError("hook timings need the route op of the patched engine")
+        self._route.times = [] if on else None
+
+    @property
+    def hook_times(self) -> np.ndarray:
+        """Seconds per route callback since ``record_hook_times()`` [n_calls] float64."""
+        times = self._route.times if self._route is not None else None
+        return np.asarray(times if times is not None else [], dtype=np.float64)
 
     @property
     def cache_slots(self) -> dict[int, int] | None:

@@ -14,6 +14,7 @@ callback: it maps ids to slots through ``ggmoe.cache.ExpertCache`` and hands
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,10 +144,12 @@ class RouteAdapter:
         self.cache: ExpertCache | None = None
         self.observer: RouteObserver | None = None
         self.error: BaseException | None = None
+        self.times: list[float] | None = None  # seconds per callback, when benchmarking
         self.c_callback = _patched.route_cb(self._route)  # kept alive as long as the context
 
     def _route(self, user_data: int, il: int, n_tokens: int, n_expert_used: int, n_expert: int, n_embd: int,
                ids_p: int, probs_p: int, inp_p: int, slots_p: int | None) -> int:
+        t0 = time.perf_counter()
         try:
             if self.error is not None:
                 return 1
@@ -165,6 +168,8 @@ class RouteAdapter:
                 probs = _view(probs_p, ctypes.c_float, (n_tokens, n_expert)).copy() if req.probs else None
                 hidden = _view(inp_p, ctypes.c_float, (n_tokens, n_embd)).copy() if req.hidden else None
                 obs.on_route(RouteEvent(il=il, ids=ids.copy(), probs=probs, hidden=hidden))
+            if self.times is not None:
+                self.times.append(time.perf_counter() - t0)
             return 0
         except BaseException as e:  # noqa: BLE001 - must not unwind through C
             self.error = e
