@@ -27,3 +27,7 @@ class TraceFormatError(GgmoeError):
 
 class UsageError(GgmoeError):
     """A bad argument value (e.g. cache slots below n_expert_used)."""
+
+
+class PredictorFileError(GgmoeError):
+    """A predictor file that is missing, malformed, or made for another model."""

@@ -1,0 +1,238 @@
+"""Offline evaluation of expert predictors on held-out traces.
+
+Each held-out prompt is replayed token by token through the ``Predictor`` interface
+exactly as the live engine drives it (``ggmoe.predict``): for every MoE layer at
+position j the predictor observes the routing, then predicts position j + stride.
+Targets among the first ``stride`` positions are asked at the token start, before
+any layer of the token is seen (only predictors that can answer there score them).
+
+Metrics per target layer (k = n_expert_used, m = prefetch set size):
+
+- accuracy (ProMoE): |top-k(predicted) ∩ actual| / k;
+- recall@m: |top-m(predicted) ∩ actual| / k, the share of needed experts a
+  prefetch of m experts would have brought in;
+- precision@m: |top-m(predicted) ∩ actual| / m, the share of prefetched experts used;
+- latency: wall time of ``observe(source) + predict(target)`` for one token, p50/p99 µs
+  (numpy on this CPU; ``predict`` only at the token start).
+
+``overall`` pools every scored prediction of the layers that have a source layer
+(positions >= stride), so predictors that cannot predict at the token start compare
+on the same rows.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UsageError
+from .predict import PREDICTORS, ModelShape, Predictor
+from .trace import STAGE_DECODE, STAGE_PREFILL, Trace
+
+STAGES = {"all": None, "prefill": STAGE_PREFILL, "decode": STAGE_DECODE}
+
+
+@dataclass(frozen=True)
+class LayerScore:
+    il: int  # target MoE layer (-1: overall)
+    n: int  # predictions scored
+    accuracy: float  # mean |top-k ∩ actual| / k
+    recall: float  # mean |top-m ∩ actual| / k
+    precision: float  # mean |top-m ∩ actual| / m
+    latency_us_p50: float  # µs per token: observe(source) + predict(target)
+    latency_us_p99: float
+    token_start: bool  # predicted before the token's first layer
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    predictor: str  # name or file
+    stride: int
+    prefetch: int  # m
+    n_expert_used: int  # k
+    n_prompts: int
+    n_tokens: int  # tokens replayed
+    layers: tuple[LayerScore, ...]  # per target layer, ascending
+    overall: LayerScore
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Acc:
+    """Running sums of one target position."""
+
+    n: int = 0
+    hit_k: int = 0  # sum of |top-k ∩ actual|
+    hit_m: int = 0  # sum of |top-m ∩ actual|
+    lat_ns: list[np.ndarray] = field(default_factory=list)  # latencies of scored predictions, ns
+
+
+def _check(pred: Predictor, trace: Trace, prefetch: int) -> None:
+    shape = pred.shape
+    if tuple(int(il) for il in trace.layers) != shape.layers:
+        raise UsageError(f"the trace's MoE layers {trace.layers.tolist()} are not the predictor's {list(shape.layers)}")
+    if trace.meta.model_fingerprint != shape.model_fingerprint:
+        raise UsageError("the trace was recorded with another model than the predictor was built for")
+    if pred.needs_hidden and trace.hidden is None:
+        raise UsageError(f"predictor {pred.name!r} needs MoE input hidden states; the trace has none "
+                         "(recorded with --no-hidden)")
+    if not shape.n_expert_used <= prefetch <= shape.n_expert:
+        raise UsageError(f"prefetch {prefetch} must be between n_expert_used {shape.n_expert_used} "
+                         f"and n_expert {shape.n_expert}")
+
+
+def _replay_prompt(pred: Predictor, trace: Trace, sl: slice) -> tuple[np.ndarray, np.ndarray]:
+    """Scores [T_p, L, E] float32 (NaN where not predicted) and latency [T_p, L] ns of one prompt."""
+    shape, s = pred.shape, pred.stride
+    layers, n_l = shape.layers, shape.n_layer
+    ids = trace.ids[sl].astype(np.int64)  # [T_p, L, k]
+    probs = trace.probs[sl].astype(np.float32)  # [T_p, L, E]
+    hidden = trace.hidden[sl].astype(np.float32) if trace.hidden is not None else None  # [T_p, L, n_embd]
+    toks = trace.token_ids[sl]
+    scores = np.full((ids.shape[0], n_l, shape.n_expert), np.nan, dtype=np.float32)
+    lat = np.zeros((ids.shape[0], n_l), dtype=np.int64)
+    clock = time.perf_counter_ns
+    pred.begin_request()
+    for t in range(ids.shape[0]):
+        pred.begin_token(int(toks[t]))
+        if pred.needs_truth:
+            pred.reveal(ids[t])  # type: ignore[attr-defined]
+        for jt in range(s):
+            t0 = clock()
+            out = pred.predict(layers[jt])
+            lat[t, jt] = clock() - t0
+            if out is not None:
+                scores[t, jt] = out
+        for j in range(n_l):
+            t0 = clock()
+            pred.observe(layers[j], ids[t, j], probs[t, j], hidden[t, j] if hidden is not None else None)
+            if j + s < n_l:
+                out = pred.predict(layers[j + s])
+                lat[t, j + s] = clock() - t0
+                if out is not None:
+                    scores[t, j + s] = out
+    pred.end_request()
+    return scores, lat
+
+
+def evaluate(pred: Predictor, trace: Trace, prefetch: int, stage: str = "all", label: str | None = None) -> EvalResult:
+    """Replay every prompt of ``trace`` (held-out) through ``pred``; the metrics of the module docstring."""
+    _check(pred, trace, prefetch)
+    if stage not in STAGES:
+        raise UsageError(f"stage {stage!r}: choose one of {', '.join(STAGES)}")
+    shape, k, m = pred.shape, pred.shape.n_expert_used, prefetch
+    accs = [_Acc() for _ in shape.layers]
+    for p in range(trace.n_prompts):
+        sl = trace.prompt_slice(p)
+        scores, lat = _replay_prompt(pred, trace, sl)
+        rows = np.ones(sl.stop - sl.start, dtype=bool) if STAGES[stage] is None else trace.stage[sl] == STAGES[stage]
+        actual = np.zeros(scores.shape, dtype=bool)  # [T_p, L, E]
+        np.put_along_axis(actual, trace.ids[sl].astype(np.int64), True, axis=2)
+        order = np.argsort(-np.nan_to_num(scores, nan=-np.inf), axis=2, kind="stable")[..., :m]  # [T_p, L, m]
+        hit = np.take_along_axis(actual, order, axis=2)
+        valid = ~np.isnan(scores[..., 0]) & rows[:, None]  # [T_p, L]
+        for j, acc in enumerate(accs):
+            v = valid[:, j]
+            acc.n += int(v.sum())
+            acc.hit_k += int(hit[v, j, :k].sum())
+            acc.hit_m += int(hit[v, j].sum())
+            acc.lat_ns.append(lat[v, j])
+    per_layer = tuple(_score(il, [a], k, m, token_start=j < pred.stride) for j, (il, a) in
+                      enumerate(zip(shape.layers, accs, strict=True)))
+    overall = _score(-1, accs[pred.stride:], k, m, token_start=False)
+    return EvalResult(predictor=label or pred.name, stride=pred.stride, prefetch=m, n_expert_used=k,
+                      n_prompts=trace.n_prompts, n_tokens=trace.n_tokens, layers=per_layer, overall=overall)
+
+
+def _score(il: int, accs: list[_Acc], k: int, m: int, token_start: bool) -> LayerScore:
+    n = sum(a.n for a in accs)
+    lat = np.concatenate([x for a in accs for x in a.lat_ns]) if n else np.zeros(0)
+    p50, p99 = (np.percentile(lat, [50, 99]) / 1e3).tolist() if lat.size else (float("nan"), float("nan"))
+    hk, hm = sum(a.hit_k for a in accs), sum(a.hit_m for a in accs)
+    nan = float("nan")
+    return LayerScore(il=il, n=n, accuracy=hk / (n * k) if n else nan, recall=hm / (n * k) if n else nan,
+                      precision=hm / (n * m) if n else nan, latency_us_p50=p50, latency_us_p99=p99,
+                      token_start=token_start)
+
+
+def build_predictor(spec: str, shape: ModelShape, stride: int, train: Trace | None,
+                    options: dict[str, object]) -> Predictor:
+    """A predictor from a name or .npz path, given the ``options`` its constructor accepts, fitted if it must be."""
+    is_file = spec.endswith(".npz") or Path(spec).is_file()
+    cls = PREDICTORS.get("mlp") if is_file else PREDICTORS.get(spec)
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "shape", "stride"}
+    kwargs = {key: v for key, v in options.items() if key in accepted}
+    if is_file:
+        kwargs["path"] = spec
+    pred = cls(shape, stride, **kwargs)  # type: ignore[call-arg]
+    if pred.needs_fit:
+        if train is None or train.n_prompts == 0:
+            raise UsageError(f"predictor {spec!r} learns from training traces; none given")
+        pred.fit(train)
+    return pred
+
+
+def check_options(specs: list[str], options: dict[str, object]) -> None:
+    """Every option must be accepted by at least one of the predictors asked for."""
+    accepted: set[str] = set()
+    for spec in specs:
+        cls = PREDICTORS.get("mlp") if spec.endswith(".npz") or Path(spec).is_file() else PREDICTORS.get(spec)
+        accepted |= set(inspect.signature(cls.__init__).parameters) - {"self", "shape", "stride", "path"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise UsageError(f"option(s) {unknown} are not accepted by {specs}; they take {sorted(accepted)}")
+
+
+def render_text(r: EvalResult) -> str:
+    """A table: one row per target layer and the overall row."""
+    lines = [f"{r.predictor}: stride {r.stride}, k={r.n_expert_used}, prefetch m={r.prefetch}, "
+             f"{r.n_prompts} held-out prompts, {r.n_tokens} tokens",
+             f"  {'il':>5} {'n':>7} {'accuracy':>9} {f'recall@{r.prefetch}':>10} {f'prec@{r.prefetch}':>9} "
+             f"{'p50 us':>8} {'p99 us':>8}"]
+    for s in (*r.layers, r.overall):
+        name = "all" if s.il < 0 else f"{s.il}{'*' if s.token_start else ''}"
+        if s.n == 0:
+            lines.append(f"  {name:>5} {0:>7} {'-':>9} {'-':>10} {'-':>9} {'-':>8} {'-':>8}")
+            continue
+        lines.append(f"  {name:>5} {s.n:>7} {s.accuracy:>9.3f} {s.recall:>10.3f} {s.precision:>9.3f} "
+                     f"{s.latency_us_p50:>8.1f} {s.latency_us_p99:>8.1f}")
+    if any(s.token_start for s in r.layers):
+        lines.append("  * predicted at the token start (no layer of the token seen); not in 'all'")
+    return "\n".join(lines)
+
+
+def plot_accuracy(results: list[EvalResult], path: str | Path) -> Path:
+    """Grouped bars: accuracy per target layer, one bar per predictor (matplotlib, Agg backend)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    layers = [s.il for s in results[0].layers]
+    width = 0.8 / len(results)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(layers) * max(1, len(results)) / 2 + 3), 4))
+    x = np.arange(len(layers))
+    for i, r in enumerate(results):
+        acc = [s.accuracy if s.n else 0.0 for s in r.layers]
+        ax.bar(x + (i - (len(results) - 1) / 2) * width, acc, width,
+               label=f"{r.predictor} (all {r.overall.accuracy:.2f})")
+    ax.set_xticks(x, [str(il) for il in layers])
+    ax.set_xlabel(f"target MoE layer il (stride {results[0].stride})")
+    ax.set_ylabel(f"accuracy |top-k ∩ actual| / k, k={results[0].n_expert_used}")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize="small")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
