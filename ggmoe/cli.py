@@ -277,3 +277,8 @@ def verify_hook(model: str | None, prompt: str, as_json: bool, verbose: bool) ->
                    f"{res.n_ties} near ties, max |dp| {res.max_prob_diff:.2e} -> {'OK' if res.ok else 'FAIL'}")
     if not res.ok:
         sys.exit(1)
+
+from .cli_predict import eval_predictor, train_predictor  # noqa: E402
+
+main.add_command(train_predictor)
+main.add_command(eval_predictor)

@@ -44,6 +44,7 @@ class EAMCollection:
         self.capacity = capacity
         self.ratio = np.zeros((capacity, n_layer, n_expert), dtype=np.float32)  # row-normalised EAMs
         self.unit = np.zeros_like(self.ratio)  # [C, L, E] ratio / ||ratio|| (flattened norm)
+        self.unit_le = np.zeros((n_layer, n_expert, capacity), dtype=np.float32)  # [L, E, C] unit, for observe
         self.origin = np.full(capacity, -1, dtype=np.int64)  # sequence number of the add that wrote the entry
         self.n = 0  # entries in use
         self._adds = 0
@@ -61,7 +62,7 @@ class EAMCollection:
         else:  # replace the most similar entry: the collection keeps its variety
             sims = self.unit.reshape(self.capacity, -1) @ unit.ravel()
             slot = int(np.argmax(sims))
-        self.ratio[slot], self.unit[slot] = ratio, unit
+        self.ratio[slot], self.unit[slot], self.unit_le[:, :, slot] = ratio, unit, unit
         self.origin[slot] = self._adds
         self._adds += 1
         return slot
@@ -86,6 +87,7 @@ class EAM(Predictor):
         self.request_eam = np.zeros((n_l, n_e), dtype=np.float32)  # [L, E] counts of the request, incl. current
         self._dots = np.zeros((capacity, n_l), dtype=np.float32)  # D[c, l], see the module docstring
         self._rowsq = np.zeros(n_l, dtype=np.float64)  # sum over e of request_eam[l, e]^2
+        self._rowsum = np.zeros(n_l, dtype=np.float64)  # sum over e of request_eam[l, e]
         self._now = -1  # position of the latest observed layer of the current token
         self._match: tuple[np.ndarray, np.ndarray] | None = None  # (entries [n], weights [n]) cached
         self.last_match: tuple[np.ndarray, np.ndarray] | None = None  # for inspection: (entries, cosines)
@@ -103,6 +105,7 @@ class EAM(Predictor):
         self.request_eam[:] = 0
         self._dots[:] = 0
         self._rowsq[:] = 0
+        self._rowsum[:] = 0
         self._now = -1
         self._match = None
 
@@ -112,10 +115,11 @@ class EAM(Predictor):
 
     def observe(self, il: int, ids: np.ndarray, probs: np.ndarray | None, hidden: np.ndarray | None) -> None:
         j = self._pos[il]
-        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        ids = np.asarray(ids, dtype=np.intp)  # distinct, as a top-k is
         c = self.collection
-        self._dots[:c.n, j] += c.unit[:c.n, j, ids].sum(axis=1)
+        self._dots[:c.n, j] += c.unit_le[j, ids, :c.n].sum(axis=0)
         self._rowsq[j] += float((2.0 * self.request_eam[j, ids] + 1.0).sum())  # (q+1)^2 - q^2 per expert
+        self._rowsum[j] += ids.shape[0]
         self.request_eam[j, ids] += 1.0
         self.iteration_eam[j, ids] += 1.0
         self._now = j
@@ -128,7 +132,7 @@ class EAM(Predictor):
     def _matched(self) -> tuple[np.ndarray, np.ndarray]:
         """Collection entries [n] and their aggregation weights [n] (summing to 1)."""
         c = self.collection
-        rowsum = self.request_eam.sum(axis=1).astype(np.float64)  # [L]
+        rowsum = self._rowsum  # [L]
         if c.n == 0:
             raise UsageError("eam: the EAM collection is empty: fit() it on training traces first")
         if not rowsum.any():  # nothing seen yet in this request: every entry counts alike

@@ -1,0 +1,177 @@
+"""Train ProMoE predictors from traces and export them to one ``.npz`` (format: ``ggmoe.predict_mlp``).
+
+One training run writes one file holding every net it trained:
+
+- per stride s (``strides``, several allowed): one net per source MoE layer at
+  position j predicting position j + s;
+- ``multi``: one net per source layer predicting the next ``n_targets`` (6) MoE
+  layers at once (fewer near the last layer).
+
+The trace's prompts are split 9:1 BY PROMPT (``ggmoe.predict_data.split_prompts``,
+seeded): the 90 % train the nets and give the input normalisation (mean/std per
+feature of each source layer), the 10 % drive early stopping and the metrics
+stored in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ggmoe.errors import UsageError
+from ggmoe.predict_data import select_prompts, split_prompts
+from ggmoe.predict_mlp import FORMAT, KIND, VERSION
+from ggmoe.trace import Trace
+
+from .mlp import FitSettings, fit_net
+
+N_TARGETS = 6  # layers ahead a multi-target net predicts (ProMoE's l+1..l+6)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    fit: FitSettings = FitSettings()
+    strides: tuple[int, ...] = (1,)  # ignored when multi
+    multi: bool = False
+    sources: tuple[int, ...] | None = None  # source layers il; None: every MoE layer that has a target
+    val_frac: float = 0.1  # held-out share of the prompts
+    seed: int = 0
+    dtype: str = "float32"  # stored weights: float32 | float16
+    threads: int | None = None  # torch CPU threads (None: all cores)
+
+
+@dataclass(frozen=True)
+class NetPlan:
+    il: int  # source MoE layer
+    targets: tuple[int, ...]  # target MoE layers
+
+
+def plan_nets(layers: list[int], cfg: TrainConfig) -> list[NetPlan]:
+    """The nets a run trains, in order (source ascending, then stride)."""
+    n = len(layers)
+    if cfg.sources is not None:
+        unknown = sorted(set(cfg.sources) - set(layers))
+        if unknown:
+            raise UsageError(f"--layers {unknown} are not MoE layers of the trace ({layers})")
+    if not cfg.multi:
+        for s in cfg.strides:
+            if not 1 <= s < n:
+                raise UsageError(f"stride {s} needs at least {s + 1} MoE layers; the trace has {n}")
+    plans = []
+    for j, il in enumerate(layers):
+        if cfg.sources is not None and il not in cfg.sources:
+            continue
+        if cfg.multi:
+            targets = tuple(layers[j + 1:j + 1 + N_TARGETS])
+            if targets:
+                plans.append(NetPlan(il, targets))
+        else:
+            plans.extend(NetPlan(il, (layers[j + s],)) for s in sorted(set(cfg.strides)) if j + s < n)
+    if not plans:
+        raise UsageError("no net to train: the chosen layers have no later MoE layer at that stride")
+    return plans
+
+
+def _multi_hot(ids: np.ndarray, n_expert: int) -> np.ndarray:
+    """ids [n, T, k] -> [n, T * n_expert] float32 with 1 at the selected experts."""
+    n, n_t, _ = ids.shape
+    y = np.zeros((n, n_t, n_expert), dtype=np.float32)
+    np.put_along_axis(y, ids.astype(np.int64), 1.0, axis=2)
+    return y.reshape(n, n_t * n_expert)
+
+
+def _net_seed(seed: int, plan: NetPlan) -> int:
+    """A seed per net that does not depend on which other nets the run trains."""
+    return int(np.random.SeedSequence([seed, plan.il, *plan.targets]).generate_state(1)[0])
+
+
+def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[str, np.ndarray], dict]:
+    """Train the planned nets; returns the arrays and the metadata of the export."""
+    if trace.hidden is None:
+        raise UsageError("the trace has no hidden states (recorded with --no-hidden): "
+                         "the mlp predictor learns from them")
+    if cfg.dtype not in ("float32", "float16"):
+        raise UsageError(f"dtype {cfg.dtype!r}: choose float32 or float16")
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    t_start = time.perf_counter()
+    layers = [int(il) for il in trace.layers]
+    plans = plan_nets(layers, cfg)
+    tr_p, va_p = split_prompts(trace.n_prompts, cfg.val_frac, cfg.seed)
+    tr, va = select_prompts(trace, tr_p), select_prompts(trace, va_p)
+    m = trace.meta
+    arrays: dict[str, np.ndarray] = {}
+    entries = []
+    inputs: dict[int, tuple] = {}  # source il -> (x_train, x_val, mean, std): shared by that source's nets
+    bar = tqdm(total=len(plans), desc="training predictors", unit="net", file=sys.stderr, disable=not progress)
+    for i, plan in enumerate(plans):
+        j = layers.index(plan.il)
+        if plan.il not in inputs:
+            inputs.clear()  # one source layer's inputs at a time: plans are ordered by source
+            inputs[plan.il] = _inputs(tr.hidden[:, j], va.hidden[:, j])
+        x_tr, x_va, mean, std = inputs[plan.il]
+        cols = [layers.index(t) for t in plan.targets]
+        y_tr = torch.from_numpy(_multi_hot(tr.ids[:, cols], m.n_expert))
+        y_va = torch.from_numpy(_multi_hot(va.ids[:, cols], m.n_expert))
+
+        def on_epoch(epoch: int, train_loss: float, val_loss: float, plan: NetPlan = plan) -> None:
+            bar.set_postfix(il=plan.il, targets=",".join(map(str, plan.targets)), epoch=epoch,
+                            val_loss=f"{val_loss:.4f}")
+
+        res = fit_net(x_tr, y_tr, x_va, y_va, m.n_expert, m.n_expert_used, cfg.fit, _net_seed(cfg.seed, plan),
+                      on_epoch)
+        st = res.state
+        p = f"net{i}."
+        arrays[p + "w1"], arrays[p + "b1"] = st["fc1.weight"].astype(cfg.dtype), st["fc1.bias"].astype(cfg.dtype)
+        arrays[p + "w2"], arrays[p + "b2"] = st["fc2.weight"].astype(cfg.dtype), st["fc2.bias"].astype(cfg.dtype)
+        arrays[p + "mean"], arrays[p + "std"] = mean, std
+        entries.append({"il": plan.il, "targets": list(plan.targets),
+                        "strides": [layers.index(t) - j for t in plan.targets], "metrics": res.metrics})
+        bar.update(1)
+    bar.close()
+    meta = {
+        "format": FORMAT, "version": VERSION, "kind": KIND,
+        "model_fingerprint": m.model_fingerprint, "model_name": m.model_name, "arch": m.arch,
+        "layers": layers, "n_expert": m.n_expert, "n_expert_used": m.n_expert_used, "n_embd": m.n_embd,
+        "dtype": cfg.dtype, "hidden": cfg.fit.hidden, "activation": "relu", "output": "sigmoid",
+        "normalisation": "x = (hidden - mean) / std, per feature, from the training prompts",
+        "nets": entries,
+        "training": {
+            **asdict(cfg.fit), "strides": list(cfg.strides), "multi": cfg.multi, "seed": cfg.seed,
+            "val_frac": cfg.val_frac, "split": "by prompt (ggmoe.predict_data.split_prompts)",
+            "n_train_prompts": int(tr_p.size), "n_val_prompts": int(va_p.size), "val_prompts": va_p.tolist(),
+            "n_train_tokens": tr.n_tokens, "n_val_tokens": va.n_tokens,
+            "seconds": round(time.perf_counter() - t_start, 2), "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+    }
+    return arrays, meta
+
+
+def _inputs(h_tr: np.ndarray, h_va: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Normalised inputs of one source layer and the statistics (from the training rows)."""
+    x_tr = h_tr.astype(np.float32)
+    mean = x_tr.mean(axis=0, dtype=np.float64).astype(np.float32)  # [n_embd]
+    std = np.maximum(x_tr.std(axis=0, dtype=np.float64), 1e-6).astype(np.float32)  # [n_embd] > 0
+
+    def norm(h: np.ndarray) -> torch.Tensor:  # the same float32 arithmetic as ggmoe.predict_mlp.Net
+        return torch.from_numpy((h.astype(np.float32) - mean) / std)
+
+    return norm(h_tr), norm(h_va), mean, std
+
+
+def export(path: str | Path, arrays: dict[str, np.ndarray], meta: dict) -> Path:
+    """Write the ``.npz`` atomically (meta as UTF-8 JSON bytes, no pickle)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    tmp.replace(path)
+    return path
