@@ -1,0 +1,122 @@
+"""Training (torch, predictors/): the MLP learns a planted mapping, training is deterministic, and the
+exported file computes in numpy what the torch net computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ggmoe.errors import UsageError  # noqa: E402
+from ggmoe.predict import ModelShape, make_predictor  # noqa: E402
+from ggmoe.predict_data import select_prompts, split_prompts  # noqa: E402
+from ggmoe.predict_eval import evaluate  # noqa: E402
+from ggmoe.trace import load_trace  # noqa: E402
+from predictors.mlp import FitSettings, PredictorMLP  # noqa: E402
+from predictors.synthetic import planted_trace, synthetic_meta  # noqa: E402
+from predictors.train import TrainConfig, export, plan_nets, train  # noqa: E402
+
+FIT = FitSettings(hidden=64, dropout=0.5, lr=3e-3, batch_size=64, max_epochs=40, patience=4)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """Hidden state of layer l (group centroid + noise) determines the experts of every later layer."""
+    path = tmp_path_factory.mktemp("train") / "trace.npz"
+    planted_trace(path, n_prompts=40, tokens=24, meta=synthetic_meta(n_layer=4, n_expert=8, k=2, n_embd=16),
+                  n_groups=12, group_by="token", noise=0.3, seed=5)
+    return load_trace(path)
+
+
+def _shape(trace) -> ModelShape:
+    return ModelShape.from_trace(trace.meta, trace.layers)
+
+
+@pytest.fixture(scope="module")
+def trained(planted, tmp_path_factory):
+    cfg = TrainConfig(fit=FIT, strides=(1, 2), seed=0, threads=1)
+    arrays, meta = train(planted, cfg, progress=False)
+    return export(tmp_path_factory.mktemp("pred") / "pred.npz", arrays, meta), arrays, meta
+
+
+def test_mlp_learns_the_planted_mapping(planted, trained):
+    path, _, meta = trained
+    _, va = split_prompts(planted.n_prompts, 0.1, seed=0)  # the prompts training held out
+    held_out = select_prompts(planted, va)
+    assert meta["training"]["val_prompts"] == va.tolist()
+    for stride in (1, 2):
+        r = evaluate(make_predictor(str(path), _shape(planted), stride), held_out, prefetch=4)
+        assert r.overall.accuracy >= 0.95, (stride, r.overall)
+    assert [(n["il"], n["targets"]) for n in meta["nets"]] == [(0, [1]), (0, [2]), (1, [2]), (1, [3]), (2, [3])]
+    assert all(n["metrics"]["val_accuracy_mean"] >= 0.95 for n in meta["nets"])
+    assert meta["model_fingerprint"] == planted.meta.model_fingerprint
+    assert meta["training"]["n_train_prompts"] + meta["training"]["n_val_prompts"] == planted.n_prompts
+
+
+def test_numpy_matches_torch_float32(planted, trained):
+    path, arrays, meta = trained
+    pred = make_predictor(str(path), _shape(planted), 1)
+    hidden = planted.hidden[:50, 0].astype(np.float32)  # [50, n_embd] MoE inputs of layer 0
+    net = PredictorMLP(16, FIT.hidden, 8, FIT.dropout)
+    net.load_state_dict({"fc1.weight": torch.from_numpy(arrays["net0.w1"]), "fc1.bias": torch.from_numpy(arrays["net0.b1"]),
+                         "fc2.weight": torch.from_numpy(arrays["net0.w2"]), "fc2.bias": torch.from_numpy(arrays["net0.b2"])})
+    net.eval()
+    x = (hidden - arrays["net0.mean"]) / arrays["net0.std"]
+    with torch.no_grad():
+        want = torch.sigmoid(net(torch.from_numpy(x))).numpy()
+    got = []
+    for h in hidden:
+        pred.begin_token(0)
+        pred.observe(0, np.array([0, 1]), None, h)
+        got.append(pred.predict(1))
+    assert np.allclose(np.stack(got), want, atol=1e-5, rtol=0)
+
+
+def test_float16_export_is_close(planted, trained, tmp_path):
+    path, arrays, meta = trained
+    half = {k: v.astype(np.float16) if k.split(".")[1] in ("w1", "b1", "w2", "b2") else v for k, v in arrays.items()}
+    p16 = export(tmp_path / "half.npz", half, {**meta, "dtype": "float16"})
+    a, b = make_predictor(str(path), _shape(planted), 1), make_predictor(str(p16), _shape(planted), 1)
+    for h in planted.hidden[:20, 1].astype(np.float32):
+        for p in (a, b):
+            p.begin_token(0)
+            p.observe(1, np.array([0, 1]), None, h)
+        assert np.allclose(a.predict(2), b.predict(2), atol=1e-2)
+
+
+def test_training_is_deterministic(planted):
+    cfg = TrainConfig(fit=FitSettings(hidden=16, max_epochs=3, batch_size=64), strides=(1,), sources=(1,),
+                      seed=7, threads=1)
+    a1, m1 = train(planted, cfg, progress=False)
+    a2, m2 = train(planted, cfg, progress=False)
+    assert a1.keys() == a2.keys() and all(np.array_equal(a1[k], a2[k]) for k in a1)
+    assert m1["nets"] == m2["nets"]
+    a3, _ = train(planted, TrainConfig(fit=cfg.fit, strides=(1,), sources=(1,), seed=8, threads=1), progress=False)
+    assert not np.array_equal(a1["net0.w1"], a3["net0.w1"])
+
+
+def test_multi_target_nets(planted, tmp_path):
+    cfg = TrainConfig(fit=FIT, multi=True, sources=(0,), seed=0, threads=1)
+    arrays, meta = train(planted, cfg, progress=False)
+    assert [n["targets"] for n in meta["nets"]] == [[1, 2, 3]] and meta["nets"][0]["strides"] == [1, 2, 3]
+    assert arrays["net0.w2"].shape == (3 * 8, FIT.hidden)
+    path = export(tmp_path / "multi.npz", arrays, meta)
+    _, va = split_prompts(planted.n_prompts, 0.1, seed=0)
+    for stride in (1, 2, 3):
+        r = evaluate(make_predictor(str(path), _shape(planted), stride), select_prompts(planted, va), prefetch=4)
+        assert r.layers[stride].accuracy >= 0.95  # the only source layer is 0: target position = stride
+
+
+def test_plan_rejects_bad_requests(planted):
+    layers = [0, 1, 2, 3]
+    with pytest.raises(UsageError, match="stride 4 needs at least 5"):
+        plan_nets(layers, TrainConfig(strides=(4,)))
+    with pytest.raises(UsageError, match="not MoE layers"):
+        plan_nets(layers, TrainConfig(sources=(9,)))
+    with pytest.raises(UsageError, match="no net to train"):
+        plan_nets(layers, TrainConfig(sources=(3,)))
+    from dataclasses import replace
+
+    with pytest.raises(UsageError, match="no hidden states"):
+        train(replace(planted, hidden=None), TrainConfig(), progress=False)
