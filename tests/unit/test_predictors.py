@@ -326,3 +326,12 @@ def test_load_traces_merges_files(by_token, tmp_path):
     planted_trace(path, n_prompts=3, tokens=5)
     both = load_traces([path, path])
     assert both.n_prompts == 6 and both.n_tokens == 30
+
+
+def test_runtime_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, ggmoe.cli, ggmoe.predict, ggmoe.predict_eval, ggmoe.predict_data; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
