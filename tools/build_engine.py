@@ -115,16 +115,19 @@ def fetch_sdist() -> Path:
     return path
 
 
-def apply_patches(src: Path) -> None:
-    """Check every patch first, then apply them all: a failure names the patch."""
-    patches = patch_files()
-    for p in patches:
+def apply_patches(src: Path, patches: list[Path] | None = None) -> None:
+    """Check, then apply, each patch in file-name order on top of the ones before it.
+
+    A patch may build on an earlier one; a failure names the patch and leaves
+    only the throw-away extracted tree half patched.
+    """
+    for p in patch_files() if patches is None else patches:
         proc = subprocess.run(["git", "apply", "--check", "-p1", f"--directory={VENDOR}", str(p)],
                               cwd=src, text=True, capture_output=True)
         if proc.returncode != 0:
             raise BuildError(f"patch {p.name} does not apply to llama.cpp vendored in "
-                             f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}:\n{proc.stderr.strip()}")
-    for p in patches:
+                             f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (after the patches before it):\n"
+                             f"{proc.stderr.strip()}")
         run(["git", "apply", "-p1", f"--directory={VENDOR}", str(p)], f"applying {p.name}", cwd=src)
         print(f"applied {p.name}", flush=True)
 

@@ -1,0 +1,52 @@
+"""The engine build's patch step: applied in order, a bad patch named clearly; cache key."""
+
+from __future__ import annotations
+
+import build_engine as be
+import pytest
+
+
+def _tree(tmp_path):
+    src = tmp_path / "sdist"
+    (src / be.VENDOR / "src").mkdir(parents=True)
+    (src / be.VENDOR / "src" / "a.cpp").write_text("one\ntwo\nthree\n")
+    return src
+
+
+def _patch(tmp_path, name, old, new):
+    p = tmp_path / name
+    p.write_text(f"--- a/src/a.cpp\n+++ b/src/a.cpp\n@@ -1,3 +1,3 @@\n {old[0]}\n-{old[1]}\n+{new}\n {old[2]}\n")
+    return p
+
+
+def test_patches_apply_in_sequence(tmp_path):
+    src = _tree(tmp_path)
+    first = _patch(tmp_path, "0001.patch", ("one", "two", "three"), "TWO")
+    second = _patch(tmp_path, "0002.patch", ("one", "TWO", "three"), "2")  # builds on the first
+    be.apply_patches(src, [first, second])
+    assert (src / be.VENDOR / "src" / "a.cpp").read_text() == "one\n2\nthree\n"
+
+
+def test_a_patch_that_does_not_apply_is_named(tmp_path):
+    src = _tree(tmp_path)
+    bad = _patch(tmp_path, "0001-bad.patch", ("one", "zwei", "three"), "x")
+    with pytest.raises(be.BuildError, match="0001-bad.patch does not apply"):
+        be.apply_patches(src, [bad])
+
+
+def test_build_key_changes_with_flags_and_patches(monkeypatch, tmp_path):
+    k1 = be.build_key(["-DGGML_NATIVE=OFF"])
+    assert k1 == be.build_key(["-DGGML_NATIVE=OFF"])
+    assert k1 != be.build_key(["-DGGML_NATIVE=OFF", "-DGGML_CUDA=ON"])
+    (tmp_path / "0001-x.patch").write_text("x")
+    monkeypatch.setattr(be, "PATCH_DIR", tmp_path)
+    assert be.build_key(["-DGGML_NATIVE=OFF"]) != k1
+
+
+def test_cuda_flags(monkeypatch):
+    monkeypatch.setenv("GGMOE_CUDA", "1")
+    monkeypatch.setenv("CMAKE_CUDA_ARCHITECTURES", "90")
+    args = be.cmake_args()
+    assert "-DGGML_CUDA=ON" in args and "-DCMAKE_CUDA_ARCHITECTURES=90" in args
+    monkeypatch.setenv("GGMOE_CUDA", "0")
+    assert "-DGGML_CUDA=ON" not in be.cmake_args()
