@@ -63,7 +63,7 @@ _traces_arg = click.argument("traces", nargs=-1, required=True, type=click.Path(
 @click.option("--hidden", default=1024, show_default=True, type=click.IntRange(min=1), help="Hidden units.")
 @click.option("--dropout", default=0.5, show_default=True, type=click.FloatRange(0.0, 1.0, max_open=True),
               help="Dropout after the hidden layer.")
-@click.option("--epochs", default=30, show_default=True, type=click.IntRange(min=1),
+@click.option("--epochs", default=20, show_default=True, type=click.IntRange(min=1),
               help="Most epochs per net (early stopping usually ends sooner).")
 @click.option("--patience", default=3, show_default=True, type=click.IntRange(min=1),
               help="Epochs without a better validation loss before stopping.")
@@ -75,11 +75,12 @@ _traces_arg = click.argument("traces", nargs=-1, required=True, type=click.Path(
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split and the training.")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="Stored weight type.")
-@click.option("--threads", type=click.IntRange(min=1), help="torch CPU threads (default: all cores).")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
+              help="torch CPU threads (more only on an otherwise idle machine).")
 @_edge
 def train_predictor(traces: tuple[str, ...], out: str, strides: tuple[int, ...], multi: bool, layers: str | None,
                     hidden: int, dropout: float, epochs: int, patience: int, batch_size: int, lr: float,
-                    val_frac: float, seed: int, dtype: str, threads: int | None) -> None:
+                    val_frac: float, seed: int, dtype: str, threads: int) -> None:
     """Train ProMoE MLP predictors on TRACES (one or more trace files or directories) into OUT.
 
     \b

@@ -216,19 +216,19 @@ def plot_accuracy(results: list[EvalResult], path: str | Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
-    layers = [s.il for s in results[0].layers]
+    first = results[0].layers
     width = 0.8 / len(results)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(layers) * max(1, len(results)) / 2 + 3), 4))
-    x = np.arange(len(layers))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(first) * len(results) + 4), 4))
+    x = np.arange(len(first))
     for i, r in enumerate(results):
         acc = [s.accuracy if s.n else 0.0 for s in r.layers]
         ax.bar(x + (i - (len(results) - 1) / 2) * width, acc, width,
                label=f"{r.predictor} (all {r.overall.accuracy:.2f})")
-    ax.set_xticks(x, [str(il) for il in layers])
-    ax.set_xlabel(f"target MoE layer il (stride {results[0].stride})")
+    ax.set_xticks(x, [f"{s.il}{'*' if s.token_start else ''}" for s in first])
+    ax.set_xlabel(f"target MoE layer il (stride {results[0].stride}; * predicted at the token start)")
     ax.set_ylabel(f"accuracy |top-k ∩ actual| / k, k={results[0].n_expert_used}")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize="small")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path = Path(path)

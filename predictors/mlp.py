@@ -38,7 +38,7 @@ class FitSettings:
     lr: float = 1e-3  # Adam
     weight_decay: float = 0.0
     batch_size: int = 256  # tokens per step
-    max_epochs: int = 30
+    max_epochs: int = 20
     patience: int = 3  # epochs without a better validation loss before stopping
 
 

@@ -16,7 +16,6 @@ stored in the file.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -45,7 +44,9 @@ class TrainConfig:
     val_frac: float = 0.1  # held-out share of the prompts
     seed: int = 0
     dtype: str = "float32"  # stored weights: float32 | float16
-    threads: int | None = None  # torch CPU threads (None: all cores)
+    # torch intra-op threads. One by default: with two threads on a 2-core machine where another
+    # process holds a core, a training step was measured 16x slower (threads spin on the busy core).
+    threads: int = 1
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[s
                          "the mlp predictor learns from them")
     if cfg.dtype not in ("float32", "float16"):
         raise UsageError(f"dtype {cfg.dtype!r}: choose float32 or float16")
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
     layers = [int(il) for il in trace.layers]
     plans = plan_nets(layers, cfg)

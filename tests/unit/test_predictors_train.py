@@ -120,3 +120,23 @@ def test_plan_rejects_bad_requests(planted):
 
     with pytest.raises(UsageError, match="no hidden states"):
         train(replace(planted, hidden=None), TrainConfig(), progress=False)
+
+
+def test_report_runs_the_whole_evaluation(tmp_path, monkeypatch):
+    from predictors import report
+
+    meta = synthetic_meta(n_layer=3, n_expert=8, k=2, n_embd=8)
+    planted_trace(tmp_path / "train.npz", n_prompts=8, tokens=10, meta=meta, seed=1)
+    planted_trace(tmp_path / "eval.npz", n_prompts=3, tokens=10, meta=meta, seed=2)
+    monkeypatch.setattr("sys.argv", ["report", "--train", str(tmp_path / "train.npz"), "--eval",
+                                     str(tmp_path / "eval.npz"), "--out", str(tmp_path / "rep"), "--hidden", "8",
+                                     "--epochs", "1", "--strides", "1", "2"])
+    pytest.importorskip("matplotlib")
+    report.main()
+    import json
+
+    res = json.loads((tmp_path / "rep" / "results.json").read_text())
+    assert [r["predictor"] for r in res["strides"]["2"]] == ["mlp", "mlp-multi", "token", "reuse", "eam",
+                                                             "expert-map", "oracle"]
+    assert res["strides"]["1"][-1]["overall"]["accuracy"] == 1.0
+    assert (tmp_path / "rep" / "accuracy-s2.png").is_file() and "## Stride 2" in (tmp_path / "rep" / "README.md").read_text()
