@@ -115,10 +115,12 @@ def train_predictor(traces: tuple[str, ...], out: str, strides: tuple[int, ...],
 @click.command("eval-predictor")
 @_traces_arg
 @click.option("-p", "--predictor", "specs", multiple=True, required=True,
-              help="Predictor name or a PRED.npz file (mlp); repeat to compare several.")
+              help="A PRED.npz file (mlp) or a name: skip-gate, token, reuse, eam, expert-map, oracle; "
+                   "repeat to compare several.")
 @click.option("--train", "train_paths", multiple=True, type=click.Path(),
               help="Training traces for the data-driven predictors (token, eam, expert-map); TRACES are then "
-                   "all held out. Without it TRACES are split by prompt (--val-frac, --seed).")
+                   "all held out. Without it TRACES are split by prompt (--val-frac, --seed) as train-predictor "
+                   "splits them, so an mlp trained on TRACES is scored on its own validation prompts.")
 @click.option("--stride", default=1, show_default=True, type=click.IntRange(min=1),
               help="Predict MoE layer l+S at layer l.")
 @click.option("--prefetch", type=click.IntRange(min=1), help="Prefetch set size m (default: 2 x n_expert_used).")
