@@ -111,11 +111,11 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@_model_arg
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @_edge
-def inspect(model: str, as_json: bool) -> None:
-    """Show a GGUF model's MoE facts without loading its weights.
+def inspect(model: str | None, as_json: bool) -> None:
+    """Show a GGUF model's MoE facts without loading its weights (default: the embedded model).
 
     \b
     Examples:
@@ -124,7 +124,7 @@ def inspect(model: str, as_json: bool) -> None:
     """
     from .inspect import inspect_model
 
-    facts = inspect_model(model)
+    facts = inspect_model(_model_path(model))
     click.echo(json.dumps(facts.to_dict(), indent=2) if as_json else facts.render_text())
 
 

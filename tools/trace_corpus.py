@@ -11,7 +11,8 @@ routing statistics (``--modes teacher greedy sample``).
 
     python tools/trace_corpus.py [--docs 200] [--out DIR] [--modes teacher] [MODEL]
 
-Output: DIR/{code,prose}.jsonl and DIR/{code,prose}-{mode}/trace.npz
+Output: DIR/{code,prose}.jsonl and DIR/{code,prose}-{mode}/trace.npz (``--split train``: with a
+``-train`` suffix; predictors train on those and are evaluated on the held-out ones)
 (default DIR: $GGMOE_CACHE/corpus or ~/.cache/ggmoe/corpus).
 """
 
@@ -37,9 +38,9 @@ def default_out() -> Path:
     return Path(os.environ.get("GGMOE_CACHE", Path.home() / ".cache" / "ggmoe")) / "corpus"
 
 
-def pick_documents(eng: Engine, domain: str, n_docs: int, min_tokens: int, seed: int) -> list[str]:
-    """``n_docs`` held-out texts of at least ``min_tokens`` tokens, seeded, in a stable order."""
-    docs = list_documents("heldout", domain, max_chars=20_000)
+def pick_documents(eng: Engine, split: str, domain: str, n_docs: int, min_tokens: int, seed: int) -> list[str]:
+    """``n_docs`` texts of the split with at least ``min_tokens`` tokens, seeded, in a stable order."""
+    docs = list_documents(split, domain, max_chars=20_000)
     order = list(range(len(docs)))
     random.Random(f"{seed}-{domain}").shuffle(order)
     picked: list[int] = []
@@ -49,7 +50,7 @@ def pick_documents(eng: Engine, domain: str, n_docs: int, min_tokens: int, seed:
             if len(picked) == n_docs:
                 break
     if len(picked) < n_docs:
-        raise SystemExit(f"error: only {len(picked)} held-out {domain} documents have {min_tokens} tokens")
+        raise SystemExit(f"error: only {len(picked)} {split} {domain} documents have {min_tokens} tokens")
     return [docs[i].text for i in sorted(picked)]
 
 
@@ -61,6 +62,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64, help="decode steps per document")
     ap.add_argument("--modes", nargs="+", default=["teacher"], choices=["teacher", "greedy", "sample"])
     ap.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=list(DOMAINS))
+    ap.add_argument("--split", default="heldout", choices=["heldout", "train"],
+                    help="held-out documents (evaluation) or LM-training documents (to train predictors on)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-hidden", action="store_true", help="do not store MoE inputs")
     ap.add_argument("--out", type=Path, default=None)
@@ -75,8 +78,9 @@ def main() -> int:
     n_ctx = a.prefill_tokens + a.steps + 8
     with Engine(EngineConfig(model_path=model, n_ctx=max(n_ctx, 256))) as eng:
         for domain in a.domains:
-            texts = pick_documents(eng, domain, a.docs, a.prefill_tokens + a.steps + 1, a.seed)
-            with (out / f"{domain}.jsonl").open("w") as f:
+            texts = pick_documents(eng, a.split, domain, a.docs, a.prefill_tokens + a.steps + 1, a.seed)
+            tag = "" if a.split == "heldout" else "-train"
+            with (out / f"{domain}{tag}.jsonl").open("w") as f:
                 for t in texts:
                     f.write(json.dumps({"text": t}) + "\n")
             for mode in a.modes:
@@ -86,7 +90,7 @@ def main() -> int:
                 cfg = RecordConfig(mode=mode, max_tokens=a.steps, prefill_tokens=a.prefill_tokens,
                                    temp=0.8, seed=a.seed, keep_hidden=not a.no_hidden)
                 with click.progressbar(length=len(prompts), label=f"{domain} {mode}", file=sys.stderr) as bar:
-                    path = record_trace(eng, prompts, cfg, out / f"{domain}-{mode}" / "trace.npz",
+                    path = record_trace(eng, prompts, cfg, out / f"{domain}-{mode}{tag}" / "trace.npz",
                                         arch=facts.arch, n_expert=facts.n_expert,
                                         n_expert_used=facts.n_expert_used, progress=bar.update)
                 print(path)
