@@ -13,7 +13,7 @@ and measures, per domain and trace mode:
 - LRU hit rate against cached experts per layer (``ggmoe.simulate.replay``);
 and draws two figures (LRU hit-rate curves; per-layer expert load).
 
-    python tools/routing_report.py [--corpus DIR] [--doc docs/tiny-model.md]
+    python tools/routing_report.py [--corpus DIR ...] [--doc docs/tiny-model.md]
 """
 
 from __future__ import annotations
@@ -141,8 +141,9 @@ def markdown(results: list[Routing], meta, imgs: list[str], corpus: Path) -> str
     slots = sorted(results[0].lru)
     lines = [START, "## Routing report", "",
              f"Model `{meta.model_name}` (fingerprint `{meta.model_fingerprint}`): {e} experts per layer, "
-             f"top-{k}. Traces: `python tools/trace_corpus.py --modes teacher greedy sample` (held-out "
-             "documents, never trained on; 64-token prefill, 64 decode steps), report: "
+             f"top-{k}. Traces: `python tools/trace_corpus.py --docs 200` (teacher-forced) and "
+             "`python tools/trace_corpus.py --docs 100 --modes greedy sample --no-hidden --out ~/.cache/ggmoe/corpus/cmp`"
+             " (held-out documents, never trained on; 64-token prefill, 64 decode steps), report: "
              "`python tools/routing_report.py`. Teacher-forced traces feed each document's real continuation; "
              "greedy and sampled ones let the model continue the same prefills.", "",
              "| trace | prompts | tokens | load entropy (mean) | max/mean load | reuse t-1 | adjacent-layer cosine "
@@ -180,15 +181,17 @@ def write_section(doc: Path, section: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default = Path(os.environ.get("GGMOE_CACHE", Path.home() / ".cache" / "ggmoe")) / "corpus"
-    ap.add_argument("--corpus", type=Path, default=default)
+    ap.add_argument("--corpus", type=Path, nargs="+", default=[default, default / "cmp"],
+                    help="directories holding {code,prose}-{mode}/trace.npz (first match wins)")
     ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "tiny-model.md")
     ap.add_argument("--print", action="store_true", help="print the section instead of writing it")
     a = ap.parse_args()
     results, meta = [], None
     for domain in ("code", "prose"):
         for mode in ("teacher", "greedy", "sample"):
-            path = a.corpus / f"{domain}-{mode}" / "trace.npz"
-            if not path.exists():
+            paths = [d / f"{domain}-{mode}" / "trace.npz" for d in a.corpus]
+            path = next((p for p in paths if p.exists()), None)
+            if path is None:
                 continue
             tr = load_trace(path)
             meta = tr.meta
@@ -197,7 +200,8 @@ def main() -> int:
             results.append(analyse(f"{domain}/{mode}", tr, [s for s in slot_counts if k <= s <= e]))
             print(f"analysed {domain}/{mode}", file=sys.stderr)
     if not results or not any(r.name.endswith("teacher") for r in results):
-        print(f"error: no teacher-forced traces under {a.corpus}; run tools/trace_corpus.py", file=sys.stderr)
+        print(f"error: no teacher-forced traces under {', '.join(map(str, a.corpus))}; run tools/trace_corpus.py",
+              file=sys.stderr)
         return 2
     imgs = figures(results, a.doc.parent / "img")
     section = markdown(results, meta, imgs, a.corpus)
