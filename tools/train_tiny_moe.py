@@ -133,8 +133,8 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 def keep_freed_memory() -> None:
     """Stop glibc from returning freed tensor memory to the kernel after every step.
 
-    Re-faulting fresh pages each step made steps 2-10x slower on this VM. The
-    values are bytes: mmap only blocks >= 32 MiB (glibc's maximum), trim the heap
+    Re-faulting fresh pages every step cost about 10 % of the step time on the
+    2-core VM (and far more in the first steps). The values are bytes: mmap only blocks >= 32 MiB (glibc's maximum), trim the heap
     only past 16 GiB, grow it 256 MiB at a time.
     """
     try:
