@@ -158,3 +158,32 @@ def test_run_stats_equal_replay_of_its_own_trace(qwen3moe_model, tmp_path):
 def test_cache_flag_errors(qwen3moe_model, args, message):
     r = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "hi", "-n", "2", *args])
     assert r.exit_code == 2 and message in r.output, r.output
+
+
+@pytest.mark.parametrize("n_slots, policy", [(4, "lru"), (8, "on-demand"), (16, "test-random"), (32, "lru")])
+def test_embedded_model_logits_equal_stock_path(stock_logits, n_slots, policy):
+    from ggmoe.models import default_model_path
+
+    path = default_model_path()
+    assert path is not None, "the embedded model is missing from the package"
+    cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
+                       cache=CacheConfig(n_slots=n_slots, policy=policy))
+    with Engine(cfg) as eng:
+        got = run_sequences(eng)
+        st = eng.cache_stats.total()
+    for a, b in zip(got, stock_logits(path), strict=True):
+        assert np.abs(a - b).max() <= EXACT
+    assert st.calls > st.native_calls and st.misses > 0
+
+
+def test_embedded_model_run_stats_equal_replay(tmp_path):
+    stats, tr = tmp_path / "s.json", tmp_path / "trace"
+    r = CliRunner().invoke(main, ["run", "-p", "def main():\n    ", "-n", "24", "--cache-slots", "4",
+                                  "--policy", "lru", "--stats-json", str(stats), "--trace-out", str(tr)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(stats.read_text())
+    assert len(d["layers"]) == 8 and 0.0 < d["total"]["hit_rate"] < 1.0
+    sim = replay(load_trace(tr), 4, "lru")
+    for il, s in sim.layers.items():
+        live = d["layers"][str(il)]
+        assert (s.hits, s.misses, s.native_calls) == (live["hits"], live["misses"], live["native_calls"])
