@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -148,7 +147,7 @@ def eval_predictor(traces: tuple[str, ...], specs: tuple[str, ...], train_paths:
     """
     from .predict import ModelShape
     from .predict_data import load_traces, select_prompts, split_prompts
-    from .predict_eval import build_predictor, check_options, evaluate, plot_accuracy, render_text
+    from .predict_eval import build_predictor, check_options, evaluate, json_safe, plot_accuracy, render_text
 
     options = _options(opts)
     check_options(list(specs), options)
@@ -171,19 +170,10 @@ def eval_predictor(traces: tuple[str, ...], specs: tuple[str, ...], train_paths:
     if plot:
         plot_accuracy(results, plot)
     if as_json:
-        click.echo(json.dumps({"stage": stage, "results": [_finite(r.to_dict()) for r in results]}, indent=2))
+        click.echo(json.dumps({"stage": stage, "results": [json_safe(r.to_dict()) for r in results]}, indent=2))
     else:
         click.echo("\n\n".join(render_text(r) for r in results))
         if plot:
             click.echo(f"\nplot: {Path(plot)}")
 
 
-def _finite(obj: Any) -> Any:
-    """NaN (no prediction scored) as null, so that the JSON is standard."""
-    if isinstance(obj, float) and math.isnan(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    return obj

@@ -236,3 +236,14 @@ def plot_accuracy(results: list[EvalResult], path: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def json_safe(obj: object) -> object:
+    """NaN (nothing scored) as null, recursively, so that the JSON is standard."""
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj

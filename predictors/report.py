@@ -26,7 +26,7 @@ import numpy as np
 
 from ggmoe.predict import ModelShape
 from ggmoe.predict_data import load_traces
-from ggmoe.predict_eval import EvalResult, build_predictor, evaluate, plot_accuracy, render_text
+from ggmoe.predict_eval import EvalResult, build_predictor, evaluate, json_safe, plot_accuracy, render_text
 
 from .mlp import FitSettings
 from .train import TrainConfig, export, train
@@ -55,17 +55,6 @@ def _table(results: list[EvalResult]) -> list[str]:
         rows.append(f"| {r.predictor} | {o.accuracy:.3f} | {o.recall:.3f} | {o.precision:.3f} | "
                     f"{o.latency_us_p50:.1f} | {o.latency_us_p99:.1f} |")
     return rows
-
-
-def _finite(obj: object) -> object:
-    """NaN (nothing scored) as null: standard JSON."""
-    if isinstance(obj, float) and obj != obj:
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def _machine() -> str:
@@ -121,7 +110,7 @@ def main() -> None:
     md += ["Accuracy = |top-k ∩ actual| / k (ProMoE); recall/precision of a top-m prefetch; latency = "
            "observe + predict per layer and token in numpy on this CPU; overall pools the layers that have a "
            f"source layer. Total time {time.perf_counter() - t0:.0f} s.", ""]
-    (out / "results.json").write_text(json.dumps(_finite(report), indent=2))
+    (out / "results.json").write_text(json.dumps(json_safe(report), indent=2))
     (out / "README.md").write_text("\n".join(md))
     print(out / "README.md")
 
