@@ -167,6 +167,11 @@ class ExpertCache:
 
     def route(self, il: int, ids: np.ndarray) -> np.ndarray:
         """ids [n_tokens, n_expert_used] -> slots [n_tokens, n_expert_used] int32, experts resident."""
+        slots = self.route_flat(il, ids.ravel().tolist())
+        return np.asarray(slots, dtype=np.int32).reshape(ids.shape)
+
+    def route_flat(self, il: int, flat: list[int]) -> list[int]:
+        """``route`` on a flat list of ids (the engine's hot path: no numpy per call)."""
         t0 = time.perf_counter()
         st = self.stats.layers[il]
         table = self.tables[il]
@@ -176,7 +181,6 @@ class ExpertCache:
             for e in table.resident():
                 self.policy.on_evict(il, e)
             table.clear()
-        flat = ids.ravel().tolist()
         need = sorted(set(flat))  # distinct experts, ascending
         if len(need) > table.n_slots:
             raise UsageError(f"layer {il}: {len(need)} distinct experts do not fit {table.n_slots} slots "
@@ -191,11 +195,11 @@ class ExpertCache:
             self.loader.wait(il)
             st.wait_s += time.perf_counter() - tw
         self.policy.on_access(il, need, self.clock)
-        slots = np.array([slot_of[e] for e in flat], dtype=np.int32).reshape(ids.shape)
+        slots = [slot_of[e] for e in flat]
         st.hook_s += time.perf_counter() - t0
         return slots
 
-    def observe(self, il: int, ids: np.ndarray) -> None:
+    def observe(self, il: int, ids: np.ndarray | list[int]) -> None:
         """A micro-batch that ran the native path: counted, nothing loaded or evicted."""
         st = self.stats.layers[il]
         st.calls += 1

@@ -153,13 +153,14 @@ class RouteAdapter:
         try:
             if self.error is not None:
                 return 1
-            ids = _view(ids_p, ctypes.c_int32, (n_tokens, n_expert_used))
+            n = n_tokens * n_expert_used
+            ids = (ctypes.c_int32 * n).from_address(ids_p)  # dense [n_tokens][n_expert_used]
             cache = self.cache
             if cache is not None and il in cache.tables:
                 if slots_p:
-                    _view(slots_p, ctypes.c_int32, (n_tokens, n_expert_used))[:] = cache.route(il, ids)
+                    (ctypes.c_int32 * n).from_address(slots_p)[:] = cache.route_flat(il, ids[:])
                 else:
-                    cache.observe(il, ids)
+                    cache.observe(il, ids[:])
             elif slots_p:
                 raise EngineError(f"layer {il} asked for slots but has no cache")
             obs = self.observer
@@ -167,7 +168,8 @@ class RouteAdapter:
                 req = obs.request
                 probs = _view(probs_p, ctypes.c_float, (n_tokens, n_expert)).copy() if req.probs else None
                 hidden = _view(inp_p, ctypes.c_float, (n_tokens, n_embd)).copy() if req.hidden else None
-                obs.on_route(RouteEvent(il=il, ids=ids.copy(), probs=probs, hidden=hidden))
+                ids_np = np.frombuffer(ids, dtype=np.int32).reshape(n_tokens, n_expert_used).copy()
+                obs.on_route(RouteEvent(il=il, ids=ids_np, probs=probs, hidden=hidden))
             if self.times is not None:
                 self.times.append(time.perf_counter() - t0)
             return 0
