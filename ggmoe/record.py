@@ -90,11 +90,13 @@ def record_trace(engine: Engine, prompts: Iterable[str], config: RecordConfig, o
     recorder = RouteRecorder(HookRequest(probs=True, hidden=config.keep_hidden))
     meta = _meta(engine, arch, n_expert, n_expert_used, config.mode, config.max_tokens)
     writer = TraceWriter(meta, keep_hidden=config.keep_hidden)
+    # Every prompt is checked before any runs: a bad one fails fast instead of losing the work before it.
+    plans = [_plan(engine, i, prompt, config) for i, prompt in enumerate(prompts)]
     previous = engine.observer
     engine.observer = recorder
     try:
-        for i, prompt in enumerate(prompts):
-            _record_one(engine, prompt, config, _step_writer(writer, recorder), seed=config.seed + i)
+        for i, plan in enumerate(plans):
+            _record_one(engine, plan, config, _step_writer(writer, recorder), seed=config.seed + i)
             writer.end_prompt()
             if progress:
                 progress(1)
@@ -121,19 +123,26 @@ def trace_generation(engine: Engine, prompt: str, max_tokens: int, temp: float, 
     return gen
 
 
-def _record_one(engine: Engine, text: str, cfg: RecordConfig, on_step: StepCallback, seed: int) -> None:
-    engine.reset()
+def _plan(engine: Engine, n: int, text: str, cfg: RecordConfig) -> tuple[list[int], list[int] | None]:
+    """(prefill ids, forced continuation or None) of prompt ``n``; a prompt that cannot run is an error."""
     ids = engine.tokenize(text)
     forced = None
     if cfg.mode == "teacher":
         if len(ids) < cfg.prefill_tokens + 2:
-            ids_needed = cfg.prefill_tokens + 2
-            raise UsageError(f"teacher mode: a document has {len(ids)} tokens, needs at least {ids_needed}")
+            raise UsageError(f"prompt {n + 1}: teacher mode needs at least {cfg.prefill_tokens + 2} tokens, "
+                             f"the text has {len(ids)}")
         forced = ids[cfg.prefill_tokens:]
         ids = ids[: cfg.prefill_tokens]
+    if len(ids) >= engine.n_ctx:
+        raise UsageError(f"prompt {n + 1}: {len(ids)} tokens do not fit n_ctx {engine.n_ctx} (raise --n-ctx)")
+    return ids, forced
+
+
+def _record_one(engine: Engine, plan: tuple[list[int], list[int] | None], cfg: RecordConfig,
+                on_step: StepCallback, seed: int) -> None:
+    engine.reset()
+    ids, forced = plan
     budget = engine.n_ctx - len(ids)  # decode steps the KV cache still holds
-    if budget < 1:
-        raise UsageError(f"a prompt of {len(ids)} tokens does not fit n_ctx {engine.n_ctx}")
     # max_tokens decode steps feed max_tokens tokens: one more is produced than is fed.
     steps = min(cfg.max_tokens, budget, len(forced) - 1 if forced is not None else cfg.max_tokens) + 1
     temp = cfg.temp if cfg.mode == "sample" else 0.0

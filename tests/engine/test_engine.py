@@ -171,3 +171,16 @@ def test_cli_trace_no_hidden(qwen3moe_model, tmp_path):
                                   str(tmp_path / "t"), "--max-tokens", "2", "--no-hidden"])
     assert r.exit_code == 0, r.output
     assert load_trace(tmp_path / "t").hidden is None
+
+
+@pytest.mark.parametrize("text, args, message", [
+    ("short", ["--mode", "teacher"], "teacher mode needs at least 66 tokens"),
+    ("x " * 200, ["--n-ctx", "64"], "do not fit n_ctx 64"),
+])
+def test_cli_trace_rejects_prompts_before_running(qwen3moe_model, tmp_path, text, args, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"text": text}) + "\n")
+    r = CliRunner().invoke(main, ["trace", str(qwen3moe_model), "--prompts", str(prompts), "-o",
+                                  str(tmp_path / "t"), *args])
+    assert r.exit_code == 2 and "prompt 2: " + message in r.output, r.output
+    assert not (tmp_path / "t" / "trace.npz").exists()
