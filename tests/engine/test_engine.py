@@ -175,11 +175,11 @@ def test_cli_trace_no_hidden(qwen3moe_model, tmp_path):
 
 @pytest.mark.parametrize("text, args, message", [
     ("short", ["--mode", "teacher"], "teacher mode needs at least 66 tokens"),
-    ("x " * 200, ["--n-ctx", "64"], "do not fit n_ctx 64"),
+    ("x " * 400, ["--n-ctx", "64"], "do not fit n_ctx"),
 ])
 def test_cli_trace_rejects_prompts_before_running(qwen3moe_model, tmp_path, text, args, message):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"text": text}) + "\n")
+    prompts.write_text(json.dumps({"prompt": "a fine prompt " * 10}) + "\n" + json.dumps({"text": text}) + "\n")
     r = CliRunner().invoke(main, ["trace", str(qwen3moe_model), "--prompts", str(prompts), "-o",
                                   str(tmp_path / "t"), *args])
     assert r.exit_code == 2 and "prompt 2: " + message in r.output, r.output
