@@ -182,5 +182,5 @@ def test_cli_trace_rejects_prompts_before_running(qwen3moe_model, tmp_path, text
     prompts.write_text(json.dumps({"prompt": "a fine prompt " * 10}) + "\n" + json.dumps({"text": text}) + "\n")
     r = CliRunner().invoke(main, ["trace", str(qwen3moe_model), "--prompts", str(prompts), "-o",
                                   str(tmp_path / "t"), *args])
-    assert r.exit_code == 2 and "prompt 2: " + message in r.output, r.output
+    assert r.exit_code == 2 and "prompt 2: " in r.output and message in r.output, r.output
     assert not (tmp_path / "t" / "trace.npz").exists()
