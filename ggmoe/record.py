@@ -39,7 +39,7 @@ def read_prompts(path: str | Path) -> list[str]:
     """Prompts from a JSONL file: one object per line with a ``prompt`` or ``text`` string."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"prompts file not found: {path}")
+        raise UsageError(f"prompts file not found (or not a regular file): {path}")
     prompts = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
