@@ -6,7 +6,7 @@
 Steps: (1) train one ``.npz`` with the single-target MLPs for every stride and one
 with the multi-target MLPs (``predictors.train``; kept in OUT and reused when
 ``--reuse`` is given and they exist); (2) for each stride, replay the held-out
-traces through every predictor (``ggmoe.predict_eval``): mlp, mlp-multi,
+traces through every predictor (``ggmoe.predict.evaluate``): mlp, mlp-multi,
 skip-gate (with ``--model``), token, reuse, eam, expert-map, oracle; (3) write
 OUT/results.json, OUT/accuracy-s{S}.png and OUT/README.md (tables, the machine,
 the command). Run it under ``flock /tmp/ggmoe-heavy.lock`` on the shared machine.
@@ -25,8 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.predict import ModelShape
-from ggmoe.predict_data import load_traces
-from ggmoe.predict_eval import EvalResult, build_predictor, evaluate, json_safe, plot_accuracy, render_text
+from ggmoe.predict.evaluate import (
+    EvalResult,
+    build_predictor,
+    evaluate,
+    json_safe,
+    plot_accuracy,
+    render_text,
+)
+from ggmoe.trace.data import load_traces
 
 from .mlp import FitSettings
 from .train import TrainConfig, export, train

@@ -1,4 +1,4 @@
-"""Train ProMoE predictors from traces and export them to one ``.npz`` (format: ``ggmoe.predict_mlp``).
+"""Train ProMoE predictors from traces and export them to one ``.npz`` (format: ``ggmoe.predict.mlp``).
 
 One training run writes one file holding every net it trained:
 
@@ -7,7 +7,7 @@ One training run writes one file holding every net it trained:
 - ``multi``: one net per source layer predicting the next ``n_targets`` (6) MoE
   layers at once (fewer near the last layer).
 
-The trace's prompts are split 9:1 BY PROMPT (``ggmoe.predict_data.split_prompts``,
+The trace's prompts are split 9:1 BY PROMPT (``ggmoe.trace.data.split_prompts``,
 seeded): the 90 % train the nets and give the input normalisation (mean/std per
 feature of each source layer), the 10 % drive early stopping and the metrics
 stored in the file.
@@ -26,9 +26,9 @@ import torch
 from tqdm import tqdm
 
 from ggmoe.errors import UsageError
-from ggmoe.predict_data import select_prompts, split_prompts
-from ggmoe.predict_mlp import FORMAT, KIND, VERSION
+from ggmoe.predict.mlp import FORMAT, KIND, VERSION
 from ggmoe.trace import Trace
+from ggmoe.trace.data import select_prompts, split_prompts
 
 from .mlp import FitSettings, fit_net
 
@@ -146,7 +146,7 @@ def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[s
         "nets": entries,
         "training": {
             **asdict(cfg.fit), "strides": list(cfg.strides), "multi": cfg.multi, "seed": cfg.seed,
-            "val_frac": cfg.val_frac, "split": "by prompt (ggmoe.predict_data.split_prompts)",
+            "val_frac": cfg.val_frac, "split": "by prompt (ggmoe.trace.data.split_prompts)",
             "n_train_prompts": int(tr_p.size), "n_val_prompts": int(va_p.size), "val_prompts": va_p.tolist(),
             "n_train_tokens": tr.n_tokens, "n_val_tokens": va.n_tokens,
             "seconds": round(time.perf_counter() - t_start, 2), "torch": torch.__version__,
@@ -162,7 +162,7 @@ def _inputs(h_tr: np.ndarray, h_va: np.ndarray) -> tuple[torch.Tensor, torch.Ten
     mean = x_tr.mean(axis=0, dtype=np.float64).astype(np.float32)  # [n_embd]
     std = np.maximum(x_tr.std(axis=0, dtype=np.float64), 1e-6).astype(np.float32)  # [n_embd] > 0
 
-    def norm(h: np.ndarray) -> torch.Tensor:  # the same float32 arithmetic as ggmoe.predict_mlp.Net
+    def norm(h: np.ndarray) -> torch.Tensor:  # the same float32 arithmetic as ggmoe.predict.mlp.Net
         return torch.from_numpy((h.astype(np.float32) - mean) / std)
 
     return norm(h_tr), norm(h_va), mean, std

@@ -10,12 +10,12 @@ from click.testing import CliRunner
 
 from ggmoe.cli import main
 from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine.verify import check_hook
 from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect import inspect_model
-from ggmoe.router import load_routers
+from ggmoe.inspect.router import load_routers
 from ggmoe.trace import load_trace
-from ggmoe.verify import check_hook
 
 
 def test_generates_and_keeps_experts_on_host(arch_model):

@@ -1,4 +1,4 @@
-"""The llama.cpp patch through its raw ctypes layer (``ggmoe._patched``), on the CPU-only build.
+"""The llama.cpp patch through its raw ctypes layer (``ggmoe.engine.patch``), on the CPU-only build.
 
 For every fixture architecture: per-layer cache tensors hold copies of the
 experts in a random permutation of slots (all experts, or fewer slots than
@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from make_fixtures import ARCHES, fixture_path
 
-from ggmoe import _bindings as B
-from ggmoe import _patched
-from ggmoe._bindings import llama_cpp
 from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine import ggml as B
+from ggmoe.engine import patch as _patched
+from ggmoe.engine.ggml import llama_cpp
 from ggmoe.errors import EngineNotPatchedError
 
 # Expert tensor kinds, in llama_ggmoe_set_layer_cache's argument order.

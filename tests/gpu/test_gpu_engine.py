@@ -6,9 +6,9 @@ import pytest
 from make_fixtures import ARCHES, fixture_path
 
 from ggmoe.engine import Engine, EngineConfig, gpu_device_name
+from ggmoe.engine.verify import check_hook
 from ggmoe.inspect import inspect_model
-from ggmoe.router import load_routers
-from ggmoe.verify import check_hook
+from ggmoe.inspect.router import load_routers
 
 
 @pytest.mark.parametrize("arch", ARCHES)

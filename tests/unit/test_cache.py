@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from ggmoe.cache import ExpertCache
+from ggmoe.cache.policies import POLICIES, Policy
 from ggmoe.errors import UsageError
-from ggmoe.policy import POLICIES, Policy
 from ggmoe.simulate import micro_batches, replay
 from ggmoe.trace import STAGE_DECODE, STAGE_PREFILL, Trace, TraceMeta
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from ggmoe.errors import UsageError
+from ggmoe.inspect.router import Router
 from ggmoe.predict import PREDICTORS, ModelShape, Predictor, make_predictor
-from ggmoe.predict_data import load_traces, merge_traces, select_prompts, split_prompts
-from ggmoe.predict_eam import EAMCollection
-from ggmoe.predict_eval import build_predictor, evaluate, render_text
-from ggmoe.predict_expert_map import MapStore, select_count
-from ggmoe.router import Router
+from ggmoe.predict.eam import EAMCollection
+from ggmoe.predict.evaluate import build_predictor, evaluate, render_text
+from ggmoe.predict.expert_map import MapStore, select_count
 from ggmoe.trace import load_trace
+from ggmoe.trace.data import load_traces, merge_traces, select_prompts, split_prompts
 from predictors.synthetic import planted_trace, synthetic_meta
 
 K, M = 2, 4  # n_expert_used, prefetch set
@@ -265,7 +265,7 @@ def test_skip_gate_uses_the_next_router(tmp_path):
 def test_skip_gate_reads_the_gguf_and_checks_the_model(tmp_path):
     import gguf
 
-    from ggmoe.fingerprint import model_fingerprint
+    from ggmoe.inspect.fingerprint import model_fingerprint
 
     trace, routers = _router_trace(tmp_path, noise=0.0)
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
@@ -332,6 +332,6 @@ def test_runtime_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, ggmoe.cli, ggmoe.predict, ggmoe.predict_eval, ggmoe.predict_data; "
+    code = ("import sys, ggmoe.cli, ggmoe.predict, ggmoe.predict.evaluate, ggmoe.trace.data; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -10,7 +10,7 @@ import pytest
 
 from ggmoe.errors import PredictorFileError, UsageError
 from ggmoe.predict import ModelShape, make_predictor
-from ggmoe.predict_mlp import load_mlp_file
+from ggmoe.predict.mlp import load_mlp_file
 
 SHAPE = ModelShape(model_fingerprint="00aa11bb22cc33dd", layers=(0, 1, 2), n_expert=4, n_expert_used=2, n_embd=3)
 H = 5

@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 
 from ggmoe.errors import UsageError  # noqa: E402
 from ggmoe.predict import ModelShape, make_predictor  # noqa: E402
-from ggmoe.predict_data import select_prompts, split_prompts  # noqa: E402
-from ggmoe.predict_eval import evaluate  # noqa: E402
+from ggmoe.predict.evaluate import evaluate  # noqa: E402
 from ggmoe.trace import load_trace  # noqa: E402
+from ggmoe.trace.data import select_prompts, split_prompts  # noqa: E402
 from predictors.mlp import FitSettings, PredictorMLP  # noqa: E402
 from predictors.synthetic import planted_trace, synthetic_meta  # noqa: E402
 from predictors.train import TrainConfig, export, plan_nets, train  # noqa: E402

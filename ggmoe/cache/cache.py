@@ -15,8 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import UsageError
-from .policy import Policy
+from ggmoe.cache.policies.base import Policy
+from ggmoe.errors import UsageError
 
 
 class Loader(Protocol):

@@ -19,19 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _bindings as B
-from . import _patched
-from .cache import CacheConfig, ExpertCache
-from .errors import EngineError
-from .hook import RouteEvent, RouteObserver
-from .policy import POLICIES
-
-# Expert tensor kinds, in the order of llama_ggmoe_set_layer_cache's arguments.
-KINDS = ("up", "gate", "down", "gate_up")
-
-
-def expert_tensor_name(il: int, kind: str) -> str:
-    return f"blk.{il}.ffn_{kind}_exps.weight"
+from ggmoe.cache import CacheConfig, ExpertCache
+from ggmoe.cache.policies import POLICIES
+from ggmoe.engine import ggml as B
+from ggmoe.engine import patch as _patched
+from ggmoe.errors import EngineError
+from ggmoe.hook import RouteEvent, RouteObserver
+from ggmoe.inspect.names import CACHED_KINDS, expert_weight_name
 
 
 @dataclass(frozen=True)
@@ -52,8 +46,8 @@ class SlotTensors:
         self.pairs: dict[int, list[_Pair]] = {}
         found: dict[int, dict[str, int]] = {}
         for il in n_slots:
-            found[il] = {k: P.llama_ggmoe_model_get_tensor(model_ptr, expert_tensor_name(il, k).encode())
-                         for k in KINDS}
+            found[il] = {k: P.llama_ggmoe_model_get_tensor(model_ptr, expert_weight_name(il, k).encode())
+                         for k in CACHED_KINDS}
             found[il] = {k: v for k, v in found[il].items() if v}
             if not found[il]:
                 raise EngineError(f"layer {il} has no expert tensors")
@@ -210,7 +204,7 @@ class CacheRuntime:
         P = _patched.load()
         for il, n in n_slots.items():
             t = self.slots.tensors[il]
-            rc = P.llama_ggmoe_set_layer_cache(ctx_ptr, il, n, *(t.get(k) for k in KINDS))
+            rc = P.llama_ggmoe_set_layer_cache(ctx_ptr, il, n, *(t.get(k) for k in CACHED_KINDS))
             if rc != _patched.LLAMA_GGMOE_OK:
                 self.close()
                 raise EngineError(f"llama_ggmoe_set_layer_cache(layer {il}) failed: "

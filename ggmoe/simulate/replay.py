@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .cache import CacheStats, ExpertCache, Loader
-from .policy import POLICIES
-from .trace import STAGE_PREFILL, Trace
+from ggmoe.cache import CacheStats, ExpertCache, Loader
+from ggmoe.cache.policies import POLICIES
+from ggmoe.trace.format import STAGE_PREFILL, Trace
 
 
 def micro_batches(trace: Trace, n_ubatch: int | None = None) -> Iterator[slice]:

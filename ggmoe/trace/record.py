@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
-from .engine import Engine, Generation, StepCallback
-from .errors import UsageError
-from .fingerprint import model_fingerprint
-from .hook import HookRequest, RouteRecorder
-from .trace import STAGE_DECODE, STAGE_PREFILL, TraceMeta, TraceWriter
+from ggmoe import __version__
+from ggmoe.engine.engine import Engine, Generation, StepCallback
+from ggmoe.errors import UsageError
+from ggmoe.hook import HookRequest, RouteRecorder
+from ggmoe.inspect.fingerprint import model_fingerprint
+from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, TraceMeta, TraceWriter
 
 MODES = ("greedy", "sample", "teacher")
 

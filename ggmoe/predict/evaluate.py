@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UsageError
-from .predict import PREDICTORS, ModelShape, Predictor
-from .trace import STAGE_DECODE, STAGE_PREFILL, Trace
+from ggmoe.errors import UsageError
+from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
+from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, Trace
 
 STAGES = {"all": None, "prefill": STAGE_PREFILL, "decode": STAGE_DECODE}
 

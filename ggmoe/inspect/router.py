@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .errors import ModelFileError
+from ggmoe.errors import ModelFileError
 
 _GATING = {int(gguf.ExpertGatingFuncType.SOFTMAX): "softmax", int(gguf.ExpertGatingFuncType.SIGMOID): "sigmoid"}
 

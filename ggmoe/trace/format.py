@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import TraceFormatError
-from .hook import RouteEvent
+from ggmoe.errors import TraceFormatError
+from ggmoe.hook import RouteEvent
 
 FORMAT = "ggmoe-trace"
 VERSION = 1

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import UsageError
-from .predict import PREDICTORS, ModelShape, Predictor
-from .trace import Trace
+from ggmoe.errors import UsageError
+from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
+from ggmoe.trace.format import Trace
 
 
 def row_normalise(counts: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ import ctypes
 import pathlib
 import sys
 
-from .errors import EngineError
+from ggmoe.errors import EngineError
 
 try:
     import llama_cpp

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import PredictorFileError, UsageError
-from .predict import PREDICTORS, ModelShape, Predictor
+from ggmoe.errors import PredictorFileError, UsageError
+from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
 
 FORMAT = "ggmoe-predictor"
 VERSION = 1

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .engine import Engine
-from .hook import HookRequest, RouteRecorder
-from .router import Router
+from ggmoe.engine.engine import Engine
+from ggmoe.hook import HookRequest, RouteRecorder
+from ggmoe.inspect.router import Router
 
 
 @dataclass(frozen=True)

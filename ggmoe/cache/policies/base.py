@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-from .registry import Registry
+from ggmoe.registry import Registry
 
 
 class Policy(ABC):
@@ -37,30 +37,3 @@ class Policy(ABC):
 
 
 POLICIES: Registry[Policy] = Registry("policy")
-
-
-@POLICIES.register("on-demand")
-class OnDemand(Policy):
-    """Load every expert a layer call needs, keep nothing: the baseline without a cache."""
-
-    reuse = False
-
-    def victim(self, il: int, candidates: list[int], clock: int) -> int:
-        return candidates[0]
-
-
-@POLICIES.register("lru")
-class LRU(Policy):
-    """Evict the expert of the layer used least recently."""
-
-    def __init__(self, n_expert: int, layers: list[int]) -> None:
-        super().__init__(n_expert, layers)
-        self.last_use = {il: [-1] * n_expert for il in layers}  # [n_expert] clock of the last use
-
-    def on_access(self, il: int, experts: list[int], clock: int) -> None:
-        lu = self.last_use[il]
-        for e in experts:
-            lu[e] = clock
-
-    def victim(self, il: int, candidates: list[int], clock: int) -> int:
-        return min(candidates, key=self.last_use[il].__getitem__)  # ties: lowest expert id among the oldest

@@ -28,18 +28,17 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _bindings as B
-from . import _patched
-from .cache import CacheConfig, CacheStats
-from .engine_slots import CacheRuntime, RouteAdapter
-from .errors import EngineError, ModelFileError, UsageError
-from .hook import RouteEvent, RouteObserver
-from .inspect import inspect_model
+from ggmoe.cache import CacheConfig, CacheStats
+from ggmoe.engine import ggml as B
+from ggmoe.engine import patch as _patched
+from ggmoe.engine.slots import CacheRuntime, RouteAdapter
+from ggmoe.errors import EngineError, ModelFileError, UsageError
+from ggmoe.hook import RouteEvent, RouteObserver
+from ggmoe.inspect import inspect_model
+from ggmoe.inspect.names import EXPERT_TENSOR_PATTERN
 
 llama_cpp = B.llama_cpp
 
-# Every expert tensor of every MoE layer; shared experts (`_shexp`) stay dense.
-EXPERT_TENSOR_PATTERN = r"blk\.\d+\.ffn_(up|gate|down|gate_up)_exps"
 
 _OVERRIDDEN = re.compile(r"^tensor (\S+) \(.*\) buffer type overridden to ")
 _NAME_OFFSET = B.ggml_tensor.name.offset  # bytes from a ggml_tensor * to its name

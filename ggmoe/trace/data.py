@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UsageError
-from .trace import Trace, load_trace
+from ggmoe.errors import UsageError
+from ggmoe.trace.format import Trace, load_trace
 
 
 def merge_traces(traces: list[Trace]) -> Trace:

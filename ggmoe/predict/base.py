@@ -1,0 +1,115 @@
+"""Expert predictors: which experts will MoE layer ``il + s`` select for the current token?
+
+One small interface serves the offline evaluation on traces (``ggmoe.predict_eval``)
+and the live engine. Per request and token the caller drives a predictor like this::
+
+    p = PREDICTORS.get("reuse")(shape, stride=1)
+    p.fit(train_trace)                      # data-driven predictors only (needs_fit)
+    p.begin_request()
+    for each token:
+        p.begin_token(token_id)
+        p.predict(il) for il among the first ``stride`` MoE layers   # token start: no layer seen yet
+        for each MoE layer il, ascending:
+            p.observe(il, ids, probs, hidden)    # ids [n_expert_used], probs [n_expert], hidden [n_embd]
+            p.predict(il_target)                 # scores [n_expert] float32 for the layer ``stride`` ahead
+    p.end_request()
+
+``predict`` may use everything observed so far (earlier tokens of the request and
+the layers of this token seen up to now) and returns scores, higher = more likely,
+or ``None`` when it cannot predict there (e.g. a hidden-state predictor before the
+token's first layer). The caller ranks the scores: the top ``n_expert_used`` are
+the predicted experts, the top ``m`` the prefetch set. Strides count MoE layers
+(positions in ``ModelShape.layers``), so a leading dense layer is skipped.
+
+Predictors register in ``PREDICTORS`` by name; every family has its own module
+(``simple``, ``mlp``, ``eam``, ``expert_map``) and ``ggmoe.predict`` imports them
+all, so that importing the package registers the built-ins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+from ggmoe.errors import UsageError
+from ggmoe.registry import Registry
+from ggmoe.trace.format import Trace, TraceMeta
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The facts of a model a predictor is built for."""
+
+    model_fingerprint: str  # ggmoe.fingerprint of the GGUF
+    layers: tuple[int, ...]  # il of each MoE layer, ascending
+    n_expert: int
+    n_expert_used: int
+    n_embd: int
+
+    @classmethod
+    def from_trace(cls, meta: TraceMeta, layers: np.ndarray) -> ModelShape:
+        return cls(model_fingerprint=meta.model_fingerprint, layers=tuple(int(il) for il in layers),
+                   n_expert=meta.n_expert, n_expert_used=meta.n_expert_used, n_embd=meta.n_embd)
+
+    @property
+    def n_layer(self) -> int:
+        """Number of MoE layers."""
+        return len(self.layers)
+
+    def pos(self, il: int) -> int:
+        """Position of MoE layer ``il`` in ``layers`` (what strides count)."""
+        try:
+            return self.layers.index(il)
+        except ValueError:
+            raise UsageError(f"layer {il} is not a MoE layer of this model ({list(self.layers)})") from None
+
+
+class Predictor:
+    """Base class; the defaults make a predictor that knows nothing (all scores zero)."""
+
+    name: ClassVar[str]
+    needs_fit: ClassVar[bool] = False  # fit(train) must be called before use
+    needs_hidden: ClassVar[bool] = False  # observe() must get hidden states
+    needs_probs: ClassVar[bool] = False  # observe() must get router probabilities
+    needs_truth: ClassVar[bool] = False  # offline only: reveal() gets the token's true ids
+
+    def __init__(self, shape: ModelShape, stride: int = 1) -> None:
+        if not 1 <= stride < shape.n_layer:
+            raise UsageError(f"stride {stride} needs at least {stride + 1} MoE layers; "
+                             f"the model has {shape.n_layer}")
+        self.shape = shape
+        self.stride = stride  # MoE layers ahead the caller will ask for
+        self._pos = {il: j for j, il in enumerate(shape.layers)}  # il -> position
+
+    def fit(self, trace: Trace) -> None:  # noqa: B027 - optional hook
+        """Learn from the training prompts of ``trace`` (same model)."""
+
+    def begin_request(self) -> None:  # noqa: B027 - optional hook
+        """A new request (prompt) starts: forget per-request state."""
+
+    def begin_token(self, token_id: int) -> None:  # noqa: B027 - optional hook
+        """A new token enters layer 0; the previous token (if any) has passed every layer."""
+
+    def observe(self, il: int, ids: np.ndarray, probs: np.ndarray | None, hidden: np.ndarray | None) -> None:
+        """Layer ``il`` routed the current token: ids [n_expert_used] int, probs [n_expert] float32,
+        hidden [n_embd] float32 (the MoE input); probs/hidden may be None unless needs_* says so."""
+
+    def predict(self, il_target: int) -> np.ndarray | None:
+        """Scores [n_expert] float32 for layer ``il_target`` of the current token, or None."""
+        return np.zeros(self.shape.n_expert, dtype=np.float32)
+
+    def end_request(self) -> None:  # noqa: B027 - optional hook
+        """The request finished (online learners may keep what they saw)."""
+
+
+PREDICTORS: Registry[Predictor] = Registry("predictor")
+
+
+def make_predictor(spec: str, shape: ModelShape, stride: int = 1, **options: object) -> Predictor:
+    """A predictor from a registered name or a path to an ``.npz`` predictor file (the ``mlp``)."""
+    if spec.endswith(".npz") or Path(spec).is_file():
+        return PREDICTORS.get("mlp")(shape, stride, path=spec, **options)  # type: ignore[call-arg]
+    return PREDICTORS.get(spec)(shape, stride, **options)  # type: ignore[call-arg]

@@ -1,0 +1,19 @@
+"""Traces: the versioned ``.npz`` format, merging and the split by prompt.
+
+The recorder (``ggmoe.trace.record``) needs the engine and is imported on its own.
+"""
+
+from ggmoe.trace.data import load_traces, merge_traces, select_prompts, split_prompts
+from ggmoe.trace.format import (
+    FORMAT,
+    STAGE_DECODE,
+    STAGE_PREFILL,
+    VERSION,
+    Trace,
+    TraceMeta,
+    TraceWriter,
+    load_trace,
+)
+
+__all__ = ["FORMAT", "STAGE_DECODE", "STAGE_PREFILL", "VERSION", "Trace", "TraceMeta", "TraceWriter",
+           "load_trace", "load_traces", "merge_traces", "select_prompts", "split_prompts"]

@@ -1,0 +1,94 @@
+"""The package's import graph: no cycles, no training side, ctypes only under ggmoe/engine/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2] / "ggmoe"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        name = ".".join(("ggmoe", *path.relative_to(ROOT).with_suffix("").parts))
+        mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Modules of ggmoe (and top-level foreign names) that ``name`` imports, at any depth of its code."""
+    out: set[str] = set()
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.add(sub if sub in mods else base)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: {i for i in _imports(m, p, mods) if i in mods and i != m} for m, p in mods.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            # a package's __init__ importing its own submodules is how registration works; a submodule
+            # importing a sibling through the package is not followed back into that __init__
+            if m.startswith(n + "."):
+                continue
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (c := visit(n)):
+                return c
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (c := visit(m)):
+            return c
+    return None
+
+
+def test_no_import_cycle():
+    cycle = _find_cycle(_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = {"ggmoe.a": {"ggmoe.b"}, "ggmoe.b": {"ggmoe.c"}, "ggmoe.c": {"ggmoe.a"}, "ggmoe.d": set()}
+    assert _find_cycle(graph) == ["ggmoe.a", "ggmoe.b", "ggmoe.c", "ggmoe.a"]
+    assert _find_cycle({"ggmoe.a": {"ggmoe.b"}, "ggmoe.b": set()}) is None
+
+
+def test_runtime_never_imports_the_training_side():
+    mods = _modules()
+    bad = sorted(f"{m} imports {i}" for m, p in mods.items() for i in _imports(m, p, mods)
+                 if i.split(".")[0] in ("torch", "predictors"))
+    assert bad == []
+
+
+def test_ctypes_only_in_the_engine():
+    mods = _modules()
+    bad = sorted(m for m, p in mods.items() if "ctypes" in {i.split(".")[0] for i in _imports(m, p, mods)}
+                 and not m.startswith("ggmoe.engine"))
+    assert bad == []
