@@ -74,7 +74,7 @@ def main() -> int:
         return 2
     out = a.out or default_out()
     out.mkdir(parents=True, exist_ok=True)
-    facts = inspect_model(model)
+    inspect_model(model)  # a bad file fails before any work
     n_ctx = a.prefill_tokens + a.steps + 8
     with Engine(EngineConfig(model_path=model, n_ctx=max(n_ctx, 256))) as eng:
         for domain in a.domains:
@@ -91,8 +91,7 @@ def main() -> int:
                                    temp=0.8, seed=a.seed, keep_hidden=not a.no_hidden)
                 with click.progressbar(length=len(prompts), label=f"{domain} {mode}", file=sys.stderr) as bar:
                     path = record_trace(eng, prompts, cfg, out / f"{domain}-{mode}{tag}" / "trace.npz",
-                                        arch=facts.arch, n_expert=facts.n_expert,
-                                        n_expert_used=facts.n_expert_used, progress=bar.update)
+                                        progress=bar.update)
                 print(path)
     return 0
 

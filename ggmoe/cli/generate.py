@@ -55,12 +55,9 @@ def run(model: str | None, prompt: str, max_tokens: int, temp: float, seed: int,
         raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
     with make_engine(path, n_ctx, threads, verbose, cache) as eng:
         if trace_out:
-            from ggmoe.inspect import inspect_model
             from ggmoe.trace.record import trace_generation
 
-            facts = inspect_model(path)
-            gen = trace_generation(eng, prompt, max_tokens, temp, seed, Path(trace_out) / "trace.npz",
-                                   facts.arch, facts.n_expert, facts.n_expert_used)
+            gen = trace_generation(eng, prompt, max_tokens, temp, seed, Path(trace_out) / "trace.npz")
         else:
             gen = eng.generate(prompt, max_tokens, temp=temp, seed=seed)
         write_stats(eng, stats_json, {"model": str(path), "prompt_tokens": len(gen.prompt_ids),

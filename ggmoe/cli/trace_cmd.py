@@ -56,7 +56,7 @@ def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode:
     from ggmoe.trace.record import RecordConfig, read_prompts, record_trace
 
     path = model_path(model)
-    facts = inspect_model(path)
+    inspect_model(path)  # a bad file fails before any work
     prompts = read_prompts(prompts_file)
     cfg = RecordConfig(mode=mode, max_tokens=max_tokens, prefill_tokens=prefill_tokens, temp=temp, seed=seed,
                        keep_hidden=not no_hidden)
@@ -65,8 +65,6 @@ def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode:
         raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
     with make_engine(path, n_ctx, threads, verbose, cache) as eng:
         with click.progressbar(length=len(prompts), label="tracing", file=sys.stderr) as bar:
-            written = record_trace(eng, prompts, cfg, Path(out) / "trace.npz", arch=facts.arch,
-                                   n_expert=facts.n_expert, n_expert_used=facts.n_expert_used,
-                                   progress=bar.update)
+            written = record_trace(eng, prompts, cfg, Path(out) / "trace.npz", progress=bar.update)
         write_stats(eng, stats_json, {"model": str(path), "prompts": len(prompts), "mode": mode})
     click.echo(str(written))

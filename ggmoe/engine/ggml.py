@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
-import sys
 
 from ggmoe.errors import EngineError
 
 try:
     import llama_cpp
     from llama_cpp import llama_cpp as _llama_lowlevel
+    from llama_cpp._ctypes_extensions import load_shared_library
 except ImportError as e:  # pragma: no cover - depends on the install
     raise EngineError(
         "llama-cpp-python is not installed; run `make setup` (it builds the patched engine)"
@@ -27,12 +27,11 @@ LIB_DIR = pathlib.Path(_llama_lowlevel._base_path)
 
 
 def _load(name: str) -> ctypes.CDLL:
-    suffix = ".dylib" if sys.platform == "darwin" else ".so"
-    path = LIB_DIR / f"lib{name}{suffix}"
+    """A library beside libllama, through llama-cpp-python's own loader (already mapped: libllama needs it)."""
     try:
-        return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    except OSError as e:
-        raise EngineError(f"cannot load {path}: {e}") from e
+        return load_shared_library(name, LIB_DIR)
+    except (OSError, RuntimeError, FileNotFoundError) as e:
+        raise EngineError(f"cannot load lib{name} from {LIB_DIR}: {e}") from e
 
 
 libggml_base = _load("ggml-base")
@@ -110,6 +109,14 @@ libggml_base.ggml_get_name.restype = ctypes.c_char_p
 # void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
 libggml_base.ggml_backend_tensor_get.argtypes = [ggml_tensor_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
 libggml_base.ggml_backend_tensor_get.restype = None
+
+# ggml_backend_buffer_type_t ggml_backend_buffer_get_type(ggml_backend_buffer_t buffer);
+libggml_base.ggml_backend_buffer_get_type.argtypes = [ctypes.c_void_p]
+libggml_base.ggml_backend_buffer_get_type.restype = ctypes.c_void_p
+
+# const char * ggml_backend_buft_name(ggml_backend_buffer_type_t buft);
+libggml_base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+libggml_base.ggml_backend_buft_name.restype = ctypes.c_char_p
 
 # bool ggml_backend_buffer_is_host(ggml_backend_buffer_t buffer);
 libggml_base.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]

@@ -33,6 +33,12 @@ LLAMA_GGMOE_ERR_ALLOC = -1006  # cache tensor has no memory
 LLAMA_GGMOE_ERR_SLOT = -1007  # the route callback wrote a slot outside [0, n_slots)
 LLAMA_GGMOE_ERR_NO_CB = -1008  # a cache layer ran without a route callback
 LLAMA_GGMOE_ERR_ARG = -1009  # NULL context or negative n_slots
+LLAMA_GGMOE_ERR_HOST = -1010  # the host path cannot serve the layer (per-expert biases, or no cache)
+
+# A route callback's answer for a selected expert: computed by the CPU from the model's host tensor.
+LLAMA_GGMOE_SLOT_HOST = -1
+# Micro-batches of at most this many tokens may use the host path (below the GPU backends' op offload).
+LLAMA_GGMOE_HOST_MAX_TOKENS = 16
 
 ERROR_NAMES: dict[int, str] = {
     LLAMA_GGMOE_ERR_LAYER: "LLAMA_GGMOE_ERR_LAYER",
@@ -44,6 +50,7 @@ ERROR_NAMES: dict[int, str] = {
     LLAMA_GGMOE_ERR_SLOT: "LLAMA_GGMOE_ERR_SLOT",
     LLAMA_GGMOE_ERR_NO_CB: "LLAMA_GGMOE_ERR_NO_CB",
     LLAMA_GGMOE_ERR_ARG: "LLAMA_GGMOE_ERR_ARG",
+    LLAMA_GGMOE_ERR_HOST: "LLAMA_GGMOE_ERR_HOST",
 }
 
 # typedef int32_t (*llama_ggmoe_route_cb)(
@@ -80,6 +87,8 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
      [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
      ctypes.c_int32),
+    # int32_t llama_ggmoe_set_host_path(struct llama_context * ctx, int32_t il, int32_t zero_slot);
+    ("llama_ggmoe_set_host_path", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
 )
 
 SYMBOLS: tuple[str, ...] = tuple(name for name, _, _ in _SIGNATURES)
@@ -93,6 +102,7 @@ class PatchedLib:
     llama_ggmoe_set_route_cb: Any
     llama_ggmoe_get_error: Any
     llama_ggmoe_set_layer_cache: Any
+    llama_ggmoe_set_host_path: Any
     route_cb: Any = route_cb
 
 

@@ -14,17 +14,13 @@ callback: it maps ids to slots through ``ggmoe.cache.ExpertCache`` and hands
 from __future__ import annotations
 
 import ctypes
-import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from ggmoe.cache import CacheConfig, ExpertCache
 from ggmoe.cache.policies import POLICIES
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.errors import EngineError
-from ggmoe.hook import RouteEvent, RouteObserver
 from ggmoe.inspect.names import CACHED_KINDS, expert_weight_name
 
 
@@ -123,53 +119,6 @@ class GgmlLoader:
         if self.backend:
             B.libggml_base.ggml_backend_free(self.backend)
             self.backend = None
-
-
-def _view(ptr: int, ctype: type, shape: tuple[int, int]) -> np.ndarray:
-    """A numpy view (no copy) of a dense C array."""
-    n = shape[0] * shape[1]
-    return np.ctypeslib.as_array((ctype * n).from_address(ptr)).reshape(shape)
-
-
-class RouteAdapter:
-    """The ``llama_ggmoe_route_cb``: ids -> slots through the cache, events to the observer."""
-
-    def __init__(self) -> None:
-        self.cache: ExpertCache | None = None
-        self.observer: RouteObserver | None = None
-        self.error: BaseException | None = None
-        self.times: list[float] | None = None  # seconds per callback, when benchmarking
-        self.c_callback = _patched.route_cb(self._route)  # kept alive as long as the context
-
-    def _route(self, user_data: int, il: int, n_tokens: int, n_expert_used: int, n_expert: int, n_embd: int,
-               ids_p: int, probs_p: int, inp_p: int, slots_p: int | None) -> int:
-        t0 = time.perf_counter()
-        try:
-            if self.error is not None:
-                return 1
-            n = n_tokens * n_expert_used
-            ids = (ctypes.c_int32 * n).from_address(ids_p)  # dense [n_tokens][n_expert_used]
-            cache = self.cache
-            if cache is not None and il in cache.tables:
-                if slots_p:
-                    (ctypes.c_int32 * n).from_address(slots_p)[:] = cache.route_flat(il, ids[:])
-                else:
-                    cache.observe(il, ids[:])
-            elif slots_p:
-                raise EngineError(f"layer {il} asked for slots but has no cache")
-            obs = self.observer
-            if obs is not None:
-                req = obs.request
-                probs = _view(probs_p, ctypes.c_float, (n_tokens, n_expert)).copy() if req.probs else None
-                hidden = _view(inp_p, ctypes.c_float, (n_tokens, n_embd)).copy() if req.hidden else None
-                ids_np = np.frombuffer(ids, dtype=np.int32).reshape(n_tokens, n_expert_used).copy()
-                obs.on_route(RouteEvent(il=il, ids=ids_np, probs=probs, hidden=hidden))
-            if self.times is not None:
-                self.times.append(time.perf_counter() - t0)
-            return 0
-        except BaseException as e:  # noqa: BLE001 - must not unwind through C
-            self.error = e
-            return 1
 
 
 def _device_bufts() -> tuple[int, int | None]:

@@ -33,13 +33,10 @@ class HookCheck:
 def check_hook(engine: Engine, routers: dict[int, Router], prompt_ids: list[int], n_expert_used: int,
                tie_tol: float = 1e-3) -> HookCheck:
     rec = RouteRecorder(HookRequest(probs=True, hidden=True))
-    previous, engine.observer = engine.observer, rec
-    try:
+    with engine.observing(rec):
         engine.reset()
         engine.decode(prompt_ids, all_logits=True)  # else the last layer routes one token
         events = rec.take()
-    finally:
-        engine.observer = previous
     rows = mismatch = ties = 0
     max_diff = 0.0
     for il, ev in events.items():

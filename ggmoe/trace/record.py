@@ -61,11 +61,13 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def _meta(engine: Engine, arch: str, n_expert: int, n_expert_used: int, mode: str, max_tokens: int) -> TraceMeta:
+def trace_meta(engine: Engine, mode: str, max_tokens: int) -> TraceMeta:
+    """The trace's header, from the engine's model facts (read once, at load)."""
+    f = engine.facts
     return TraceMeta(
         model_fingerprint=model_fingerprint(engine.config.model_path),
-        model_name=Path(engine.config.model_path).name, arch=arch, n_layer=engine.n_layer,
-        n_expert=n_expert, n_expert_used=n_expert_used, n_embd=engine.n_embd,
+        model_name=Path(engine.config.model_path).name, arch=f.arch, n_layer=f.n_layer,
+        n_expert=f.n_expert, n_expert_used=f.n_expert_used, n_embd=f.n_embd,
         mode=mode, max_tokens=max_tokens, ggmoe_version=__version__, n_ubatch=engine.config.n_ubatch,
     )
 
@@ -80,7 +82,6 @@ def _step_writer(writer: TraceWriter, rec: RouteRecorder) -> StepCallback:
 
 
 def record_trace(engine: Engine, prompts: Iterable[str], config: RecordConfig, out: str | Path,
-                 arch: str, n_expert: int, n_expert_used: int,
                  progress: Callable[[int], None] | None = None) -> Path:
     """Trace every prompt and write ``out`` (a ``.npz`` path); returns the path written."""
     if config.mode not in MODES:
@@ -88,36 +89,27 @@ def record_trace(engine: Engine, prompts: Iterable[str], config: RecordConfig, o
     if config.max_tokens < 1:
         raise UsageError("max_tokens must be at least 1")
     recorder = RouteRecorder(HookRequest(probs=True, hidden=config.keep_hidden))
-    meta = _meta(engine, arch, n_expert, n_expert_used, config.mode, config.max_tokens)
+    meta = trace_meta(engine, config.mode, config.max_tokens)
     writer = TraceWriter(meta, keep_hidden=config.keep_hidden)
     # Every prompt is checked before any runs: a bad one fails fast instead of losing the work before it.
     plans = [_plan(engine, i, prompt, config) for i, prompt in enumerate(prompts)]
-    previous = engine.observer
-    engine.observer = recorder
-    try:
+    with engine.observing(recorder):
         for i, plan in enumerate(plans):
             _record_one(engine, plan, config, _step_writer(writer, recorder), seed=config.seed + i)
             writer.end_prompt()
             if progress:
                 progress(1)
-    finally:
-        engine.observer = previous
     return writer.save(out)
 
 
 def trace_generation(engine: Engine, prompt: str, max_tokens: int, temp: float, seed: int, out: str | Path,
-                     arch: str, n_expert: int, n_expert_used: int) -> Generation:
+                     on_text: Callable[[str], None] | None = None) -> Generation:
     """``engine.generate`` that also writes its routing as a one-prompt trace (full prefill routing)."""
     recorder = RouteRecorder(HookRequest(probs=True, hidden=True))
-    writer = TraceWriter(_meta(engine, arch, n_expert, n_expert_used, "sample" if temp > 0 else "greedy",
-                               max_tokens), keep_hidden=True)
-    previous = engine.observer
-    engine.observer = recorder
-    try:
+    writer = TraceWriter(trace_meta(engine, "sample" if temp > 0 else "greedy", max_tokens), keep_hidden=True)
+    with engine.observing(recorder):
         gen = engine.generate(prompt, max_tokens, temp=temp, seed=seed, all_logits=True,
-                              on_step=_step_writer(writer, recorder))
-    finally:
-        engine.observer = previous
+                              on_step=_step_writer(writer, recorder), on_text=on_text)
     writer.end_prompt()
     writer.save(out)
     return gen

@@ -149,7 +149,7 @@ class SlotRouter:
 
 
 def moe_layers(P: _patched.PatchedLib, eng: Engine) -> list[int]:
-    return [il for il in range(eng.n_layer) if _tensor(P, eng._model.ptr, f"blk.{il}.ffn_down_exps.weight")]
+    return [il for il in range(eng.n_layer) if _tensor(P, eng.model_ptr, f"blk.{il}.ffn_down_exps.weight")]
 
 
 def make_caches(P: _patched.PatchedLib, eng: Engine, n_slots: int, seed: int) -> dict[int, LayerCache]:
@@ -157,7 +157,7 @@ def make_caches(P: _patched.PatchedLib, eng: Engine, n_slots: int, seed: int) ->
     rng = np.random.default_rng(seed)
     caches = {}
     for il in moe_layers(P, eng):
-        c = LayerCache(P, eng._model.ptr, il, n_slots)
+        c = LayerCache(P, eng.model_ptr, il, n_slots)
         experts = rng.permutation(c.n_expert)[:n_slots]
         for slot, e in zip(rng.permutation(n_slots), experts, strict=True):
             c.load(int(e), int(slot))
@@ -237,14 +237,14 @@ class Session:
     def attach(self, n_slots: int, seed: int = 0) -> SlotRouter:
         self.caches = make_caches(self.P, self.eng, n_slots, seed)
         for c in self.caches.values():
-            assert c.register(self.P, self.eng._ctx.ptr) == _patched.LLAMA_GGMOE_OK
+            assert c.register(self.P, self.eng.ctx_ptr) == _patched.LLAMA_GGMOE_OK
         self.router = SlotRouter(self.P, self.caches, seed)
-        self.P.llama_ggmoe_set_route_cb(self.eng._ctx.ptr, self.router.c_cb, None)
+        self.P.llama_ggmoe_set_route_cb(self.eng.ctx_ptr, self.router.c_cb, None)
         return self.router
 
     def check_clean(self) -> None:
         assert self.router is None or self.router.error is None, self.router.error
-        assert self.P.llama_ggmoe_get_error(self.eng._ctx.ptr) == 0
+        assert self.P.llama_ggmoe_get_error(self.eng.ctx_ptr) == 0
 
     def close(self) -> None:
         self.eng.close()
@@ -339,10 +339,10 @@ def test_cache_config_change_rebuilds_the_graph(P, session):
     def before(step: int) -> None:
         if step == 2:  # drop every layer's cache: the route op turns observe-only
             for il in s.caches:
-                assert P.llama_ggmoe_set_layer_cache(s.eng._ctx.ptr, il, 0, None, None, None, None) == 0
+                assert P.llama_ggmoe_set_layer_cache(s.eng.ctx_ptr, il, 0, None, None, None, None) == 0
         if step == 4:  # and back
             for c in s.caches.values():
-                assert c.register(P, s.eng._ctx.ptr) == 0
+                assert c.register(P, s.eng.ctx_ptr) == 0
         if step > 0:
             used_cache.append(all(w for _, _, w in router.calls) and bool(router.calls))
         router.calls.clear()
@@ -359,7 +359,7 @@ def test_removing_the_callback_restores_the_stock_graph(P, session):
     ref = run_sequence(s.eng)
     router = s.attach(n_slots=8)
     run_sequence(s.eng)
-    P.llama_ggmoe_set_route_cb(s.eng._ctx.ptr, P.route_cb(), None)  # route_cb(): NULL
+    P.llama_ggmoe_set_route_cb(s.eng.ctx_ptr, P.route_cb(), None)  # route_cb(): NULL
     router.calls.clear()
     got = run_sequence(s.eng)
     assert not router.calls
@@ -424,7 +424,7 @@ def test_route_op_reports_what_the_stock_graph_computes(arch, P, session):
     params = llama_cpp.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_ubatch, params.n_threads = 64, 64, 64, 2
     params.cb_eval, params.cb_eval_user_data = tap.c_cb, None
-    ctx = llama_cpp.llama_init_from_model(s.eng._model.ptr, params)
+    ctx = llama_cpp.llama_init_from_model(s.eng.model_ptr, params)
     assert ctx
     try:
         router = SlotRouter(P, {})
@@ -450,8 +450,8 @@ def test_route_op_reports_what_the_stock_graph_computes(arch, P, session):
 
 def test_set_layer_cache_checks_its_arguments(P, session, merged_deepseek2):
     s = session(fixture_path("deepseek2"))
-    ctx = s.eng._ctx.ptr
-    good = LayerCache(P, s.eng._model.ptr, 1, 4)
+    ctx = s.eng.ctx_ptr
+    good = LayerCache(P, s.eng.model_ptr, 1, 4)
     s.caches[1] = good  # freed after the context
     up, gate, down = (good.cache[k] for k in ("up", "gate", "down"))
     E = _patched
@@ -479,17 +479,17 @@ def test_set_layer_cache_checks_its_arguments(P, session, merged_deepseek2):
     assert P.llama_ggmoe_set_layer_cache(ctx, 1, 0, None, None, None, None) == E.LLAMA_GGMOE_OK
 
     m = session(merged_deepseek2)
-    merged = LayerCache(P, m.eng._model.ptr, 1, 4)
+    merged = LayerCache(P, m.eng.model_ptr, 1, 4)
     m.caches[1] = merged
     assert set(merged.cache) == {"down", "gate_up"}
-    assert merged.register(P, m.eng._ctx.ptr) == E.LLAMA_GGMOE_OK
-    assert P.llama_ggmoe_set_layer_cache(m.eng._ctx.ptr, 1, 4, None, None, merged.cache["down"], None) == \
+    assert merged.register(P, m.eng.ctx_ptr) == E.LLAMA_GGMOE_OK
+    assert P.llama_ggmoe_set_layer_cache(m.eng.ctx_ptr, 1, 4, None, None, merged.cache["down"], None) == \
         E.LLAMA_GGMOE_ERR_TENSOR
 
 
 def test_callback_errors_are_kept_and_cleared(P, session):
     s = session(fixture_path("qwen3moe"))
-    ctx = s.eng._ctx.ptr
+    ctx = s.eng.ctx_ptr
     router = s.attach(n_slots=8)
     s.eng.reset()
     router.result = 7
@@ -516,5 +516,5 @@ def test_unpatched_library_raises_engine_not_patched(P):
     assert _patched.is_patched()
     assert set(_patched.SYMBOLS) == {
         "llama_ggmoe_model_get_tensor", "llama_ggmoe_set_route_cb", "llama_ggmoe_get_error",
-        "llama_ggmoe_set_layer_cache",
+        "llama_ggmoe_set_layer_cache", "llama_ggmoe_set_host_path",
     }

@@ -1,0 +1,133 @@
+"""Loading through llama-cpp-python's own wrappers, plus what they lack.
+
+``llama_cpp._internals`` owns the model, the context, the batch and the
+sampler. ggmoe adds only: the ``tensor_buft_overrides`` array that puts every
+routed expert tensor in host memory (the GPU's pinned host buffer type when
+there is a GPU), the ``cb_eval`` slot of the context parameters, and the check
+of where the expert tensors really landed, read from their buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_cpp import _internals
+
+from ggmoe.engine import ggml as B
+from ggmoe.engine import patch as _patched
+from ggmoe.engine.log import llama_log
+from ggmoe.errors import EngineError, ModelFileError
+from ggmoe.inspect import ModelFacts
+from ggmoe.inspect.names import EXPERT_TENSOR_PATTERN
+
+llama_cpp = B.llama_cpp
+
+
+def gpu_device() -> int | None:
+    """The first GPU ggml sees (a ggml_backend_dev_t), or None on a CPU-only build or machine."""
+    llama_log()
+    dev = B.libggml.ggml_backend_dev_by_type(B.GGML_BACKEND_DEVICE_TYPE_GPU)
+    return dev or None
+
+
+def gpu_device_name() -> str | None:
+    """Name of the first GPU ggml sees, or None on a CPU-only build or machine."""
+    dev = gpu_device()
+    return B.libggml.ggml_backend_dev_name(dev).decode() if dev else None
+
+
+def host_expert_buft() -> int:
+    """Buffer type for expert tensors: the GPU's pinned host memory if there is a GPU, else CPU."""
+    dev = gpu_device()
+    if dev:
+        buft = B.libggml.ggml_backend_dev_host_buffer_type(dev)
+        if buft:
+            return buft
+    return B.libggml_cpu.ggml_backend_cpu_buffer_type()
+
+
+@dataclass
+class LoadedModel:
+    """A ``LlamaModel`` and the override array llama.cpp read while loading it (kept alive with it)."""
+
+    model: _internals.LlamaModel
+    expert_buft: int | None  # the buffer type asked for the expert tensors, None when not overridden
+    _overrides: object = None
+    _pattern: bytes = b""
+
+    @property
+    def ptr(self) -> int:
+        return self.model.model
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def load_model(path: Path, n_gpu_layers: int, experts_on_host: bool) -> LoadedModel:
+    """Load the GGUF with the experts in host memory; ModelFileError with llama.cpp's reason on failure."""
+    log = llama_log()
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = n_gpu_layers
+    overrides, pattern, buft = None, b"", None
+    if experts_on_host:
+        # struct llama_model_tensor_buft_override[2]: the pattern, then the NULL terminator
+        overrides = (B.llama_model_tensor_buft_override * 2)()
+        pattern = EXPERT_TENSOR_PATTERN.encode()
+        buft = host_expert_buft()
+        overrides[0].pattern = pattern
+        overrides[0].buft = buft
+        params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
+        # llama.cpp copies overridden tensors anyway, so mmap would only double the page cache
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+    mark = log.count
+    try:
+        model = _internals.LlamaModel(path_model=str(path), params=params, verbose=log.verbose)
+    except ValueError:
+        detail = log.last_error(mark)
+        raise ModelFileError(f"llama.cpp could not load {path}" + (f": {detail}" if detail else "")) from None
+    return LoadedModel(model, buft, overrides, pattern)
+
+
+def new_context(model: LoadedModel, n_ctx: int, n_batch: int, n_ubatch: int, n_threads: int,
+                cb_eval: object | None) -> _internals.LlamaContext:
+    """A one-sequence context; ``cb_eval`` is a ``ggml_backend_sched_eval_callback`` or None."""
+    log = llama_log()
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = n_batch
+    params.n_ubatch = n_ubatch
+    params.n_seq_max = 1
+    params.n_threads = n_threads
+    params.n_threads_batch = n_threads
+    params.no_perf = True
+    if cb_eval is not None:
+        params.cb_eval = cb_eval
+        params.cb_eval_user_data = None
+    mark = log.count
+    try:
+        return _internals.LlamaContext(model=model.model, params=params, verbose=log.verbose)
+    except ValueError:
+        raise EngineError(f"llama.cpp could not create a context (n_ctx={n_ctx}): "
+                          f"{log.last_error(mark) or 'no reason logged'}") from None
+
+
+def expert_placement(model: LoadedModel, facts: ModelFacts) -> dict[str, str]:
+    """Buffer type name of every routed expert tensor, read from the tensor's buffer (patched engine).
+
+    A stock build cannot look tensors up by name, so it returns {}.
+    """
+    if not _patched.is_patched():
+        return {}
+    get = _patched.load().llama_ggmoe_model_get_tensor
+    out = {}
+    for layer in facts.layers:
+        for t in layer.tensors:
+            addr = get(model.ptr, t.name.encode())
+            if not addr:
+                raise EngineError(f"llama.cpp has no tensor {t.name} although the GGUF declares it")
+            buf = ctypes.cast(addr, B.ggml_tensor_p).contents.buffer
+            buft = B.libggml_base.ggml_backend_buffer_get_type(buf) if buf else None
+            out[t.name] = B.libggml_base.ggml_backend_buft_name(buft).decode() if buft else "none"
+    return out

@@ -1,0 +1,228 @@
+"""The host path of the patch (0004) through its raw ctypes layer, on the CPU-only build.
+
+A route callback may answer ``LLAMA_GGMOE_SLOT_HOST`` (-1) for a selected expert:
+the device part then reads the layer's zero slot for that entry and a host-side
+``mul_mat_id`` over the model's expert tensors computes exactly those entries
+(ids -1, written as zeros, elsewhere); the two parts are added per entry before
+the routing weights. x + 0 = x, so for any mix of slot and host answers the
+logits must equal the stock path's bit for bit. Controls show that the zero slot
+is really read and that host answers are refused where the host path is off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from make_fixtures import ARCHES, fixture_path
+from test_patch_lowlevel import (
+    DECODE,
+    PROMPT,
+    LayerCache,
+    _array,
+    assert_same_logits,
+    moe_layers,
+    run_sequence,
+)
+
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine import ggml as B
+from ggmoe.engine import patch as _patched
+
+SLOT_HOST = _patched.LLAMA_GGMOE_SLOT_HOST
+
+
+def _zero_slot(cache: LayerCache, slot: int, fill: int = 0) -> None:
+    """Fill `slot` of every kind of the layer's cache with the byte `fill` (0: the zero slot)."""
+    for k, t in cache.exps.items():
+        if t is None:
+            continue
+        nbytes = t.contents.nb[2]
+        raw = np.full(nbytes, fill, dtype=np.uint8)
+        B.libggml_base.ggml_backend_tensor_set(cache.cache[k], raw.ctypes.data, slot * nbytes, nbytes)
+    old = cache.expert_in[slot]
+    if old >= 0:
+        cache.slot_of[old] = -1
+    cache.expert_in[slot] = -1
+
+
+class HostRouter:
+    """Answers each selected expert with its slot, loading it first, or with the host path, at random.
+
+    ``p_host`` is the share of misses served by the host (1.0: never load); ``host_hits`` also sends some
+    resident experts to the host (a miss policy may decide so when a copy is still in flight).
+    """
+
+    def __init__(self, P, caches: dict[int, LayerCache], zero: dict[int, int], p_host: float, seed: int,
+                 host_hits: bool = False) -> None:
+        self.caches, self.zero = caches, zero
+        self.p_host, self.host_hits = p_host, host_hits
+        self.rng = np.random.default_rng(seed)
+        self.n_host = self.n_slot = 0  # answers given
+        self.error: BaseException | None = None
+        self.c_cb = P.route_cb(self._cb)
+
+    def _slot_for(self, cache: LayerCache, e: int, in_use: set[int]) -> int:
+        if cache.slot_of[e] >= 0:
+            return int(cache.slot_of[e])
+        free = [s for s in range(cache.n_slots) if s != self.zero[cache.il] and int(cache.expert_in[s]) not in in_use]
+        slot = int(self.rng.choice(free))
+        cache.load(e, slot)
+        return slot
+
+    def _cb(self, user_data, il, n_tokens, n_expert_used, n_expert, n_embd, ids_p, probs_p, inp_p, slots_p):
+        try:
+            if not slots_p:
+                return 0
+            cache = self.caches[il]
+            ids = _array(ids_p, ctypes.c_int32, (n_tokens, n_expert_used))
+            answer: dict[int, int] = {}  # one answer per distinct expert, as a cache gives
+            in_use: set[int] = set()
+            for e in np.unique(ids).tolist():
+                resident = cache.slot_of[e] >= 0
+                to_host = (self.rng.random() < self.p_host) if (not resident or self.host_hits) else False
+                if to_host:
+                    answer[e] = SLOT_HOST
+                else:
+                    answer[e] = self._slot_for(cache, e, in_use)
+                    in_use.add(e)
+            slots = _array(slots_p, ctypes.c_int32, (n_tokens, n_expert_used))
+            slots[:] = np.vectorize(answer.__getitem__, otypes=[np.int32])(ids)
+            self.n_host += int(np.sum(slots == SLOT_HOST))
+            self.n_slot += int(np.sum(slots != SLOT_HOST))
+            return 0
+        except BaseException as e:  # noqa: BLE001 - must not unwind through C
+            self.error = e
+            return 1
+
+
+class HostSession:
+    """An engine whose MoE layers have a cache with a zero slot and the host path on."""
+
+    def __init__(self, P, path, n_slots: int | None = None, n_ubatch: int = 2, fill_zero: int = 0,
+                 host_path: bool = True) -> None:
+        self.P = P
+        self.eng = Engine(EngineConfig(path, n_ctx=128, n_batch=64, n_ubatch=n_ubatch, n_threads=2))
+        self.caches: dict[int, LayerCache] = {}
+        self.zero: dict[int, int] = {}
+        self.n_slots = n_slots
+        self.fill_zero = fill_zero
+        self.host_path = host_path
+
+    def attach(self, p_host: float, seed: int = 0, host_hits: bool = False) -> HostRouter:
+        ctx = self.eng.ctx_ptr
+        for il in moe_layers(self.P, self.eng):
+            probe = LayerCache(self.P, self.eng.model_ptr, il, 1)
+            n_expert = probe.n_expert
+            probe.free()
+            n = self.n_slots or n_expert // 2 + 1
+            c = LayerCache(self.P, self.eng.model_ptr, il, n)
+            self.caches[il] = c
+            self.zero[il] = n - 1
+            _zero_slot(c, n - 1, self.fill_zero)
+            assert c.register(self.P, ctx) == _patched.LLAMA_GGMOE_OK
+            if self.host_path:
+                assert self.P.llama_ggmoe_set_host_path(ctx, il, n - 1) == _patched.LLAMA_GGMOE_OK
+        self.router = HostRouter(self.P, self.caches, self.zero, p_host, seed, host_hits)
+        self.P.llama_ggmoe_set_route_cb(ctx, self.router.c_cb, None)
+        return self.router
+
+    def close(self) -> None:
+        self.eng.close()
+        for c in self.caches.values():
+            c.free()
+
+
+@pytest.fixture
+def P():
+    return _patched.load()
+
+
+@pytest.fixture
+def host_session(P):
+    opened: list[HostSession] = []
+
+    def open_(*args, **kwargs) -> HostSession:
+        s = HostSession(P, *args, **kwargs)
+        opened.append(s)
+        return s
+
+    yield open_
+    for s in opened:
+        s.close()
+
+
+CASES = [  # (share of misses computed on the host, resident experts sometimes sent to the host too)
+    (0.5, False),
+    (1.0, False),
+    (0.5, True),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("p_host,host_hits", CASES)
+def test_any_mix_of_slot_and_host_answers_gives_identical_logits(arch, p_host, host_hits, host_session):
+    s = host_session(fixture_path(arch))
+    ref = run_sequence(s.eng)
+    router = s.attach(p_host, seed=5, host_hits=host_hits)
+    got = run_sequence(s.eng)
+    assert router.error is None, router.error
+    assert s.P.llama_ggmoe_get_error(s.eng.ctx_ptr) == 0
+    assert_same_logits(ref, got)
+    assert router.n_host > 0  # the host path really ran
+    if p_host < 1.0:
+        assert router.n_slot > 0
+
+
+def test_all_on_the_host_with_a_quantized_model(host_session):
+    s = host_session(fixture_path("qwen3moe", expert_type="q8_0"))
+    ref = run_sequence(s.eng)
+    router = s.attach(p_host=1.0, seed=1, host_hits=True)
+    assert_same_logits(ref, run_sequence(s.eng))
+    assert router.error is None and router.n_slot == 0 and router.n_host > 0
+
+
+def test_the_device_part_reads_the_zero_slot(host_session):
+    """Control: a zero slot that is not zero changes the logits, so the equality above is not vacuous."""
+    s = host_session(fixture_path("qwen3moe"), fill_zero=0x3C)  # 0x3C3C as f16 is 1.06
+    ref = run_sequence(s.eng)
+    router = s.attach(p_host=1.0, seed=2)
+    got = run_sequence(s.eng)
+    assert router.n_host > 0
+    assert not all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+def test_host_answers_are_refused_where_the_host_path_is_off(host_session):
+    s = host_session(fixture_path("qwen3moe"), host_path=False)
+    s.attach(p_host=1.0, seed=3)
+    s.eng.reset()
+    with pytest.raises(Exception, match="SLOT"):
+        s.eng.decode(DECODE[:1], all_logits=True)
+
+
+def test_micro_batches_above_the_host_limit_keep_slots_only(host_session):
+    """A micro-batch of more than LLAMA_GGMOE_HOST_MAX_TOKENS tokens gets no host plane: host answers fail."""
+    n = _patched.LLAMA_GGMOE_HOST_MAX_TOKENS
+    assert len(PROMPT) > n
+    s = host_session(fixture_path("qwen3moe"), n_slots=9, n_ubatch=64)  # 8 experts + the zero slot
+    s.attach(p_host=1.0, seed=4)
+    s.eng.reset()
+    with pytest.raises(Exception, match="SLOT"):
+        s.eng.decode(PROMPT, all_logits=True)
+
+
+def test_set_host_path_checks_its_arguments(P, host_session):
+    s = host_session(fixture_path("deepseek2"))
+    ctx = s.eng.ctx_ptr
+    E = _patched
+    assert P.llama_ggmoe_set_host_path(ctx, 1, 0) == E.LLAMA_GGMOE_ERR_HOST  # no cache on the layer yet
+    s.attach(p_host=0.5)
+    n = s.caches[1].n_slots
+    assert P.llama_ggmoe_set_host_path(ctx, 1, n - 1) == E.LLAMA_GGMOE_OK
+    assert P.llama_ggmoe_set_host_path(ctx, 1, -1) == E.LLAMA_GGMOE_OK  # off
+    assert P.llama_ggmoe_set_host_path(ctx, 1, n) == E.LLAMA_GGMOE_ERR_SLOT
+    assert P.llama_ggmoe_set_host_path(ctx, 1, -2) == E.LLAMA_GGMOE_ERR_ARG
+    assert P.llama_ggmoe_set_host_path(ctx, 0, 0) == E.LLAMA_GGMOE_ERR_NOT_MOE  # deepseek2's dense lead layer
+    assert P.llama_ggmoe_set_host_path(ctx, s.eng.n_layer, 0) == E.LLAMA_GGMOE_ERR_LAYER
+    assert P.llama_ggmoe_set_host_path(None, 1, 0) == E.LLAMA_GGMOE_ERR_ARG
