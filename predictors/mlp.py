@@ -18,6 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from .settings import FitSettings
+
+__all__ = ["FitResult", "FitSettings", "PredictorMLP", "fit_arrays", "fit_net", "topk_accuracy"]
+
 
 class PredictorMLP(nn.Module):
     def __init__(self, n_embd: int, hidden: int, n_out: int, dropout: float) -> None:
@@ -29,17 +33,6 @@ class PredictorMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, n_embd] -> logits [n, T * n_expert]."""
         return self.fc2(self.drop(torch.relu(self.fc1(x))))
-
-
-@dataclass(frozen=True)
-class FitSettings:
-    hidden: int = 1024  # hidden units
-    dropout: float = 0.5  # after the hidden layer, training only
-    lr: float = 1e-3  # Adam
-    weight_decay: float = 0.0
-    batch_size: int = 256  # tokens per step
-    max_epochs: int = 20
-    patience: int = 3  # epochs without a better validation loss before stopping
 
 
 @dataclass(frozen=True)
@@ -106,3 +99,20 @@ def _val_loss(net: PredictorMLP, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.M
     net.eval()
     with torch.no_grad():
         return float(loss_fn(net(x), y))
+
+
+def fit_arrays(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray, n_expert: int,
+               k: int, cfg: FitSettings, seed: int, threads: int = 1,
+               on_epoch: Callable[[int, float, float], None] | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """``fit_net`` on numpy inputs; the weights under the file format's names (w1, b1, w2, b2) and the metrics."""
+    torch.set_num_threads(threads)
+    t = torch.from_numpy
+    res = fit_net(t(x_train), t(y_train), t(x_val), t(y_val), n_expert, k, cfg, seed, on_epoch)
+    st = res.state
+    arrays = {"w1": st["fc1.weight"], "b1": st["fc1.bias"], "w2": st["fc2.weight"], "b2": st["fc2.bias"]}
+    return arrays, res.metrics
+
+
+def versions() -> dict[str, object]:
+    """What the training ran with, for the file's metadata."""
+    return {"torch": torch.__version__, "threads": torch.get_num_threads()}

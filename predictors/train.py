@@ -1,6 +1,9 @@
-"""Train ProMoE predictors from traces and export them to one ``.npz`` (format: ``ggmoe.predict.mlp``).
+"""Train expert predictors from traces and export them to one ``.npz`` (format: ``ggmoe.predict.mlp_file``).
 
-One training run writes one file holding every net it trained:
+Two kinds (``TrainConfig.kind``): ``mlp``, ProMoE's two-layer MLPs (torch,
+``predictors.mlp``), and ``linear``, the ridge baseline without a hidden layer
+(scikit-learn, ``predictors.linear``); each is imported only when used, so this
+module needs neither. One training run writes one file holding every net it trained:
 
 - per stride s (``strides``, several allowed): one net per source MoE layer at
   position j predicting position j + s;
@@ -9,42 +12,45 @@ One training run writes one file holding every net it trained:
 
 The trace's prompts are split 9:1 BY PROMPT (``ggmoe.trace.data.split_prompts``,
 seeded): the 90 % train the nets and give the input normalisation (mean/std per
-feature of each source layer), the 10 % drive early stopping and the metrics
-stored in the file.
+feature of each source layer), the 10 % drive early stopping (mlp) and the
+metrics stored in the file. The linear kind chooses its penalty by grouped K-fold
+over the training prompts only (``predictors.linear``), so both kinds hold out the
+same prompts, the ones ``ggmoe eval-predictor`` scores without ``--train``.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from ggmoe.errors import UsageError
-from ggmoe.predict.mlp import FORMAT, KIND, VERSION
+from ggmoe.predict.mlp_file import FORMAT, KINDS, VERSION, write_predictor_file
 from ggmoe.trace import Trace
 from ggmoe.trace.data import select_prompts, split_prompts
 
-from .mlp import FitSettings, fit_net
+from .settings import FitSettings, LinearSettings
 
 N_TARGETS = 6  # layers ahead a multi-target net predicts (ProMoE's l+1..l+6)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    fit: FitSettings = FitSettings()
+    fit: FitSettings = FitSettings()  # kind mlp
+    kind: str = "mlp"  # mlp | linear
+    linear: LinearSettings = LinearSettings()  # kind linear
     strides: tuple[int, ...] = (1,)  # ignored when multi
     multi: bool = False
     sources: tuple[int, ...] | None = None  # source layers il; None: every MoE layer that has a target
     val_frac: float = 0.1  # held-out share of the prompts
     seed: int = 0
     dtype: str = "float32"  # stored weights: float32 | float16
-    # torch intra-op threads. One by default: with two threads on a 2-core machine where another
+    # torch intra-op (mlp) or BLAS (linear) threads. One by default: with two threads on a 2-core machine where another
     # process holds a core, a training step was measured 16x slower (threads spin on the busy core).
     threads: int = 1
 
@@ -98,20 +104,24 @@ def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[s
     """Train the planned nets; returns the arrays and the metadata of the export."""
     if trace.hidden is None:
         raise UsageError("the trace has no hidden states (recorded with --no-hidden): "
-                         "the mlp predictor learns from them")
+                         f"the {cfg.kind} predictor learns from them")
     if cfg.dtype not in ("float32", "float16"):
         raise UsageError(f"dtype {cfg.dtype!r}: choose float32 or float16")
-    torch.set_num_threads(cfg.threads)
+    if cfg.kind not in KINDS:
+        raise UsageError(f"kind {cfg.kind!r}: choose one of {', '.join(KINDS)}")
+    fit, versions = _fitter(cfg)
     t_start = time.perf_counter()
     layers = [int(il) for il in trace.layers]
     plans = plan_nets(layers, cfg)
     tr_p, va_p = split_prompts(trace.n_prompts, cfg.val_frac, cfg.seed)
     tr, va = select_prompts(trace, tr_p), select_prompts(trace, va_p)
+    groups = np.repeat(np.arange(tr.n_prompts), np.diff(tr.prompt_offsets))  # [n_train_tokens] prompt of each row
     m = trace.meta
     arrays: dict[str, np.ndarray] = {}
     entries = []
     inputs: dict[int, tuple] = {}  # source il -> (x_train, x_val, mean, std): shared by that source's nets
-    bar = tqdm(total=len(plans), desc="training predictors", unit="net", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=len(plans), desc=f"training {cfg.kind} predictors", unit="net", file=sys.stderr,
+               disable=not progress)
     for i, plan in enumerate(plans):
         j = layers.index(plan.il)
         if plan.il not in inputs:
@@ -119,60 +129,70 @@ def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[s
             inputs[plan.il] = _inputs(tr.hidden[:, j], va.hidden[:, j])
         x_tr, x_va, mean, std = inputs[plan.il]
         cols = [layers.index(t) for t in plan.targets]
-        y_tr = torch.from_numpy(_multi_hot(tr.ids[:, cols], m.n_expert))
-        y_va = torch.from_numpy(_multi_hot(va.ids[:, cols], m.n_expert))
+        y_tr, y_va = _multi_hot(tr.ids[:, cols], m.n_expert), _multi_hot(va.ids[:, cols], m.n_expert)
 
         def on_epoch(epoch: int, train_loss: float, val_loss: float, plan: NetPlan = plan) -> None:
             bar.set_postfix(il=plan.il, targets=",".join(map(str, plan.targets)), epoch=epoch,
                             val_loss=f"{val_loss:.4f}")
 
-        res = fit_net(x_tr, y_tr, x_va, y_va, m.n_expert, m.n_expert_used, cfg.fit, _net_seed(cfg.seed, plan),
-                      on_epoch)
-        st = res.state
-        p = f"net{i}."
-        arrays[p + "w1"], arrays[p + "b1"] = st["fc1.weight"].astype(cfg.dtype), st["fc1.bias"].astype(cfg.dtype)
-        arrays[p + "w2"], arrays[p + "b2"] = st["fc2.weight"].astype(cfg.dtype), st["fc2.bias"].astype(cfg.dtype)
-        arrays[p + "mean"], arrays[p + "std"] = mean, std
+        weights, metrics = fit(x_tr, y_tr, groups, x_va, y_va, m.n_expert, m.n_expert_used,
+                                  _net_seed(cfg.seed, plan), on_epoch)
+        arrays |= {f"net{i}.{key}": w.astype(cfg.dtype) for key, w in weights.items()}
+        arrays[f"net{i}.mean"], arrays[f"net{i}.std"] = mean, std
         entries.append({"il": plan.il, "targets": list(plan.targets),
-                        "strides": [layers.index(t) - j for t in plan.targets], "metrics": res.metrics})
+                        "strides": [layers.index(t) - j for t in plan.targets], "metrics": metrics})
         bar.update(1)
     bar.close()
     meta = {
-        "format": FORMAT, "version": VERSION, "kind": KIND,
+        "format": FORMAT, "version": VERSION, "kind": cfg.kind,
         "model_fingerprint": m.model_fingerprint, "model_name": m.model_name, "arch": m.arch,
         "layers": layers, "n_expert": m.n_expert, "n_expert_used": m.n_expert_used, "n_embd": m.n_embd,
-        "dtype": cfg.dtype, "hidden": cfg.fit.hidden, "activation": "relu", "output": "sigmoid",
+        "dtype": cfg.dtype, "hidden": cfg.fit.hidden if cfg.kind == "mlp" else 0,
+        "activation": "relu" if cfg.kind == "mlp" else None, "output": "sigmoid",
         "normalisation": "x = (hidden - mean) / std, per feature, from the training prompts",
         "nets": entries,
         "training": {
-            **asdict(cfg.fit), "strides": list(cfg.strides), "multi": cfg.multi, "seed": cfg.seed,
+            **(asdict(cfg.fit) if cfg.kind == "mlp" else asdict(cfg.linear)),
+            "strides": list(cfg.strides), "multi": cfg.multi, "seed": cfg.seed,
             "val_frac": cfg.val_frac, "split": "by prompt (ggmoe.trace.data.split_prompts)",
             "n_train_prompts": int(tr_p.size), "n_val_prompts": int(va_p.size), "val_prompts": va_p.tolist(),
             "n_train_tokens": tr.n_tokens, "n_val_tokens": va.n_tokens,
-            "seconds": round(time.perf_counter() - t_start, 2), "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
+            "seconds": round(time.perf_counter() - t_start, 2), **versions(),
         },
     }
     return arrays, meta
 
 
-def _inputs(h_tr: np.ndarray, h_va: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+def _fitter(cfg: TrainConfig) -> tuple[Callable[..., tuple[dict[str, np.ndarray], dict]], Callable[[], dict]]:
+    """The kind's ``fit(x_tr, y_tr, groups, x_va, y_va, n_expert, k, seed, on_epoch) -> (weights, metrics)``
+    and ``versions()``; imports torch or scikit-learn only for the kind asked for."""
+    if cfg.kind == "mlp":
+        from . import mlp
+
+        def fit_mlp(x_tr, y_tr, groups, x_va, y_va, n_expert, k, seed, on_epoch):
+            return mlp.fit_arrays(x_tr, y_tr, x_va, y_va, n_expert, k, cfg.fit, seed, cfg.threads, on_epoch)
+
+        return fit_mlp, mlp.versions
+    from . import linear
+
+    def fit_linear(x_tr, y_tr, groups, x_va, y_va, n_expert, k, seed, on_epoch):  # deterministic: no seed
+        return linear.fit_linear(x_tr, y_tr, groups, x_va, y_va, n_expert, k, cfg.linear, cfg.threads)
+
+    return fit_linear, linear.versions
+
+
+def _inputs(h_tr: np.ndarray, h_va: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Normalised inputs of one source layer and the statistics (from the training rows)."""
     x_tr = h_tr.astype(np.float32)
     mean = x_tr.mean(axis=0, dtype=np.float64).astype(np.float32)  # [n_embd]
     std = np.maximum(x_tr.std(axis=0, dtype=np.float64), 1e-6).astype(np.float32)  # [n_embd] > 0
 
-    def norm(h: np.ndarray) -> torch.Tensor:  # the same float32 arithmetic as ggmoe.predict.mlp.Net
-        return torch.from_numpy((h.astype(np.float32) - mean) / std)
+    def norm(h: np.ndarray) -> np.ndarray:  # the same float32 arithmetic as ggmoe.predict.mlp_file.Net
+        return (h.astype(np.float32) - mean) / std
 
     return norm(h_tr), norm(h_va), mean, std
 
 
 def export(path: str | Path, arrays: dict[str, np.ndarray], meta: dict) -> Path:
-    """Write the ``.npz`` atomically (meta as UTF-8 JSON bytes, no pickle)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-    tmp.replace(path)
-    return path
+    """Write the ``.npz`` through the format's writer (atomic, read back before it replaces ``path``)."""
+    return write_predictor_file(path, meta, arrays)

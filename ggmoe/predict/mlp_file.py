@@ -1,0 +1,368 @@
+"""The predictor file format ``ggmoe-predictor`` version 1: constants, validation, reader and writer (numpy only).
+
+One ``.npz`` (a zip of ``.npy`` members, no pickle) holds every net of one training
+run: for one or several strides, or the multi-target nets (one net per source
+layer predicting the next up to 6 MoE layers at once). Two kinds of net, named
+by ``meta["kind"]``; for net i with H hidden units, n_embd inputs and T target layers:
+
+==============  ===================  ==========================  ==========================================
+name            dtype                shape                       meaning
+==============  ===================  ==========================  ==========================================
+``meta``        uint8                [n_bytes]                   UTF-8 JSON object, see below
+kind ``mlp`` (ProMoE's two-layer MLP, ``predictors/mlp.py``):
+``net{i}.w1``   float32 or float16   [H, n_embd]                 first layer (torch ``nn.Linear`` layout)
+``net{i}.b1``   same                 [H]
+``net{i}.w2``   same                 [T * n_expert, H]           output: target t is rows t*E:(t+1)*E
+``net{i}.b2``   same                 [T * n_expert]
+kind ``linear`` (no hidden layer, ``predictors/linear.py``):
+``net{i}.w``    float32 or float16   [T * n_expert, n_embd]      output: target t is rows t*E:(t+1)*E
+``net{i}.b``    same                 [T * n_expert]
+both kinds:
+``net{i}.mean`` float32              [n_embd]                    input normalisation, from the training
+``net{i}.std``  float32              [n_embd]                    prompts: x = (hidden - mean) / std
+==============  ===================  ==========================  ==========================================
+
+``meta``: ``format``, ``version``, ``kind``, ``model_fingerprint``, ``model_name``,
+``layers`` (MoE layers of the model), ``n_expert``, ``n_expert_used``, ``n_embd``,
+``dtype``, ``hidden`` (0 for ``linear``), ``nets`` (per net: ``il`` source layer,
+``targets`` target layers, ``metrics``) and ``training`` (the settings, the split,
+the time). Scores are ``sigmoid(w2 relu(w1 x + b1) + b2)`` (mlp) or
+``sigmoid(w x + b)`` (linear), computed in float32 whatever the stored dtype.
+
+The reader trusts nothing in the file: it opens the zip itself and checks every
+member's ``.npy`` header (dtype, shape, and that shape x itemsize is the member's
+size) against what the validated metadata and the model say BEFORE reading its
+data, so a lying header cannot make it allocate more than the model's nets need.
+The writer writes atomically and reads its own output back before it replaces
+anything, so it never leaves a file the reader would refuse.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ggmoe.errors import PredictorFileError, UsageError
+from ggmoe.predict.base import ModelShape
+
+FORMAT = "ggmoe-predictor"
+VERSION = 1
+KIND = "mlp"  # the default kind (what files written before ``linear`` existed hold)
+KINDS = ("mlp", "linear")
+DTYPES = ("float32", "float16")
+NET_KEYS = {"mlp": ("w1", "b1", "w2", "b2", "mean", "std"), "linear": ("w", "b", "mean", "std")}
+MAX_HIDDEN = 1 << 16  # hidden units; bounds what a file can make the reader allocate
+MAX_META_BYTES = 16 << 20  # the JSON metadata (per-net metrics, the split) stays far below this
+_META_KEYS = ("model_fingerprint", "layers", "n_expert", "n_expert_used", "n_embd", "dtype", "hidden", "nets")
+
+
+@dataclass(frozen=True)
+class Net:
+    """One loaded net, weights pre-transposed to float32 for ``x @ w``."""
+
+    il: int  # source MoE layer
+    targets: tuple[int, ...]  # target MoE layers, column block t*E:(t+1)*E of the output
+    w1t: np.ndarray | None  # [n_embd, H] float32; None for a linear net
+    b1: np.ndarray | None  # [H] float32; None for a linear net
+    w2t: np.ndarray  # [H, T * n_expert] float32 (linear: [n_embd, T * n_expert])
+    b2: np.ndarray  # [T * n_expert] float32
+    mean: np.ndarray  # [n_embd] float32
+    std: np.ndarray  # [n_embd] float32, > 0
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [n, n_embd] -> logits [n, T * n_expert] float32."""
+        x = (hidden.astype(np.float32, copy=False) - self.mean) / self.std
+        if self.w1t is not None:
+            x = np.maximum(x @ self.w1t + self.b1, 0.0)
+        return x @ self.w2t + self.b2
+
+
+@dataclass(frozen=True)
+class PredictorFile:
+    meta: dict  # validated metadata
+    nets: tuple[Net, ...]
+
+    @property
+    def kind(self) -> str:
+        return str(self.meta["kind"])
+
+
+MLPFile = PredictorFile  # the name used before the linear kind existed
+
+
+def _fail(label: object, msg: str) -> PredictorFileError:
+    return PredictorFileError(f"{label}: {msg}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# --- metadata ---------------------------------------------------------------------------------
+
+
+def check_meta(meta: object, label: object) -> dict:
+    """The metadata of a predictor file, checked for types and consistency; PredictorFileError otherwise."""
+    if not isinstance(meta, dict):
+        raise _fail(label, f"metadata is a JSON {type(meta).__name__}, not an object")
+    if meta.get("format") != FORMAT:
+        raise _fail(label, f"not a ggmoe predictor file (format {meta.get('format')!r})")
+    if not _is_int(meta.get("version")) or meta["version"] != VERSION:
+        raise _fail(label, f"predictor format version {meta.get('version')!r} is not supported (this is {VERSION})")
+    kind = meta.get("kind")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise _fail(label, f"predictor kind {kind!r} is not one of {KINDS}")
+    missing = [k for k in _META_KEYS if k not in meta]
+    if missing:
+        raise _fail(label, f"metadata lacks {missing}")
+    if not isinstance(meta["model_fingerprint"], str) or not meta["model_fingerprint"]:
+        raise _fail(label, f"metadata model_fingerprint must be a string, not {meta['model_fingerprint']!r}")
+    for key in ("n_expert", "n_expert_used", "n_embd"):
+        if not _is_int(meta[key]) or meta[key] < 1:
+            raise _fail(label, f"metadata {key} must be a positive integer, not {meta[key]!r}")
+    if meta["n_expert_used"] > meta["n_expert"]:
+        raise _fail(label, f"metadata n_expert_used {meta['n_expert_used']} exceeds n_expert {meta['n_expert']}")
+    _check_hidden(meta, label)
+    layers = meta["layers"]
+    if (not isinstance(layers, list) or len(layers) < 2 or not all(_is_int(il) and il >= 0 for il in layers)
+            or layers != sorted(set(layers))):
+        raise _fail(label, f"metadata layers must be at least 2 ascending layer indices, not {layers!r}")
+    if not isinstance(meta["dtype"], str) or meta["dtype"] not in DTYPES:
+        raise _fail(label, f"weight dtype {meta['dtype']!r} is not one of {DTYPES}")
+    nets = meta["nets"]
+    if not isinstance(nets, list) or not nets:
+        raise _fail(label, "metadata lists no nets")
+    if len(nets) > len(layers) ** 2:  # every (source, stride) pair plus a multi net per source fits
+        raise _fail(label, f"metadata lists {len(nets)} nets, more than {len(layers)} MoE layers can have")
+    for i, entry in enumerate(nets):
+        _check_net_entry(label, i, entry, layers)
+    return meta
+
+
+def _check_hidden(meta: dict, label: object) -> None:
+    h = meta["hidden"]
+    if meta["kind"] == "linear":
+        if h != 0 or not _is_int(h):
+            raise _fail(label, f"metadata hidden must be 0 for a linear predictor, not {h!r}")
+    elif not _is_int(h) or not 1 <= h <= MAX_HIDDEN:
+        raise _fail(label, f"metadata hidden must be a positive integer up to {MAX_HIDDEN}, not {h!r}")
+
+
+def _check_net_entry(label: object, i: int, entry: object, layers: list[int]) -> None:
+    if not isinstance(entry, dict) or not _is_int(entry.get("il")) or not isinstance(entry.get("targets"), list) \
+            or not all(_is_int(t) for t in entry["targets"]):
+        raise _fail(label, f"net {i}: bad entry {entry!r} (needs integer il and a list of integer targets)")
+    il, targets = entry["il"], entry["targets"]
+    if il not in layers or not targets or any(t not in layers or t <= il for t in targets) \
+            or len(set(targets)) != len(targets):
+        raise _fail(label, f"net {i}: source {il} / targets {targets} are not later MoE layers of {layers}")
+
+
+def check_model(meta: dict, shape: ModelShape, label: object) -> None:
+    """The file was made for the model ``shape``."""
+    if meta["model_fingerprint"] != shape.model_fingerprint:
+        raise _fail(label, f"made for model {meta['model_fingerprint']} ({meta.get('model_name', '?')}), "
+                           f"not this model ({shape.model_fingerprint})")
+    for key in ("n_expert", "n_expert_used", "n_embd"):
+        if meta[key] != getattr(shape, key):
+            raise _fail(label, f"{key} {meta[key]} does not match the model's {getattr(shape, key)}")
+    if list(meta["layers"]) != list(shape.layers):
+        raise _fail(label, f"MoE layers {meta['layers']} do not match the model's {list(shape.layers)}")
+
+
+def shape_of(meta: dict) -> ModelShape:
+    """The model facts a (checked) metadata dict describes."""
+    return ModelShape(model_fingerprint=meta["model_fingerprint"], layers=tuple(meta["layers"]),
+                      n_expert=meta["n_expert"], n_expert_used=meta["n_expert_used"], n_embd=meta["n_embd"])
+
+
+# --- arrays: headers checked before data ------------------------------------------------------
+
+
+class _Members:
+    """The ``.npy`` members of an open zip, read with their headers checked first."""
+
+    def __init__(self, z: zipfile.ZipFile, label: object) -> None:
+        self.z, self.label = z, label
+        self.infos: dict[str, zipfile.ZipInfo] = {}
+        for info in z.infolist():
+            key = info.filename.removesuffix(".npy")
+            if key in self.infos or info.is_dir() or not info.filename.endswith(".npy"):
+                raise _fail(label, f"unexpected zip member {info.filename!r}")
+            self.infos[key] = info
+
+    def read(self, key: str, dtype: str, shape: tuple[int, ...] | None, max_bytes: int | None = None) -> np.ndarray:
+        """Array ``key``; its header must declare ``dtype`` and ``shape`` (None: any 1-D up to max_bytes)."""
+        info = self.infos.get(key)
+        if info is None:
+            raise _fail(self.label, f"missing array {key}")
+        with self.z.open(info) as f:
+            got_dtype, got_shape, fortran, offset = self._header(f, key)
+            if got_dtype.hasobject:
+                raise _fail(self.label, f"array {key} cannot be read without pickle (dtype {got_dtype})")
+            if got_dtype != np.dtype(dtype):
+                raise _fail(self.label, f"{key}: dtype {got_dtype}, expected {dtype}")
+            if shape is not None and got_shape != shape:
+                raise _fail(self.label, f"{key}: shape {got_shape}, expected {shape}")
+            if shape is None and len(got_shape) != 1:
+                raise _fail(self.label, f"{key}: shape {got_shape}, expected a vector")
+            nbytes = int(np.prod(got_shape, dtype=np.int64)) * got_dtype.itemsize
+            if max_bytes is not None and nbytes > max_bytes:
+                raise _fail(self.label, f"{key}: {nbytes} bytes, more than the {max_bytes} allowed")
+            if info.file_size != offset + nbytes:  # zipfile never yields more than file_size bytes
+                raise _fail(self.label, f"{key}: the header declares {nbytes} data bytes, the member holds "
+                                        f"{info.file_size - offset}")
+            data = f.read(nbytes)
+        a = np.frombuffer(data, dtype=got_dtype).reshape(got_shape, order="F" if fortran else "C")
+        if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+            raise _fail(self.label, f"{key}: contains NaN or infinity")
+        return a
+
+    def _header(self, f: io.BufferedIOBase, key: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+        fmt = np.lib.format
+        try:
+            version = fmt.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = fmt.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = fmt.read_array_header_2_0(f)
+            else:
+                raise ValueError(f".npy format version {version} is not supported")
+        except (ValueError, TypeError, SyntaxError, OverflowError, EOFError) as e:
+            raise _fail(self.label, f"{key}: not a valid .npy array ({e})") from e
+        offset = f.tell()  # header bytes: data follows
+        return np.dtype(dtype), tuple(int(n) for n in shape), bool(fortran), offset
+
+    def unexpected(self, expected: set[str]) -> list[str]:
+        return sorted(set(self.infos) - expected)
+
+
+def _read_net(m: _Members, i: int, entry: dict, meta: dict) -> Net:
+    il, targets = entry["il"], tuple(entry["targets"])
+    d, e, h, dt = meta["n_embd"], meta["n_expert"], meta["hidden"], meta["dtype"]
+    n_out = len(targets) * e
+    p = f"net{i}."
+    f32 = np.float32
+    if meta["kind"] == "linear":
+        w1t = b1 = None
+        w2 = m.read(p + "w", dt, (n_out, d))
+        b2 = m.read(p + "b", dt, (n_out,))
+    else:
+        w1 = m.read(p + "w1", dt, (h, d))
+        b1 = m.read(p + "b1", dt, (h,)).astype(f32)
+        w1t = np.ascontiguousarray(w1.T, dtype=f32)
+        w2 = m.read(p + "w2", dt, (n_out, h))
+        b2 = m.read(p + "b2", dt, (n_out,))
+    mean = m.read(p + "mean", "float32", (d,))
+    std = m.read(p + "std", "float32", (d,))
+    if np.any(std <= 0):
+        raise _fail(m.label, f"{p}std must be positive")
+    return Net(il=il, targets=targets, w1t=w1t, b1=b1, w2t=np.ascontiguousarray(w2.T, dtype=f32),
+               b2=b2.astype(f32), mean=mean, std=std)
+
+
+def _read_meta(m: _Members) -> dict:
+    raw = m.read("meta", "uint8", None, max_bytes=MAX_META_BYTES)
+    try:
+        meta = json.loads(raw.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise _fail(m.label, f"bad metadata: {e}") from e
+    return check_meta(meta, m.label)
+
+
+def _read(path: Path, shape: ModelShape | None, label: object) -> PredictorFile:
+    """Read ``path`` for the model ``shape`` (None: the model its metadata names), messages under ``label``."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            m = _Members(z, label)
+            meta = _read_meta(m)
+            check_model(meta, shape if shape is not None else shape_of(meta), label)
+            nets = tuple(_read_net(m, i, entry, meta) for i, entry in enumerate(meta["nets"]))
+            extra = m.unexpected({"meta"} | {f"net{i}.{k}" for i in range(len(nets)) for k in NET_KEYS[meta["kind"]]})
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, OSError, EOFError) as e:
+        raise _fail(label, f"damaged .npz file ({e})") from e
+    if extra:
+        raise _fail(label, f"unexpected arrays {extra}")
+    return PredictorFile(meta=meta, nets=nets)
+
+
+def read_predictor_file(path: str | Path, shape: ModelShape) -> PredictorFile:
+    """Read and validate a predictor file for the model ``shape``; PredictorFileError otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise PredictorFileError(f"predictor file not found: {path}")
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if head == b"\x93NUMPY":
+        raise _fail(path, "not an .npz archive: a single .npy array (save predictors with ggmoe train-predictor)")
+    if not zipfile.is_zipfile(path):
+        raise _fail(path, "not a readable .npz file (no zip archive found)")
+    return _read(path, shape, path)
+
+
+load_mlp_file = read_predictor_file  # the name the mlp predictor used before the format had its own module
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def check_output(path: str | Path) -> Path:
+    """``path`` can take a predictor file: a regular file or nothing yet, in a writable directory.
+
+    Called before any training starts, so that a bad ``-o`` fails in a second, not after the run.
+    """
+    path = Path(path)
+    if path.exists():  # follows a symlink: os.replace swaps the link itself, but its target tells intent
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise UsageError(f"{path} is a directory; give the predictor file's name, e.g. {path / 'pred.npz'}")
+        if not stat.S_ISREG(mode):
+            raise UsageError(f"{path} is not a regular file (a device, pipe or socket); refusing to replace it")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:  # the nearest existing ancestor is created in
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"cannot write {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {path}: no write permission in {parent}")
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it back at once
+    os.umask(mask)
+    return mask
+
+
+def write_predictor_file(path: str | Path, meta: dict, arrays: dict[str, np.ndarray]) -> Path:
+    """Write ``meta`` and the nets' ``arrays`` to ``path`` atomically; the result reads back as valid.
+
+    A temporary file in the same directory is written, read back with the reader's
+    checks, then moved over ``path`` with ``os.replace``; on any failure ``path`` is
+    untouched and the temporary file removed.
+    """
+    path = check_output(path)
+    check_meta(meta, f"{path} (not written)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a saved file gets the usual permissions
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8), **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        _read(tmp, None, f"{path} (not written)")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
