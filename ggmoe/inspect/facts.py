@@ -23,6 +23,7 @@ from typing import Any
 import gguf
 
 from ggmoe.errors import ModelFileError, UsageError
+from ggmoe.inspect import validate
 from ggmoe.inspect.names import BLK_TENSOR, EXPERT_TENSOR_BASES
 from ggmoe.inspect.reader import Header, TensorInfo, read_header
 
@@ -298,6 +299,12 @@ def _facts(path: Path, header: Header) -> ModelFacts:
     layers = _moe_layers(path, header.tensors, n_layer, n_expert)
     if not layers:
         raise ModelFileError(f"{path}: declares {n_expert} experts but has no expert tensors (ffn_*_exps)")
+    validate.check_layers(path, header.tensors, n_layer)  # before anything sized by n_layer
+    validate.check_scalars(path, kv, arch)
+    n_embd = _int_key(path, kv, Keys.LLM.EMBEDDING_LENGTH.format(arch=arch))
+    moe_ils = tuple(layer.il for layer in layers)
+    validate.check_per_layer_arrays(path, kv, arch, n_layer, n_expert, moe_ils)
+    validate.check_shapes(path, kv, header.tensors, n_embd, n_expert, moe_ils)
     has_shexp = any("_shexp." in t.name for t in header.tensors)
     n_expert_shared = _int_key(
         path, kv, Keys.LLM.EXPERT_SHARED_COUNT.format(arch=arch), default=int(has_shexp)
@@ -318,7 +325,7 @@ def _facts(path: Path, header: Header) -> ModelFacts:
         n_expert=n_expert,
         n_expert_used=n_expert_used,
         n_expert_shared=n_expert_shared,
-        n_embd=_int_key(path, kv, Keys.LLM.EMBEDDING_LENGTH.format(arch=arch)),
+        n_embd=n_embd,
         n_ff_exp=_n_ff_exp(path, kv, arch, layers[0]),
         moe_layers=moe_layers,
         dense_layers=tuple(sorted(set(range(n_layer)) - set(moe_layers))),
