@@ -42,7 +42,8 @@ _traces_arg = click.argument("traces", nargs=-1, required=True, type=click.Path(
 @click.option("--prefetch", type=click.IntRange(min=1), help="Prefetch set size m (default: 2 x n_expert_used).")
 @click.option("--stage", type=click.Choice(["all", "prefill", "decode"]), default="all", show_default=True,
               help="Which tokens are scored (all are replayed).")
-@click.option("--model", type=click.Path(dir_okay=False), help="The GGUF (skip-gate reads its routers).")
+@click.option("--model", type=click.Path(dir_okay=False),
+              help="The GGUF (skip-gate reads its routers); default: the embedded model if the traces are its.")
 @click.option("--opt", "opts", multiple=True, metavar="KEY=VALUE",
               help="Predictor option, e.g. capacity=512 (eam, expert-map), n_match=3, decay=0.5.")
 @click.option("--val-frac", default=0.1, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True,
@@ -66,9 +67,12 @@ def eval_predictor(traces: tuple[str, ...], specs: tuple[str, ...], train_paths:
     from ggmoe.predict.evaluate import (
         build_predictor,
         check_options,
+        default_model,
         evaluate,
+        held_out_warning,
         json_safe,
         plot_accuracy,
+        render_summary,
         render_text,
     )
     from ggmoe.trace.data import load_traces, select_prompts, split_prompts
@@ -85,6 +89,8 @@ def eval_predictor(traces: tuple[str, ...], specs: tuple[str, ...], train_paths:
     else:
         tr_p, va_p = split_prompts(test.n_prompts, val_frac, seed)
         train, test = select_prompts(test, tr_p), select_prompts(test, va_p)
+    if model is None and "skip-gate" in specs and (embedded := default_model(test.meta.model_fingerprint)):
+        options["model"] = str(embedded)
     shape = ModelShape.from_trace(test.meta, test.layers)
     m = prefetch if prefetch is not None else min(2 * shape.n_expert_used, shape.n_expert)
     results = []
@@ -97,7 +103,10 @@ def eval_predictor(traces: tuple[str, ...], specs: tuple[str, ...], train_paths:
         click.echo(json.dumps({"stage": stage, "results": [json_safe(r.to_dict()) for r in results]}, indent=2))
     else:
         click.echo("\n\n".join(render_text(r) for r in results))
+        click.echo("\n" + render_summary(results))
         if plot:
             click.echo(f"\nplot: {Path(plot)}")
+    if warning := held_out_warning(test):
+        click.echo(warning, err=True)
 
 

@@ -189,6 +189,48 @@ def check_options(specs: list[str], options: dict[str, object]) -> None:
         raise UsageError(f"option(s) {unknown} are not accepted by {specs}; they take {sorted(accepted)}")
 
 
+MIN_HELD_OUT_PROMPTS = 5  # fewer held-out prompts (or tokens) than this and the figures are noise
+MIN_HELD_OUT_TOKENS = 200
+
+
+def held_out_warning(trace: Trace) -> str | None:
+    """A one-line warning when the held-out prompts are too few to score predictors, else None."""
+    if trace.n_prompts >= MIN_HELD_OUT_PROMPTS and trace.n_tokens >= MIN_HELD_OUT_TOKENS:
+        return None
+    return (f"warning: only {trace.n_prompts} held-out prompt(s) / {trace.n_tokens} tokens (fewer than "
+            f"{MIN_HELD_OUT_PROMPTS} prompts or {MIN_HELD_OUT_TOKENS} tokens): the scores are noisy; trace more "
+            "prompts, raise --val-frac or give --train")
+
+
+def default_model(fingerprint: str) -> Path | None:
+    """The embedded model (``ggmoe.models``) when the traces were recorded with it, else None."""
+    from ggmoe.inspect.fingerprint import model_fingerprint
+    from ggmoe.models import default_model_path
+
+    path = default_model_path()
+    if path is None or model_fingerprint(path) != fingerprint:
+        return None
+    return path
+
+
+def render_summary(results: list[EvalResult]) -> str:
+    """One row per predictor, side by side: the overall accuracy, recall@m, precision@m and p50 latency."""
+    r0 = results[0]
+    width = max(9, *(len(r.predictor) for r in results))
+    head = (f"{'predictor':<{width}} {'accuracy':>9} {f'recall@{r0.prefetch}':>10} "
+            f"{f'prec@{r0.prefetch}':>9} {'p50 us':>8}")
+    lines = [f"summary: stride {r0.stride}, k={r0.n_expert_used}, prefetch m={r0.prefetch}, "
+             f"{r0.n_prompts} held-out prompts, {r0.n_tokens} tokens", head]
+    for r in results:
+        o = r.overall
+        if o.n == 0:
+            lines.append(f"{r.predictor:<{width}} {'-':>9} {'-':>10} {'-':>9} {'-':>8}")
+            continue
+        lines.append(f"{r.predictor:<{width}} {o.accuracy:>9.3f} {o.recall:>10.3f} {o.precision:>9.3f} "
+                     f"{o.latency_us_p50:>8.1f}")
+    return "\n".join(lines)
+
+
 def render_text(r: EvalResult) -> str:
     """A table: one row per target layer and the overall row."""
     lines = [f"{r.predictor}: stride {r.stride}, k={r.n_expert_used}, prefetch m={r.prefetch}, "
