@@ -3,74 +3,140 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
 
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
+    FiniteFloat,
     cache_config,
     cache_options,
+    check_stats_json,
     ctx_opt,
     make_engine,
     model_arg,
+    model_facts,
     model_path,
+    stats_summary,
     threads_opt,
+    toy_notice,
     verbose_opt,
     write_stats,
 )
 from ggmoe.errors import UsageError
+from ggmoe.outputs import check_output_dir
+
+MAX_PROMPT_BYTES = 16 << 20  # a prompt file larger than this is surely a mistake
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt from -p TEXT, -p - (standard input) or --prompt-file FILE; UTF-8 text only."""
+    if (prompt is None) == (prompt_file is None):
+        raise UsageError("give the prompt with -p TEXT, -p - (read standard input) or --prompt-file FILE")
+    if prompt is not None and prompt != "-":
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("the prompt is not valid UTF-8 text") from None
+        return prompt
+    if prompt_file is not None:
+        p = Path(prompt_file)
+        if not p.is_file():
+            raise UsageError(f"prompt file not found (or not a regular file): {p}")
+        if p.stat().st_size > MAX_PROMPT_BYTES:
+            raise UsageError(f"prompt file {p} is larger than {MAX_PROMPT_BYTES >> 20} MiB")
+        raw = p.read_bytes()
+    else:
+        raw = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
+        if len(raw) > MAX_PROMPT_BYTES:
+            raise UsageError(f"the prompt on standard input is larger than {MAX_PROMPT_BYTES >> 20} MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"the prompt is not UTF-8 text (byte {e.start})") from None
+    if not text:
+        raise UsageError("the prompt is empty")
+    return text
 
 
 @click.command()
 @model_arg
-@click.option("-p", "--prompt", required=True, help="The prompt text.")
-@click.option("-n", "--max-tokens", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Tokens to generate.")
-@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+@click.option("-p", "--prompt", help="The prompt text; - reads it from standard input.")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), help="Read the prompt from this UTF-8 file.")
+@click.option("-n", "--max-tokens", default=64, show_default=True, type=click.IntRange(min=1, max=1 << 24),
+              help="Tokens to generate (stops earlier at the end of the context, with a warning).")
+@click.option("--temp", default=0.0, show_default=True, type=FiniteFloat(min=0.0),
               help="Sampling temperature (0: greedy).")
-@click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0, max=2**32 - 1),
+              help="Sampling seed.")
 @click.option("--json", "as_json", is_flag=True, help="Print text, token ids and timings as JSON.")
-@click.option("--trace-out", type=click.Path(file_okay=False),
+@click.option("--trace-out", type=click.Path(),
               help="Also record this run's routing into DIR/trace.npz (prefill routes every token).")
 @cache_options
 @ctx_opt
 @threads_opt
 @verbose_opt
 @edge
-def run(model: str | None, prompt: str, max_tokens: int, temp: float, seed: int, as_json: bool,
-        trace_out: str | None, cache_slots: int | None, vram: str | None, policy: str | None,
-        stats_json: str | None, n_ctx: int, threads: int | None, verbose: bool) -> None:
-    """Generate text (the embedded default model when MODEL is omitted).
+def run(model: str | None, prompt: str | None, prompt_file: str | None, max_tokens: int, temp: float, seed: int,
+        as_json: bool, trace_out: str | None, cache_slots: int | None, vram: str | None, policy: str | None,
+        stats_json: str | None, n_ctx: int | None, threads: int | None, verbose: bool) -> None:
+    """Generate text, streamed as it comes (the embedded default model when MODEL is omitted).
 
     \b
     Examples:
       ggmoe run -p "The quick brown fox" -n 32
-      ggmoe run model.gguf -p "def main():" --temp 0.7 --seed 1 --json
+      echo "def main():" | ggmoe run -p - --temp 0.7 --seed 1 --json
       ggmoe run -p "def fib(n):" --cache-slots 4 --policy lru --stats-json stats.json
     """
     path = model_path(model)
-    cache = cache_config(cache_slots, vram, policy)
-    if stats_json and cache is None:
-        raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
+    facts = model_facts(path)
+    text = read_prompt(prompt, prompt_file)
+    cache = cache_config(cache_slots, vram, policy, facts)
+    check_stats_json(stats_json, cache)
+    if trace_out:
+        check_output_dir(trace_out, "--trace-out", members=("trace.npz",))
+    if not as_json:
+        toy_notice(path)
+    stream = None if as_json else _echo_stream(text)
     with make_engine(path, n_ctx, threads, verbose, cache) as eng:
         if trace_out:
             from ggmoe.trace.record import trace_generation
 
-            gen = trace_generation(eng, prompt, max_tokens, temp, seed, Path(trace_out) / "trace.npz")
+            gen = trace_generation(eng, text, max_tokens, temp, seed, Path(trace_out) / "trace.npz", on_text=stream)
         else:
-            gen = eng.generate(prompt, max_tokens, temp=temp, seed=seed)
+            gen = eng.generate(text, max_tokens, temp=temp, seed=seed, on_text=stream)
         write_stats(eng, stats_json, {"model": str(path), "prompt_tokens": len(gen.prompt_ids),
                                        "generated_tokens": len(gen.token_ids)})
+        summary = stats_summary(eng)
+    if gen.stopped_on_ctx:
+        click.echo(f"\nwarning: stopped after {len(gen.token_ids)} tokens: the context of {eng.n_ctx} tokens is "
+                   "full (raise --n-ctx)", err=True)
     if as_json:
         t = gen.timings
         click.echo(json.dumps({
-            "model": str(path), "prompt": prompt, "text": gen.text,
+            "model": str(path), "prompt": text, "text": gen.text,
             "prompt_ids": list(gen.prompt_ids), "token_ids": list(gen.token_ids),
-            "stopped_on_eog": gen.stopped_on_eog,
+            "stopped_on_eog": gen.stopped_on_eog, "stopped_on_ctx": gen.stopped_on_ctx,
             "timings": {"prefill_tokens": t.prefill_tokens, "prefill_s": t.prefill_s,
                         "prefill_tokens_per_s": t.prefill_tps, "decode_tokens": t.decode_tokens,
                         "decode_s": t.decode_s, "decode_tokens_per_s": t.decode_tps},
         }, indent=2))
-    else:
-        click.echo(prompt + gen.text)
+        return
+    click.echo()
+    t = gen.timings
+    line = (f"{t.prefill_tokens} prompt tokens at {t.prefill_tps:.1f} tok/s, "
+            f"{t.decode_tokens} generated at {t.decode_tps:.1f} tok/s")
+    click.echo(line + (f"; {summary}" if summary else ""), err=True)
+
+
+def _echo_stream(prompt: str):
+    """Print the prompt, then each piece of text as the engine produces it."""
+    click.echo(prompt, nl=False)
+
+    def on_text(piece: str) -> None:
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+
+    return on_text

@@ -25,8 +25,8 @@ def inspect(model: str | None, as_json: bool) -> None:
 
     \b
     Examples:
-      ggmoe inspect model.gguf
-      ggmoe inspect model.gguf --json | jq .bytes_per_expert
+      ggmoe inspect
+      ggmoe inspect --json | python3 -c "import json,sys; print(json.load(sys.stdin)['expert_bytes_per_slot'])"
     """
     from ggmoe.inspect import inspect_model
 
@@ -56,7 +56,7 @@ def verify_hook(model: str | None, prompt: str, as_json: bool, verbose: bool) ->
 
     \b
     Example:
-      ggmoe verify-hook model.gguf
+      ggmoe verify-hook
     """
     from dataclasses import asdict
 

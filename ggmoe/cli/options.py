@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,29 @@ from typing import Any
 import click
 
 from ggmoe.errors import UsageError
+from ggmoe.outputs import check_output, write_text_atomic
+
+MAX_THREADS = max(512, 4 * (os.cpu_count() or 1))  # more threads than this only hangs OpenMP or fails
+
+
+class FiniteFloat(click.ParamType):
+    """A float that is finite and at least ``min`` (click's FloatRange lets nan through)."""
+
+    name = "float"
+
+    def __init__(self, min: float | None = None) -> None:  # noqa: A002 - click's own naming
+        self.min = min
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(f):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if self.min is not None and f < self.min:
+            self.fail(f"{value!r} is below {self.min}", param, ctx)
+        return f
 
 
 def model_path(model: str | None) -> Path:
@@ -23,15 +48,40 @@ def model_path(model: str | None) -> Path:
     return path
 
 
-def make_engine(model: Path, n_ctx: int, threads: int | None, verbose: bool, cache=None):
+def model_facts(path: Path):
+    """The validated facts of the model: a bad file fails here, before any other work."""
+    from ggmoe.inspect import inspect_model
+
+    return inspect_model(path)
+
+
+def toy_notice(path: Path) -> None:
+    """The embedded model is a 15 M-parameter demo: say so once, on stderr."""
+    from ggmoe.models import default_model_path
+
+    default = default_model_path()
+    if default is not None and path.resolve() == default.resolve():
+        click.echo("note: the embedded tiny-moe model (15 M parameters) shows the mechanics; "
+                   "its text is not meant to be good. Give a GGUF MoE model as MODEL for real output.", err=True)
+
+
+def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bool, cache=None):
     from ggmoe.engine import Engine, EngineConfig
 
     kw = {"n_threads": threads} if threads else {}
-    return Engine(EngineConfig(model_path=model, n_ctx=n_ctx, verbose=verbose, cache=cache, **kw))
+    eng = Engine(EngineConfig(model_path=model, n_ctx=n_ctx, verbose=verbose, cache=cache, **kw))
+    if n_ctx is not None and n_ctx > eng.n_ctx_train:
+        click.echo(f"warning: --n-ctx {n_ctx} is above the {eng.n_ctx_train} tokens the model was trained "
+                   "on; quality past that is not to be trusted", err=True)
+    return eng
 
 
-def cache_config(cache_slots: int | None, vram: str | None, policy: str | None):
-    """A CacheConfig from the flags, or None when no cache flag was given."""
+def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: Any = None):
+    """A CacheConfig from the flags, or None when no cache flag was given.
+
+    With the model's facts, --vram becomes slots per layer through ``ModelFacts.slots_for_vram``: the
+    inverse of the figures ``ggmoe inspect`` prints.
+    """
     if cache_slots is None and vram is None:
         if policy is not None:
             raise UsageError("--policy needs a cache size: --cache-slots N or --vram BYTES")
@@ -43,18 +93,42 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None):
     if cache_slots is not None and vram is not None:
         raise UsageError("give either --cache-slots or --vram, not both")
     POLICIES.get(policy or "lru")  # an unknown name fails here, listing the choices
+    if vram is not None and facts is not None:
+        return CacheConfig(n_slots=facts.slots_for_vram(parse_bytes(vram)), policy=policy or "lru")
     return CacheConfig(n_slots=cache_slots, vram_bytes=parse_bytes(vram) if vram is not None else None,
                        policy=policy or "lru")
 
 
+def check_stats_json(stats_json: str | None, cache: Any) -> None:
+    """--stats-json needs a cache and a writable path: both checked before any work."""
+    if stats_json is None:
+        return
+    if cache is None:
+        raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
+    check_output(stats_json, "--stats-json", suffixes=(".json",))
+
+
 def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option("--stats-json", type=click.Path(dir_okay=False),
+    fn = click.option("--stats-json", type=click.Path(),
                       help="Write cache statistics (hit rate per layer, bytes copied, copy waits) here.")(fn)
     fn = click.option("--policy", help="Cache eviction policy (default lru; see `ggmoe policies`).")(fn)
-    fn = click.option("--vram", help="Expert cache budget in bytes over all layers, e.g. 4GiB.")(fn)
-    fn = click.option("--cache-slots", type=click.IntRange(min=1),
+    fn = click.option("--vram", help="Expert cache budget in bytes over all layers, e.g. 4GiB "
+                                     "(`ggmoe inspect` shows what N slots per layer take).")(fn)
+    fn = click.option("--cache-slots", type=click.IntRange(min=1, max=1 << 16),
                       help="Expert cache slots per MoE layer (needs the patched engine).")(fn)
     return fn
+
+
+def stats_summary(eng: Any) -> str | None:
+    """One line: the cache's hit rate and bytes copied (None without a cache)."""
+    stats = eng.cache_stats
+    if stats is None:
+        return None
+    from ggmoe.units import format_bytes
+
+    t = stats.total()
+    return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.misses} expert uses), "
+            f"{format_bytes(t.bytes_copied)} copied, {t.native_calls} native calls")
 
 
 def write_stats(eng: Any, path: str | None, extra: dict) -> None:
@@ -64,11 +138,12 @@ def write_stats(eng: Any, path: str | None, extra: dict) -> None:
         raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
     d = {"policy": eng.config.cache.policy, "slots_per_layer": {str(k): v for k, v in eng.cache_slots.items()},
          **extra, **eng.cache_stats.to_dict()}
-    Path(path).write_text(json.dumps(d, indent=2))
+    write_text_atomic(path, json.dumps(d, indent=2))
 
 
 model_arg = click.argument("model", required=False, type=click.Path(dir_okay=False))
-ctx_opt = click.option("--n-ctx", default=1024, show_default=True, type=click.IntRange(min=8),
-                        help="Context length in tokens.")
-threads_opt = click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: all cores).")
+ctx_opt = click.option("--n-ctx", type=click.IntRange(min=8, max=1 << 24),
+                       help="Context length in tokens (default: the model's training context).")
+threads_opt = click.option("--threads", type=click.IntRange(min=1, max=MAX_THREADS),
+                           help="CPU threads (default: all cores).")
 verbose_opt = click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")

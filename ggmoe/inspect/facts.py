@@ -105,6 +105,19 @@ class ModelFacts:
         """Bytes one more cache slot in every MoE layer costs: sum over MoE layers of bytes per expert."""
         return sum(layer.bytes_per_expert for layer in self.layers)
 
+    def cache_bytes(self, n_slots_per_layer: int) -> int:
+        """Bytes of an expert cache with ``n_slots_per_layer`` slots in every MoE layer (what --vram buys)."""
+        return n_slots_per_layer * self.expert_bytes_per_slot
+
+    def slots_for_vram(self, budget: int) -> int:
+        """Slots per MoE layer that a --vram budget (bytes) buys: the inverse of ``cache_bytes``."""
+        per_slot = self.expert_bytes_per_slot
+        n = min(budget // per_slot, self.n_expert) if per_slot else self.n_expert
+        if n < self.n_expert_used:
+            raise UsageError(f"a budget of {budget} bytes gives {n} slots per layer; at least n_expert_used = "
+                             f"{self.n_expert_used} are needed ({self.cache_bytes(self.n_expert_used)} bytes)")
+        return int(n)
+
     def vram_bytes(self, n_slots_per_layer: int) -> int:
         """Weight bytes with all dense tensors plus `n_slots_per_layer` expert slots in every MoE layer.
 
@@ -177,11 +190,12 @@ class ModelFacts:
             for t in layer.tensors:
                 shape = "x".join(str(n) for n in t.shape)
                 lines.append(f"    {t.kind:<24} {t.ggml_type:<8} {shape:<16} {t.bytes_per_expert:>12,} B")
-        lines += ["", "VRAM for weights (dense + slots per layer x bytes per expert):"]
+        lines += ["", "expert cache (--vram for N slots per layer) and VRAM for weights (dense + cache):"]
         for n_slots in sorted(
             {self.n_expert_used, min(2 * self.n_expert_used, self.n_expert), self.n_expert}
         ):
-            lines.append(f"  {n_slots:>4} slots/layer  {_size(self.vram_bytes(n_slots))}")
+            lines.append(f"  {n_slots:>4} slots/layer  --vram {self.cache_bytes(n_slots)}  "
+                         f"({_size(self.cache_bytes(n_slots))}; weights {_size(self.vram_bytes(n_slots))})")
         return "\n".join(lines)
 
 

@@ -256,7 +256,7 @@ def _read_tensors(cur: _Cursor, n_tensors: int, kv: dict[str, Any]) -> list[Tens
 def _open_checked(path: Path) -> int:
     """The file's size; ModelFileError for anything that is not a readable regular file."""
     if not path.exists():
-        raise ModelFileError(f"{path}: no such file")
+        raise ModelFileError(f"{path}: no such file (model file not found)")
     if path.is_dir():
         raise ModelFileError(f"{path}: is a directory, not a GGUF file")
     if not path.is_file():

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 
 from ggmoe.errors import ModelFileError
+from ggmoe.inspect.reader import TensorInfo, read_header
 
 _GATING = {int(gguf.ExpertGatingFuncType.SOFTMAX): "softmax", int(gguf.ExpertGatingFuncType.SIGMOID): "sigmoid"}
 
@@ -45,35 +46,43 @@ class Router:
         return np.argsort(-score, axis=-1, kind="stable")[:, :k].astype(np.int32)
 
 
-def _tensor(reader: gguf.GGUFReader, name: str) -> np.ndarray | None:
-    for t in reader.tensors:
-        if t.name == name:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-            return np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-    return None
+def _read_tensor(t: TensorInfo) -> np.ndarray:
+    """A tensor's data, dequantized to float32 numpy order (ne reversed); offsets checked by the reader."""
+    raw = np.fromfile(t.file, dtype=np.uint8, count=t.nbytes, offset=t.data_offset)
+    if raw.size != t.nbytes:
+        raise ModelFileError(f"{t.file}: tensor {t.name} is truncated")
+    shape = [int(d) for d in reversed(t.shape)]
+    if t.qtype == gguf.GGMLQuantizationType.F32:
+        data = raw.view(np.float32)
+    elif t.qtype == gguf.GGMLQuantizationType.F16:
+        data = raw.view(np.float16)
+    else:
+        data = gguf.quants.dequantize(raw.reshape(shape[:-1] + [-1]), t.qtype)
+    return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
 def load_routers(path: str | Path) -> dict[int, Router]:
-    """Every MoE layer's router, keyed by ``il``."""
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - gguf raises many kinds on bad files
-        raise ModelFileError(f"cannot read {path}: {e}") from e
-    field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
-    arch = field.contents() if field is not None else ""
-    gf = reader.get_field(gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch))
-    gating = _GATING.get(int(gf.contents()), "softmax") if gf is not None else "softmax"
-    routers = {}
+    """Every MoE layer's router, keyed by ``il``, read through the bounded reader (no trust in the file)."""
+    path = Path(path)
+    header = read_header(path)
+    arch = header.kv.get(gguf.Keys.General.ARCHITECTURE, "")
+    gf = header.kv.get(gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch))
+    gating = _GATING.get(gf, "softmax") if type(gf) is int else "softmax"
+    tensors = {t.name: t for t in header.tensors}
     fmt = gguf.TENSOR_NAMES
-    for t in reader.tensors:
-        if not t.name.endswith("ffn_gate_inp.weight"):
+    routers = {}
+    for name in tensors:
+        if not name.endswith("ffn_gate_inp.weight"):
             continue
-        il = int(t.name.split(".")[1])
+        il = int(name.split(".")[1])
         base_inp = fmt[gguf.MODEL_TENSOR.FFN_GATE_INP].format(bid=il)
         base_b = fmt[gguf.MODEL_TENSOR.FFN_EXP_PROBS_B].format(bid=il)
-        weight = _tensor(reader, base_inp + ".weight")
-        routers[il] = Router(il=il, weight=weight, bias=_tensor(reader, base_inp + ".bias"),
-                             selection_bias=_tensor(reader, base_b + ".bias"), gating=gating)
+
+        def get(n: str) -> np.ndarray | None:
+            return _read_tensor(tensors[n]) if n in tensors else None
+
+        routers[il] = Router(il=il, weight=get(base_inp + ".weight"), bias=get(base_inp + ".bias"),
+                             selection_bias=get(base_b + ".bias"), gating=gating)
     if not routers:
         raise ModelFileError(f"{path}: no ffn_gate_inp tensors: not a MoE model")
     return routers

@@ -27,7 +27,6 @@ no row. A reader validates every dtype, shape and id range.
 from __future__ import annotations
 
 import json
-import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +34,8 @@ import numpy as np
 
 from ggmoe.errors import TraceFormatError
 from ggmoe.hook import RouteEvent
+from ggmoe.npzfile import NpzMembers
+from ggmoe.outputs import atomic_write
 
 FORMAT = "ggmoe-trace"
 VERSION = 1
@@ -135,24 +136,51 @@ class TraceWriter:
         arrays["prompt_offsets"] = np.asarray(self._offsets, dtype=np.int64)
         arrays["layers"] = np.asarray(self._layers, dtype=np.int32)
         arrays["meta"] = np.frombuffer(json.dumps(asdict(self.meta)).encode(), dtype=np.uint8)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, **arrays)
-        tmp.replace(path)  # never leave a half-written trace under the final name
-        return path
+        with atomic_write(path) as f:  # never a half-written trace under the final name
+            np.savez(f, **arrays)
+        return Path(path)
+
+
+_META_TYPES: dict[str, type | tuple[type, ...]] = {
+    "model_fingerprint": str, "model_name": str, "arch": str, "n_layer": int, "n_expert": int,
+    "n_expert_used": int, "n_embd": int, "mode": str, "max_tokens": int, "ggmoe_version": str, "n_ubatch": int,
+    "format": str, "version": int,
+}
+_META_MAX = 1 << 20  # bytes of metadata JSON; a real trace's is a few hundred
 
 
 def _meta(raw: np.ndarray) -> TraceMeta:
+    """The metadata JSON, every field of the right type and every count in range."""
+    if raw.size > _META_MAX:
+        raise TraceFormatError(f"trace metadata of {raw.size} bytes is too large")
     try:
         d = json.loads(raw.tobytes().decode("utf-8"))
-        if d.get("format") != FORMAT:
-            raise TraceFormatError(f"not a ggmoe trace (format {d.get('format')!r})")
-        if d.get("version") != VERSION:
-            raise TraceFormatError(f"trace format version {d.get('version')} is not supported (this is {VERSION})")
-        return TraceMeta(**d)
-    except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
-        raise TraceFormatError(f"bad trace metadata: {e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise TraceFormatError(f"bad trace metadata: {e}") from None
+    if not isinstance(d, dict):
+        raise TraceFormatError(f"bad trace metadata: a JSON {type(d).__name__}, expected an object")
+    if d.get("format") != FORMAT:
+        raise TraceFormatError(f"not a ggmoe trace (format {str(d.get('format'))[:40]!r})")
+    if d.get("version") != VERSION:
+        raise TraceFormatError(f"trace format version {str(d.get('version'))[:20]} is not supported (this is {VERSION})")
+    unknown = sorted(set(d) - set(_META_TYPES))
+    if unknown:
+        raise TraceFormatError(f"bad trace metadata: unknown field {unknown[0][:40]!r}")
+    for key, typ in _META_TYPES.items():
+        if key not in d:
+            if key == "n_ubatch":
+                continue  # has a default
+            raise TraceFormatError(f"bad trace metadata: missing {key}")
+        v = d[key]
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise TraceFormatError(f"bad trace metadata: {key} is {type(v).__name__}, expected {typ.__name__}")
+    for key, low in (("n_layer", 1), ("n_expert", 1), ("n_expert_used", 1), ("n_embd", 1), ("max_tokens", 0),
+                     ("n_ubatch", 1)):
+        if key in d and not low <= d[key] <= 1 << 20:
+            raise TraceFormatError(f"bad trace metadata: {key} {d[key]} is not in {low}..{1 << 20}")
+    if d["n_expert_used"] > d["n_expert"]:
+        raise TraceFormatError("bad trace metadata: n_expert_used > n_expert")
+    return TraceMeta(**d)
 
 
 def _expect(name: str, a: np.ndarray, dtype: type, shape: tuple) -> None:
@@ -169,16 +197,18 @@ def load_trace(path: str | Path, hidden: bool = True) -> Trace:
         path = path / "trace.npz"
     if not path.is_file():
         raise TraceFormatError(f"trace file not found: {path}")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            names = set(z.files)
-            need = {"meta", "token_ids", "positions", "stage", "prompt_offsets", "layers", "ids", "probs"}
-            if need - names:
-                raise TraceFormatError(f"{path}: missing arrays {sorted(need - names)}")
-            a = {k: z[k] for k in need}
-            h = z["hidden"] if hidden and "hidden" in names else None
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise TraceFormatError(f"{path}: not a readable .npz trace ({e})") from e
+    def fail(msg: str) -> TraceFormatError:
+        return TraceFormatError(f"{path}: {msg}")
+
+    need = ("meta", "token_ids", "positions", "stage", "prompt_offsets", "layers", "ids", "probs")
+    dtypes = {"meta": np.uint8, "token_ids": np.int32, "positions": np.int32, "stage": np.uint8,
+              "prompt_offsets": np.int64, "layers": np.int32, "ids": np.int16, "probs": np.float16}
+    with NpzMembers(path, fail) as z:
+        missing = [k for k in need if k not in z.names]
+        if missing:
+            raise fail(f"missing arrays {missing}")
+        a = {k: z.read(k, dtypes[k]) for k in need}
+        h = z.read("hidden", np.float16) if hidden and "hidden" in z.names else None
     meta = _meta(a["meta"])
     t = a["token_ids"].shape[0] if a["token_ids"].ndim == 1 else -1
     n_l = a["layers"].shape[0] if a["layers"].ndim == 1 else -1
