@@ -42,7 +42,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import stat
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -50,7 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmoe.errors import PredictorFileError, UsageError
+from ggmoe import outputs
+from ggmoe.errors import PredictorFileError
 from ggmoe.predict.base import ModelShape
 
 FORMAT = "ggmoe-predictor"
@@ -315,25 +315,9 @@ load_mlp_file = read_predictor_file  # the name the mlp predictor used before th
 
 
 def check_output(path: str | Path) -> Path:
-    """``path`` can take a predictor file: a regular file or nothing yet, in a writable directory.
-
-    Called before any training starts, so that a bad ``-o`` fails in a second, not after the run.
-    """
-    path = Path(path)
-    if path.exists():  # follows a symlink: os.replace swaps the link itself, but its target tells intent
-        mode = path.stat().st_mode
-        if stat.S_ISDIR(mode):
-            raise UsageError(f"{path} is a directory; give the predictor file's name, e.g. {path / 'pred.npz'}")
-        if not stat.S_ISREG(mode):
-            raise UsageError(f"{path} is not a regular file (a device, pipe or socket); refusing to replace it")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:  # the nearest existing ancestor is created in
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"cannot write {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write {path}: no write permission in {parent}")
-    return path
+    """``path`` can take a predictor file (``ggmoe.outputs.check_output``: a regular file or nothing yet,
+    in a writable directory). Called before any training starts, so a bad ``-o`` fails in a second."""
+    return outputs.check_output(path, what="predictor file")
 
 
 def _umask() -> int:
@@ -347,7 +331,8 @@ def write_predictor_file(path: str | Path, meta: dict, arrays: dict[str, np.ndar
 
     A temporary file in the same directory is written, read back with the reader's
     checks, then moved over ``path`` with ``os.replace``; on any failure ``path`` is
-    untouched and the temporary file removed.
+    untouched and the temporary file removed. (Not ``ggmoe.outputs.atomic_write``: the
+    read-back needs the temporary file's name before the rename.)
     """
     path = check_output(path)
     check_meta(meta, f"{path} (not written)")

@@ -209,14 +209,14 @@ def test_output_checks(tmp_path):
     with pytest.raises(UsageError, match="is a directory"):
         write_predictor_file(tmp_path, _meta(), _arrays())
     if os.path.exists("/dev/null"):
-        with pytest.raises(UsageError, match="not a regular file"):
+        with pytest.raises(UsageError, match="predictor file /dev/null is a device"):
             check_output("/dev/null")
     (tmp_path / "file").write_text("x")
-    with pytest.raises(UsageError, match="is not a directory"):
+    with pytest.raises(UsageError, match="(?i)not a directory"):
         check_output(tmp_path / "file" / "p.npz")
     assert check_output(tmp_path / "new" / "deeper" / "p.npz") == tmp_path / "new" / "deeper" / "p.npz"
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o555)
-        with pytest.raises(UsageError, match="no write permission"):
+        with pytest.raises(UsageError, match="cannot write in"):
             check_output(ro / "p.npz")
