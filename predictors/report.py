@@ -3,10 +3,10 @@
     python -m predictors.report --train TRAIN_TRACES... --eval HELD_OUT_TRACES... \\
         [--model MODEL.gguf] --out docs/predictors [--strides 1 2 3] [--prefetch M]
 
-Steps: (1) train one ``.npz`` with the single-target MLPs for every stride and one
-with the multi-target MLPs (``predictors.train``; kept in OUT and reused when
+Steps: (1) train one ``.npz`` with the single-target MLPs for every stride, one
+with the multi-target MLPs and one with the linear baseline (``predictors.train``; kept in OUT and reused when
 ``--reuse`` is given and they exist); (2) for each stride, replay the held-out
-traces through every predictor (``ggmoe.predict.evaluate``): mlp, mlp-multi,
+traces through every predictor (``ggmoe.predict.evaluate``): mlp, mlp-multi, linear,
 skip-gate (with ``--model``), token, reuse, eam, expert-map, oracle; (3) write
 OUT/results.json, OUT/accuracy-s{S}.png and OUT/README.md (tables, the machine,
 the command). Run it under ``flock /tmp/ggmoe-heavy.lock`` on the shared machine.
@@ -42,11 +42,12 @@ BASELINES = ("token", "reuse", "eam", "expert-map", "oracle")
 
 
 def _train_files(trace, out: Path, strides: list[int], fit: FitSettings, seed: int, reuse: bool) -> dict[str, Path]:
-    files = {"mlp": out / "pred-strides.npz", "mlp-multi": out / "pred-multi.npz"}
+    files = {"mlp": out / "pred-strides.npz", "mlp-multi": out / "pred-multi.npz", "linear": out / "pred-linear.npz"}
     for label, path in files.items():
         if reuse and path.is_file():
             continue
-        cfg = TrainConfig(fit=fit, strides=tuple(strides), multi=label == "mlp-multi", seed=seed)
+        cfg = TrainConfig(fit=fit, kind="linear" if label == "linear" else "mlp", strides=tuple(strides),
+                          multi=label == "mlp-multi", seed=seed)
         arrays, meta = train(trace, cfg, progress=True)
         export(path, arrays, meta)
         print(f"{path}: {len(meta['nets'])} nets in {meta['training']['seconds']:.0f} s", file=sys.stderr)
