@@ -4,9 +4,9 @@
         [--model MODEL.gguf] --out docs/predictors [--strides 1 2 3] [--prefetch M]
 
 Steps: (1) train one ``.npz`` with the single-target MLPs for every stride, one
-with the multi-target MLPs and one with the linear baseline (``predictors.train``; kept in OUT and reused when
-``--reuse`` is given and they exist); (2) for each stride, replay the held-out
-traces through every predictor (``ggmoe.predict.evaluate``): mlp, mlp-multi, linear,
+with the multi-target MLPs and, with ``--linear``, one with the linear baseline
+(``predictors.train``; kept in OUT and reused when ``--reuse`` is given and they exist); (2) for each stride, replay the held-out
+traces through every predictor (``ggmoe.predict.evaluate``): mlp, mlp-multi, (linear),
 skip-gate (with ``--model``), token, reuse, eam, expert-map, oracle; (3) write
 OUT/results.json, OUT/accuracy-s{S}.png and OUT/README.md (tables, the machine,
 the command). Run it under ``flock /tmp/ggmoe-heavy.lock`` on the shared machine.
@@ -41,8 +41,11 @@ from .train import TrainConfig, export, train
 BASELINES = ("token", "reuse", "eam", "expert-map", "oracle")
 
 
-def _train_files(trace, out: Path, strides: list[int], fit: FitSettings, seed: int, reuse: bool) -> dict[str, Path]:
-    files = {"mlp": out / "pred-strides.npz", "mlp-multi": out / "pred-multi.npz", "linear": out / "pred-linear.npz"}
+def _train_files(trace, out: Path, strides: list[int], fit: FitSettings, seed: int, reuse: bool,
+                 linear: bool) -> dict[str, Path]:
+    files = {"mlp": out / "pred-strides.npz", "mlp-multi": out / "pred-multi.npz"}
+    if linear:
+        files["linear"] = out / "pred-linear.npz"
     for label, path in files.items():
         if reuse and path.is_file():
             continue
@@ -85,6 +88,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=FitSettings.max_epochs)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reuse", action="store_true", help="keep predictor files already in OUT")
+    ap.add_argument("--linear", action="store_true", help="also train and score the linear baseline (scikit-learn)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +97,7 @@ def main() -> None:
     if train_tr.meta.model_fingerprint != test.meta.model_fingerprint:
         sys.exit("error: --train and --eval traces come from different models")
     fit = FitSettings(hidden=a.hidden, dropout=a.dropout, max_epochs=a.epochs)
-    files = _train_files(train_tr, out, a.strides, fit, a.seed, a.reuse)
+    files = _train_files(train_tr, out, a.strides, fit, a.seed, a.reuse, a.linear)
     shape = ModelShape.from_trace(test.meta, test.layers)
     m = a.prefetch or min(2 * shape.n_expert_used, shape.n_expert)
     specs = [(label, str(path), {}) for label, path in files.items()]
