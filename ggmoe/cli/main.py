@@ -10,9 +10,10 @@ from __future__ import annotations
 import click
 
 from ggmoe import __version__
+from ggmoe.cli.edge import EdgeGroup
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=EdgeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ggmoe")
 def main() -> None:
     """ggmoe: run GGUF Mixture-of-Experts models with experts in host RAM.
