@@ -1,150 +1,33 @@
-"""The expert cache: per-layer slot tables, hit/miss decisions, loads, statistics.
+"""The expert cache: per-layer slot tables, hit/miss decisions, copies, statistics.
 
 One implementation, used by the live engine (through the route callback of the
-patched llama.cpp) and by the simulator (replaying traces). What a load costs
-is not its business: it asks a ``Loader`` to copy an expert into a slot and,
-before the layer may run, to wait for that layer's copies. The engine's loader
-issues real copies; the simulator's charges a cost model.
+patched llama.cpp) and by the simulator (replaying traces). What a copy costs
+is not its business: it submits copies to a ``CopyBackend`` and waits for the
+handles a layer needs before the layer may run; time comes from an injected
+``Clock``. The engine's backend issues real copies on a wall clock; the
+simulator's lands them on a virtual timeline.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Mapping
 
 import numpy as np
 
+from ggmoe.cache.clock import Clock, MonotonicClock
+from ggmoe.cache.copy import CopyBackend, CopyHandle, NullCopyBackend, Priority
 from ggmoe.cache.policies.base import Policy
+from ggmoe.cache.slots import SlotTable
+from ggmoe.cache.stats import CacheStats, LayerStats
 from ggmoe.errors import UsageError
-
-
-class Loader(Protocol):
-    def load(self, il: int, expert: int, slot: int) -> None:
-        """Start copying ``expert`` of layer ``il`` into ``slot`` (may return before it lands)."""
-
-    def wait(self, il: int) -> None:
-        """Block until every copy started for layer ``il`` has landed."""
-
-
-class NullLoader:
-    """Copies nothing (pure bookkeeping: tests, the simulator without a cost model)."""
-
-    def load(self, il: int, expert: int, slot: int) -> None:
-        pass
-
-    def wait(self, il: int) -> None:
-        pass
-
-
-@dataclass
-class LayerStats:
-    calls: int = 0  # routed layer calls (micro-batches)
-    native_calls: int = 0  # calls that ran the native path (more distinct experts than slots)
-    hits: int = 0  # distinct experts per call found resident
-    misses: int = 0  # distinct experts per call loaded
-    bytes_copied: int = 0  # bytes
-    wait_s: float = 0.0  # seconds spent waiting for this layer's copies
-    hook_s: float = 0.0  # seconds inside route() for this layer
-
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 0.0
-
-
-@dataclass
-class CacheStats:
-    layers: dict[int, LayerStats] = field(default_factory=dict)
-
-    def total(self) -> LayerStats:
-        t = LayerStats()
-        for s in self.layers.values():
-            for k in ("calls", "native_calls", "hits", "misses", "bytes_copied", "wait_s", "hook_s"):
-                setattr(t, k, getattr(t, k) + getattr(s, k))
-        return t
-
-    def to_dict(self) -> dict:
-        def one(s: LayerStats) -> dict:
-            return {"calls": s.calls, "native_calls": s.native_calls, "hits": s.hits, "misses": s.misses,
-                    "hit_rate": s.hit_rate, "bytes_copied": s.bytes_copied, "wait_s": s.wait_s,
-                    "hook_s": s.hook_s}
-
-        return {"total": one(self.total()), "layers": {str(il): one(s) for il, s in sorted(self.layers.items())}}
-
-
-class SlotTable:
-    """One layer's slots: expert -> slot and slot -> expert (-1 where empty).
-
-    Plain lists, not numpy: the route callback touches a handful of entries per
-    call, where Python indexing costs far less than numpy's per-call overhead.
-    """
-
-    def __init__(self, n_expert: int, n_slots: int) -> None:
-        self.slot_of_list = [-1] * n_expert  # [n_expert] slot or -1
-        self.expert_in_list = [-1] * n_slots  # [n_slots] expert or -1
-        self.free = list(range(n_slots))  # empty slots, lowest first
-
-    @property
-    def n_slots(self) -> int:
-        return len(self.expert_in_list)
-
-    @property
-    def slot_of(self) -> np.ndarray:
-        return np.asarray(self.slot_of_list, dtype=np.int32)
-
-    @property
-    def expert_in(self) -> np.ndarray:
-        return np.asarray(self.expert_in_list, dtype=np.int32)
-
-    def place(self, expert: int, slot: int) -> None:
-        old = self.expert_in_list[slot]
-        if old >= 0:
-            self.slot_of_list[old] = -1
-        self.expert_in_list[slot] = expert
-        self.slot_of_list[expert] = slot
-
-    def resident(self) -> list[int]:
-        return [e for e in self.expert_in_list if e >= 0]
-
-    def clear(self) -> None:
-        self.slot_of_list = [-1] * len(self.slot_of_list)
-        self.expert_in_list = [-1] * len(self.expert_in_list)
-        self.free = list(range(len(self.expert_in_list)))
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """How big the expert cache is and how it evicts: slots per layer, or a VRAM budget."""
-
-    n_slots: int | None = None  # slots per MoE layer
-    vram_bytes: int | None = None  # budget in bytes for all layers' slots (spread evenly)
-    policy: str = "lru"
-
-    def slots(self, bytes_per_expert: dict[int, int], n_expert: int, n_expert_used: int) -> dict[int, int]:
-        if (self.n_slots is None) == (self.vram_bytes is None):
-            raise UsageError("give the cache size as slots per layer or as a VRAM budget, not both or neither")
-        if self.n_slots is not None:
-            return {il: self.n_slots for il in bytes_per_expert}
-        return slots_for_budget(self.vram_bytes, bytes_per_expert, n_expert, n_expert_used)
-
-
-def slots_for_budget(budget: int, bytes_per_expert: dict[int, int], n_expert: int,
-                     n_expert_used: int) -> dict[int, int]:
-    """Spread a VRAM budget (bytes) for cached experts evenly over the MoE layers: slots per layer."""
-    per_slot = sum(bytes_per_expert.values())  # bytes of one slot in every layer
-    n = min(budget // per_slot, n_expert) if per_slot else n_expert
-    if n < n_expert_used:
-        raise UsageError(f"a budget of {budget} bytes gives {n} slots per layer; at least n_expert_used = "
-                         f"{n_expert_used} are needed ({n_expert_used * per_slot} bytes)")
-    return {il: int(n) for il in bytes_per_expert}
 
 
 class ExpertCache:
     """Slot tables for every MoE layer, driven by a policy; ``route`` maps ids to slots."""
 
     def __init__(self, n_expert: int, n_expert_used: int, n_slots: dict[int, int], policy: Policy,
-                 loader: Loader | None = None, bytes_per_expert: dict[int, int] | None = None) -> None:
+                 copies: CopyBackend | None = None, bytes_per_expert: dict[int, int] | None = None,
+                 clock: Clock | None = None) -> None:
         for il, n in n_slots.items():
             if n < n_expert_used:
                 raise UsageError(f"layer {il}: {n} cache slots < n_expert_used {n_expert_used}: "
@@ -155,7 +38,8 @@ class ExpertCache:
         self.n_expert_used = n_expert_used
         self.n_slots = dict(n_slots)
         self.policy = policy
-        self.loader = loader or NullLoader()
+        self.copies = copies or NullCopyBackend()
+        self.time = clock or MonotonicClock()
         self.bytes_per_expert = bytes_per_expert or {}
         self.tables = {il: SlotTable(n_expert, n) for il, n in n_slots.items()}
         self.stats = CacheStats({il: LayerStats() for il in n_slots})
@@ -170,34 +54,52 @@ class ExpertCache:
         slots = self.route_flat(il, ids.ravel().tolist())
         return np.asarray(slots, dtype=np.int32).reshape(ids.shape)
 
-    def route_flat(self, il: int, flat: list[int]) -> list[int]:
-        """``route`` on a flat list of ids (the engine's hot path: no numpy per call)."""
-        t0 = time.perf_counter()
+    def route_flat(self, il: int, flat: list[int], next_use: Mapping[int, float] | None = None) -> list[int]:
+        """``route`` on a flat list of ids (the engine's hot path: no numpy per call).
+
+        ``next_use`` (expert -> access number of its next use) reaches the policy when the caller knows it.
+        """
+        t0 = self.time.now()
         st = self.stats.layers[il]
         table = self.tables[il]
         self.clock += 1
         st.calls += 1
-        if not self.policy.reuse:
-            for e in table.resident():
-                self.policy.on_evict(il, e)
-            table.clear()
         need = sorted(set(flat))  # distinct experts, ascending
         if len(need) > table.n_slots:
             raise UsageError(f"layer {il}: {len(need)} distinct experts do not fit {table.n_slots} slots "
                              "(the caller should have used the native path)")
+        if next_use is not None:
+            self.policy.set_future(il, next_use)
         slot_of = table.slot_of_list
         missing = [e for e in need if slot_of[e] < 0]
         st.hits += len(need) - len(missing)
         st.misses += len(missing)
+        pending = self._in_flight(table, need)
         if missing:
-            self._load(il, table, need, missing)
-            tw = time.perf_counter()
-            self.loader.wait(il)
-            st.wait_s += time.perf_counter() - tw
+            pending += self._load(il, table, need, missing)
+        if pending:
+            tw = self.time.now()
+            self.copies.wait(pending)
+            st.wait_s += self.time.now() - tw
+            for h in pending:
+                table.landed(h.slot)
         self.policy.on_access(il, need, self.clock)
         slots = [slot_of[e] for e in flat]
-        st.hook_s += time.perf_counter() - t0
+        for e in self.policy.release(il, table.resident()):
+            self.policy.on_evict(il, e)
+            table.drop(slot_of[e])
+        st.hook_s += self.time.now() - t0
         return slots
+
+    @staticmethod
+    def _in_flight(table: SlotTable, need: list[int]) -> list[CopyHandle]:
+        """Copies still landing into slots this call reads (a slot is read only after its copy landed)."""
+        out = []
+        for e in need:
+            s = table.slot_of_list[e]
+            if s >= 0 and table.copy[s] is not None:
+                out.append(table.copy[s])
+        return out
 
     def observe(self, il: int, ids: np.ndarray | list[int]) -> None:
         """A micro-batch that ran the native path: counted, nothing loaded or evicted."""
@@ -205,9 +107,11 @@ class ExpertCache:
         st.calls += 1
         st.native_calls += 1
 
-    def _load(self, il: int, table: SlotTable, need: list[int], missing: list[int]) -> None:
+    def _load(self, il: int, table: SlotTable, need: list[int], missing: list[int]) -> list[CopyHandle]:
+        """Demand copies of ``missing`` into free slots or the policy's victims; their handles."""
         in_use = set(need)  # never evict what this call uses
         bpe = self.bytes_per_expert.get(il, 0)
+        handles = []
         for e in missing:
             if table.free:
                 slot = table.free.pop(0)
@@ -216,7 +120,9 @@ class ExpertCache:
                 victim = self.policy.victim(il, cand, self.clock)
                 slot = table.slot_of_list[victim]
                 self.policy.on_evict(il, victim)
-            table.place(e, slot)
+            h = self.copies.submit(il, e, slot, Priority.DEMAND)
+            table.place(e, slot, h)
+            handles.append(h)
             self.policy.on_insert(il, e, self.clock)
-            self.loader.load(il, e, slot)
             self.stats.layers[il].bytes_copied += bpe
+        return handles

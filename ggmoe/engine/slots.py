@@ -1,22 +1,24 @@
-"""Engine side of the expert cache: slot tensors, expert copies, the route callback.
+"""Engine side of the expert cache: slot tensors, the ggml copy backend, the cache runtime.
 
 Engine layer (ctypes allowed). ``SlotTensors`` allocates, for every MoE layer,
 one cache tensor ``[ne0, ne1, n_slots]`` per expert tensor kind with ggml's
-allocator on the layer's device buffer type. ``GgmlLoader`` copies expert
-slices of the host tensors into slots through ggml's backend API: on a GPU a
-second backend instance of the device gives its own stream for async copies
-from pinned host memory; on a CPU-only build it is a plain ``tensor_set``
-(memcpy), which exercises the same path. ``RouteAdapter`` is the C route
-callback: it maps ids to slots through ``ggmoe.cache.ExpertCache`` and hands
-``RouteEvent`` to the observer; it never raises into C.
+allocator on the layer's device buffer type. ``GgmlCopyBackend`` implements
+``ggmoe.cache.CopyBackend`` with ggml's backend API: on a GPU a second backend
+instance of the device gives its own stream for async copies from pinned host
+memory; on a CPU-only build a copy is a plain ``tensor_set`` (memcpy), which
+exercises the same path. ``CacheRuntime`` wires them to an ``ExpertCache`` and
+registers the slot tensors with the patched context. The route callback that
+drives the cache lives in ``ggmoe.engine.hooks``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ggmoe.cache import CacheConfig, ExpertCache
+from ggmoe.cache import CacheConfig, CopyHandle, ExpertCache, MonotonicClock, Priority, ThreadedCopyBackend
 from ggmoe.cache.policies import POLICIES
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -90,15 +92,23 @@ class SlotTensors:
             self.ctx = None
 
 
-class GgmlLoader:
-    """Copies experts into slots; async on a copy backend when given one, else synchronous."""
+class GgmlCopyBackend:
+    """The engine's copies: ggml's backend API, async on a second instance of the GPU when there is one.
+
+    On a CPU-only build a copy is a synchronous ``ggml_backend_tensor_set`` (memcpy): it has landed when
+    ``submit`` returns. On a GPU it is a ``ggml_backend_tensor_set_async`` per expert tensor kind on the copy
+    stream; readiness is one ``ggml_backend_synchronize`` of that stream, which lands every copy issued so far.
+    Copies, once issued, cannot be cancelled.
+    """
 
     def __init__(self, slots: SlotTensors, copy_backend: int | None = None) -> None:
         self.pairs = slots.pairs
         self.backend = copy_backend
-        self._pending: set[int] = set()  # layers with copies in flight
+        self._ids = itertools.count()
+        self._landed = -1  # every handle id up to this one has landed
 
-    def load(self, il: int, expert: int, slot: int) -> None:
+    def copy_now(self, il: int, expert: int, slot: int) -> None:
+        """Issue the copy of every expert tensor kind of ``expert`` into ``slot`` (async on a GPU)."""
         for p in self.pairs[il]:
             src = p.host_data + expert * p.nb2
             t = ctypes.cast(p.cache, B.ggml_tensor_p)
@@ -106,14 +116,25 @@ class GgmlLoader:
                 B.libggml_base.ggml_backend_tensor_set_async(self.backend, t, src, slot * p.nb2, p.nb2)
             else:
                 B.libggml_base.ggml_backend_tensor_set(t, src, slot * p.nb2, p.nb2)
-        if self.backend:
-            self._pending.add(il)
 
-    def wait(self, il: int) -> None:
-        # One stream: synchronizing it lands every copy issued so far, this layer's included.
-        if self.backend and self._pending:
+    def submit(self, il: int, expert: int, slot: int, priority: Priority) -> CopyHandle:
+        self.copy_now(il, expert, slot)
+        h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
+        if not self.backend:
+            self._landed = h.id
+        return h
+
+    def done(self, handle: CopyHandle) -> bool:
+        return handle.id <= self._landed
+
+    def wait(self, handles: Iterable[CopyHandle]) -> None:
+        last = max((h.id for h in handles), default=-1)
+        if last > self._landed:  # one stream: synchronizing it lands every copy issued so far
             B.libggml_base.ggml_backend_synchronize(self.backend)
-            self._pending.clear()
+            self._landed = last
+
+    def cancel(self, handle: CopyHandle) -> bool:
+        return False
 
     def close(self) -> None:
         if self.backend:
@@ -133,22 +154,26 @@ def _device_bufts() -> tuple[int, int | None]:
 
 
 class CacheRuntime:
-    """Slot tensors + loader + ``ExpertCache``, registered with the context layer by layer."""
+    """Slot tensors + copy backend + ``ExpertCache``, registered with the context layer by layer."""
 
     def __init__(self, model_ptr: int, ctx_ptr: int, config: CacheConfig, moe_layers: tuple[int, ...],
                  n_expert: int, n_expert_used: int, bytes_per_expert: dict[int, int]) -> None:
         n_slots = config.slots({il: bytes_per_expert[il] for il in moe_layers}, n_expert, n_expert_used)
         policy = POLICIES.get(config.policy)(n_expert, list(moe_layers))
         buft, backend = _device_bufts()
-        self.loader: GgmlLoader | None = None
+        self.copies: GgmlCopyBackend | ThreadedCopyBackend | None = None
         try:
             self.slots = SlotTensors(model_ptr, n_slots, buft)
         except BaseException:
             if backend:
                 B.libggml_base.ggml_backend_free(backend)
             raise
-        self.loader = GgmlLoader(self.slots, backend)
-        self.cache = ExpertCache(n_expert, n_expert_used, n_slots, policy, self.loader,
+        self.copies = GgmlCopyBackend(self.slots, backend)
+        if config.copy_delay_s is not None:
+            if backend:
+                raise EngineError("copy_delay_s simulates a slow link on a CPU-only build; a GPU has a real one")
+            self.copies = ThreadedCopyBackend(self.copies.copy_now, config.copy_delay_s)
+        self.cache = ExpertCache(n_expert, n_expert_used, n_slots, policy, self.copies, clock=MonotonicClock(),
                                  bytes_per_expert=self.slots.bytes_per_expert())
         P = _patched.load()
         for il, n in n_slots.items():
@@ -160,6 +185,6 @@ class CacheRuntime:
                                   f"{_patched.ERROR_NAMES.get(rc, rc)}")
 
     def close(self) -> None:
-        if self.loader is not None:
-            self.loader.close()
+        if self.copies is not None:
+            self.copies.close()
         self.slots.close()

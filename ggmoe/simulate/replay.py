@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ggmoe.cache import CacheStats, ExpertCache, Loader
+from ggmoe.cache import CacheStats, CopyBackend, ExpertCache
+from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.policies import POLICIES
 from ggmoe.trace.format import STAGE_PREFILL, Trace
 
@@ -31,14 +32,14 @@ def micro_batches(trace: Trace, n_ubatch: int | None = None) -> Iterator[slice]:
             yield slice(r, r + 1)
 
 
-def replay(trace: Trace, n_slots: int | dict[int, int], policy: str = "lru", loader: Loader | None = None,
+def replay(trace: Trace, n_slots: int | dict[int, int], policy: str = "lru", copies: CopyBackend | None = None,
            bytes_per_expert: dict[int, int] | None = None, n_ubatch: int | None = None) -> CacheStats:
     """Run the trace through a fresh cache; returns its statistics."""
     layers = [int(il) for il in trace.layers]
     slots = n_slots if isinstance(n_slots, dict) else {il: int(n_slots) for il in layers}
     m = trace.meta
     cache = ExpertCache(m.n_expert, m.n_expert_used, slots, POLICIES.get(policy)(m.n_expert, layers),
-                        loader=loader, bytes_per_expert=bytes_per_expert)
+                        copies=copies, bytes_per_expert=bytes_per_expert, clock=ManualClock())
     ids = trace.ids.astype(np.int32)
     for rows in micro_batches(trace, n_ubatch):
         n_tokens = rows.stop - rows.start

@@ -187,3 +187,18 @@ def test_embedded_model_run_stats_equal_replay(tmp_path):
     for il, s in sim.layers.items():
         live = d["layers"][str(il)]
         assert (s.hits, s.misses, s.native_calls) == (live["hits"], live["misses"], live["native_calls"])
+
+
+@pytest.mark.parametrize("policy", ["lru", "on-demand"])
+def test_logits_equal_stock_path_with_copies_on_a_worker_thread(qwen3moe_model, stock_logits, policy):
+    """Copies run on a worker thread after a delay: the cache must wait for them before a layer reads."""
+    facts = inspect_model(qwen3moe_model)
+    ref = stock_logits(qwen3moe_model)
+    cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4,
+                       cache=CacheConfig(n_slots=facts.n_expert_used + 1, policy=policy, copy_delay_s=0.001))
+    with Engine(cfg) as eng:
+        got = run_sequences(eng)
+        st = eng.cache_stats.total()
+    for a, b in zip(got, ref, strict=True):
+        assert np.abs(a - b).max() <= EXACT
+    assert st.misses > 0 and st.wait_s > 0.001 * st.misses * 0.5  # the waits were real

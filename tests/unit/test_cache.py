@@ -7,7 +7,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from ggmoe.cache import ExpertCache
+from ggmoe.cache import ExpertCache, NullCopyBackend
 from ggmoe.cache.policies import POLICIES, Policy
 from ggmoe.errors import UsageError
 from ggmoe.simulate import micro_batches, replay
@@ -16,15 +16,12 @@ from ggmoe.trace import STAGE_DECODE, STAGE_PREFILL, Trace, TraceMeta
 E, K = 8, 2
 
 
-class RecordingLoader:
+class RecordingLoader(NullCopyBackend):
+    """A copy backend that records every copy it was asked for."""
+
     def __init__(self):
-        self.loads, self.waits = [], []
-
-    def load(self, il, expert, slot):
-        self.loads.append((il, expert, slot))
-
-    def wait(self, il):
-        self.waits.append(il)
+        super().__init__(copy=lambda il, expert, slot: self.loads.append((il, expert, slot)))
+        self.loads = []
 
 
 def reference_lru(calls: list[tuple[int, np.ndarray]], n_slots: int) -> tuple[int, int]:

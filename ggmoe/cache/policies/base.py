@@ -2,12 +2,18 @@
 
 A policy only ranks; ``ggmoe.cache.ExpertCache`` owns the slots, decides what is
 a hit or a miss, and never offers as victims the experts the current layer call
-is using. Policies register in ``POLICIES`` by name (the built-ins too).
+is using. Events, in order, per layer call: ``on_insert`` for each expert copied
+in, ``on_evict`` for each one pushed out, ``on_access`` with the call's experts,
+then ``release`` (what to drop right away: on-demand drops everything).
+A caller that knows the future (the simulator replaying a trace) passes the
+next-use time of the layer's experts through ``set_future`` before the call;
+Belady uses it. Policies register in ``POLICIES`` by name, the built-ins too.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import ClassVar
 
 from ggmoe.registry import Registry
@@ -15,8 +21,6 @@ from ggmoe.registry import Registry
 
 class Policy(ABC):
     name: ClassVar[str]
-    # False: nothing survives a layer call (on-demand loading, the no-cache baseline).
-    reuse: ClassVar[bool] = True
 
     def __init__(self, n_expert: int, layers: list[int]) -> None:
         self.n_expert = n_expert
@@ -30,6 +34,13 @@ class Policy(ABC):
 
     def on_evict(self, il: int, expert: int) -> None:  # noqa: B027 - optional hook
         """``expert`` left its slot of layer ``il``."""
+
+    def set_future(self, il: int, next_use: Mapping[int, float] | None) -> None:  # noqa: B027 - optional hook
+        """Next-use time (access number, or inf for never) of layer ``il``'s experts, when the caller knows it."""
+
+    def release(self, il: int, resident: list[int]) -> list[int]:
+        """Experts of ``resident`` to drop at the end of a layer call (none: keep them for reuse)."""
+        return []
 
     @abstractmethod
     def victim(self, il: int, candidates: list[int], clock: int) -> int:

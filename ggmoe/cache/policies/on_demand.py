@@ -1,4 +1,4 @@
-"""The on-demand policy: no reuse across layer calls (the no-cache baseline)."""
+"""The on-demand policy: keep nothing across layer calls (the no-cache baseline)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from ggmoe.cache.policies.base import POLICIES, Policy
 class OnDemand(Policy):
     """Load every expert a layer call needs, keep nothing: the baseline without a cache."""
 
-    reuse = False
+    def release(self, il: int, resident: list[int]) -> list[int]:
+        return list(resident)
 
     def victim(self, il: int, candidates: list[int], clock: int) -> int:
         return candidates[0]

@@ -1,0 +1,159 @@
+"""Copy backends: how an expert gets from host memory into a slot, with priorities and readiness.
+
+The cache only submits copies and waits for their handles. The engine's backend
+issues ggml copies (``ggmoe.engine.slots.GgmlCopyBackend``); ``NullCopyBackend``
+lands every copy at once (bookkeeping, the simulator without a cost model);
+``ThreadedCopyBackend`` runs copies on a worker thread in priority order with a
+settable delay, so that tests exercise readiness, priorities and cancellation
+with real concurrency on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+
+class Priority(IntEnum):
+    """Lower runs first: a copy the running layer waits for, then admissions, then prefetches."""
+
+    DEMAND = 0
+    ADMISSION = 1
+    PREFETCH = 2
+
+
+@dataclass(frozen=True)
+class CopyHandle:
+    """One submitted copy of expert ``expert`` of layer ``il`` into ``slot``."""
+
+    id: int  # unique per backend, in submission order
+    il: int
+    expert: int
+    slot: int
+    priority: Priority
+
+
+class CopyBackend(Protocol):
+    def submit(self, il: int, expert: int, slot: int, priority: Priority) -> CopyHandle:
+        """Start (or queue) the copy; returns at once."""
+
+    def done(self, handle: CopyHandle) -> bool:
+        """Whether the copy has landed (a landed slot may be read)."""
+
+    def wait(self, handles: Iterable[CopyHandle]) -> None:
+        """Block until every one of ``handles`` has landed (a cancelled one counts as landed)."""
+
+    def cancel(self, handle: CopyHandle) -> bool:
+        """Drop a copy that has not started; True if it was dropped (its slot was never written)."""
+
+    def close(self) -> None:
+        """Release what the backend holds (threads, streams)."""
+
+
+class NullCopyBackend:
+    """Every copy lands when submitted; optionally calls ``copy(il, expert, slot)`` to do it."""
+
+    def __init__(self, copy: Callable[[int, int, int], None] | None = None) -> None:
+        self._copy = copy
+        self._ids = itertools.count()
+
+    def submit(self, il: int, expert: int, slot: int, priority: Priority) -> CopyHandle:
+        if self._copy is not None:
+            self._copy(il, expert, slot)
+        return CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
+
+    def done(self, handle: CopyHandle) -> bool:
+        return True
+
+    def wait(self, handles: Iterable[CopyHandle]) -> None:
+        pass
+
+    def cancel(self, handle: CopyHandle) -> bool:
+        return False  # it already landed
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadedCopyBackend:
+    """Copies on one worker thread, lowest priority value first (FIFO within a priority).
+
+    ``copy(il, expert, slot)`` does the work; ``delay_s`` seconds pass before each copy (a slow link).
+    """
+
+    def __init__(self, copy: Callable[[int, int, int], None], delay_s: float = 0.0) -> None:
+        self._copy = copy
+        self.delay_s = delay_s
+        self._ids = itertools.count()
+        self._queue: list[tuple[int, int, CopyHandle]] = []  # heap of (priority, id, handle)
+        self._done: set[int] = set()  # ids landed or cancelled
+        self._cancelled: set[int] = set()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.error: BaseException | None = None  # the first copy that raised; re-raised by wait()
+        self.order: list[CopyHandle] = []  # copies in the order they ran (tests)
+        self._thread = threading.Thread(target=self._work, name="ggmoe-copies", daemon=True)
+        self._thread.start()
+
+    def submit(self, il: int, expert: int, slot: int, priority: Priority) -> CopyHandle:
+        h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("copy backend is closed")
+            heapq.heappush(self._queue, (int(h.priority), h.id, h))
+            self._cv.notify_all()
+        return h
+
+    def done(self, handle: CopyHandle) -> bool:
+        with self._cv:
+            return handle.id in self._done
+
+    def wait(self, handles: Iterable[CopyHandle]) -> None:
+        ids = {h.id for h in handles}
+        with self._cv:
+            self._cv.wait_for(lambda: ids <= self._done or self.error is not None or self._closed)
+            if self.error is not None:
+                raise self.error
+            if not ids <= self._done:
+                raise RuntimeError("copy backend closed with copies pending")
+
+    def cancel(self, handle: CopyHandle) -> bool:
+        with self._cv:
+            if handle.id in self._done or not any(item[1] == handle.id for item in self._queue):
+                return False
+            self._queue = [item for item in self._queue if item[1] != handle.id]
+            heapq.heapify(self._queue)
+            self._cancelled.add(handle.id)
+            self._done.add(handle.id)
+            self._cv.notify_all()
+            return True
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if self._closed:
+                    return
+                _, _, h = heapq.heappop(self._queue)
+            try:
+                if self.delay_s:
+                    threading.Event().wait(self.delay_s)
+                self._copy(h.il, h.expert, h.slot)
+            except BaseException as e:  # noqa: BLE001 - reported to the waiter, the thread stays alive
+                with self._cv:
+                    self.error = self.error or e
+            with self._cv:
+                self.order.append(h)
+                self._done.add(h.id)
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)

@@ -1,0 +1,76 @@
+"""One layer's slots: which expert sits where, and whether its copy has landed.
+
+Plain lists, not numpy: the route callback touches a handful of entries per
+call, where Python indexing costs far less than numpy's per-call overhead.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+
+from ggmoe.cache.copy import CopyHandle
+
+
+class SlotState(IntEnum):
+    EMPTY = 0  # holds no expert
+    LOADING = 1  # a copy is in flight: never read it
+    READY = 2  # the copy landed: the expert may be read
+
+
+class SlotTable:
+    """expert -> slot and slot -> expert (-1 where empty), per-slot state and the copy in flight."""
+
+    def __init__(self, n_expert: int, n_slots: int) -> None:
+        self.slot_of_list = [-1] * n_expert  # [n_expert] slot or -1
+        self.expert_in_list = [-1] * n_slots  # [n_slots] expert or -1
+        self.state = [SlotState.EMPTY] * n_slots  # [n_slots]
+        self.copy: list[CopyHandle | None] = [None] * n_slots  # [n_slots] copy in flight into the slot
+        self.free = list(range(n_slots))  # empty slots, lowest first
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.expert_in_list)
+
+    @property
+    def slot_of(self) -> np.ndarray:
+        return np.asarray(self.slot_of_list, dtype=np.int32)
+
+    @property
+    def expert_in(self) -> np.ndarray:
+        return np.asarray(self.expert_in_list, dtype=np.int32)
+
+    def place(self, expert: int, slot: int, handle: CopyHandle | None) -> None:
+        """``expert`` goes into ``slot``: loading while ``handle`` is in flight, else ready."""
+        old = self.expert_in_list[slot]
+        if old >= 0:
+            self.slot_of_list[old] = -1
+        self.expert_in_list[slot] = expert
+        self.slot_of_list[expert] = slot
+        self.copy[slot] = handle
+        self.state[slot] = SlotState.LOADING if handle is not None else SlotState.READY
+
+    def landed(self, slot: int) -> None:
+        self.copy[slot] = None
+        self.state[slot] = SlotState.READY
+
+    def drop(self, slot: int) -> int:
+        """Empty ``slot``; returns the expert it held (-1 if none)."""
+        old = self.expert_in_list[slot]
+        if old >= 0:
+            self.slot_of_list[old] = -1
+        self.expert_in_list[slot] = -1
+        self.copy[slot] = None
+        self.state[slot] = SlotState.EMPTY
+        self.free.append(slot)
+        self.free.sort()
+        return old
+
+    def resident(self) -> list[int]:
+        return [e for e in self.expert_in_list if e >= 0]
+
+    def clear(self) -> None:
+        for slot in range(self.n_slots):
+            if self.expert_in_list[slot] >= 0:
+                self.drop(slot)

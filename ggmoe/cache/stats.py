@@ -1,0 +1,45 @@
+"""Cache statistics per MoE layer: counts and bytes, and seconds measured through the injected clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0  # routed layer calls (micro-batches)
+    native_calls: int = 0  # calls that ran the native path (more distinct experts than slots)
+    hits: int = 0  # distinct experts per call found resident
+    misses: int = 0  # distinct experts per call loaded
+    bytes_copied: int = 0  # bytes
+    wait_s: float = 0.0  # seconds spent waiting for this layer's copies (clock time)
+    hook_s: float = 0.0  # seconds inside route() for this layer (clock time)
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    def add(self, other: LayerStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["hit_rate"] = self.hit_rate
+        return d
+
+
+@dataclass
+class CacheStats:
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+
+    def total(self) -> LayerStats:
+        t = LayerStats()
+        for s in self.layers.values():
+            t.add(s)
+        return t
+
+    def to_dict(self) -> dict:
+        return {"total": self.total().to_dict(),
+                "layers": {str(il): s.to_dict() for il, s in sorted(self.layers.items())}}

@@ -1,0 +1,159 @@
+"""The cache's asynchronous side: slot states, copy backends, priorities, the injected clock, policy events."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ggmoe.cache import (
+    ExpertCache,
+    ManualClock,
+    NullCopyBackend,
+    Priority,
+    SlotState,
+    ThreadedCopyBackend,
+)
+from ggmoe.cache.policies import POLICIES, Policy
+
+pytestmark = pytest.mark.unit
+
+E, K = 8, 2
+
+
+def test_a_miss_goes_empty_loading_ready():
+    states = []
+
+    class Watching(NullCopyBackend):
+        def wait(self, handles):
+            states.extend(cache.tables[0].state[h.slot] for h in handles)  # while in flight
+
+    cache = ExpertCache(E, K, {0: 4}, POLICIES.get("lru")(E, [0]), copies=Watching())
+    assert cache.tables[0].state == [SlotState.EMPTY] * 4
+    slots = cache.route(0, np.array([[3, 5]], dtype=np.int32))
+    assert states == [SlotState.LOADING, SlotState.LOADING]
+    t = cache.tables[0]
+    assert [t.state[s] for s in slots.ravel()] == [SlotState.READY, SlotState.READY]
+    assert all(t.copy[s] is None for s in slots.ravel())
+
+
+def test_threaded_backend_lands_after_its_delay():
+    seen = []
+    b = ThreadedCopyBackend(lambda il, e, s: seen.append((il, e, s)), delay_s=0.2)
+    try:
+        h = b.submit(0, 3, 1, Priority.DEMAND)
+        assert not b.done(h)  # not before the delay
+        t0 = time.perf_counter()
+        b.wait([h])
+        assert time.perf_counter() - t0 > 0.1
+        assert b.done(h) and seen == [(0, 3, 1)]
+    finally:
+        b.close()
+
+
+def test_threaded_backend_runs_demand_before_prefetch_and_cancels_queued_copies():
+    gate = threading.Event()
+    order = []
+
+    def copy(il, e, s):
+        gate.wait(5)
+        order.append(e)
+
+    b = ThreadedCopyBackend(copy)
+    try:
+        first = b.submit(0, 0, 0, Priority.PREFETCH)  # taken by the worker at once, blocks on the gate
+        time.sleep(0.05)
+        p1 = b.submit(0, 1, 1, Priority.PREFETCH)
+        p2 = b.submit(0, 2, 2, Priority.PREFETCH)
+        a = b.submit(0, 3, 3, Priority.ADMISSION)
+        d = b.submit(0, 4, 4, Priority.DEMAND)
+        assert b.cancel(p2)  # still queued: dropped
+        gate.set()
+        b.wait([first, p1, a, d, p2])
+        assert order == [0, 4, 3, 1]  # the running one, then demand, admission, prefetch; p2 never ran
+        assert not b.cancel(p1)  # already landed
+    finally:
+        b.close()
+
+
+def test_threaded_backend_reports_a_failed_copy_to_the_waiter():
+    def copy(il, e, s):
+        raise OSError("link down")
+
+    b = ThreadedCopyBackend(copy)
+    try:
+        h = b.submit(0, 1, 0, Priority.DEMAND)
+        with pytest.raises(OSError, match="link down"):
+            b.wait([h])
+    finally:
+        b.close()
+
+
+def test_the_injected_clock_makes_wait_times_exact():
+    clock = ManualClock()
+
+    class Slow(NullCopyBackend):
+        def wait(self, handles):
+            clock.advance(0.25 * len(list(handles)))  # 250 ms per copy on the virtual timeline
+
+    cache = ExpertCache(E, K, {0: 4}, POLICIES.get("lru")(E, [0]), copies=Slow(), clock=clock)
+    cache.route(0, np.array([[1, 2]], dtype=np.int32))  # two misses
+    cache.route(0, np.array([[1, 2]], dtype=np.int32))  # two hits: no wait
+    cache.route(0, np.array([[1, 6]], dtype=np.int32))  # one miss
+    st = cache.stats.layers[0]
+    assert st.wait_s == pytest.approx(0.75) and st.hook_s == pytest.approx(0.75)
+    assert (st.hits, st.misses) == (3, 3)
+
+
+def test_policy_receives_events_in_order_and_the_future_when_known():
+    events = []
+
+    class Logging(Policy):
+        def on_access(self, il, experts, clock):
+            events.append(("access", tuple(experts)))
+
+        def on_insert(self, il, expert, clock):
+            events.append(("insert", expert))
+
+        def on_evict(self, il, expert):
+            events.append(("evict", expert))
+
+        def set_future(self, il, next_use):
+            self.next_use = dict(next_use)
+
+        def victim(self, il, candidates, clock):
+            # Belady's rule: the candidate used furthest in the future
+            return max(candidates, key=lambda e: self.next_use.get(e, float("inf")))
+
+    cache = ExpertCache(E, K, {0: 2}, Logging(E, [0]))
+    cache.route_flat(0, [0, 1], next_use={0: 3, 1: 2})
+    cache.route_flat(0, [2], next_use={0: 3, 1: 2, 2: 9})  # evicts 0 (used at 3), keeps 1 (used at 2)
+    assert events == [("insert", 0), ("insert", 1), ("access", (0, 1)),
+                      ("evict", 0), ("insert", 2), ("access", (2,))]
+    assert sorted(cache.tables[0].resident()) == [1, 2]
+
+
+def test_on_demand_is_a_policy_that_releases_everything():
+    cache = ExpertCache(E, K, {0: 4}, POLICIES.get("on-demand")(E, [0]))
+    cache.route(0, np.array([[1, 2]], dtype=np.int32))
+    assert cache.tables[0].resident() == [] and cache.tables[0].free == [0, 1, 2, 3]
+    cache.route(0, np.array([[1, 2]], dtype=np.int32))
+    assert (cache.stats.layers[0].hits, cache.stats.layers[0].misses) == (0, 4)
+
+
+def test_a_slot_still_loading_is_waited_for_before_it_is_read():
+    b = ThreadedCopyBackend(lambda il, e, s: None, delay_s=0.05)
+    try:
+        cache = ExpertCache(E, K, {0: 4}, POLICIES.get("lru")(E, [0]), copies=b)
+        t = cache.tables[0]
+        h = b.submit(0, 5, 0, Priority.PREFETCH)  # a prefetch in flight into slot 0
+        t.free.remove(0)
+        t.place(5, 0, h)
+        assert t.state[0] == SlotState.LOADING
+        cache.route(0, np.array([[5, 6]], dtype=np.int32))  # a hit on 5: must wait for its copy
+        assert b.done(h) and t.state[0] == SlotState.READY
+        assert cache.stats.layers[0].hits == 1
+    finally:
+        b.close()
