@@ -53,26 +53,41 @@ class NpzMembers:
             dtype, shape, _, _ = self._header(f, key)
         return dtype, shape
 
-    def read(self, key: str, dtype: str | np.dtype, ndim: int | None = None) -> np.ndarray:
-        """Member ``key`` as an array; its header must declare ``dtype`` (and ``ndim`` dimensions)."""
+    def read(self, key: str, dtype: str | np.dtype, shape: tuple[int, ...] | None = None, *,
+             ndim: int | None = None, max_bytes: int | None = None, finite: bool = False) -> np.ndarray:
+        """Member ``key``; its header must declare ``dtype``, and ``shape`` or ``ndim`` dimensions when given.
+
+        ``max_bytes`` bounds the data; ``finite`` refuses NaN and infinity in a float array.
+        """
         info = self._info(key)
         try:
             with self.z.open(info) as f:
-                got_dtype, shape, fortran, offset = self._header(f, key)
+                got_dtype, got_shape, fortran, offset = self._header(f, key)
                 if got_dtype != np.dtype(dtype):
-                    raise self.fail(f"{key}: dtype {got_dtype}, expected {np.dtype(dtype)}")
-                if ndim is not None and len(shape) != ndim:
-                    raise self.fail(f"{key}: shape {shape}, expected {ndim} dimensions")
-                nbytes = int(np.prod(shape, dtype=np.float64)) * got_dtype.itemsize
-                if info.file_size != offset + nbytes:
+                    raise self.fail(f"{key}: dtype {got_dtype}, expected {dtype}")
+                if shape is not None and got_shape != shape:
+                    raise self.fail(f"{key}: shape {got_shape}, expected {shape}")
+                if ndim is not None and len(got_shape) != ndim:
+                    raise self.fail(f"{key}: shape {got_shape}, expected {'a vector' if ndim == 1 else f'{ndim} dims'}")
+                nbytes = int(np.prod(got_shape, dtype=np.float64)) * got_dtype.itemsize
+                if max_bytes is not None and nbytes > max_bytes:
+                    raise self.fail(f"{key}: {nbytes} bytes, more than the {max_bytes} allowed")
+                if info.file_size != offset + nbytes:  # zipfile never yields more than file_size bytes
                     raise self.fail(f"{key}: the header declares {nbytes} data bytes, the member holds "
                                     f"{info.file_size - offset}")
                 data = f.read(nbytes)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, OSError, EOFError, ValueError) as e:
             raise self.fail(f"{key}: cannot be read ({e})") from None
         if len(data) != nbytes:
             raise self.fail(f"{key}: truncated ({len(data)} of {nbytes} bytes)")
-        return np.frombuffer(data, dtype=got_dtype).reshape(shape, order="F" if fortran else "C").copy()
+        a = np.frombuffer(data, dtype=got_dtype).reshape(got_shape, order="F" if fortran else "C").copy()
+        if finite and a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+            raise self.fail(f"{key}: contains NaN or infinity")
+        return a
+
+    def unexpected(self, expected: set[str]) -> list[str]:
+        """Members other than ``expected``."""
+        return sorted(set(self.infos) - expected)
 
     def _info(self, key: str) -> zipfile.ZipInfo:
         info = self.infos.get(key)
@@ -94,5 +109,5 @@ class NpzMembers:
             raise self.fail(f"{key}: not a valid .npy array ({e})") from None
         dt = np.dtype(dtype)
         if dt.hasobject:
-            raise self.fail(f"{key}: dtype {dt} cannot be read without pickle")
+            raise self.fail(f"array {key} cannot be read without pickle (dtype {dt})")
         return dt, tuple(int(n) for n in shape), bool(fortran), f.tell()

@@ -39,7 +39,6 @@ anything, so it never leaves a file the reader would refuse.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import tempfile
@@ -51,6 +50,7 @@ import numpy as np
 
 from ggmoe import outputs
 from ggmoe.errors import PredictorFileError
+from ggmoe.npzfile import NpzMembers
 from ggmoe.predict.base import ModelShape
 
 FORMAT = "ggmoe-predictor"
@@ -187,65 +187,7 @@ def shape_of(meta: dict) -> ModelShape:
 # --- arrays: headers checked before data ------------------------------------------------------
 
 
-class _Members:
-    """The ``.npy`` members of an open zip, read with their headers checked first."""
-
-    def __init__(self, z: zipfile.ZipFile, label: object) -> None:
-        self.z, self.label = z, label
-        self.infos: dict[str, zipfile.ZipInfo] = {}
-        for info in z.infolist():
-            key = info.filename.removesuffix(".npy")
-            if key in self.infos or info.is_dir() or not info.filename.endswith(".npy"):
-                raise _fail(label, f"unexpected zip member {info.filename!r}")
-            self.infos[key] = info
-
-    def read(self, key: str, dtype: str, shape: tuple[int, ...] | None, max_bytes: int | None = None) -> np.ndarray:
-        """Array ``key``; its header must declare ``dtype`` and ``shape`` (None: any 1-D up to max_bytes)."""
-        info = self.infos.get(key)
-        if info is None:
-            raise _fail(self.label, f"missing array {key}")
-        with self.z.open(info) as f:
-            got_dtype, got_shape, fortran, offset = self._header(f, key)
-            if got_dtype.hasobject:
-                raise _fail(self.label, f"array {key} cannot be read without pickle (dtype {got_dtype})")
-            if got_dtype != np.dtype(dtype):
-                raise _fail(self.label, f"{key}: dtype {got_dtype}, expected {dtype}")
-            if shape is not None and got_shape != shape:
-                raise _fail(self.label, f"{key}: shape {got_shape}, expected {shape}")
-            if shape is None and len(got_shape) != 1:
-                raise _fail(self.label, f"{key}: shape {got_shape}, expected a vector")
-            nbytes = int(np.prod(got_shape, dtype=np.int64)) * got_dtype.itemsize
-            if max_bytes is not None and nbytes > max_bytes:
-                raise _fail(self.label, f"{key}: {nbytes} bytes, more than the {max_bytes} allowed")
-            if info.file_size != offset + nbytes:  # zipfile never yields more than file_size bytes
-                raise _fail(self.label, f"{key}: the header declares {nbytes} data bytes, the member holds "
-                                        f"{info.file_size - offset}")
-            data = f.read(nbytes)
-        a = np.frombuffer(data, dtype=got_dtype).reshape(got_shape, order="F" if fortran else "C")
-        if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
-            raise _fail(self.label, f"{key}: contains NaN or infinity")
-        return a
-
-    def _header(self, f: io.BufferedIOBase, key: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
-        fmt = np.lib.format
-        try:
-            version = fmt.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = fmt.read_array_header_1_0(f)
-            elif version == (2, 0):
-                shape, fortran, dtype = fmt.read_array_header_2_0(f)
-            else:
-                raise ValueError(f".npy format version {version} is not supported")
-        except (ValueError, TypeError, SyntaxError, OverflowError, EOFError) as e:
-            raise _fail(self.label, f"{key}: not a valid .npy array ({e})") from e
-        offset = f.tell()  # header bytes: data follows
-        return np.dtype(dtype), tuple(int(n) for n in shape), bool(fortran), offset
-
-    def unexpected(self, expected: set[str]) -> list[str]:
-        return sorted(set(self.infos) - expected)
-
-
-def _read_net(m: _Members, i: int, entry: dict, meta: dict) -> Net:
+def _read_net(m: NpzMembers, i: int, entry: dict, meta: dict, label: object) -> Net:
     il, targets = entry["il"], tuple(entry["targets"])
     d, e, h, dt = meta["n_embd"], meta["n_expert"], meta["hidden"], meta["dtype"]
     n_out = len(targets) * e
@@ -253,39 +195,38 @@ def _read_net(m: _Members, i: int, entry: dict, meta: dict) -> Net:
     f32 = np.float32
     if meta["kind"] == "linear":
         w1t = b1 = None
-        w2 = m.read(p + "w", dt, (n_out, d))
-        b2 = m.read(p + "b", dt, (n_out,))
+        w2 = m.read(p + "w", dt, (n_out, d), finite=True)
+        b2 = m.read(p + "b", dt, (n_out,), finite=True)
     else:
-        w1 = m.read(p + "w1", dt, (h, d))
-        b1 = m.read(p + "b1", dt, (h,)).astype(f32)
+        w1 = m.read(p + "w1", dt, (h, d), finite=True)
+        b1 = m.read(p + "b1", dt, (h,), finite=True).astype(f32)
         w1t = np.ascontiguousarray(w1.T, dtype=f32)
-        w2 = m.read(p + "w2", dt, (n_out, h))
-        b2 = m.read(p + "b2", dt, (n_out,))
-    mean = m.read(p + "mean", "float32", (d,))
-    std = m.read(p + "std", "float32", (d,))
+        w2 = m.read(p + "w2", dt, (n_out, h), finite=True)
+        b2 = m.read(p + "b2", dt, (n_out,), finite=True)
+    mean = m.read(p + "mean", "float32", (d,), finite=True)
+    std = m.read(p + "std", "float32", (d,), finite=True)
     if np.any(std <= 0):
-        raise _fail(m.label, f"{p}std must be positive")
+        raise _fail(label, f"{p}std must be positive")
     return Net(il=il, targets=targets, w1t=w1t, b1=b1, w2t=np.ascontiguousarray(w2.T, dtype=f32),
                b2=b2.astype(f32), mean=mean, std=std)
 
 
-def _read_meta(m: _Members) -> dict:
-    raw = m.read("meta", "uint8", None, max_bytes=MAX_META_BYTES)
+def _read_meta(m: NpzMembers, label: object) -> dict:
+    raw = m.read("meta", "uint8", ndim=1, max_bytes=MAX_META_BYTES)
     try:
         meta = json.loads(raw.tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise _fail(m.label, f"bad metadata: {e}") from e
-    return check_meta(meta, m.label)
+        raise _fail(label, f"bad metadata: {e}") from e
+    return check_meta(meta, label)
 
 
 def _read(path: Path, shape: ModelShape | None, label: object) -> PredictorFile:
     """Read ``path`` for the model ``shape`` (None: the model its metadata names), messages under ``label``."""
     try:
-        with zipfile.ZipFile(path) as z:
-            m = _Members(z, label)
-            meta = _read_meta(m)
+        with NpzMembers(path, lambda msg: _fail(label, msg)) as m:
+            meta = _read_meta(m, label)
             check_model(meta, shape if shape is not None else shape_of(meta), label)
-            nets = tuple(_read_net(m, i, entry, meta) for i, entry in enumerate(meta["nets"]))
+            nets = tuple(_read_net(m, i, entry, meta, label) for i, entry in enumerate(meta["nets"]))
             extra = m.unexpected({"meta"} | {f"net{i}.{k}" for i in range(len(nets)) for k in NET_KEYS[meta["kind"]]})
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, OSError, EOFError) as e:
         raise _fail(label, f"damaged .npz file ({e})") from e

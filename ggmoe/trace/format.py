@@ -207,8 +207,8 @@ def load_trace(path: str | Path, hidden: bool = True) -> Trace:
         missing = [k for k in need if k not in z.names]
         if missing:
             raise fail(f"missing arrays {missing}")
-        a = {k: z.read(k, dtypes[k]) for k in need}
-        h = z.read("hidden", np.float16) if hidden and "hidden" in z.names else None
+        a = {k: z.read(k, np.dtype(dtypes[k])) for k in need}
+        h = z.read("hidden", np.dtype(np.float16)) if hidden and "hidden" in z.names else None
     meta = _meta(a["meta"])
     t = a["token_ids"].shape[0] if a["token_ids"].ndim == 1 else -1
     n_l = a["layers"].shape[0] if a["layers"].ndim == 1 else -1
