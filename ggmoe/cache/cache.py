@@ -44,6 +44,8 @@ class ExpertCache:
         self.tables = {il: SlotTable(n_expert, n) for il, n in n_slots.items()}
         self.stats = CacheStats({il: LayerStats() for il in n_slots})
         self.clock = 0  # access counter: one per routed layer call
+        # whether the policy drops experts after a call (on-demand); checked once, not per call
+        self._releases = type(policy).release is not Policy.release
 
     def fits(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of ``n_tokens`` runs on the cache (else the native path)."""
@@ -74,7 +76,7 @@ class ExpertCache:
         missing = [e for e in need if slot_of[e] < 0]
         st.hits += len(need) - len(missing)
         st.misses += len(missing)
-        pending = self._in_flight(table, need)
+        pending = self._in_flight(table, need) if table.n_loading else []
         if missing:
             pending += self._load(il, table, need, missing)
         if pending:
@@ -85,9 +87,10 @@ class ExpertCache:
                 table.landed(h.slot)
         self.policy.on_access(il, need, self.clock)
         slots = [slot_of[e] for e in flat]
-        for e in self.policy.release(il, table.resident()):
-            self.policy.on_evict(il, e)
-            table.drop(slot_of[e])
+        if self._releases:
+            for e in self.policy.release(il, table.resident()):
+                self.policy.on_evict(il, e)
+                table.drop(slot_of[e])
         st.hook_s += self.time.now() - t0
         return slots
 

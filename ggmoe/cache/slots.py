@@ -28,6 +28,7 @@ class SlotTable:
         self.state = [SlotState.EMPTY] * n_slots  # [n_slots]
         self.copy: list[CopyHandle | None] = [None] * n_slots  # [n_slots] copy in flight into the slot
         self.free = list(range(n_slots))  # empty slots, lowest first
+        self.n_loading = 0  # slots whose copy is in flight (0: the route callback skips the check)
 
     @property
     def n_slots(self) -> int:
@@ -48,10 +49,16 @@ class SlotTable:
             self.slot_of_list[old] = -1
         self.expert_in_list[slot] = expert
         self.slot_of_list[expert] = slot
+        if self.copy[slot] is not None:
+            self.n_loading -= 1
         self.copy[slot] = handle
         self.state[slot] = SlotState.LOADING if handle is not None else SlotState.READY
+        if handle is not None:
+            self.n_loading += 1
 
     def landed(self, slot: int) -> None:
+        if self.copy[slot] is not None:
+            self.n_loading -= 1
         self.copy[slot] = None
         self.state[slot] = SlotState.READY
 
@@ -61,6 +68,8 @@ class SlotTable:
         if old >= 0:
             self.slot_of_list[old] = -1
         self.expert_in_list[slot] = -1
+        if self.copy[slot] is not None:
+            self.n_loading -= 1
         self.copy[slot] = None
         self.state[slot] = SlotState.EMPTY
         self.free.append(slot)

@@ -42,33 +42,44 @@ llama_cpp = B.llama_cpp
 __all__ = ["Engine", "EngineConfig", "Generation", "Timings", "gpu_device_name"]
 
 
-@contextlib.contextmanager
-def _deferred_sigint() -> Iterator[list[bool]]:
-    """Hold Ctrl-C while llama.cpp computes; re-raise it as KeyboardInterrupt once the decode returned.
+class _SigintGuard:
+    """Holds Ctrl-C while llama.cpp computes; raises it as KeyboardInterrupt once the decode returned.
 
     A KeyboardInterrupt raised inside a ctypes callback would be swallowed by ctypes ("Exception ignored")
-    and the route op would fail; so during a decode SIGINT only sets a flag. Main thread only (elsewhere
-    Python delivers no signals anyway).
+    and the route op would fail; so during a decode SIGINT only sets a flag. The handler is installed once
+    (signal.signal is a syscall: about 7 us, too much per token) and behaves like Python's default outside
+    a decode. If the program installed a SIGINT handler of its own, that one is left alone.
     """
-    hit = [False]
-    if threading.current_thread() is not threading.main_thread():
-        yield hit
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.default_int_handler:
-        yield hit  # somebody else handles Ctrl-C: leave it alone
-        return
 
-    def on_sigint(signum: int, frame: object) -> None:
-        hit[0] = True
+    def __init__(self) -> None:
+        self.in_decode = False
+        self.pending = False
+        self.installed = False
 
-    signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield hit
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if hit[0]:
-        raise KeyboardInterrupt
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        if self.in_decode:
+            self.pending = True
+        else:
+            signal.default_int_handler(signum, frame)
+
+    def enter(self) -> None:
+        if not self.installed:
+            if threading.current_thread() is not threading.main_thread():
+                return  # Python delivers signals to the main thread only
+            if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+                return  # somebody else handles Ctrl-C
+            signal.signal(signal.SIGINT, self._on_sigint)
+            self.installed = True
+        self.in_decode = True
+
+    def exit(self) -> None:
+        self.in_decode = False
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+_sigint = _SigintGuard()
 
 
 class _Sampler:
@@ -352,11 +363,13 @@ class Engine:
             self._batch.set_batch(chunk, self.n_past, all_logits)
             mark = llama_log().count
             failed: RuntimeError | None = None
-            with _deferred_sigint():
-                try:
-                    self._ctx.decode(self._batch)
-                except RuntimeError as e:  # llama_decode returned nonzero
-                    failed = e
+            _sigint.enter()
+            try:
+                self._ctx.decode(self._batch)
+            except RuntimeError as e:  # llama_decode returned nonzero
+                failed = e
+            finally:
+                _sigint.exit()
             self._raise_hook_error()
             if failed is not None:
                 raise EngineError(f"{failed}: {llama_log().last_error(mark) or 'no reason logged'}")

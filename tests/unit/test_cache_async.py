@@ -151,9 +151,9 @@ def test_a_slot_still_loading_is_waited_for_before_it_is_read():
         h = b.submit(0, 5, 0, Priority.PREFETCH)  # a prefetch in flight into slot 0
         t.free.remove(0)
         t.place(5, 0, h)
-        assert t.state[0] == SlotState.LOADING
+        assert t.state[0] == SlotState.LOADING and t.n_loading == 1
         cache.route(0, np.array([[5, 6]], dtype=np.int32))  # a hit on 5: must wait for its copy
-        assert b.done(h) and t.state[0] == SlotState.READY
+        assert b.done(h) and t.state[0] == SlotState.READY and t.n_loading == 0
         assert cache.stats.layers[0].hits == 1
     finally:
         b.close()
