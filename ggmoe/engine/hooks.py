@@ -36,39 +36,41 @@ class Observers:
     """The engine's route observers, in the order they were added; ``request`` is the union of theirs."""
 
     def __init__(self) -> None:
-        self._items: list[RouteObserver] = []
+        # a tuple rebuilt on change: the hooks read it once per layer call without copying
+        self.items: tuple[RouteObserver, ...] = ()
         self.request = HookRequest(probs=False, hidden=False)
 
     def add(self, obs: RouteObserver) -> None:
-        if any(o is obs for o in self._items):
+        if any(o is obs for o in self.items):
             raise ValueError("this observer is already attached")
-        self._items.append(obs)
+        self.items = (*self.items, obs)
         self._refresh()
 
     def remove(self, obs: RouteObserver) -> None:
-        self._items = [o for o in self._items if o is not obs]
+        self.items = tuple(o for o in self.items if o is not obs)
         self._refresh()
 
     def _refresh(self) -> None:
-        self.request = HookRequest(probs=any(o.request.probs for o in self._items),
-                                   hidden=any(o.request.hidden for o in self._items))
+        self.request = HookRequest(probs=any(o.request.probs for o in self.items),
+                                   hidden=any(o.request.hidden for o in self.items))
 
     def __bool__(self) -> bool:
-        return bool(self._items)
+        return bool(self.items)
 
     def __iter__(self) -> Iterator[RouteObserver]:
-        return iter(list(self._items))
+        return iter(self.items)
 
     def emit(self, event: RouteEvent) -> None:
-        for obs in list(self._items):
+        for obs in self.items:
             obs.on_route(event)
 
 
-def build_event(il: int, ids: np.ndarray, request: HookRequest, probs: Callable[[], np.ndarray],
-                hidden: Callable[[], np.ndarray]) -> RouteEvent:
+def build_event(il: int, ids: np.ndarray, request: HookRequest, probs: Callable[[], np.ndarray | None],
+                hidden: Callable[[], np.ndarray | None]) -> RouteEvent:
     """The one event builder: ids [n_tokens, k] int32 (a copy), probs/hidden read only when asked for."""
     return RouteEvent(il=il, ids=ids, probs=probs() if request.probs else None,
                       hidden=hidden() if request.hidden else None)
+
 
 
 def _view(ptr: int, ctype: type, shape: tuple[int, int]) -> np.ndarray:
@@ -118,10 +120,11 @@ class RouteOpHook:
                     cache.observe(il, ids[:])
             elif slots_p:
                 raise EngineError(f"layer {il} asked for slots but has no cache")
-            if self.observers:
+            observers = self.observers
+            if observers.items:
                 ids_np = np.frombuffer(ids, dtype=np.int32).reshape(n_tokens, n_expert_used).copy()
-                self.observers.emit(build_event(
-                    il, ids_np, self.observers.request,
+                observers.emit(build_event(
+                    il, ids_np, observers.request,
                     lambda: _view(probs_p, ctypes.c_float, (n_tokens, n_expert)).copy(),
                     lambda: _view(inp_p, ctypes.c_float, (n_tokens, n_embd)).copy()))
             if self.times is not None:
