@@ -159,7 +159,7 @@ class CbEvalHook:
         # Called for every graph node with ask=True: keep that path to a name read and a prefix test
         # (about 1 us); only the three ffn_moe_* names of a layer go further.
         try:
-            if not self.observers or self.error is not None:
+            if not self.observers.items or self.error is not None:
                 return False
             name = ctypes.string_at(t_ptr + _NAME_OFFSET)
             if not name.startswith(b"ffn_moe_"):
