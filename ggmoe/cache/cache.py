@@ -16,6 +16,7 @@ import numpy as np
 
 from ggmoe.cache.clock import Clock, MonotonicClock
 from ggmoe.cache.copy import CopyBackend, CopyHandle, NullCopyBackend, Priority
+from ggmoe.cache.miss import HOST_MAX_TOKENS, SLOT_HOST, MissCosts, check_miss_policy, prefer_host
 from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.slots import SlotTable
 from ggmoe.cache.stats import CacheStats, LayerStats
@@ -27,7 +28,7 @@ class ExpertCache:
 
     def __init__(self, n_expert: int, n_expert_used: int, n_slots: dict[int, int], policy: Policy,
                  copies: CopyBackend | None = None, bytes_per_expert: dict[int, int] | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, miss_policy: str = "wait", costs: MissCosts | None = None) -> None:
         for il, n in n_slots.items():
             if n < n_expert_used:
                 raise UsageError(f"layer {il}: {n} cache slots < n_expert_used {n_expert_used}: "
@@ -46,6 +47,9 @@ class ExpertCache:
         self.clock = 0  # access counter: one per routed layer call
         # whether the policy drops experts after a call (on-demand); checked once, not per call
         self._releases = type(policy).release is not Policy.release
+        self.miss_policy = check_miss_policy(miss_policy)
+        self.costs = costs  # for "auto"
+        self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
 
     def fits(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of ``n_tokens`` runs on the cache (else the native path)."""
@@ -59,7 +63,9 @@ class ExpertCache:
     def route_flat(self, il: int, flat: list[int], next_use: Mapping[int, float] | None = None) -> list[int]:
         """``route`` on a flat list of ids (the engine's hot path: no numpy per call).
 
-        ``next_use`` (expert -> access number of its next use) reaches the policy when the caller knows it.
+        Returns a slot per id, or ``SLOT_HOST`` (-1) for an expert the CPU computes (miss policy ``cpu`` or
+        ``auto``, micro-batches of at most ``HOST_MAX_TOKENS`` tokens). ``next_use`` (expert -> access number
+        of its next use) reaches the policy when the caller knows it.
         """
         t0 = self.time.now()
         st = self.stats.layers[il]
@@ -76,23 +82,62 @@ class ExpertCache:
         missing = [e for e in need if slot_of[e] < 0]
         st.hits += len(need) - len(missing)
         st.misses += len(missing)
+        if table.n_loading:
+            self._land_done(table)
         pending = self._in_flight(table, need) if table.n_loading else []
+        host: set[int] = set()
+        if self.miss_policy != "wait" and len(flat) <= HOST_MAX_TOKENS * self.n_expert_used:
+            host, pending, missing = self._to_host(il, pending, missing)
         if missing:
-            pending += self._load(il, table, need, missing)
+            loaded = self._load(il, table, need, missing, Priority.DEMAND)
+            pending += loaded
+            st.demand_copies += len(loaded)
         if pending:
             tw = self.time.now()
             self.copies.wait(pending)
             st.wait_s += self.time.now() - tw
             for h in pending:
                 table.landed(h.slot)
+                self._submitted.pop(h.id, None)
+        if host:
+            st.host_computed += len(host)
+            admit = [e for e in host if slot_of[e] < 0]
+            if admit:  # low priority: a later token finds them; the current call computes them on the CPU
+                st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
         self.policy.on_access(il, need, self.clock)
-        slots = [slot_of[e] for e in flat]
+        slots = [SLOT_HOST if e in host else slot_of[e] for e in flat] if host else [slot_of[e] for e in flat]
         if self._releases:
             for e in self.policy.release(il, table.resident()):
                 self.policy.on_evict(il, e)
                 table.drop(slot_of[e])
         st.hook_s += self.time.now() - t0
         return slots
+
+    def _to_host(self, il: int, pending: list[CopyHandle], missing: list[int]
+                 ) -> tuple[set[int], list[CopyHandle], list[int]]:
+        """Split misses and copies in flight between the CPU and waiting, as the miss policy says."""
+        nbytes = self.bytes_per_expert.get(il, 0)
+        host: set[int] = set()
+        keep: list[CopyHandle] = []
+        now = self.time.now()
+        for h in pending:
+            if self.copies.done(h):
+                keep.append(h)
+                continue
+            left = None
+            if self.costs is not None:
+                left = max(0.0, self.costs.copy_s(nbytes) - (now - self._submitted.get(h.id, now)))
+            if prefer_host(self.miss_policy, self.costs, nbytes, left):
+                host.add(h.expert)  # its slot stays LOADING; a later call reads it once landed
+            else:
+                keep.append(h)
+        still = []
+        for e in missing:
+            if prefer_host(self.miss_policy, self.costs, nbytes, None):
+                host.add(e)
+            else:
+                still.append(e)
+        return host, keep, still
 
     @staticmethod
     def _in_flight(table: SlotTable, need: list[int]) -> list[CopyHandle]:
@@ -104,14 +149,35 @@ class ExpertCache:
                 out.append(table.copy[s])
         return out
 
+    @staticmethod
+    def _victims(table: SlotTable, in_use: set[int]) -> list[int]:
+        """Resident experts that may be evicted: not used by this call, not still loading."""
+        return sorted(x for x in table.expert_in_list
+                      if x >= 0 and x not in in_use and table.copy[table.slot_of_list[x]] is None)
+
+    def _land_done(self, table: SlotTable) -> None:
+        """Mark every copy that has landed since the last look (their slots may be read and evicted again)."""
+        for slot, h in enumerate(table.copy):
+            if h is not None and self.copies.done(h):
+                table.landed(slot)
+                self._submitted.pop(h.id, None)
+
+    def _land_all(self, table: SlotTable) -> None:
+        handles = [h for h in table.copy if h is not None]
+        self.copies.wait(handles)
+        for h in handles:
+            table.landed(h.slot)
+            self._submitted.pop(h.id, None)
+
     def observe(self, il: int, ids: np.ndarray | list[int]) -> None:
         """A micro-batch that ran the native path: counted, nothing loaded or evicted."""
         st = self.stats.layers[il]
         st.calls += 1
         st.native_calls += 1
 
-    def _load(self, il: int, table: SlotTable, need: list[int], missing: list[int]) -> list[CopyHandle]:
-        """Demand copies of ``missing`` into free slots or the policy's victims; their handles."""
+    def _load(self, il: int, table: SlotTable, need: list[int], missing: list[int],
+              priority: Priority) -> list[CopyHandle]:
+        """Copies of ``missing`` into free slots or the policy's victims (never a slot this call reads)."""
         in_use = set(need)  # never evict what this call uses
         bpe = self.bytes_per_expert.get(il, 0)
         handles = []
@@ -119,11 +185,17 @@ class ExpertCache:
             if table.free:
                 slot = table.free.pop(0)
             else:
-                cand = sorted(x for x in table.expert_in_list if x >= 0 and x not in in_use)
+                cand = self._victims(table, in_use)
+                if not cand:
+                    if priority != Priority.DEMAND:
+                        break  # every other slot is in use or still loading: no room for a low-priority copy
+                    self._land_all(table)  # a demand copy may take a slot whose copy landed
+                    cand = self._victims(table, in_use)
                 victim = self.policy.victim(il, cand, self.clock)
                 slot = table.slot_of_list[victim]
                 self.policy.on_evict(il, victim)
-            h = self.copies.submit(il, e, slot, Priority.DEMAND)
+            h = self.copies.submit(il, e, slot, priority)
+            self._submitted[h.id] = self.time.now()
             table.place(e, slot, h)
             handles.append(h)
             self.policy.on_insert(il, e, self.clock)

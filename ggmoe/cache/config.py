@@ -17,6 +17,9 @@ class CacheConfig:
     # Tests and benchmarks only: copies run on a worker thread after this many seconds each (a slow link
     # simulated on a CPU-only machine, so readiness and priorities meet real concurrency). None: direct.
     copy_delay_s: float | None = None
+    # what to do with an expert that is not on the device: wait for its copy, compute it on the CPU, or
+    # whichever the measured cost model says is sooner (ggmoe.cache.miss)
+    miss_policy: str = "wait"
 
     def slots(self, bytes_per_expert: dict[int, int], n_expert: int, n_expert_used: int) -> dict[int, int]:
         if (self.n_slots is None) == (self.vram_bytes is None):

@@ -12,6 +12,9 @@ class LayerStats:
     hits: int = 0  # distinct experts per call found resident
     misses: int = 0  # distinct experts per call loaded
     bytes_copied: int = 0  # bytes
+    demand_copies: int = 0  # experts copied while their layer waited
+    admission_copies: int = 0  # experts computed on the CPU and copied in at low priority for later tokens
+    host_computed: int = 0  # distinct experts per call computed by the CPU (the host path)
     wait_s: float = 0.0  # seconds spent waiting for this layer's copies (clock time)
     hook_s: float = 0.0  # seconds inside route() for this layer (clock time)
 

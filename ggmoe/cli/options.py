@@ -76,15 +76,17 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
     return eng
 
 
-def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: Any = None):
+def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: Any = None,
+                 miss_policy: str | None = None):
     """A CacheConfig from the flags, or None when no cache flag was given.
 
     With the model's facts, --vram becomes slots per layer through ``ModelFacts.slots_for_vram``: the
     inverse of the figures ``ggmoe inspect`` prints.
     """
     if cache_slots is None and vram is None:
-        if policy is not None:
-            raise UsageError("--policy needs a cache size: --cache-slots N or --vram BYTES")
+        if policy is not None or miss_policy is not None:
+            raise UsageError(f"{'--policy' if policy is not None else '--miss-policy'} needs a cache size: "
+                             "--cache-slots N or --vram BYTES")
         return None
     from ggmoe.cache import CacheConfig
     from ggmoe.cache.policies import POLICIES
@@ -93,10 +95,11 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
     if cache_slots is not None and vram is not None:
         raise UsageError("give either --cache-slots or --vram, not both")
     POLICIES.get(policy or "lru")  # an unknown name fails here, listing the choices
+    miss = miss_policy or "wait"
     if vram is not None and facts is not None:
-        return CacheConfig(n_slots=facts.slots_for_vram(parse_bytes(vram)), policy=policy or "lru")
+        return CacheConfig(n_slots=facts.slots_for_vram(parse_bytes(vram)), policy=policy or "lru", miss_policy=miss)
     return CacheConfig(n_slots=cache_slots, vram_bytes=parse_bytes(vram) if vram is not None else None,
-                       policy=policy or "lru")
+                       policy=policy or "lru", miss_policy=miss)
 
 
 def check_stats_json(stats_json: str | None, cache: Any) -> None:
@@ -109,6 +112,9 @@ def check_stats_json(stats_json: str | None, cache: Any) -> None:
 
 
 def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--miss-policy", type=click.Choice(["wait", "cpu", "auto"]),
+                      help="An expert not on the device: wait for its copy (default), compute it on the CPU "
+                           "(the host path), or whichever is sooner by the measured cost model.")(fn)
     fn = click.option("--stats-json", type=click.Path(),
                       help="Write cache statistics (hit rate per layer, bytes copied, copy waits) here.")(fn)
     fn = click.option("--policy", help="Cache eviction policy (default lru; see `ggmoe policies`).")(fn)
@@ -127,8 +133,9 @@ def stats_summary(eng: Any) -> str | None:
     from ggmoe.units import format_bytes
 
     t = stats.total()
+    host = f", {t.host_computed} computed on the CPU" if t.host_computed else ""
     return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.misses} expert uses), "
-            f"{format_bytes(t.bytes_copied)} copied, {t.native_calls} native calls")
+            f"{format_bytes(t.bytes_copied)} copied{host}, {t.native_calls} native calls")
 
 
 def write_stats(eng: Any, path: str | None, extra: dict) -> None:
@@ -136,7 +143,7 @@ def write_stats(eng: Any, path: str | None, extra: dict) -> None:
         return
     if eng.cache_stats is None:
         raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
-    d = {"policy": eng.config.cache.policy, "slots_per_layer": {str(k): v for k, v in eng.cache_slots.items()},
+    d = {"policy": eng.config.cache.policy, "miss_policy": eng.config.cache.miss_policy, "slots_per_layer": {str(k): v for k, v in eng.cache_slots.items()},
          **extra, **eng.cache_stats.to_dict()}
     write_text_atomic(path, json.dumps(d, indent=2))
 

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ggmoe.cache import CacheConfig, CopyHandle, ExpertCache, MonotonicClock, Priority, ThreadedCopyBackend
+from ggmoe.cache.miss import MissCosts, check_miss_policy
 from ggmoe.cache.policies import POLICIES
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -39,7 +43,8 @@ class _Pair:
 class SlotTensors:
     """Owns the ggml context and backend buffer of every layer's slot tensors."""
 
-    def __init__(self, model_ptr: int, n_slots: dict[int, int], buft: int) -> None:
+    def __init__(self, model_ptr: int, n_slots: dict[int, int], buft: int, zero_slot: bool = False) -> None:
+        """``zero_slot``: one more slot per layer, after the others, filled with zeros (the host path's)."""
         P = _patched.load()
         self.pairs: dict[int, list[_Pair]] = {}
         found: dict[int, dict[str, int]] = {}
@@ -61,7 +66,8 @@ class SlotTensors:
             self.tensors[il] = {}
             for kind, host_ptr in kinds.items():
                 h = ctypes.cast(host_ptr, B.ggml_tensor_p).contents
-                t = B.libggml_base.ggml_new_tensor_3d(self.ctx, h.type, h.ne[0], h.ne[1], n_slots[il])
+                t = B.libggml_base.ggml_new_tensor_3d(self.ctx, h.type, h.ne[0], h.ne[1],
+                                                      n_slots[il] + int(zero_slot))
                 B.libggml_base.ggml_set_name(t, f"ggmoe_slots.{il}.{kind}".encode())
                 self.tensors[il][kind] = ctypes.cast(t, ctypes.c_void_p).value
         self.buffer = B.libggml_base.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buft)
@@ -71,6 +77,12 @@ class SlotTensors:
         self.nbytes = B.libggml_base.ggml_backend_buffer_get_size(self.buffer)  # bytes
         for il, kinds in found.items():
             self.pairs[il] = [self._pair(host_ptr, self.tensors[il][kind]) for kind, host_ptr in kinds.items()]
+        if zero_slot:
+            for il, pairs in self.pairs.items():
+                for p in pairs:  # the zero slot: entries the CPU computes read it on the device (x + 0 = x)
+                    zeros = (ctypes.c_uint8 * p.nb2)()
+                    B.libggml_base.ggml_backend_tensor_set(ctypes.cast(p.cache, B.ggml_tensor_p), zeros,
+                                                           n_slots[il] * p.nb2, p.nb2)
 
     @staticmethod
     def _pair(host_ptr: int, cache_ptr: int) -> _Pair:
@@ -142,6 +154,35 @@ class GgmlCopyBackend:
             self.backend = None
 
 
+def measure_costs(slots: SlotTensors, copies: GgmlCopyBackend | ThreadedCopyBackend) -> MissCosts:
+    """The machine's copy and CPU speed for one expert, measured now (the ``auto`` miss policy's model).
+
+    Copy: a few real copies of the first layer's expert 0 into slot 0 (rewritten by the first miss anyway).
+    CPU: a streaming read of the same expert's host bytes, the floor of a memory-bound matvec over them.
+    """
+    il = next(iter(slots.pairs))
+    nbytes = sum(p.nb2 for p in slots.pairs[il])
+    copy_now = copies.copy_now if isinstance(copies, GgmlCopyBackend) else None
+    t_copy = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        if copy_now is not None:
+            copy_now(il, 0, 0)
+            if copies.backend:
+                B.libggml_base.ggml_backend_synchronize(copies.backend)
+        t_copy.append(time.perf_counter() - t0)
+    t_cpu = []
+    views = [np.ctypeslib.as_array((ctypes.c_uint8 * p.nb2).from_address(p.host_data)) for p in slots.pairs[il]]
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for v in views:
+            v.view(np.uint64 if v.size % 8 == 0 else np.uint8).sum()
+        t_cpu.append(time.perf_counter() - t0)
+    copy_s, cpu_s = sorted(t_copy)[2], sorted(t_cpu)[2]  # medians, seconds per expert
+    return MissCosts(copy_bytes_per_s=nbytes / max(copy_s, 1e-9), copy_latency_s=0.0,
+                     cpu_bytes_per_s=nbytes / max(cpu_s, 1e-9))
+
+
 def _device_bufts() -> tuple[int, int | None]:
     """(buffer type for slots, copy backend): the GPU's when there is one, else CPU and none."""
     dev = B.libggml.ggml_backend_dev_by_type(B.GGML_BACKEND_DEVICE_TYPE_GPU)
@@ -162,8 +203,9 @@ class CacheRuntime:
         policy = POLICIES.get(config.policy)(n_expert, list(moe_layers))
         buft, backend = _device_bufts()
         self.copies: GgmlCopyBackend | ThreadedCopyBackend | None = None
+        host_path = check_miss_policy(config.miss_policy) != "wait"
         try:
-            self.slots = SlotTensors(model_ptr, n_slots, buft)
+            self.slots = SlotTensors(model_ptr, n_slots, buft, zero_slot=host_path)
         except BaseException:
             if backend:
                 B.libggml_base.ggml_backend_free(backend)
@@ -173,16 +215,23 @@ class CacheRuntime:
             if backend:
                 raise EngineError("copy_delay_s simulates a slow link on a CPU-only build; a GPU has a real one")
             self.copies = ThreadedCopyBackend(self.copies.copy_now, config.copy_delay_s)
+        costs = measure_costs(self.slots, self.copies) if config.miss_policy == "auto" else None
         self.cache = ExpertCache(n_expert, n_expert_used, n_slots, policy, self.copies, clock=MonotonicClock(),
-                                 bytes_per_expert=self.slots.bytes_per_expert())
+                                 bytes_per_expert=self.slots.bytes_per_expert(), miss_policy=config.miss_policy,
+                                 costs=costs)
         P = _patched.load()
         for il, n in n_slots.items():
             t = self.slots.tensors[il]
-            rc = P.llama_ggmoe_set_layer_cache(ctx_ptr, il, n, *(t.get(k) for k in CACHED_KINDS))
+            rc = P.llama_ggmoe_set_layer_cache(ctx_ptr, il, n + int(host_path), *(t.get(k) for k in CACHED_KINDS))
+            if rc == _patched.LLAMA_GGMOE_OK and host_path:
+                rc = P.llama_ggmoe_set_host_path(ctx_ptr, il, n)
+                if rc == _patched.LLAMA_GGMOE_ERR_HOST:
+                    self.close()
+                    raise EngineError(f"layer {il} has per-expert biases: the host path cannot serve this "
+                                      "model; use --miss-policy wait")
             if rc != _patched.LLAMA_GGMOE_OK:
                 self.close()
-                raise EngineError(f"llama_ggmoe_set_layer_cache(layer {il}) failed: "
-                                  f"{_patched.ERROR_NAMES.get(rc, rc)}")
+                raise EngineError(f"configuring the cache of layer {il} failed: {_patched.ERROR_NAMES.get(rc, rc)}")
 
     def close(self) -> None:
         if self.copies is not None:

@@ -33,13 +33,15 @@ def micro_batches(trace: Trace, n_ubatch: int | None = None) -> Iterator[slice]:
 
 
 def replay(trace: Trace, n_slots: int | dict[int, int], policy: str = "lru", copies: CopyBackend | None = None,
-           bytes_per_expert: dict[int, int] | None = None, n_ubatch: int | None = None) -> CacheStats:
+           bytes_per_expert: dict[int, int] | None = None, n_ubatch: int | None = None,
+           miss_policy: str = "wait") -> CacheStats:
     """Run the trace through a fresh cache; returns its statistics."""
     layers = [int(il) for il in trace.layers]
     slots = n_slots if isinstance(n_slots, dict) else {il: int(n_slots) for il in layers}
     m = trace.meta
     cache = ExpertCache(m.n_expert, m.n_expert_used, slots, POLICIES.get(policy)(m.n_expert, layers),
-                        copies=copies, bytes_per_expert=bytes_per_expert, clock=ManualClock())
+                        copies=copies, bytes_per_expert=bytes_per_expert, clock=ManualClock(),
+                        miss_policy=miss_policy)
     ids = trace.ids.astype(np.int32)
     for rows in micro_batches(trace, n_ubatch):
         n_tokens = rows.stop - rows.start

@@ -1,0 +1,80 @@
+"""Misses computed on the CPU (patch 0004's host path) through the engine: exact logits, counts, replay."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from test_cache_engine import EXACT, run_sequences
+
+from ggmoe.cache import CacheConfig
+from ggmoe.cli import main
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.inspect import inspect_model
+from ggmoe.simulate import replay
+from ggmoe.trace import load_trace
+
+
+@pytest.fixture(scope="module")
+def stock():
+    memo: dict = {}
+
+    def get(path):
+        if path not in memo:
+            with Engine(EngineConfig(model_path=path, n_ctx=256, gate_hook=False)) as eng:
+                memo[path] = run_sequences(eng)
+        return memo[path]
+
+    return get
+
+
+@pytest.mark.parametrize("miss_policy", ["cpu", "auto"])
+@pytest.mark.parametrize("policy", ["lru", "on-demand"])
+def test_logits_equal_stock_with_misses_on_the_cpu(arch_model, stock, miss_policy, policy):
+    arch, path = arch_model
+    facts = inspect_model(path)
+    ref = stock(path)
+    k, n = facts.n_expert_used, facts.n_expert
+    for n_slots in sorted({k, (k + n) // 2, n}):
+        # n_ubatch 4: prefill micro-batches of 4 tokens run on the cache, with the host path
+        cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
+                           cache=CacheConfig(n_slots=n_slots, policy=policy, miss_policy=miss_policy))
+        with Engine(cfg) as eng:
+            got = run_sequences(eng)
+            st = eng.cache_stats.total()
+        for a, b in zip(got, ref, strict=True):
+            assert np.abs(a - b).max() <= EXACT, (arch, n_slots, policy, miss_policy)
+        if miss_policy == "cpu":
+            assert st.host_computed == st.misses > 0 and st.demand_copies == 0
+
+
+def test_cpu_misses_never_wait_for_a_slow_link(qwen3moe_model, stock):
+    """Copies take 20 ms each on a worker thread: the CPU computes the misses, nothing waits for them."""
+    ref = stock(qwen3moe_model)
+    cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4,
+                       cache=CacheConfig(n_slots=4, miss_policy="cpu", copy_delay_s=0.02))
+    with Engine(cfg) as eng:
+        got = run_sequences(eng)
+        st = eng.cache_stats.total()
+    for a, b in zip(got, ref, strict=True):
+        assert np.abs(a - b).max() <= EXACT
+    assert st.host_computed > 0 and st.admission_copies > 0
+    assert st.wait_s < 0.02 * st.admission_copies / 2  # far less than waiting for the admissions
+
+
+def test_run_stats_equal_replay_with_misses_on_the_cpu(qwen3moe_model, tmp_path):
+    stats, tr = tmp_path / "s.json", tmp_path / "trace"
+    r = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox", "-n", "16",
+                                  "--cache-slots", "3", "--miss-policy", "cpu", "--stats-json", str(stats),
+                                  "--trace-out", str(tr)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(stats.read_text())
+    assert d["miss_policy"] == "cpu"
+    sim = replay(load_trace(tr), 3, "lru", miss_policy="cpu")
+    for il, s in sim.layers.items():
+        live = d["layers"][str(il)]
+        keys = ("hits", "misses", "native_calls", "host_computed", "admission_copies", "demand_copies")
+        assert tuple(getattr(s, k) for k in keys) == tuple(live[k] for k in keys), il
+    assert sum(s.host_computed for s in sim.layers.values()) > 0
