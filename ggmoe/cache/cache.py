@@ -50,6 +50,8 @@ class ExpertCache:
         self.miss_policy = check_miss_policy(miss_policy)
         self.costs = costs  # for "auto"
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
+        self.n_prefetched = dict.fromkeys(n_slots, 0)  # il -> slots holding an unused prefetched expert
+        self.predicted: dict[int, list[int]] = {}  # il -> experts predicted for its next call (accuracy)
 
     def fits(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of ``n_tokens`` runs on the cache (else the native path)."""
@@ -84,7 +86,10 @@ class ExpertCache:
         st.misses += len(missing)
         if table.n_loading:
             self._land_done(table)
+            self._drop_stale_prefetches(il, table, need)
         pending = self._in_flight(table, need) if table.n_loading else []
+        if self.n_prefetched[il]:
+            self._count_prefetch_hits(il, table, need)
         host: set[int] = set()
         if self.miss_policy != "wait" and len(flat) <= HOST_MAX_TOKENS * self.n_expert_used:
             host, pending, missing = self._to_host(il, pending, missing)
@@ -104,11 +109,16 @@ class ExpertCache:
             admit = [e for e in host if slot_of[e] < 0]
             if admit:  # low priority: a later token finds them; the current call computes them on the CPU
                 st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
+        if il in self.predicted:
+            guess = self.predicted.pop(il)
+            st.pred_total += len(guess)
+            st.pred_correct += len(set(guess) & set(need))
         self.policy.on_access(il, need, self.clock)
         slots = [SLOT_HOST if e in host else slot_of[e] for e in flat] if host else [slot_of[e] for e in flat]
         if self._releases:
             for e in self.policy.release(il, table.resident()):
                 self.policy.on_evict(il, e)
+                self._note_eviction(il, table, slot_of[e])
                 table.drop(slot_of[e])
         st.hook_s += self.time.now() - t0
         return slots
@@ -148,6 +158,76 @@ class ExpertCache:
             if s >= 0 and table.copy[s] is not None:
                 out.append(table.copy[s])
         return out
+
+    def prefetch(self, il: int, experts: list[int], keep: set[int] | None = None) -> int:
+        """Queue prefetch copies of the ``experts`` of layer ``il`` that are not resident; returns how many.
+
+        Victims are resident experts not in ``keep``, not still loading, and not themselves unused prefetches.
+        Called between layer calls (never for the layer that runs now), so no slot being read is overwritten.
+        """
+        table = self.tables[il]
+        st = self.stats.layers[il]
+        want = [e for e in experts if table.slot_of_list[e] < 0]
+        if not want:
+            return 0
+        protect = set(experts) | (keep or set())
+        n = 0
+        for e in want:
+            if table.free:
+                slot = table.free.pop(0)
+            else:
+                cand = [x for x in self._victims(table, protect) if not table.prefetched[table.slot_of_list[x]]]
+                if not cand:
+                    break
+                victim = self.policy.victim(il, cand, self.clock)
+                slot = table.slot_of_list[victim]
+                self.policy.on_evict(il, victim)
+            self._note_eviction(il, table, slot)
+            h = self.copies.submit(il, e, slot, Priority.PREFETCH)
+            self._submitted[h.id] = self.time.now()
+            table.place(e, slot, h)
+            table.prefetched[slot] = True
+            self.n_prefetched[il] += 1
+            self.policy.on_insert(il, e, self.clock)
+            st.bytes_copied += self.bytes_per_expert.get(il, 0)
+            n += 1
+        st.prefetch_issued += n
+        return n
+
+    def _note_eviction(self, il: int, table: SlotTable, slot: int) -> None:
+        """A slot about to be reused: a prefetched expert in it that was never used was wasted."""
+        if table.prefetched[slot]:
+            st = self.stats.layers[il]
+            st.prefetch_wasted += 1
+            st.prefetch_wasted_bytes += self.bytes_per_expert.get(il, 0)
+            table.prefetched[slot] = False
+            self.n_prefetched[il] -= 1
+
+    def _count_prefetch_hits(self, il: int, table: SlotTable, need: list[int]) -> None:
+        st = self.stats.layers[il]
+        for e in need:
+            s = table.slot_of_list[e]
+            if s >= 0 and table.prefetched[s]:
+                table.prefetched[s] = False
+                self.n_prefetched[il] -= 1
+                st.prefetch_hits += 1
+
+    def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
+        """Early preemption at the gate: prefetches for this layer still queued and not needed are cancelled."""
+        used = set(need)
+        for slot, h in enumerate(table.copy):
+            if h is None or h.priority != Priority.PREFETCH or h.expert in used:
+                continue
+            if self.copies.cancel(h):
+                self.stats.layers[il].prefetch_dropped += 1
+                if table.prefetched[slot]:
+                    self.n_prefetched[il] -= 1
+                table.drop(slot)
+                self._submitted.pop(h.id, None)
+
+    def score_prediction(self, il: int, predicted: list[int]) -> None:
+        """Remember the top-k predicted for layer ``il``'s next call, to score it when that call comes."""
+        self.predicted[il] = predicted
 
     @staticmethod
     def _victims(table: SlotTable, in_use: set[int]) -> list[int]:
@@ -194,6 +274,7 @@ class ExpertCache:
                 victim = self.policy.victim(il, cand, self.clock)
                 slot = table.slot_of_list[victim]
                 self.policy.on_evict(il, victim)
+            self._note_eviction(il, table, slot)
             h = self.copies.submit(il, e, slot, priority)
             self._submitted[h.id] = self.time.now()
             table.place(e, slot, h)

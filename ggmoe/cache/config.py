@@ -20,6 +20,8 @@ class CacheConfig:
     # what to do with an expert that is not on the device: wait for its copy, compute it on the CPU, or
     # whichever the measured cost model says is sooner (ggmoe.cache.miss)
     miss_policy: str = "wait"
+    # stride prefetching from a predictor (ggmoe.cache.prefetch.PrefetchConfig), or None
+    prefetch: object | None = None
 
     def slots(self, bytes_per_expert: dict[int, int], n_expert: int, n_expert_used: int) -> dict[int, int]:
         if (self.n_slots is None) == (self.vram_bytes is None):

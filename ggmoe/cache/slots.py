@@ -29,6 +29,7 @@ class SlotTable:
         self.copy: list[CopyHandle | None] = [None] * n_slots  # [n_slots] copy in flight into the slot
         self.free = list(range(n_slots))  # empty slots, lowest first
         self.n_loading = 0  # slots whose copy is in flight (0: the route callback skips the check)
+        self.prefetched = [False] * n_slots  # [n_slots] holds a prefetched expert not used yet
 
     @property
     def n_slots(self) -> int:
@@ -52,6 +53,7 @@ class SlotTable:
         if self.copy[slot] is not None:
             self.n_loading -= 1
         self.copy[slot] = handle
+        self.prefetched[slot] = False
         self.state[slot] = SlotState.LOADING if handle is not None else SlotState.READY
         if handle is not None:
             self.n_loading += 1
@@ -71,6 +73,7 @@ class SlotTable:
         if self.copy[slot] is not None:
             self.n_loading -= 1
         self.copy[slot] = None
+        self.prefetched[slot] = False
         self.state[slot] = SlotState.EMPTY
         self.free.append(slot)
         self.free.sort()

@@ -15,6 +15,13 @@ class LayerStats:
     demand_copies: int = 0  # experts copied while their layer waited
     admission_copies: int = 0  # experts computed on the CPU and copied in at low priority for later tokens
     host_computed: int = 0  # distinct experts per call computed by the CPU (the host path)
+    prefetch_issued: int = 0  # experts copied in ahead of their layer on a prediction
+    prefetch_hits: int = 0  # prefetched experts that their layer then used (a prefetch hit)
+    prefetch_wasted: int = 0  # prefetched experts evicted before any use
+    prefetch_wasted_bytes: int = 0  # bytes
+    prefetch_dropped: int = 0  # queued prefetches cancelled at the gate (stale: not among the real experts)
+    pred_correct: int = 0  # predicted experts (top n_expert_used) that the layer really selected
+    pred_total: int = 0  # experts predicted
     wait_s: float = 0.0  # seconds spent waiting for this layer's copies (clock time)
     hook_s: float = 0.0  # seconds inside route() for this layer (clock time)
 
@@ -23,6 +30,10 @@ class LayerStats:
         n = self.hits + self.misses
         return self.hits / n if n else 0.0
 
+    @property
+    def pred_accuracy(self) -> float:
+        return self.pred_correct / self.pred_total if self.pred_total else 0.0
+
     def add(self, other: LayerStats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
@@ -30,6 +41,7 @@ class LayerStats:
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["hit_rate"] = self.hit_rate
+        d["pred_accuracy"] = self.pred_accuracy
         return d
 
 

@@ -19,6 +19,7 @@ from ggmoe.cli.options import (
     model_arg,
     model_facts,
     model_path,
+    prefetch_config,
     stats_summary,
     threads_opt,
     toy_notice,
@@ -81,7 +82,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 @edge
 def run(model: str | None, prompt: str | None, prompt_file: str | None, max_tokens: int, temp: float, seed: int,
         as_json: bool, trace_out: str | None, cache_slots: int | None, vram: str | None, policy: str | None,
-        stats_json: str | None, miss_policy: str | None, n_ctx: int | None, threads: int | None, verbose: bool) -> None:
+        stats_json: str | None, miss_policy: str | None, predictor: str | None, stride: int,
+        n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...], n_ctx: int | None, threads: int | None, verbose: bool) -> None:
     """Generate text, streamed as it comes (the embedded default model when MODEL is omitted).
 
     \b
@@ -93,7 +95,8 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
     path = model_path(model)
     facts = model_facts(path)
     text = read_prompt(prompt, prompt_file)
-    cache = cache_config(cache_slots, vram, policy, facts, miss_policy)
+    cache = cache_config(cache_slots, vram, policy, facts, miss_policy,
+                         prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train))
     check_stats_json(stats_json, cache)
     if trace_out:
         check_output_dir(trace_out, "--trace-out", members=("trace.npz",))

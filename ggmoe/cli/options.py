@@ -77,13 +77,15 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
 
 
 def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: Any = None,
-                 miss_policy: str | None = None):
+                 miss_policy: str | None = None, prefetch: Any = None):
     """A CacheConfig from the flags, or None when no cache flag was given.
 
     With the model's facts, --vram becomes slots per layer through ``ModelFacts.slots_for_vram``: the
     inverse of the figures ``ggmoe inspect`` prints.
     """
     if cache_slots is None and vram is None:
+        if prefetch is not None:
+            raise UsageError("--predictor needs a cache size: --cache-slots N or --vram BYTES")
         if policy is not None or miss_policy is not None:
             raise UsageError(f"{'--policy' if policy is not None else '--miss-policy'} needs a cache size: "
                              "--cache-slots N or --vram BYTES")
@@ -97,9 +99,23 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
     POLICIES.get(policy or "lru")  # an unknown name fails here, listing the choices
     miss = miss_policy or "wait"
     if vram is not None and facts is not None:
-        return CacheConfig(n_slots=facts.slots_for_vram(parse_bytes(vram)), policy=policy or "lru", miss_policy=miss)
+        return CacheConfig(n_slots=facts.slots_for_vram(parse_bytes(vram)), policy=policy or "lru", miss_policy=miss,
+                           prefetch=prefetch)
     return CacheConfig(n_slots=cache_slots, vram_bytes=parse_bytes(vram) if vram is not None else None,
-                       policy=policy or "lru", miss_policy=miss)
+                       policy=policy or "lru", miss_policy=miss, prefetch=prefetch)
+
+
+def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, threshold: float | None,
+                    train: tuple[str, ...]):
+    """A PrefetchConfig from the flags, or None without --predictor."""
+    if predictor is None:
+        if train or n_prefetch is not None or threshold is not None:
+            raise UsageError("--prefetch, --prefetch-threshold and --predictor-train need --predictor")
+        return None
+    from ggmoe.cache.prefetch import PrefetchConfig
+
+    return PrefetchConfig(predictor=predictor, stride=stride, n_prefetch=n_prefetch, threshold=threshold,
+                          train=tuple(train))
 
 
 def check_stats_json(stats_json: str | None, cache: Any) -> None:
@@ -112,6 +128,17 @@ def check_stats_json(stats_json: str | None, cache: Any) -> None:
 
 
 def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--predictor-train", "predictor_train", multiple=True, type=click.Path(),
+                      help="Training traces for a predictor that learns (token, eam, expert-map); repeat.")(fn)
+    fn = click.option("--prefetch-threshold", type=FiniteFloat(),
+                      help="Prefetch only experts whose predicted score reaches this (fMoE's threshold).")(fn)
+    fn = click.option("--prefetch", "n_prefetch", type=click.IntRange(min=1, max=4096),
+                      help="Experts prefetched per layer ahead (default: 2 x the model's top-k).")(fn)
+    fn = click.option("--stride", default=2, show_default=True, type=click.IntRange(min=1, max=1024),
+                      help="Predict and prefetch the MoE layer this many layers ahead.")(fn)
+    fn = click.option("--predictor",
+                      help="Prefetch with this predictor: reuse, skip-gate, token, eam, expert-map, or PRED.npz "
+                           "from `ggmoe train-predictor`.")(fn)
     fn = click.option("--miss-policy", type=click.Choice(["wait", "cpu", "auto"]),
                       help="An expert not on the device: wait for its copy (default), compute it on the CPU "
                            "(the host path), or whichever is sooner by the measured cost model.")(fn)
@@ -134,8 +161,10 @@ def stats_summary(eng: Any) -> str | None:
 
     t = stats.total()
     host = f", {t.host_computed} computed on the CPU" if t.host_computed else ""
+    pre = (f", prefetch {t.prefetch_hits}/{t.prefetch_issued} used, predictor {t.pred_accuracy:.1%} accurate"
+           if t.prefetch_issued else "")
     return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.misses} expert uses), "
-            f"{format_bytes(t.bytes_copied)} copied{host}, {t.native_calls} native calls")
+            f"{format_bytes(t.bytes_copied)} copied{host}{pre}, {t.native_calls} native calls")
 
 
 def write_stats(eng: Any, path: str | None, extra: dict) -> None:

@@ -166,6 +166,7 @@ class Engine:
         self.observers = Observers()
         self._hook: RouteOpHook | CbEvalHook | None = HOOKS[kind](self.observers) if kind else None
         self._runtime: CacheRuntime | None = None
+        self.prefetcher = None  # ggmoe.cache.prefetch.Prefetcher when the cache prefetches
         self._model: LoadedModel | None = None
         self._ctx: _internals.LlamaContext | None = None
         self._batch: _internals.LlamaBatch | None = None
@@ -180,6 +181,11 @@ class Engine:
             if config.cache is not None:
                 self._runtime = self._make_cache(config.cache)
                 self._hook.cache = self._runtime.cache
+                if config.cache.prefetch is not None:
+                    from ggmoe.cache.prefetch import make_prefetcher
+
+                    self.prefetcher = make_prefetcher(self._runtime.cache, config.cache.prefetch, self.facts,
+                                                      str(path))
             self._batch = _internals.LlamaBatch(n_tokens=config.n_batch, embd=0, n_seq_max=1, verbose=False)
             placement = expert_placement(self._model, self.facts) if config.experts_on_host else {}
         except BaseException:
@@ -200,6 +206,8 @@ class Engine:
         self.n_ctx = self._ctx.n_ctx()
         self.n_past = 0  # tokens in the KV cache
         self.stopped_on_ctx = False  # the last stream() stopped because the context was full
+        if self.prefetcher is not None:
+            self.add_observer(self.prefetcher)
         if observer is not None:
             self.add_observer(observer)
 
@@ -300,13 +308,14 @@ class Engine:
 
     @property
     def observer(self) -> RouteObserver | None:
-        """The first observer (the single-observer view of older code)."""
-        return next(iter(self.observers), None)
+        """The first user observer (the single-observer view of older code)."""
+        return next((o for o in self.observers if o is not self.prefetcher), None)
 
     @observer.setter
     def observer(self, obs: RouteObserver | None) -> None:
         for old in list(self.observers):
-            self.observers.remove(old)
+            if old is not self.prefetcher:  # the prefetcher is part of the cache, not a user observer
+                self.observers.remove(old)
         if obs is not None:
             self.add_observer(obs)
 
@@ -360,6 +369,8 @@ class Engine:
         out = []
         for i in range(0, len(tokens), self.config.n_batch):
             chunk = list(tokens[i : i + self.config.n_batch])
+            if self.prefetcher is not None:
+                self.prefetcher.begin_step(chunk)
             self._batch.set_batch(chunk, self.n_past, all_logits)
             mark = llama_log().count
             failed: RuntimeError | None = None

@@ -1,0 +1,106 @@
+"""Stride prefetching live: exact logits, prefetch hits counted, stale prefetches dropped, predictor errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_cache_engine import EXACT, run_sequences
+
+from ggmoe.cache import CacheConfig
+from ggmoe.cache.prefetch import PrefetchConfig
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.inspect import inspect_model
+from ggmoe.predict import PREDICTORS, Predictor
+
+
+@PREDICTORS.register("test-fixed")
+class Fixed(Predictor):
+    """Predicts experts 0..m-1 everywhere (a predictor that is often wrong: prefetches get wasted)."""
+
+    def predict(self, il_target):
+        s = np.zeros(self.shape.n_expert, dtype=np.float32)
+        s[: self.shape.n_expert_used] = 1.0
+        return s
+
+
+@PREDICTORS.register("test-raising")
+class Raising(Predictor):
+    def predict(self, il_target):
+        raise RuntimeError("the predictor broke")
+
+
+@pytest.fixture(scope="module")
+def stock():
+    memo: dict = {}
+
+    def get(path):
+        if path not in memo:
+            with Engine(EngineConfig(model_path=path, n_ctx=256, gate_hook=False)) as eng:
+                memo[path] = run_sequences(eng)
+        return memo[path]
+
+    return get
+
+
+@pytest.mark.parametrize("predictor", ["reuse", "skip-gate", "test-fixed"])
+@pytest.mark.parametrize("miss_policy", ["wait", "cpu"])
+def test_logits_equal_stock_with_prefetching(arch_model, stock, predictor, miss_policy):
+    arch, path = arch_model
+    facts = inspect_model(path)
+    ref = stock(path)
+    stride = min(2, len(facts.moe_layers) - 1)
+    cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
+                       cache=CacheConfig(n_slots=facts.n_expert_used + 2, miss_policy=miss_policy,
+                                         prefetch=PrefetchConfig(predictor, stride=stride)))
+    with Engine(cfg) as eng:
+        got = run_sequences(eng)
+        st = eng.cache_stats.total()
+    for a, b in zip(got, ref, strict=True):
+        assert np.abs(a - b).max() <= EXACT, (arch, predictor, miss_policy)
+    assert st.pred_total > 0
+    if predictor == "test-fixed":
+        assert st.prefetch_issued > 0
+    assert st.prefetch_hits + st.prefetch_wasted <= st.prefetch_issued
+
+
+def test_a_used_prefetch_is_a_prefetch_hit(qwen3moe_model):
+    """With the skip-gate predictor at stride 1 on a model whose adjacent routers agree, prefetches get used."""
+    cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256,
+                       cache=CacheConfig(n_slots=4, prefetch=PrefetchConfig("test-fixed", stride=1, n_prefetch=2)))
+    with Engine(cfg) as eng:
+        eng.generate("hello world, the quick brown fox", 24)
+        st = eng.cache_stats.total()
+    # test-fixed always prefetches experts 0 and 1: when a layer then selects one of them, that is a hit
+    assert st.prefetch_issued > 0 and st.prefetch_hits > 0
+    assert st.prefetch_hits <= st.hits
+
+
+def test_stale_prefetches_are_dropped_at_the_gate(qwen3moe_model):
+    """Slow copies on a worker: prefetches still queued when their layer runs and not needed get cancelled."""
+    cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256,
+                       cache=CacheConfig(n_slots=6, miss_policy="cpu", copy_delay_s=0.01,
+                                         prefetch=PrefetchConfig("test-fixed", stride=1, n_prefetch=6)))
+    with Engine(cfg) as eng:
+        eng.generate("hello world, the quick brown fox", 24)
+        st = eng.cache_stats.total()
+    assert st.prefetch_issued > 0 and st.prefetch_dropped > 0
+
+
+def test_a_predictor_that_raises_surfaces_after_the_decode(qwen3moe_model):
+    cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256,
+                       cache=CacheConfig(n_slots=4, prefetch=PrefetchConfig("test-raising", stride=1)))
+    with Engine(cfg) as eng:
+        ids = eng.tokenize("hello")
+        eng.decode(ids)  # a prefill: no prediction
+        with pytest.raises(RuntimeError, match="the predictor broke"):
+            eng.decode([ids[-1]])
+        eng.reset()
+        eng.decode(ids)  # the engine still works
+
+
+def test_oracle_is_refused_live(qwen3moe_model):
+    from ggmoe.errors import UsageError
+
+    with pytest.raises(UsageError, match="simulator"):
+        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64,
+                            cache=CacheConfig(n_slots=4, prefetch=PrefetchConfig("oracle", stride=1))))
