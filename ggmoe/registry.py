@@ -25,6 +25,10 @@ class Registry(Generic[T]):
 
         return deco
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (tests that register a throwaway entry clean up with this)."""
+        self._items.pop(name, None)
+
     def get(self, name: str) -> type[T]:
         try:
             return self._items[name]

@@ -13,7 +13,6 @@ from ggmoe.inspect import inspect_model
 from ggmoe.predict import PREDICTORS, Predictor
 
 
-@PREDICTORS.register("test-fixed")
 class Fixed(Predictor):
     """Predicts experts 0..m-1 everywhere (a predictor that is often wrong: prefetches get wasted)."""
 
@@ -23,10 +22,19 @@ class Fixed(Predictor):
         return s
 
 
-@PREDICTORS.register("test-raising")
 class Raising(Predictor):
     def predict(self, il_target):
         raise RuntimeError("the predictor broke")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def test_predictors():
+    """Throwaway predictors, registered for this module only (the registry's built-in list stays exact)."""
+    PREDICTORS.register("test-fixed")(Fixed)
+    PREDICTORS.register("test-raising")(Raising)
+    yield
+    PREDICTORS.unregister("test-fixed")
+    PREDICTORS.unregister("test-raising")
 
 
 @pytest.fixture(scope="module")
