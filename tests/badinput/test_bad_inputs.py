@@ -54,6 +54,10 @@ _FLAG_VALUES = {
     "--cache-slots": ["0", "1", "100000", "-3", "two"],
     "--vram": ["abc", "0", "1KB", "-5", "1e9xB", "nan"],
     "--policy": ["nope"],
+    "--miss-policy": ["sometimes", ""],
+    "--stride": ["0", "-1", "x"],
+    "--prefetch": ["0", "-2", "many"],
+    "--prefetch-threshold": ["nan", "inf", "abc"],
 }
 FLAG_CASES = [(cmd, flag, v) for cmd in ("run", "trace") for flag, vals in _FLAG_VALUES.items() for v in vals]
 FLAG_CASES += [(cmd, "-n" if cmd == "run" else "--max-tokens", v) for cmd in ("run", "trace")
@@ -83,6 +87,15 @@ COMBOS = [
     ("run", MODEL, "--prompt-file", "TMP"),
     ("trace", MODEL, "--prompts", "PROMPTS"),  # no -o
     ("trace", MODEL, "-o", "TMP/out"),  # no --prompts
+    ("run", MODEL, "-p", "hi", "--miss-policy", "cpu"),  # a miss policy without a cache
+    ("run", MODEL, "-p", "hi", "--predictor", "reuse"),  # a predictor without a cache
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--prefetch", "4"),  # --prefetch without --predictor
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "nope"),  # unknown predictor
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "TMP/missing.npz"),
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "PROMPTS"),  # not a predictor file
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "token"),  # learns: no traces given
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "oracle"),  # simulator only
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "reuse", "--stride", "4"),  # 4 MoE layers
 ]
 
 
