@@ -480,6 +480,52 @@ def _write_gguf(path: Path, plan: ModelPlan, split_max_tensors: int = 0) -> Path
     return path.parent / written[0].name
 
 
+# A tensor to write: (name, data as the reader gives it, its GGUF type).
+TensorOut = tuple[str, np.ndarray, int]
+
+
+def rewrite_gguf(src: Path, dst: Path, keys: dict[str, tuple | None] | None = None,
+                 tensors: Callable[[dict], Iterator[TensorOut]] | None = None) -> Path:
+    """A copy of the GGUF ``src`` with some keys replaced or deleted and, optionally, other tensors.
+
+    ``keys``: key -> (value, GGUFValueType, array item type or None), or None to delete the key
+    (``general.architecture`` included). ``tensors(reader_tensors_by_name)`` yields what to write instead
+    of the original tensors. For tests that need a model one change away from a valid one.
+    """
+    keys = keys or {}
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    new_arch = keys.get("general.architecture", ("", None, None))
+    w = gguf.GGUFWriter(dst, arch=arch if new_arch is None else (new_arch[0] or arch))
+    if new_arch is None:
+        w.kv_data[0].pop("general.architecture", None)
+    done = set()
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        if f.name in keys:
+            done.add(f.name)
+            if keys[f.name] is not None:
+                value, vtype, sub = keys[f.name]
+                w.add_key_value(f.name, value, vtype, sub_type=sub)
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for key, change in keys.items():
+        if key not in done and key != "general.architecture" and change is not None:
+            w.add_key_value(key, change[0], change[1], sub_type=change[2])
+    by_name = {t.name: t for t in reader.tensors}
+    out = tensors(by_name) if tensors is not None else (
+        (t.name, np.asarray(t.data), t.tensor_type) for t in reader.tensors)
+    for name, data, qtype in out:
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 def _check_arch(arch: str) -> ArchSpec:
     if arch not in ARCH_SPECS:
         raise ValueError(f"unknown fixture arch {arch!r}; choose from {', '.join(ARCHES)}")

@@ -10,10 +10,9 @@ import json
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 from conftest import assert_clean_error, run_ggmoe
-from make_fixtures import fixture_path
+from make_fixtures import fixture_path, rewrite_gguf
 
 pytestmark = pytest.mark.badinput
 
@@ -56,35 +55,7 @@ MODEL_CASES: dict[str, dict[str, tuple]] = {
 
 def rewrite(src: Path, dst: Path, changes: dict[str, tuple | None]) -> Path:
     """A copy of a GGUF with some keys replaced or deleted (tensors unchanged)."""
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    new_arch = changes.get("general.architecture", ("", None, None))
-    w = gguf.GGUFWriter(dst, arch=arch if new_arch is None else (new_arch[0] or arch))
-    if new_arch is None:
-        w.kv_data[0].pop("general.architecture", None)
-    done = set()
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        if f.name in changes:
-            done.add(f.name)
-            if changes[f.name] is None:
-                continue
-            value, vtype, sub = changes[f.name]
-            w.add_key_value(f.name, value, vtype, sub_type=sub)
-            continue
-        sub = f.types[-1] if f.types[0] == VT.ARRAY else None
-        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
-    for key, change in changes.items():
-        if key not in done and key != "general.architecture" and change is not None:
-            w.add_key_value(key, change[0], change[1], sub_type=change[2])
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return rewrite_gguf(src, dst, changes)
 
 
 @pytest.fixture(scope="module")

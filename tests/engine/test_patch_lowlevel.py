@@ -18,10 +18,9 @@ import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
-from make_fixtures import ARCHES, fixture_path
+from make_fixtures import ARCHES, fixture_path, rewrite_gguf
 
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
@@ -184,30 +183,20 @@ def assert_same_logits(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
 
 def merged_gate_up_copy(src: Path, dst: Path) -> Path:
     """Copy of a GGUF model whose ffn_gate_exps and ffn_up_exps are merged into ffn_gate_up_exps."""
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(dst, arch=arch)
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
-    tensors = {t.name: t for t in reader.tensors}
-    for name, t in tensors.items():
-        if ".ffn_up_exps." in name:
-            continue
-        data = np.asarray(t.data)
-        if ".ffn_gate_exps." in name:
-            up = np.asarray(tensors[name.replace("ffn_gate_exps", "ffn_up_exps")].data)
-            # numpy [n_expert, n_ff, n_embd]: gate rows first, then up (llama.cpp splits gate_up that way)
-            data = np.concatenate([data, up], axis=1)
-            name = name.replace("ffn_gate_exps", "ffn_gate_up_exps")
-        w.add_tensor(name, data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+
+    def merged(tensors: dict):
+        for name, t in tensors.items():
+            if ".ffn_up_exps." in name:
+                continue
+            data = np.asarray(t.data)
+            if ".ffn_gate_exps." in name:
+                up = np.asarray(tensors[name.replace("ffn_gate_exps", "ffn_up_exps")].data)
+                # numpy [n_expert, n_ff, n_embd]: gate rows first, then up (llama.cpp splits gate_up that way)
+                data = np.concatenate([data, up], axis=1)
+                name = name.replace("ffn_gate_exps", "ffn_gate_up_exps")
+            yield name, data, t.tensor_type
+
+    return rewrite_gguf(src, dst, tensors=merged)
 
 
 @pytest.fixture(scope="module")
