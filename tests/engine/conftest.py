@@ -15,3 +15,21 @@ def arch_model(request):
 @pytest.fixture(scope="session")
 def qwen3moe_model():
     return fixture_path("qwen3moe")
+
+
+@pytest.fixture(scope="session")
+def stock_logits():
+    """path -> the stock path's logits of ``test_cache_engine.run_sequences`` (computed once per model)."""
+    from test_cache_engine import run_sequences
+
+    from ggmoe.engine import Engine, EngineConfig
+
+    memo: dict = {}
+
+    def get(path):
+        if path not in memo:
+            with Engine(EngineConfig(model_path=path, n_ctx=256, gate_hook=False)) as eng:
+                memo[path] = run_sequences(eng)
+        return memo[path]
+
+    return get

@@ -51,19 +51,6 @@ def run_sequences(eng: Engine) -> list[np.ndarray]:
     return out
 
 
-@pytest.fixture(scope="module")
-def stock_logits():
-    cache: dict = {}
-
-    def get(path):
-        if path not in cache:
-            with Engine(EngineConfig(model_path=path, n_ctx=256, gate_hook=False)) as eng:
-                cache[path] = run_sequences(eng)
-        return cache[path]
-
-    return get
-
-
 def _slot_counts(facts) -> list[int]:
     k, n = facts.n_expert_used, facts.n_expert
     return sorted({k, k + 1, (k + n) // 2, n})

@@ -17,25 +17,12 @@ from ggmoe.simulate import replay
 from ggmoe.trace import load_trace
 
 
-@pytest.fixture(scope="module")
-def stock():
-    memo: dict = {}
-
-    def get(path):
-        if path not in memo:
-            with Engine(EngineConfig(model_path=path, n_ctx=256, gate_hook=False)) as eng:
-                memo[path] = run_sequences(eng)
-        return memo[path]
-
-    return get
-
-
 @pytest.mark.parametrize("miss_policy", ["cpu", "auto"])
 @pytest.mark.parametrize("policy", ["lru", "on-demand"])
-def test_logits_equal_stock_with_misses_on_the_cpu(arch_model, stock, miss_policy, policy):
+def test_logits_equal_stock_with_misses_on_the_cpu(arch_model, stock_logits, miss_policy, policy):
     arch, path = arch_model
     facts = inspect_model(path)
-    ref = stock(path)
+    ref = stock_logits(path)
     k, n = facts.n_expert_used, facts.n_expert
     for n_slots in sorted({k, (k + n) // 2, n}):
         # n_ubatch 4: prefill micro-batches of 4 tokens run on the cache, with the host path
@@ -50,9 +37,9 @@ def test_logits_equal_stock_with_misses_on_the_cpu(arch_model, stock, miss_polic
             assert st.host_computed == st.misses > 0 and st.demand_copies == 0
 
 
-def test_cpu_misses_never_wait_for_a_slow_link(qwen3moe_model, stock):
+def test_cpu_misses_never_wait_for_a_slow_link(qwen3moe_model, stock_logits):
     """Copies take 20 ms each on a worker thread: the CPU computes the misses, nothing waits for them."""
-    ref = stock(qwen3moe_model)
+    ref = stock_logits(qwen3moe_model)
     cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4,
                        cache=CacheConfig(n_slots=4, miss_policy="cpu", copy_delay_s=0.02))
     with Engine(cfg) as eng:

@@ -37,25 +37,12 @@ def test_predictors():
     PREDICTORS.unregister("test-raising")
 
 
-@pytest.fixture(scope="module")
-def stock():
-    memo: dict = {}
-
-    def get(path):
-        if path not in memo:
-            with Engine(EngineConfig(model_path=path, n_ctx=256, gate_hook=False)) as eng:
-                memo[path] = run_sequences(eng)
-        return memo[path]
-
-    return get
-
-
 @pytest.mark.parametrize("predictor", ["reuse", "skip-gate", "test-fixed"])
 @pytest.mark.parametrize("miss_policy", ["wait", "cpu"])
-def test_logits_equal_stock_with_prefetching(arch_model, stock, predictor, miss_policy):
+def test_logits_equal_stock_with_prefetching(arch_model, stock_logits, predictor, miss_policy):
     arch, path = arch_model
     facts = inspect_model(path)
-    ref = stock(path)
+    ref = stock_logits(path)
     stride = min(2, len(facts.moe_layers) - 1)
     cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
                        cache=CacheConfig(n_slots=facts.n_expert_used + 2, miss_policy=miss_policy,
