@@ -80,8 +80,8 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
                  miss_policy: str | None = None, prefetch: Any = None):
     """A CacheConfig from the flags, or None when no cache flag was given.
 
-    With the model's facts, --vram becomes slots per layer through ``ModelFacts.slots_for_vram``: the
-    inverse of the figures ``ggmoe inspect`` prints.
+    --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of
+    ``ModelFacts.cache_bytes``, the figures ``ggmoe inspect`` prints.
     """
     if cache_slots is None and vram is None:
         if prefetch is not None:
@@ -90,7 +90,7 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
             raise UsageError(f"{'--policy' if policy is not None else '--miss-policy'} needs a cache size: "
                              "--cache-slots N or --vram BYTES")
         return None
-    from ggmoe.cache import CacheConfig
+    from ggmoe.cache import CacheConfig, slots_for_budget
     from ggmoe.cache.policies import POLICIES
     from ggmoe.units import parse_bytes
 
@@ -98,9 +98,9 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
         raise UsageError("give either --cache-slots or --vram, not both")
     POLICIES.get(policy or "lru")  # an unknown name fails here, listing the choices
     miss = miss_policy or "wait"
-    if vram is not None and facts is not None:
-        return CacheConfig(n_slots=facts.slots_for_vram(parse_bytes(vram)), policy=policy or "lru", miss_policy=miss,
-                           prefetch=prefetch)
+    if vram is not None and facts is not None:  # a budget too small fails now, before the model loads
+        slots_for_budget(parse_bytes(vram), {layer.il: layer.bytes_per_expert for layer in facts.layers},
+                         facts.n_expert, facts.n_expert_used)
     return CacheConfig(n_slots=cache_slots, vram_bytes=parse_bytes(vram) if vram is not None else None,
                        policy=policy or "lru", miss_policy=miss, prefetch=prefetch)
 

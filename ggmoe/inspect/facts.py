@@ -106,17 +106,9 @@ class ModelFacts:
         return sum(layer.bytes_per_expert for layer in self.layers)
 
     def cache_bytes(self, n_slots_per_layer: int) -> int:
-        """Bytes of an expert cache with ``n_slots_per_layer`` slots in every MoE layer (what --vram buys)."""
+        """Bytes of an expert cache with ``n_slots_per_layer`` slots in every MoE layer: the --vram that buys
+        exactly that many (``ggmoe.cache.slots_for_budget`` is its inverse)."""
         return n_slots_per_layer * self.expert_bytes_per_slot
-
-    def slots_for_vram(self, budget: int) -> int:
-        """Slots per MoE layer that a --vram budget (bytes) buys: the inverse of ``cache_bytes``."""
-        per_slot = self.expert_bytes_per_slot
-        n = min(budget // per_slot, self.n_expert) if per_slot else self.n_expert
-        if n < self.n_expert_used:
-            raise UsageError(f"a budget of {budget} bytes gives {n} slots per layer; at least n_expert_used = "
-                             f"{self.n_expert_used} are needed ({self.cache_bytes(self.n_expert_used)} bytes)")
-        return int(n)
 
     def vram_bytes(self, n_slots_per_layer: int) -> int:
         """Weight bytes with all dense tensors plus `n_slots_per_layer` expert slots in every MoE layer.

@@ -180,3 +180,20 @@ def test_slots_for_budget():
     assert slots_for_budget(10**9, bpe, E, K) == {0: E, 1: E, 3: E}
     with pytest.raises(UsageError, match="at least"):
         slots_for_budget(7_999, bpe, E, K)
+
+
+def test_inspect_figures_and_vram_budgets_are_inverse():
+    """What `ggmoe inspect` prints for N slots, given as --vram, buys exactly N slots per layer."""
+    from make_fixtures import fixture_path
+
+    from ggmoe.cache import slots_for_budget
+    from ggmoe.inspect import inspect_model
+
+    facts = inspect_model(fixture_path("qwen3moe", expert_type="q8_0"))
+    bpe = {layer.il: layer.bytes_per_expert for layer in facts.layers}
+    for n in range(facts.n_expert_used, facts.n_expert + 1):
+        assert set(slots_for_budget(facts.cache_bytes(n), bpe, facts.n_expert, facts.n_expert_used).values()) == {n}
+        assert set(slots_for_budget(facts.cache_bytes(n) + 1, bpe, facts.n_expert, facts.n_expert_used).values()) == {n}
+        if n > facts.n_expert_used:
+            assert set(slots_for_budget(facts.cache_bytes(n) - 1, bpe, facts.n_expert,
+                                        facts.n_expert_used).values()) == {n - 1}
