@@ -81,22 +81,31 @@ class NullCopyBackend:
 
 
 class ThreadedCopyBackend:
-    """Copies on one worker thread, lowest priority value first (FIFO within a priority).
+    """Copies on one worker thread, lowest priority value first (FIFO within a priority), in chunks.
 
-    ``copy(il, expert, slot)`` does the work; ``delay_s`` seconds pass before each copy (a slow link).
+    ``copy(il, expert, slot)`` does a whole copy; with ``chunks`` > 1, ``copy_chunk(il, expert, slot, i)``
+    does part ``i`` (one expert tensor kind, say) and the worker picks the most urgent job again after
+    each chunk, so a demand copy waits at most one chunk of a prefetch already running. ``delay_s``
+    seconds pass before each chunk (a slow link).
     """
 
-    def __init__(self, copy: Callable[[int, int, int], None], delay_s: float = 0.0) -> None:
+    def __init__(self, copy: Callable[[int, int, int], None], delay_s: float = 0.0, chunks: int = 1,
+                 copy_chunk: Callable[[int, int, int, int], None] | None = None) -> None:
+        if chunks > 1 and copy_chunk is None:
+            raise ValueError("chunked copies need copy_chunk")
         self._copy = copy
+        self._copy_chunk = copy_chunk
+        self.chunks = chunks
         self.delay_s = delay_s
         self._ids = itertools.count()
         self._queue: list[tuple[int, int, CopyHandle]] = []  # heap of (priority, id, handle)
+        self._progress: dict[int, int] = {}  # handle id -> chunks done (jobs started, not finished)
         self._done: set[int] = set()  # ids landed or cancelled
-        self._cancelled: set[int] = set()
         self._cv = threading.Condition()
         self._closed = False
         self.error: BaseException | None = None  # the first copy that raised; re-raised by wait()
-        self.order: list[CopyHandle] = []  # copies in the order they ran (tests)
+        self.order: list[CopyHandle] = []  # copies in the order they finished (tests)
+        self.chunk_log: list[tuple[int, int]] = []  # (handle id, chunk) in the order they ran (tests)
         self._thread = threading.Thread(target=self._work, name="ggmoe-copies", daemon=True)
         self._thread.start()
 
@@ -123,12 +132,14 @@ class ThreadedCopyBackend:
                 raise RuntimeError("copy backend closed with copies pending")
 
     def cancel(self, handle: CopyHandle) -> bool:
+        """Drop a queued copy that no chunk of has run (a partly written slot is never handed out)."""
         with self._cv:
-            if handle.id in self._done or not any(item[1] == handle.id for item in self._queue):
+            if handle.id in self._done or handle.id in self._progress:
+                return False
+            if not any(item[1] == handle.id for item in self._queue):
                 return False
             self._queue = [item for item in self._queue if item[1] != handle.id]
             heapq.heapify(self._queue)
-            self._cancelled.add(handle.id)
             self._done.add(handle.id)
             self._cv.notify_all()
             return True
@@ -139,15 +150,27 @@ class ThreadedCopyBackend:
                 self._cv.wait_for(lambda: self._queue or self._closed)
                 if self._closed:
                     return
-                _, _, h = heapq.heappop(self._queue)
+                _, _, h = self._queue[0]  # the most urgent job; stays queued until its last chunk
+                chunk = self._progress.get(h.id, 0)
+                self._progress[h.id] = chunk
             try:
                 if self.delay_s:
                     threading.Event().wait(self.delay_s)
-                self._copy(h.il, h.expert, h.slot)
+                if self.chunks > 1:
+                    self._copy_chunk(h.il, h.expert, h.slot, chunk)
+                else:
+                    self._copy(h.il, h.expert, h.slot)
             except BaseException as e:  # noqa: BLE001 - reported to the waiter, the thread stays alive
                 with self._cv:
                     self.error = self.error or e
             with self._cv:
+                self.chunk_log.append((h.id, chunk))
+                if chunk + 1 < self.chunks and self.error is None:
+                    self._progress[h.id] = chunk + 1
+                    continue
+                self._queue = [item for item in self._queue if item[1] != h.id]
+                heapq.heapify(self._queue)
+                self._progress.pop(h.id, None)
                 self.order.append(h)
                 self._done.add(h.id)
                 self._cv.notify_all()

@@ -129,6 +129,19 @@ class GgmlCopyBackend:
             else:
                 B.libggml_base.ggml_backend_tensor_set(t, src, slot * p.nb2, p.nb2)
 
+    def copy_chunk(self, il: int, expert: int, slot: int, i: int) -> None:
+        """Issue the copy of expert tensor kind ``i`` of ``expert`` into ``slot`` (one chunk of a copy)."""
+        pairs = self.pairs[il]
+        if i < len(pairs):
+            p = pairs[i]
+            B.libggml_base.ggml_backend_tensor_set(ctypes.cast(p.cache, B.ggml_tensor_p),
+                                                   p.host_data + expert * p.nb2, slot * p.nb2, p.nb2)
+
+    @property
+    def n_chunks(self) -> int:
+        """Chunks of one expert copy: its tensor kinds (the most any layer has)."""
+        return max(len(p) for p in self.pairs.values())
+
     def submit(self, il: int, expert: int, slot: int, priority: Priority) -> CopyHandle:
         self.copy_now(il, expert, slot)
         h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
@@ -214,7 +227,9 @@ class CacheRuntime:
         if config.copy_delay_s is not None:
             if backend:
                 raise EngineError("copy_delay_s simulates a slow link on a CPU-only build; a GPU has a real one")
-            self.copies = ThreadedCopyBackend(self.copies.copy_now, config.copy_delay_s)
+            ggml = self.copies
+            self.copies = ThreadedCopyBackend(ggml.copy_now, config.copy_delay_s, chunks=ggml.n_chunks,
+                                              copy_chunk=ggml.copy_chunk)
         costs = measure_costs(self.slots, self.copies) if config.miss_policy == "auto" else None
         self.cache = ExpertCache(n_expert, n_expert_used, n_slots, policy, self.copies, clock=MonotonicClock(),
                                  bytes_per_expert=self.slots.bytes_per_expert(), miss_policy=config.miss_policy,

@@ -157,3 +157,25 @@ def test_a_slot_still_loading_is_waited_for_before_it_is_read():
         assert cache.stats.layers[0].hits == 1
     finally:
         b.close()
+
+
+def test_a_demand_copy_waits_at_most_one_chunk_of_a_running_prefetch():
+    gate = threading.Event()
+    log = []
+
+    def chunk(il, e, s, i):
+        if e == 0 and i == 0:
+            gate.wait(5)  # the prefetch's first chunk is running when the demand arrives
+        log.append((e, i))
+
+    b = ThreadedCopyBackend(lambda il, e, s: None, chunks=3, copy_chunk=chunk)
+    try:
+        pre = b.submit(0, 0, 0, Priority.PREFETCH)
+        time.sleep(0.05)
+        dem = b.submit(0, 7, 1, Priority.DEMAND)
+        assert not b.cancel(pre)  # a chunk of it already ran: a half-written slot is never dropped
+        gate.set()
+        b.wait([dem, pre])
+        assert log == [(0, 0), (7, 0), (7, 1), (7, 2), (0, 1), (0, 2)]
+    finally:
+        b.close()
