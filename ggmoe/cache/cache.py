@@ -159,14 +159,17 @@ class ExpertCache:
                 out.append(table.copy[s])
         return out
 
-    def prefetch(self, il: int, experts: list[int], keep: set[int] | None = None) -> int:
+    def prefetch(self, il: int, experts: list[int], keep: set[int] | None = None,
+                 ranks: list[float] | None = None) -> int:
         """Queue prefetch copies of the ``experts`` of layer ``il`` that are not resident; returns how many.
 
         Victims are resident experts not in ``keep``, not still loading, and not themselves unused prefetches.
         Called between layer calls (never for the layer that runs now), so no slot being read is overwritten.
+        ``ranks`` (one per expert, lower first) order the prefetches within their priority.
         """
         table = self.tables[il]
         st = self.stats.layers[il]
+        rank_of = dict(zip(experts, ranks, strict=True)) if ranks is not None else {}
         want = [e for e in experts if table.slot_of_list[e] < 0]
         if not want:
             return 0
@@ -183,7 +186,7 @@ class ExpertCache:
                 slot = table.slot_of_list[victim]
                 self.policy.on_evict(il, victim)
             self._note_eviction(il, table, slot)
-            h = self.copies.submit(il, e, slot, Priority.PREFETCH)
+            h = self.copies.submit(il, e, slot, Priority.PREFETCH, rank_of.get(e, 0.0))
             self._submitted[h.id] = self.time.now()
             table.place(e, slot, h)
             table.prefetched[slot] = True

@@ -39,8 +39,8 @@ class CopyHandle:
 
 
 class CopyBackend(Protocol):
-    def submit(self, il: int, expert: int, slot: int, priority: Priority) -> CopyHandle:
-        """Start (or queue) the copy; returns at once."""
+    def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
+        """Start (or queue) the copy; returns at once. Within a priority, lower ``rank`` goes first."""
 
     def done(self, handle: CopyHandle) -> bool:
         """Whether the copy has landed (a landed slot may be read)."""
@@ -62,7 +62,7 @@ class NullCopyBackend:
         self._copy = copy
         self._ids = itertools.count()
 
-    def submit(self, il: int, expert: int, slot: int, priority: Priority) -> CopyHandle:
+    def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
         if self._copy is not None:
             self._copy(il, expert, slot)
         return CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
@@ -81,7 +81,7 @@ class NullCopyBackend:
 
 
 class ThreadedCopyBackend:
-    """Copies on one worker thread, lowest priority value first (FIFO within a priority), in chunks.
+    """Copies on one worker thread, lowest priority value first (then lowest rank, then FIFO), in chunks.
 
     ``copy(il, expert, slot)`` does a whole copy; with ``chunks`` > 1, ``copy_chunk(il, expert, slot, i)``
     does part ``i`` (one expert tensor kind, say) and the worker picks the most urgent job again after
@@ -98,7 +98,7 @@ class ThreadedCopyBackend:
         self.chunks = chunks
         self.delay_s = delay_s
         self._ids = itertools.count()
-        self._queue: list[tuple[int, int, CopyHandle]] = []  # heap of (priority, id, handle)
+        self._queue: list[tuple[int, float, int, CopyHandle]] = []  # heap of (priority, rank, id, handle)
         self._progress: dict[int, int] = {}  # handle id -> chunks done (jobs started, not finished)
         self._done: set[int] = set()  # ids landed or cancelled
         self._cv = threading.Condition()
@@ -109,12 +109,12 @@ class ThreadedCopyBackend:
         self._thread = threading.Thread(target=self._work, name="ggmoe-copies", daemon=True)
         self._thread.start()
 
-    def submit(self, il: int, expert: int, slot: int, priority: Priority) -> CopyHandle:
+    def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
         h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
         with self._cv:
             if self._closed:
                 raise RuntimeError("copy backend is closed")
-            heapq.heappush(self._queue, (int(h.priority), h.id, h))
+            heapq.heappush(self._queue, (int(h.priority), rank, h.id, h))
             self._cv.notify_all()
         return h
 
@@ -136,9 +136,9 @@ class ThreadedCopyBackend:
         with self._cv:
             if handle.id in self._done or handle.id in self._progress:
                 return False
-            if not any(item[1] == handle.id for item in self._queue):
+            if not any(item[2] == handle.id for item in self._queue):
                 return False
-            self._queue = [item for item in self._queue if item[1] != handle.id]
+            self._queue = [item for item in self._queue if item[2] != handle.id]
             heapq.heapify(self._queue)
             self._done.add(handle.id)
             self._cv.notify_all()
@@ -150,7 +150,7 @@ class ThreadedCopyBackend:
                 self._cv.wait_for(lambda: self._queue or self._closed)
                 if self._closed:
                     return
-                _, _, h = self._queue[0]  # the most urgent job; stays queued until its last chunk
+                h = self._queue[0][3]  # the most urgent job; stays queued until its last chunk
                 chunk = self._progress.get(h.id, 0)
                 self._progress[h.id] = chunk
             try:
@@ -168,7 +168,7 @@ class ThreadedCopyBackend:
                 if chunk + 1 < self.chunks and self.error is None:
                     self._progress[h.id] = chunk + 1
                     continue
-                self._queue = [item for item in self._queue if item[1] != h.id]
+                self._queue = [item for item in self._queue if item[2] != h.id]
                 heapq.heapify(self._queue)
                 self._progress.pop(h.id, None)
                 self.order.append(h)

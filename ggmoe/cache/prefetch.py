@@ -78,15 +78,17 @@ class Prefetcher:
         if target is not None:
             self._prefetch(target, self.predictor.predict(target))
 
-    def _prefetch(self, target: int, scores: np.ndarray | None) -> None:
+    def _prefetch(self, target: int, scores: np.ndarray | None, distance: int | None = None) -> None:
         if scores is None or target not in self.cache.tables:
             return
         order = np.argsort(-scores, kind="stable")
         self.cache.score_prediction(target, [int(e) for e in order[: self.k]])
-        top = order[: self.n_prefetch]
+        top = [int(e) for e in order[: self.n_prefetch]]
         if self.threshold is not None:
             top = [e for e in top if scores[e] >= self.threshold]
-        self.cache.prefetch(target, [int(e) for e in top])
+        # fMoE's priority p / (l - l_now): likelier experts of nearer layers are copied first
+        d = distance or self.predictor.stride
+        self.cache.prefetch(target, top, ranks=[-float(scores[e]) / d for e in top])
 
 
 def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, model_path: str) -> Prefetcher:

@@ -142,7 +142,7 @@ class GgmlCopyBackend:
         """Chunks of one expert copy: its tensor kinds (the most any layer has)."""
         return max(len(p) for p in self.pairs.values())
 
-    def submit(self, il: int, expert: int, slot: int, priority: Priority) -> CopyHandle:
+    def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
         self.copy_now(il, expert, slot)
         h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
         if not self.backend:

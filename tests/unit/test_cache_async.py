@@ -179,3 +179,23 @@ def test_a_demand_copy_waits_at_most_one_chunk_of_a_running_prefetch():
         assert log == [(0, 0), (7, 0), (7, 1), (7, 2), (0, 1), (0, 2)]
     finally:
         b.close()
+
+
+def test_prefetches_run_by_rank_within_their_priority():
+    gate = threading.Event()
+    order = []
+
+    def copy(il, e, s):
+        gate.wait(5)
+        order.append(e)
+
+    b = ThreadedCopyBackend(copy)
+    try:
+        first = b.submit(0, 0, 0, Priority.PREFETCH)
+        time.sleep(0.05)
+        hs = [b.submit(0, e, e, Priority.PREFETCH, rank) for e, rank in ((1, -0.2), (2, -0.9), (3, -0.5))]
+        gate.set()
+        b.wait([first, *hs])
+        assert order == [0, 2, 3, 1]  # fMoE's p / distance, highest first (lowest rank)
+    finally:
+        b.close()
