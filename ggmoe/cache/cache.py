@@ -10,6 +10,7 @@ simulator's lands them on a virtual timeline.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -50,6 +51,7 @@ class ExpertCache:
         self.miss_policy = check_miss_policy(miss_policy)
         self.costs = costs  # for "auto"
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
+        self.lock = threading.Lock()
         self.n_prefetched = dict.fromkeys(n_slots, 0)  # il -> slots holding an unused prefetched expert
         self.predicted: dict[int, list[int]] = {}  # il -> experts predicted for its next call (accuracy)
 
@@ -63,6 +65,10 @@ class ExpertCache:
         return np.asarray(slots, dtype=np.int32).reshape(ids.shape)
 
     def route_flat(self, il: int, flat: list[int], next_use: Mapping[int, float] | None = None) -> list[int]:
+        with self.lock:  # a prefetch worker may be placing experts (uncontended: about 0.1 us)
+            return self._route_flat(il, flat, next_use)
+
+    def _route_flat(self, il: int, flat: list[int], next_use: Mapping[int, float] | None = None) -> list[int]:
         """``route`` on a flat list of ids (the engine's hot path: no numpy per call).
 
         Returns a slot per id, or ``SLOT_HOST`` (-1) for an expert the CPU computes (miss policy ``cpu`` or
@@ -160,7 +166,17 @@ class ExpertCache:
         return out
 
     def prefetch(self, il: int, experts: list[int], keep: set[int] | None = None,
-                 ranks: list[float] | None = None) -> int:
+                 ranks: list[float] | None = None, if_calls: int | None = None) -> int:
+        """``_prefetch`` under the cache's lock; with ``if_calls``, only if layer ``il`` has not been called
+        since (a prediction computed late, on a worker, must not touch a layer that already runs)."""
+        with self.lock:
+            if if_calls is not None and self.stats.layers[il].calls != if_calls:
+                self.stats.layers[il].prefetch_late += 1
+                return 0
+            return self._prefetch(il, experts, keep, ranks)
+
+    def _prefetch(self, il: int, experts: list[int], keep: set[int] | None = None,
+                  ranks: list[float] | None = None) -> int:
         """Queue prefetch copies of the ``experts`` of layer ``il`` that are not resident; returns how many.
 
         Victims are resident experts not in ``keep``, not still loading, and not themselves unused prefetches.
@@ -230,7 +246,8 @@ class ExpertCache:
 
     def score_prediction(self, il: int, predicted: list[int]) -> None:
         """Remember the top-k predicted for layer ``il``'s next call, to score it when that call comes."""
-        self.predicted[il] = predicted
+        with self.lock:
+            self.predicted[il] = predicted
 
     @staticmethod
     def _victims(table: SlotTable, in_use: set[int]) -> list[int]:

@@ -15,6 +15,8 @@ select most experts anyway.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,13 +37,22 @@ class PrefetchConfig:
     n_prefetch: int | None = None  # experts prefetched per target layer (default: 2 x n_expert_used)
     threshold: float | None = None  # prefetch only experts whose score reaches this (fMoE's delta)
     train: tuple[str, ...] = ()  # training traces for the predictors that learn from traces
+    # True: predict on a worker thread, off the route callback's critical path (prefetch counts then depend
+    # on timing); False: in the callback, after the layer's slots are decided (deterministic)
+    background: bool = False
 
 
 class Prefetcher:
-    """A route observer that prefetches layer il+stride's predicted experts into the cache."""
+    """A route observer that prefetches layer il+stride's predicted experts into the cache.
+
+    With ``background``, the callback only queues the event (a few microseconds); a worker thread runs
+    the predictor and places the prefetches under the cache's lock, skipping a target layer that has
+    already been called since the event (``prefetch_late``). Errors of the predictor then surface at the
+    next decode.
+    """
 
     def __init__(self, cache: ExpertCache, predictor: Predictor, layers: Sequence[int], n_prefetch: int,
-                 threshold: float | None = None) -> None:
+                 threshold: float | None = None, background: bool = False) -> None:
         if n_prefetch < 1:
             raise UsageError("--prefetch must be at least 1")
         self.cache = cache
@@ -55,30 +66,70 @@ class Prefetcher:
         self.request = HookRequest(probs=predictor.needs_probs, hidden=predictor.needs_hidden)
         self.error: BaseException | None = None
         self._decoding = False
+        self._queue: queue.SimpleQueue | None = None
+        self._worker: threading.Thread | None = None
+        if background:
+            self._queue = queue.SimpleQueue()
+            self._worker = threading.Thread(target=self._work, name="ggmoe-prefetch", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        assert self._queue is not None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                item[0](*item[1:])
+            except BaseException as e:  # noqa: BLE001 - surfaced by the engine's next decode
+                self.error = self.error or e
+
+    def _do(self, fn, *args) -> None:
+        """Run ``fn(*args)`` now, or on the worker in order."""
+        if self._queue is None:
+            fn(*args)
+        else:
+            self._queue.put((fn, *args))
+
+    def take_error(self) -> BaseException | None:
+        err, self.error = self.error, None
+        return err
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._queue.put(None)
+            self._worker.join(timeout=5)
+            self._queue = None
 
     def begin_step(self, tokens: Sequence[int]) -> None:
         """The engine is about to decode ``tokens``: a prefill starts a request, one token starts a token."""
+        self._decoding = len(tokens) == 1
+        calls = {il: self.cache.stats.layers[il].calls for il in self.layers[: self.predictor.stride]}
+        self._do(self._begin, list(tokens), calls)
+
+    def _begin(self, tokens: list[int], calls: dict[int, int]) -> None:
         if len(tokens) > 1:
             self.predictor.begin_request()
-            self._decoding = False
-        else:
-            self.predictor.begin_token(int(tokens[0]))
-            self._decoding = True
-            for il in self.layers[: self.predictor.stride]:  # targets no earlier layer of this token predicts
-                self._prefetch(il, self.predictor.predict(il))
+            return
+        self.predictor.begin_token(int(tokens[0]))
+        for il, n in calls.items():  # targets that no earlier layer of this token predicts
+            self._prefetch(il, self.predictor.predict(il), n)
 
     def on_route(self, event: RouteEvent) -> None:
         if not self._decoding or event.n_tokens != 1:
             return
-        il = event.il
+        target = self._next.get(event.il)
+        calls = self.cache.stats.layers[target].calls if target in self.cache.tables else None
+        self._do(self._observe, event, target, calls)
+
+    def _observe(self, event: RouteEvent, target: int | None, calls: int | None) -> None:
         probs = event.probs[0] if event.probs is not None else None
         hidden = event.hidden[0] if event.hidden is not None else None
-        self.predictor.observe(il, event.ids[0], probs, hidden)
-        target = self._next.get(il)
+        self.predictor.observe(event.il, event.ids[0], probs, hidden)
         if target is not None:
-            self._prefetch(target, self.predictor.predict(target))
+            self._prefetch(target, self.predictor.predict(target), calls)
 
-    def _prefetch(self, target: int, scores: np.ndarray | None, distance: int | None = None) -> None:
+    def _prefetch(self, target: int, scores: np.ndarray | None, calls: int | None = None) -> None:
         if scores is None or target not in self.cache.tables:
             return
         order = np.argsort(-scores, kind="stable")
@@ -87,8 +138,9 @@ class Prefetcher:
         if self.threshold is not None:
             top = [e for e in top if scores[e] >= self.threshold]
         # fMoE's priority p / (l - l_now): likelier experts of nearer layers are copied first
-        d = distance or self.predictor.stride
-        self.cache.prefetch(target, top, ranks=[-float(scores[e]) / d for e in top])
+        d = self.predictor.stride
+        self.cache.prefetch(target, top, ranks=[-float(scores[e]) / d for e in top],
+                            if_calls=calls if self._queue is not None else None)
 
 
 def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, model_path: str) -> Prefetcher:
@@ -111,4 +163,4 @@ def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, m
             raise UsageError("--predictor-train traces come from another model")
         pred.fit(train)
     n = config.n_prefetch if config.n_prefetch is not None else min(2 * facts.n_expert_used, facts.n_expert)
-    return Prefetcher(cache, pred, facts.moe_layers, n, config.threshold)
+    return Prefetcher(cache, pred, facts.moe_layers, n, config.threshold, background=config.background)

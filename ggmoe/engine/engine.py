@@ -268,7 +268,10 @@ class Engine:
 
     # -- lifecycle
     def close(self) -> None:
-        # The context goes before the slot tensors it computes with, and the model last.
+        # The prefetch worker stops first; the context goes before the slot tensors it computes with, and
+        # the model last.
+        if getattr(self, "prefetcher", None) is not None:
+            self.prefetcher.close()
         for part in ("_batch", "_ctx", "_runtime", "_model"):
             obj = getattr(self, part, None)
             if obj is not None:
@@ -390,8 +393,10 @@ class Engine:
         return np.concatenate(out, axis=0) if all_logits else out[-1]
 
     def _raise_hook_error(self) -> None:
-        """Re-raise what a callback stored during llama_decode (callbacks never raise into C)."""
+        """Re-raise what a callback (or the prefetch worker) stored: they never raise into C."""
         err = self._hook.take_error(self._ctx.ctx) if self._hook is not None else None
+        if err is None and self.prefetcher is not None:
+            err = self.prefetcher.take_error()
         if err is not None:
             raise err
 

@@ -99,3 +99,33 @@ def test_oracle_is_refused_live(qwen3moe_model):
     with pytest.raises(UsageError, match="simulator"):
         Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64,
                             cache=CacheConfig(n_slots=4, prefetch=PrefetchConfig("oracle", stride=1))))
+
+
+@pytest.mark.parametrize("miss_policy", ["wait", "cpu"])
+def test_background_prediction_keeps_logits_exact(arch_model, stock_logits, miss_policy):
+    """The predictor on a worker thread: counts depend on timing, the logits never do."""
+    arch, path = arch_model
+    facts = inspect_model(path)
+    ref = stock_logits(path)
+    stride = min(2, len(facts.moe_layers) - 1)
+    cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
+                       cache=CacheConfig(n_slots=facts.n_expert_used + 2, miss_policy=miss_policy,
+                                         prefetch=PrefetchConfig("test-fixed", stride=stride, background=True)))
+    with Engine(cfg) as eng:
+        got = run_sequences(eng)
+        st = eng.cache_stats.total()
+    for a, b in zip(got, ref, strict=True):
+        assert np.abs(a - b).max() <= EXACT, (arch, miss_policy)
+    assert st.prefetch_issued + st.prefetch_late > 0  # the worker really ran
+
+
+def test_a_background_predictor_error_surfaces_at_a_decode(qwen3moe_model):
+    cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256,
+                       cache=CacheConfig(n_slots=4, prefetch=PrefetchConfig("test-raising", stride=1,
+                                                                            background=True)))
+    with Engine(cfg) as eng:
+        ids = eng.tokenize("hello there")
+        eng.decode(ids)
+        with pytest.raises(RuntimeError, match="the predictor broke"):
+            for t in ids * 20:  # the worker's error reaches one of the next decodes
+                eng.decode([t])
