@@ -83,7 +83,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 def run(model: str | None, prompt: str | None, prompt_file: str | None, max_tokens: int, temp: float, seed: int,
         as_json: bool, trace_out: str | None, cache_slots: int | None, vram: str | None, policy: str | None,
         stats_json: str | None, miss_policy: str | None, predictor: str | None, stride: int,
-        n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...], n_ctx: int | None, threads: int | None, verbose: bool) -> None:
+        n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...],
+        predict_background: bool, n_ctx: int | None, threads: int | None, verbose: bool) -> None:
     """Generate text, streamed as it comes (the embedded default model when MODEL is omitted).
 
     \b
@@ -96,7 +97,8 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
     facts = model_facts(path)
     text = read_prompt(prompt, prompt_file)
     cache = cache_config(cache_slots, vram, policy, facts, miss_policy,
-                         prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train))
+                         prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train,
+                                         predict_background))
     check_stats_json(stats_json, cache)
     if trace_out:
         check_output_dir(trace_out, "--trace-out", members=("trace.npz",))

@@ -106,16 +106,17 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
 
 
 def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, threshold: float | None,
-                    train: tuple[str, ...]):
+                    train: tuple[str, ...], background: bool = False):
     """A PrefetchConfig from the flags, or None without --predictor."""
     if predictor is None:
-        if train or n_prefetch is not None or threshold is not None:
-            raise UsageError("--prefetch, --prefetch-threshold and --predictor-train need --predictor")
+        if train or n_prefetch is not None or threshold is not None or background:
+            raise UsageError("--prefetch, --prefetch-threshold, --predictor-train and --predict-in-background "
+                             "need --predictor")
         return None
     from ggmoe.cache.prefetch import PrefetchConfig
 
     return PrefetchConfig(predictor=predictor, stride=stride, n_prefetch=n_prefetch, threshold=threshold,
-                          train=tuple(train))
+                          train=tuple(train), background=background)
 
 
 def check_stats_json(stats_json: str | None, cache: Any) -> None:
@@ -128,6 +129,8 @@ def check_stats_json(stats_json: str | None, cache: Any) -> None:
 
 
 def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--predict-in-background", "predict_background", is_flag=True,
+                      help="Run the predictor on a worker thread, off the route callback's critical path.")(fn)
     fn = click.option("--predictor-train", "predictor_train", multiple=True, type=click.Path(),
                       help="Training traces for a predictor that learns (token, eam, expert-map); repeat.")(fn)
     fn = click.option("--prefetch-threshold", type=FiniteFloat(),
