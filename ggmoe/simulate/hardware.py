@@ -1,0 +1,94 @@
+"""Hardware profiles: what a copy, a GPU expert and a CPU expert cost on a machine (seconds).
+
+A profile is a small TOML file (``ggmoe/simulate/profiles/*.toml`` ship ``pcie4``,
+the default, ``h100`` and ``egpu``, each figure with its source in a comment).
+The simulator charges its timeline with them; the ``auto`` miss policy can take
+its cost model from one (``MissCosts``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ggmoe.cache.miss import MissCosts
+from ggmoe.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+PROFILES_DIR = Path(__file__).with_name("profiles")
+DEFAULT_PROFILE = "pcie4"
+MAX_PROFILE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    copy_bytes_per_s: float  # host-to-device copy bandwidth, pinned memory (bytes/s)
+    copy_latency_s: float  # fixed cost of one copy (s)
+    gpu_bytes_per_s: float  # expert weights a GPU matvec reads per second (bytes/s)
+    gpu_launch_s: float  # fixed cost of one expert's kernels on the GPU (s)
+    gpu_layer_s: float  # a layer's attention and router at batch 1 (s)
+    cpu_bytes_per_s: float  # expert weights a CPU matvec reads per second (bytes/s)
+    cpu_latency_s: float  # fixed cost of one expert on the CPU (s)
+    hook_s: float  # the route callback's fixed cost per MoE layer (s)
+
+    def copy_s(self, nbytes: int, n_copies: int = 1) -> float:
+        """Seconds to copy ``nbytes`` of one expert issued as ``n_copies`` copies (one per tensor kind)."""
+        return n_copies * self.copy_latency_s + nbytes / self.copy_bytes_per_s
+
+    def gpu_expert_s(self, nbytes: int) -> float:
+        return self.gpu_launch_s + nbytes / self.gpu_bytes_per_s
+
+    def cpu_expert_s(self, nbytes: int) -> float:
+        return self.cpu_latency_s + nbytes / self.cpu_bytes_per_s
+
+    def miss_costs(self) -> MissCosts:
+        """The profile as the ``auto`` miss policy's cost model."""
+        return MissCosts(copy_bytes_per_s=self.copy_bytes_per_s, copy_latency_s=self.copy_latency_s,
+                         cpu_bytes_per_s=self.cpu_bytes_per_s, cpu_latency_s=self.cpu_latency_s)
+
+
+_FIELDS = {  # attribute -> (table, key, smallest allowed value)
+    "copy_bytes_per_s": ("copy", "bytes_per_s", 1e3), "copy_latency_s": ("copy", "latency_s", 0.0),
+    "gpu_bytes_per_s": ("gpu", "bytes_per_s", 1e3), "gpu_launch_s": ("gpu", "launch_s", 0.0),
+    "gpu_layer_s": ("gpu", "layer_s", 0.0), "cpu_bytes_per_s": ("cpu", "bytes_per_s", 1e3),
+    "cpu_latency_s": ("cpu", "latency_s", 0.0), "hook_s": ("hook", "fixed_s", 0.0),
+}
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+
+
+def load_profile(spec: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
+    """A built-in profile by name, or a profile TOML file; UsageError with one clear line otherwise."""
+    path = Path(spec)
+    if not path.suffix and str(spec) in profile_names():
+        path = PROFILES_DIR / f"{spec}.toml"
+    if not path.is_file():
+        raise UsageError(f"unknown hardware profile {str(spec)!r}: give one of {', '.join(profile_names())} "
+                         "or a profile .toml file")
+    if path.stat().st_size > MAX_PROFILE_BYTES:
+        raise UsageError(f"{path}: too large for a hardware profile")
+    try:
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
+        raise UsageError(f"{path}: not a valid TOML profile ({e})") from None
+    values: dict[str, float] = {}
+    for attr, (table, key, low) in _FIELDS.items():
+        section = data.get(table)
+        v = section.get(key) if isinstance(section, dict) else None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < low:
+            raise UsageError(f"{path}: [{table}] {key} must be a finite number >= {low:g}, not {v!r:.40}")
+        values[attr] = float(v)
+    name, desc = data.get("name", path.stem), data.get("description", "")
+    if not isinstance(name, str) or not isinstance(desc, str):
+        raise UsageError(f"{path}: name and description must be strings")
+    return HardwareProfile(name=name, description=desc, **values)

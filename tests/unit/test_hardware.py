@@ -1,0 +1,67 @@
+"""Hardware profiles: the built-ins load, their figures hold together, bad files get one clear line."""
+
+from __future__ import annotations
+
+import pytest
+
+from ggmoe.errors import UsageError
+from ggmoe.simulate.hardware import DEFAULT_PROFILE, load_profile, profile_names
+
+pytestmark = pytest.mark.unit
+
+EXPERT = 2_000_000  # bytes of one expert, about a Qwen3-30B-A3B expert at Q4_K (3 tensors)
+
+
+def test_builtins_load_and_default_is_pcie4():
+    assert profile_names() == ["egpu", "h100", "pcie4"] and DEFAULT_PROFILE == "pcie4"
+    for name in profile_names():
+        p = load_profile(name)
+        assert p.name == name and p.description
+
+
+def test_the_figures_order_as_the_hardware_does():
+    pcie4, h100, egpu = (load_profile(n) for n in ("pcie4", "h100", "egpu"))
+    assert h100.copy_s(EXPERT, 3) < pcie4.copy_s(EXPERT, 3) < egpu.copy_s(EXPERT, 3)
+    # on a slow link the CPU computes a missing expert sooner than the copy lands: the host path pays off
+    assert egpu.cpu_expert_s(EXPERT) < egpu.copy_s(EXPERT, 3)
+    for p in (pcie4, h100, egpu):
+        assert p.gpu_expert_s(EXPERT) < p.cpu_expert_s(EXPERT)  # a resident expert is cheapest
+    # by hand for pcie4: 3 x 10 us + 2e6 / 25e9 s = 30 + 80 = 110 us
+    assert pcie4.copy_s(EXPERT, 3) == pytest.approx(110e-6)
+    costs = egpu.miss_costs()
+    assert costs.copy_s(EXPERT) == pytest.approx(egpu.copy_s(EXPERT, 1))
+
+
+BAD = {
+    "not toml": (b"[copy\nbytes = ", "not a valid TOML"),
+    "not utf-8": (b"name = \"\xff\"", "not a valid TOML"),
+    "missing table": (b'name = "x"\n', "[copy] bytes_per_s"),
+    "string bandwidth": (b'[copy]\nbytes_per_s = "fast"\n', "[copy] bytes_per_s"),
+    "negative latency": (b"[copy]\nbytes_per_s = 1e9\nlatency_s = -1\n", "[copy] latency_s"),
+    "nan": (b"[copy]\nbytes_per_s = nan\n", "[copy] bytes_per_s"),
+    "inf": (b"[copy]\nbytes_per_s = inf\n", "[copy] bytes_per_s"),
+    "bool": (b"[copy]\nbytes_per_s = true\n", "[copy] bytes_per_s"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_profile_files(case, tmp_path):
+    data, match = BAD[case]
+    p = tmp_path / "hw.toml"
+    p.write_bytes(data)
+    with pytest.raises(UsageError, match=match.replace("[", r"\[").replace("]", r"\]")):
+        load_profile(p)
+
+
+def test_unknown_profile_lists_the_choices(tmp_path):
+    with pytest.raises(UsageError, match="egpu, h100, pcie4"):
+        load_profile("pcie9")
+    with pytest.raises(UsageError, match="unknown hardware profile"):
+        load_profile(tmp_path)
+
+
+def test_a_full_custom_profile_loads(tmp_path):
+    text = (load_profile.__globals__["PROFILES_DIR"] / "pcie4.toml").read_text().replace('"pcie4"', '"mine"')
+    p = tmp_path / "mine.toml"
+    p.write_text(text)
+    assert load_profile(p).name == "mine"
