@@ -20,6 +20,8 @@ class CacheConfig:
     # what to do with an expert that is not on the device: wait for its copy, compute it on the CPU, or
     # whichever the measured cost model says is sooner (ggmoe.cache.miss)
     miss_policy: str = "wait"
+    # the auto miss policy's cost model: a hardware profile name or TOML file; None: measured at startup
+    hw_profile: str | None = None
     # stride prefetching from a predictor (ggmoe.cache.prefetch.PrefetchConfig), or None
     prefetch: object | None = None
 

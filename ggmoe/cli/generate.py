@@ -84,7 +84,7 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
         as_json: bool, trace_out: str | None, cache_slots: int | None, vram: str | None, policy: str | None,
         stats_json: str | None, miss_policy: str | None, predictor: str | None, stride: int,
         n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...],
-        predict_background: bool, n_ctx: int | None, threads: int | None, verbose: bool) -> None:
+        predict_background: bool, hw: str | None, n_ctx: int | None, threads: int | None, verbose: bool) -> None:
     """Generate text, streamed as it comes (the embedded default model when MODEL is omitted).
 
     \b
@@ -98,7 +98,7 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
     text = read_prompt(prompt, prompt_file)
     cache = cache_config(cache_slots, vram, policy, facts, miss_policy,
                          prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train,
-                                         predict_background))
+                                         predict_background), hw)
     check_stats_json(stats_json, cache)
     if trace_out:
         check_output_dir(trace_out, "--trace-out", members=("trace.npz",))

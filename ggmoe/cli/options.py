@@ -77,7 +77,7 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
 
 
 def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: Any = None,
-                 miss_policy: str | None = None, prefetch: Any = None):
+                 miss_policy: str | None = None, prefetch: Any = None, hw: str | None = None):
     """A CacheConfig from the flags, or None when no cache flag was given.
 
     --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of
@@ -98,11 +98,17 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
         raise UsageError("give either --cache-slots or --vram, not both")
     POLICIES.get(policy or "lru")  # an unknown name fails here, listing the choices
     miss = miss_policy or "wait"
+    if hw is not None:
+        if miss != "auto":
+            raise UsageError("--hw gives the cost model of --miss-policy auto")
+        from ggmoe.simulate.hardware import load_profile
+
+        load_profile(hw)  # a bad profile fails now, before the model loads
     if vram is not None and facts is not None:  # a budget too small fails now, before the model loads
         slots_for_budget(parse_bytes(vram), {layer.il: layer.bytes_per_expert for layer in facts.layers},
                          facts.n_expert, facts.n_expert_used)
     return CacheConfig(n_slots=cache_slots, vram_bytes=parse_bytes(vram) if vram is not None else None,
-                       policy=policy or "lru", miss_policy=miss, prefetch=prefetch)
+                       policy=policy or "lru", miss_policy=miss, prefetch=prefetch, hw_profile=hw)
 
 
 def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, threshold: float | None,
@@ -129,6 +135,8 @@ def check_stats_json(stats_json: str | None, cache: Any) -> None:
 
 
 def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--hw", help="Hardware profile (pcie4, h100, egpu, or a .toml file) as the cost model of "
+                                   "--miss-policy auto, instead of measuring this machine at startup.")(fn)
     fn = click.option("--predict-in-background", "predict_background", is_flag=True,
                       help="Run the predictor on a worker thread, off the route callback's critical path.")(fn)
     fn = click.option("--predictor-train", "predictor_train", multiple=True, type=click.Path(),

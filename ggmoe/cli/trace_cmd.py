@@ -51,7 +51,7 @@ def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode:
           temp: float, seed: int, no_hidden: bool, cache_slots: int | None, vram: str | None, policy: str | None,
           stats_json: str | None, miss_policy: str | None, predictor: str | None, stride: int,
         n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...],
-        predict_background: bool, n_ctx: int | None, threads: int | None, verbose: bool) -> None:
+        predict_background: bool, hw: str | None, n_ctx: int | None, threads: int | None, verbose: bool) -> None:
     """Record per-token routing (ids, router probabilities, MoE inputs) into OUT/trace.npz.
 
     \b
@@ -70,7 +70,7 @@ def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode:
                        keep_hidden=not no_hidden)
     cache = cache_config(cache_slots, vram, policy, facts, miss_policy,
                          prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train,
-                                         predict_background))
+                                         predict_background), hw)
     check_stats_json(stats_json, cache)
     with make_engine(path, n_ctx, threads, verbose, cache) as eng:
         with click.progressbar(length=len(prompts), label="tracing", file=sys.stderr) as bar:

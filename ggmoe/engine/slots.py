@@ -230,7 +230,14 @@ class CacheRuntime:
             ggml = self.copies
             self.copies = ThreadedCopyBackend(ggml.copy_now, config.copy_delay_s, chunks=ggml.n_chunks,
                                               copy_chunk=ggml.copy_chunk)
-        costs = measure_costs(self.slots, self.copies) if config.miss_policy == "auto" else None
+        costs = None
+        if config.miss_policy == "auto":
+            if config.hw_profile is not None:
+                from ggmoe.simulate.hardware import load_profile
+
+                costs = load_profile(config.hw_profile).miss_costs()
+            else:
+                costs = measure_costs(self.slots, self.copies)
         self.cache = ExpertCache(n_expert, n_expert_used, n_slots, policy, self.copies, clock=MonotonicClock(),
                                  bytes_per_expert=self.slots.bytes_per_expert(), miss_policy=config.miss_policy,
                                  costs=costs)

@@ -96,6 +96,9 @@ COMBOS = [
     ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "token"),  # learns: no traces given
     ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "oracle"),  # simulator only
     ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "reuse", "--stride", "4"),  # 4 MoE layers
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--miss-policy", "auto", "--hw", "pcie9"),
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--miss-policy", "auto", "--hw", "PROMPTS"),  # not TOML
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--hw", "egpu"),  # --hw without auto
 ]
 
 

@@ -65,3 +65,21 @@ def test_run_stats_equal_replay_with_misses_on_the_cpu(qwen3moe_model, tmp_path)
         keys = ("hits", "misses", "native_calls", "host_computed", "admission_copies", "demand_copies")
         assert tuple(getattr(s, k) for k in keys) == tuple(live[k] for k in keys), il
     assert sum(s.host_computed for s in sim.layers.values()) > 0
+
+
+@pytest.mark.parametrize("hw, on_cpu", [("egpu", True), ("h100", False)])
+def test_auto_follows_the_hardware_profile(stock_logits, hw, on_cpu):
+    """The embedded model's 52 KB experts: a slow link (egpu) sends misses to the CPU, a fast one copies."""
+    from ggmoe.models import default_model_path
+
+    model = default_model_path()
+    ref = stock_logits(model)
+    cfg = EngineConfig(model_path=model, n_ctx=256, n_batch=64, n_ubatch=4,
+                       cache=CacheConfig(n_slots=4, miss_policy="auto", hw_profile=hw))
+    with Engine(cfg) as eng:
+        got = run_sequences(eng)
+        st = eng.cache_stats.total()
+    for a, b in zip(got, ref, strict=True):
+        assert np.abs(a - b).max() <= EXACT
+    assert st.misses > 0
+    assert (st.host_computed == st.misses) if on_cpu else (st.host_computed == 0)
