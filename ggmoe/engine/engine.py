@@ -187,19 +187,12 @@ class Engine:
                     self.prefetcher = make_prefetcher(self._runtime.cache, config.cache.prefetch, self.facts,
                                                       str(path))
             self._batch = _internals.LlamaBatch(n_tokens=config.n_batch, embd=0, n_seq_max=1, verbose=False)
-            placement = expert_placement(self._model, self.facts) if config.experts_on_host else {}
+            # expert tensor name -> its buffer type's name (e.g. CPU, CUDA_Host), None on a stock build
+            self.expert_buffers: dict[str, str] | None = expert_placement(self._model, self.facts)
+            self.host_expert_tensors = self._check_placement()
         except BaseException:
             self.close()
             raise
-        wanted = (B.libggml_base.ggml_backend_buft_name(self._model.expert_buft).decode()
-                  if self._model.expert_buft else None)
-        # expert tensors that really sit in the host buffer type asked for, read from their buffers
-        self.host_expert_tensors: tuple[str, ...] = tuple(n for n, b in placement.items() if b == wanted)
-        misplaced = [n for n, b in placement.items() if b != wanted]
-        if misplaced:
-            self.close()
-            raise EngineError(f"{len(misplaced)} expert tensors are not in {wanted} (e.g. {misplaced[0]} in "
-                              f"{placement[misplaced[0]]})")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._model.model.vocab)
         self.n_embd = llama_cpp.llama_model_n_embd(self._model.ptr)
         self.n_layer = llama_cpp.llama_model_n_layer(self._model.ptr)
@@ -228,6 +221,21 @@ class Engine:
         if config.hook_path == "cb_eval" or not self.patched:
             return "cb_eval"
         return "route"
+
+    def _check_placement(self) -> tuple[str, ...]:
+        """The expert tensors that sit in the host buffer type asked for; EngineError if any does not.
+
+        Empty when the experts were not overridden or the placement is unknown (``expert_buffers`` None).
+        """
+        buft = self._model.expert_buft
+        if buft is None or self.expert_buffers is None:
+            return ()
+        wanted = B.libggml_base.ggml_backend_buft_name(buft).decode()
+        misplaced = [n for n, b in self.expert_buffers.items() if b != wanted]
+        if misplaced:
+            raise EngineError(f"{len(misplaced)} expert tensors are not in {wanted} (e.g. {misplaced[0]} in "
+                              f"{self.expert_buffers[misplaced[0]]})")
+        return tuple(self.expert_buffers)
 
     def _make_cache(self, cache: CacheConfig) -> CacheRuntime:
         facts = self.facts
@@ -386,7 +394,7 @@ class Engine:
                 _sigint.exit()
             self._raise_hook_error()
             if failed is not None:
-                raise EngineError(f"{failed}: {llama_log().last_error(mark) or 'no reason logged'}")
+                raise EngineError(f"{failed}: {llama_log().error_since(mark) or 'no reason logged'}")
             self.n_past += len(chunk)
             if all_logits or i + self.config.n_batch >= len(tokens):
                 out.append(self._logits(len(chunk) if all_logits else 1))

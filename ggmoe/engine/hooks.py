@@ -72,7 +72,6 @@ def build_event(il: int, ids: np.ndarray, request: HookRequest, probs: Callable[
                       hidden=hidden() if request.hidden else None)
 
 
-
 def _view(ptr: int, ctype: type, shape: tuple[int, int]) -> np.ndarray:
     """A numpy view (no copy) of a dense C array."""
     n = shape[0] * shape[1]
@@ -84,8 +83,8 @@ class RouteOpHook:
 
     kind = "route"
 
-    def __init__(self, observers: Observers) -> None:
-        self.observers = observers
+    def __init__(self, observers: Observers | None = None) -> None:
+        self.observers = observers if observers is not None else Observers()
         self.cache = None  # ggmoe.cache.ExpertCache, set when the engine has a cache
         self.error: BaseException | None = None
         self.times: list[float] | None = None  # seconds per callback, when benchmarking
@@ -144,8 +143,8 @@ class CbEvalHook:
 
     kind = "cb_eval"
 
-    def __init__(self, observers: Observers) -> None:
-        self.observers = observers
+    def __init__(self, observers: Observers | None = None) -> None:
+        self.observers = observers if observers is not None else Observers()
         self.error: BaseException | None = None
         self._probs: dict[int, int] = {}  # il -> address of ffn_moe_probs-{il}
         self._logits: dict[int, int] = {}  # il -> address of ffn_moe_logits-{il}

@@ -48,18 +48,43 @@ def host_expert_buft() -> int:
     return B.libggml_cpu.ggml_backend_cpu_buffer_type()
 
 
+class HostExpertOverride:
+    """``llama_model_params.tensor_buft_overrides`` that puts every routed expert tensor in host memory.
+
+    Keep the object alive until the model has loaded: llama.cpp reads the array (and the pattern string
+    it points to) during ``llama_model_load_from_file``.
+    """
+
+    def __init__(self) -> None:
+        self.buft = host_expert_buft()  # the buffer type asked for the expert tensors
+        self._pattern = EXPERT_TENSOR_PATTERN.encode()
+        # struct llama_model_tensor_buft_override[2]: the pattern, then the NULL terminator
+        self._overrides = (B.llama_model_tensor_buft_override * 2)()
+        self._overrides[0].pattern = self._pattern
+        self._overrides[0].buft = self.buft
+
+    def apply(self, params: llama_cpp.llama_model_params) -> None:
+        """Point ``params.tensor_buft_overrides`` at the override list, and load without mmap."""
+        params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
+        # llama.cpp copies overridden tensors anyway, so mmap would only double the page cache
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+
+
 @dataclass
 class LoadedModel:
-    """A ``LlamaModel`` and the override array llama.cpp read while loading it (kept alive with it)."""
+    """A ``LlamaModel`` and the override llama.cpp read while loading it (kept alive with it)."""
 
     model: _internals.LlamaModel
-    expert_buft: int | None  # the buffer type asked for the expert tensors, None when not overridden
-    _overrides: object = None
-    _pattern: bytes = b""
+    override: HostExpertOverride | None  # None: the expert tensors were not overridden
 
     @property
     def ptr(self) -> int:
         return self.model.model
+
+    @property
+    def expert_buft(self) -> int | None:
+        """The buffer type asked for the expert tensors, None when not overridden."""
+        return self.override.buft if self.override is not None else None
 
     def close(self) -> None:
         self.model.close()
@@ -70,24 +95,16 @@ def load_model(path: Path, n_gpu_layers: int, experts_on_host: bool) -> LoadedMo
     log = llama_log()
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
-    overrides, pattern, buft = None, b"", None
-    if experts_on_host:
-        # struct llama_model_tensor_buft_override[2]: the pattern, then the NULL terminator
-        overrides = (B.llama_model_tensor_buft_override * 2)()
-        pattern = EXPERT_TENSOR_PATTERN.encode()
-        buft = host_expert_buft()
-        overrides[0].pattern = pattern
-        overrides[0].buft = buft
-        params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
-        # llama.cpp copies overridden tensors anyway, so mmap would only double the page cache
-        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+    override = HostExpertOverride() if experts_on_host else None
+    if override is not None:
+        override.apply(params)
     mark = log.count
     try:
         model = _internals.LlamaModel(path_model=str(path), params=params, verbose=log.verbose)
     except ValueError:
-        detail = log.last_error(mark)
+        detail = log.error_since(mark)
         raise ModelFileError(f"llama.cpp could not load {path}" + (f": {detail}" if detail else "")) from None
-    return LoadedModel(model, buft, overrides, pattern)
+    return LoadedModel(model, override)
 
 
 def new_context(model: LoadedModel, n_ctx: int, n_batch: int, n_ubatch: int, n_threads: int,
@@ -110,16 +127,17 @@ def new_context(model: LoadedModel, n_ctx: int, n_batch: int, n_ubatch: int, n_t
         return _internals.LlamaContext(model=model.model, params=params, verbose=log.verbose)
     except ValueError:
         raise EngineError(f"llama.cpp could not create a context (n_ctx={n_ctx}): "
-                          f"{log.last_error(mark) or 'no reason logged'}") from None
+                          f"{log.error_since(mark) or 'no reason logged'}") from None
 
 
-def expert_placement(model: LoadedModel, facts: ModelFacts) -> dict[str, str]:
+def expert_placement(model: LoadedModel, facts: ModelFacts) -> dict[str, str] | None:
     """Buffer type name of every routed expert tensor, read from the tensor's buffer (patched engine).
 
-    A stock build cannot look tensors up by name, so it returns {}.
+    None: unknown. A stock build's API cannot look a model's tensors up by name (the patch adds
+    ``llama_ggmoe_model_get_tensor``), and ggmoe does not guess placement from log lines.
     """
     if not _patched.is_patched():
-        return {}
+        return None
     get = _patched.load().llama_ggmoe_model_get_tensor
     out = {}
     for layer in facts.layers:

@@ -12,33 +12,50 @@ from collections import deque
 
 from ggmoe.engine.ggml import llama_cpp
 
+# enum ggml_log_level (ggml.h)
+GGML_LOG_LEVEL_WARN = 3
+GGML_LOG_LEVEL_ERROR = 4
+GGML_LOG_LEVEL_CONT = 5  # continues the previous message at its level
+
 
 class LlamaLog:
     """Receives every llama.cpp log line; keeps the recent ones and echoes them when ``verbose``."""
 
     def __init__(self) -> None:
         self.verbose = False
-        self.lines: deque[str] = deque(maxlen=4096)  # recent lines: error messages, tests
+        # recent (level, line) pairs, for error messages and tests; CONT lines carry their message's level
+        self.lines: deque[tuple[int, str]] = deque(maxlen=4096)
         self.count = 0  # lines seen in all
+        self._level = 0  # level of the last message, for CONT lines
         self._cb = llama_cpp.llama_log_callback(self._on_log)  # kept alive as long as the process
         llama_cpp.llama_log_set(self._cb, ctypes.c_void_p(0))
 
     def _on_log(self, level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         s = text.decode("utf-8", errors="replace")
-        self.lines.append(s)
+        if level != GGML_LOG_LEVEL_CONT:
+            self._level = level
+        self.lines.append((self._level, s))
         self.count += 1
         if self.verbose:
             print(s, end="", file=sys.stderr, flush=True)
 
-    def since(self, mark: int) -> list[str]:
-        """Lines logged after ``count`` was ``mark`` (as many as the ring still holds)."""
+    def since(self, mark: int) -> list[tuple[int, str]]:
+        """(level, line) pairs logged after ``count`` was ``mark`` (as many as the ring still holds)."""
         n = min(self.count - mark, len(self.lines))
         return list(self.lines)[len(self.lines) - n:] if n > 0 else []
 
-    def last_error(self, mark: int = 0) -> str:
-        """The last line since ``mark`` that reports an error or a failure ("" if none)."""
-        errs = [ln.strip() for ln in self.since(mark) if "error" in ln.lower() or "failed" in ln.lower()]
-        return errs[-1] if errs else ""
+    def error_since(self, mark: int = 0) -> str:
+        """The root cause of a failure logged since ``mark``: its first error line ("" if none).
+
+        llama.cpp logs the inner error first ("error loading model: ... tensor 'x' not found") and then
+        each caller's generic report ("failed to load model"), so the first one says why.
+        """
+        lines = self.since(mark)
+        errs = [s.strip() for lv, s in lines if lv == GGML_LOG_LEVEL_ERROR and s.strip()]
+        if not errs:  # a failure reported as a warning only
+            errs = [s.strip() for lv, s in lines if lv == GGML_LOG_LEVEL_WARN
+                    and ("error" in s.lower() or "failed" in s.lower())]
+        return errs[0] if errs else ""
 
 
 _log: LlamaLog | None = None
