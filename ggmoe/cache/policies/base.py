@@ -21,6 +21,9 @@ from ggmoe.registry import Registry
 
 class Policy(ABC):
     name: ClassVar[str]
+    # True: the policy ranks by next use and needs ``set_future`` before each call (the simulator replaying a
+    # trace gives it); a live engine cannot, and should refuse such a policy before it loads a model
+    needs_future: ClassVar[bool] = False
 
     def __init__(self, n_expert: int, layers: list[int]) -> None:
         self.n_expert = n_expert

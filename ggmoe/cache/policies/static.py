@@ -1,0 +1,81 @@
+"""Static pinning: the experts a workload uses most, per layer, from trace counts, stay resident.
+
+Per-layer expert counts come from traces recorded earlier (``counts_path``: one trace file or a list, the
+counts of every routed token) or straight from the caller (``counts``: il -> [n_expert] counts), so the same
+policy runs live and in replay. The victim is the candidate with the lowest count (ties: least recently used,
+then lowest id): whatever the number of slots S, once the S hottest experts of a layer are in, none of them
+leaves while a colder candidate is resident. With ``n_pinned``, only the top ``n_pinned`` experts per layer
+(by count, ties lowest id) are pinned and the rest of the slots are an LRU: an unpinned candidate is evicted
+least recently used first, a pinned one only when every candidate is pinned (the coldest of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ggmoe.cache.policies.base import POLICIES, Policy
+from ggmoe.cache.policies.usage import LayerUsage
+from ggmoe.errors import UsageError
+from ggmoe.trace.format import Trace
+
+
+def trace_counts(trace: Trace) -> dict[int, np.ndarray]:
+    """il -> [n_expert] int64: how many tokens of the trace selected each expert of each MoE layer."""
+    n_expert = trace.meta.n_expert
+    ids = trace.ids.astype(np.int64)  # [T, L, k]
+    return {int(il): np.bincount(ids[:, j].ravel(), minlength=n_expert) for j, il in enumerate(trace.layers)}
+
+
+def load_counts(paths: str | Path | Sequence[str | Path]) -> dict[int, np.ndarray]:
+    """Summed ``trace_counts`` of the trace files ``paths``."""
+    from ggmoe.trace import load_trace
+
+    paths = [paths] if isinstance(paths, str | Path) else list(paths)
+    total: dict[int, np.ndarray] = {}
+    for p in paths:
+        for il, c in trace_counts(load_trace(p, hidden=False)).items():
+            total[il] = total[il] + c if il in total else c
+    return total
+
+
+@POLICIES.register("static")
+class Static(Policy):
+    """Pinned hottest experts per layer from trace counts (counts= or counts_path=): evict the coldest."""
+
+    def __init__(self, n_expert: int, layers: list[int], counts: Mapping[int, Sequence[float]] | None = None,
+                 counts_path: str | Path | Sequence[str | Path] | None = None, n_pinned: int | None = None) -> None:
+        super().__init__(n_expert, layers)
+        if (counts is None) == (counts_path is None):
+            raise UsageError("static: give per-layer expert counts, as counts= (il -> [n_expert]) or as "
+                             "counts_path= (trace files), one of them")
+        given = dict(counts) if counts is not None else load_counts(counts_path)  # type: ignore[arg-type]
+        missing = [il for il in layers if il not in given]
+        if missing:
+            raise UsageError(f"static: no counts for MoE layers {missing}")
+        self.counts = {il: np.asarray(given[il], dtype=np.float64) for il in layers}
+        for il, c in self.counts.items():
+            if c.shape != (n_expert,):
+                raise UsageError(f"static: layer {il} has {c.shape} counts, expected ({n_expert},)")
+        if n_pinned is not None and not 0 <= n_pinned <= n_expert:
+            raise UsageError(f"static: n_pinned {n_pinned} must be in [0, {n_expert}]")
+        self.pinned = {il: self._top(c, n_pinned) for il, c in self.counts.items()}
+        self.usage = LayerUsage(n_expert, layers)
+
+    @staticmethod
+    def _top(counts: np.ndarray, n: int | None) -> set[int]:
+        """The ``n`` hottest experts (ties: lowest id); every expert when ``n`` is None."""
+        order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
+        return set(order if n is None else order[:n])
+
+    def on_access(self, il: int, experts: list[int], clock: int) -> None:
+        self.usage.record(il, experts)
+
+    def victim(self, il: int, candidates: list[int], clock: int) -> int:
+        pinned, count, last = self.pinned[il], self.counts[il], self.usage.last[il]
+        free = [e for e in candidates if e not in pinned]
+        if free:
+            return min(free, key=lambda e: (last[e], e))
+        return min(candidates, key=lambda e: (count[e], last[e], e))
