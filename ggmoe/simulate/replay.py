@@ -5,11 +5,18 @@ calling ``route`` once per MoE layer per micro-batch in the order the engine
 does: each prompt's prefill rows in chunks of ``n_ubatch`` tokens, then one
 call per decode step, layers ascending. Replaying an engine's own trace must
 give the hits and misses the engine counted.
+
+A policy that needs the future (``Policy.needs_future``, Belady) gets, before each call, the access number
+(the cache's ``clock``: one per routed layer call) of the next routed call of the same layer that uses each
+of the call's experts (inf: never again); before a layer's first call, also the first use of every other
+expert. A native call does not count as a use: it needs no slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -32,22 +39,63 @@ def micro_batches(trace: Trace, n_ubatch: int | None = None) -> Iterator[slice]:
             yield slice(r, r + 1)
 
 
+def _schedule(trace: Trace, cache: ExpertCache, layers: list[int], n_ubatch: int | None
+              ) -> list[tuple[int, slice, bool]]:
+    """(il, rows, routed) per layer call, in the engine's order; routed: on the cache, else native."""
+    return [(il, rows, cache.fits(il, rows.stop - rows.start))
+            for rows in micro_batches(trace, n_ubatch) for il in layers]
+
+
+def next_uses(calls: list[tuple[int, list[int]]], n_expert: int) -> list[dict[int, float]]:
+    """Per routed call (il, distinct experts), in order: expert -> access number of its next use in layer il.
+
+    Access numbers count routed calls from 1, as ``ExpertCache.clock`` does. A layer's first call also names
+    the first use of every expert it does not use itself (inf: never), so a prefetched expert is known too.
+    """
+    upcoming: dict[int, dict[int, float]] = {}  # il -> expert -> access number of its next use
+    out: list[dict[int, float]] = [{} for _ in calls]
+    for i in range(len(calls) - 1, -1, -1):  # backwards: what comes after call i is known at call i
+        il, need = calls[i]
+        up = upcoming.setdefault(il, {})
+        out[i] = {e: up.get(e, math.inf) for e in need}
+        for e in need:
+            up[e] = float(i + 1)
+    first: dict[int, int] = {}
+    for i, (il, _) in enumerate(calls):
+        first.setdefault(il, i)
+    for il, i in first.items():
+        for e in range(n_expert):
+            out[i].setdefault(e, upcoming[il].get(e, math.inf))
+    return out
+
+
 def replay(trace: Trace, n_slots: int | dict[int, int], policy: str = "lru", copies: CopyBackend | None = None,
            bytes_per_expert: dict[int, int] | None = None, n_ubatch: int | None = None,
-           miss_policy: str = "wait") -> CacheStats:
-    """Run the trace through a fresh cache; returns its statistics."""
+           miss_policy: str = "wait", policy_options: Mapping[str, Any] | None = None) -> CacheStats:
+    """Run the trace through a fresh cache; returns its statistics.
+
+    ``policy_options`` are the policy's keyword arguments (e.g. ``counts_path`` for ``static``).
+    """
     layers = [int(il) for il in trace.layers]
     slots = n_slots if isinstance(n_slots, dict) else {il: int(n_slots) for il in layers}
     m = trace.meta
-    cache = ExpertCache(m.n_expert, m.n_expert_used, slots, POLICIES.get(policy)(m.n_expert, layers),
-                        copies=copies, bytes_per_expert=bytes_per_expert, clock=ManualClock(),
-                        miss_policy=miss_policy)
+    pol = POLICIES.get(policy)(m.n_expert, layers, **dict(policy_options or {}))
+    cache = ExpertCache(m.n_expert, m.n_expert_used, slots, pol, copies=copies, bytes_per_expert=bytes_per_expert,
+                        clock=ManualClock(), miss_policy=miss_policy)
     ids = trace.ids.astype(np.int32)
-    for rows in micro_batches(trace, n_ubatch):
-        n_tokens = rows.stop - rows.start
-        for j, il in enumerate(layers):
-            if cache.fits(il, n_tokens):
-                cache.route(il, ids[rows, j])
-            else:
-                cache.observe(il, ids[rows, j])
+    pos = {il: j for j, il in enumerate(layers)}
+    schedule = _schedule(trace, cache, layers, n_ubatch)
+    future: list[dict[int, float]] | None = None
+    if pol.needs_future:
+        routed = [(il, sorted(set(ids[rows, pos[il]].ravel().tolist()))) for il, rows, ok in schedule if ok]
+        future = next_uses(routed, m.n_expert)
+    i = 0
+    for il, rows, ok in schedule:
+        if not ok:
+            cache.observe(il, ids[rows, pos[il]])
+        elif future is None:
+            cache.route(il, ids[rows, pos[il]])
+        else:
+            cache.route_flat(il, ids[rows, pos[il]].ravel().tolist(), next_use=future[i])
+            i += 1
     return cache.stats
