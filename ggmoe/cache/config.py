@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ggmoe.errors import UsageError
 
@@ -42,3 +43,50 @@ def slots_for_budget(budget: int, bytes_per_expert: dict[int, int], n_expert: in
         raise UsageError(f"a budget of {budget} bytes gives {n} slots per layer; at least n_expert_used = "
                          f"{n_expert_used} are needed ({n_expert_used * per_slot} bytes)")
     return {il: int(n) for il in bytes_per_expert}
+
+
+def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: str | None, facts: Any = None,
+                       miss_policy: str | None = None, prefetch: Any = None,
+                       hw: str | None = None) -> CacheConfig | None:
+    """A CacheConfig from the command line's (or ``ggmoe.load()``'s) options; None when no cache size is given.
+
+    --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of
+    ``ModelFacts.cache_bytes``, the figures ``ggmoe inspect`` prints.
+    """
+    if cache_slots is None and vram is None:
+        if prefetch is not None:
+            raise UsageError("--predictor needs a cache size: --cache-slots N or --vram BYTES")
+        if policy is not None or miss_policy is not None:
+            raise UsageError(f"{'--policy' if policy is not None else '--miss-policy'} needs a cache size: "
+                             "--cache-slots N or --vram BYTES")
+        return None
+    from ggmoe.cache.policies import POLICIES
+
+    if cache_slots is not None and vram is not None:
+        raise UsageError("give either --cache-slots or --vram, not both")
+    POLICIES.get(policy or "lru")  # an unknown name fails here, listing the choices
+    miss = miss_policy or "wait"
+    if hw is not None:
+        if miss != "auto":
+            raise UsageError("--hw gives the cost model of --miss-policy auto")
+        from ggmoe.simulate.hardware import load_profile
+
+        load_profile(hw)  # a bad profile fails now, before the model loads
+    if vram is not None and facts is not None:  # a budget too small fails now, before the model loads
+        slots_for_budget(_bytes(vram), {layer.il: layer.bytes_per_expert for layer in facts.layers},
+                         facts.n_expert, facts.n_expert_used)
+    return CacheConfig(n_slots=cache_slots, vram_bytes=_bytes(vram) if vram is not None else None,
+                       policy=policy or "lru", miss_policy=miss, prefetch=prefetch, hw_profile=hw)
+
+
+def _bytes(size: int | str) -> int:
+    """A byte count given as an int or as a size string such as ``"4GiB"``."""
+    from ggmoe.units import parse_bytes
+
+    if isinstance(size, bool) or not isinstance(size, int | str):
+        raise UsageError(f"a size must be a number of bytes or a string such as '4GiB', not {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise UsageError(f"a size must be >= 0 bytes, not {size}")
+        return size
+    return parse_bytes(size)

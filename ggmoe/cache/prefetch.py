@@ -164,3 +164,16 @@ def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, m
         pred.fit(train)
     n = config.n_prefetch if config.n_prefetch is not None else min(2 * facts.n_expert_used, facts.n_expert)
     return Prefetcher(cache, pred, facts.moe_layers, n, config.threshold, background=config.background)
+
+
+def build_prefetch_config(predictor: str | None, stride: int = 2, n_prefetch: int | None = None,
+                          threshold: float | None = None, train: tuple[str, ...] = (),
+                          background: bool = False) -> PrefetchConfig | None:
+    """A PrefetchConfig from the flags, or None without --predictor."""
+    if predictor is None:
+        if train or n_prefetch is not None or threshold is not None or background:
+            raise UsageError("--prefetch, --prefetch-threshold, --predictor-train and --predict-in-background "
+                             "need --predictor")
+        return None
+    return PrefetchConfig(predictor=predictor, stride=stride, n_prefetch=n_prefetch, threshold=threshold,
+                          train=tuple(train), background=background)

@@ -78,51 +78,18 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
 
 def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: Any = None,
                  miss_policy: str | None = None, prefetch: Any = None, hw: str | None = None):
-    """A CacheConfig from the flags, or None when no cache flag was given.
+    """A CacheConfig from the flags, or None when no cache flag was given (``build_cache_config``)."""
+    from ggmoe.cache.config import build_cache_config
 
-    --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of
-    ``ModelFacts.cache_bytes``, the figures ``ggmoe inspect`` prints.
-    """
-    if cache_slots is None and vram is None:
-        if prefetch is not None:
-            raise UsageError("--predictor needs a cache size: --cache-slots N or --vram BYTES")
-        if policy is not None or miss_policy is not None:
-            raise UsageError(f"{'--policy' if policy is not None else '--miss-policy'} needs a cache size: "
-                             "--cache-slots N or --vram BYTES")
-        return None
-    from ggmoe.cache import CacheConfig, slots_for_budget
-    from ggmoe.cache.policies import POLICIES
-    from ggmoe.units import parse_bytes
-
-    if cache_slots is not None and vram is not None:
-        raise UsageError("give either --cache-slots or --vram, not both")
-    POLICIES.get(policy or "lru")  # an unknown name fails here, listing the choices
-    miss = miss_policy or "wait"
-    if hw is not None:
-        if miss != "auto":
-            raise UsageError("--hw gives the cost model of --miss-policy auto")
-        from ggmoe.simulate.hardware import load_profile
-
-        load_profile(hw)  # a bad profile fails now, before the model loads
-    if vram is not None and facts is not None:  # a budget too small fails now, before the model loads
-        slots_for_budget(parse_bytes(vram), {layer.il: layer.bytes_per_expert for layer in facts.layers},
-                         facts.n_expert, facts.n_expert_used)
-    return CacheConfig(n_slots=cache_slots, vram_bytes=parse_bytes(vram) if vram is not None else None,
-                       policy=policy or "lru", miss_policy=miss, prefetch=prefetch, hw_profile=hw)
+    return build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw)
 
 
 def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, threshold: float | None,
                     train: tuple[str, ...], background: bool = False):
-    """A PrefetchConfig from the flags, or None without --predictor."""
-    if predictor is None:
-        if train or n_prefetch is not None or threshold is not None or background:
-            raise UsageError("--prefetch, --prefetch-threshold, --predictor-train and --predict-in-background "
-                             "need --predictor")
-        return None
-    from ggmoe.cache.prefetch import PrefetchConfig
+    """A PrefetchConfig from the flags, or None without --predictor (``build_prefetch_config``)."""
+    from ggmoe.cache.prefetch import build_prefetch_config
 
-    return PrefetchConfig(predictor=predictor, stride=stride, n_prefetch=n_prefetch, threshold=threshold,
-                          train=tuple(train), background=background)
+    return build_prefetch_config(predictor, stride, n_prefetch, threshold, train, background)
 
 
 def check_stats_json(stats_json: str | None, cache: Any) -> None:

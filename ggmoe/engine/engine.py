@@ -238,10 +238,7 @@ class Engine:
         return tuple(self.expert_buffers)
 
     def _make_cache(self, cache: CacheConfig) -> CacheRuntime:
-        facts = self.facts
-        bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
-        return CacheRuntime(self._model.ptr, self._ctx.ctx, cache, facts.moe_layers, facts.n_expert,
-                            facts.n_expert_used, bpe)
+        return CacheRuntime.for_model(self._model.ptr, self._ctx.ctx, cache, self.facts)
 
     @property
     def cache_stats(self) -> CacheStats | None:

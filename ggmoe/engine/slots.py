@@ -27,6 +27,7 @@ from ggmoe.cache.policies import POLICIES
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.errors import EngineError
+from ggmoe.inspect.facts import ModelFacts
 from ggmoe.inspect.names import CACHED_KINDS, expert_weight_name
 
 
@@ -254,6 +255,12 @@ class CacheRuntime:
             if rc != _patched.LLAMA_GGMOE_OK:
                 self.close()
                 raise EngineError(f"configuring the cache of layer {il} failed: {_patched.ERROR_NAMES.get(rc, rc)}")
+
+    @classmethod
+    def for_model(cls, model_ptr: int, ctx_ptr: int, config: CacheConfig, facts: ModelFacts) -> CacheRuntime:
+        """The runtime for a loaded model, its layers and bytes per expert from the GGUF's facts."""
+        bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+        return cls(model_ptr, ctx_ptr, config, facts.moe_layers, facts.n_expert, facts.n_expert_used, bpe)
 
     def close(self) -> None:
         if self.copies is not None:

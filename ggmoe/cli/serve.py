@@ -1,0 +1,192 @@
+"""``ggmoe serve`` (the OpenAI-compatible server) and ``ggmoe chat`` (the terminal chat)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ggmoe.cli.edge import edge
+from ggmoe.cli.options import (
+    cache_config,
+    cache_options,
+    check_stats_json,
+    model_arg,
+    model_facts,
+    model_path,
+    prefetch_config,
+    threads_opt,
+    verbose_opt,
+)
+from ggmoe.errors import UsageError
+from ggmoe.outputs import write_text_atomic
+
+MAX_DEFAULT_CTX = 4096  # tokens: the default context is the model's training context, at most this
+
+_ctx = click.option("--n-ctx", type=click.IntRange(min=16),
+                    help=f"Context length in tokens, prompt and answer (default: the model's training "
+                         f"context, at most {MAX_DEFAULT_CTX}).")
+
+
+def default_n_ctx(path: Path) -> int:
+    """The model's training context (``{arch}.context_length``), capped at MAX_DEFAULT_CTX."""
+    from ggmoe.inspect.reader import read_header
+
+    kv = read_header(path).kv
+    n_train = kv.get(f"{kv.get('general.architecture')}.context_length")
+    return min(int(n_train), MAX_DEFAULT_CTX) if isinstance(n_train, int) and n_train > 0 else MAX_DEFAULT_CTX
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What serve and chat share: the model, its context and threads, and the cache flags."""
+
+    model: str | None
+    n_ctx: int | None  # tokens; None: the model's training context, at most MAX_DEFAULT_CTX
+    threads: int | None
+    verbose: bool
+    cache: dict[str, Any]  # the cache_options flags (options.cache_options), by parameter name
+
+
+def _load(opts: LoadOptions, **extra: Any):
+    """The model as a GgmoeLlama, every flag checked before it loads."""
+    from ggmoe.serve import load
+
+    path = model_path(opts.model)
+    c = opts.cache
+    prefetch = prefetch_config(c["predictor"], c["stride"], c["n_prefetch"], c["prefetch_threshold"],
+                               c["predictor_train"], c["predict_background"])
+    cache = cache_config(c["cache_slots"], c["vram"], c["policy"], model_facts(path), c["miss_policy"], prefetch,
+                         c["hw"])
+    check_stats_json(c["stats_json"], cache)
+    kw: dict[str, Any] = {"n_ctx": opts.n_ctx or default_n_ctx(path), "verbose": opts.verbose, **extra}
+    if opts.threads:
+        kw.update(n_threads=opts.threads, n_threads_batch=opts.threads)
+    return load(path, cache=cache, **kw)
+
+
+def _write_stats(llama: Any, path: str | None) -> None:
+    """--stats-json: the cache statistics when the server or the chat stops."""
+    if path is not None:
+        write_text_atomic(path, json.dumps(llama.stats()["cache"], indent=2))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command()
+@model_arg
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
+@click.option("--api-key", envvar="GGMOE_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every route but /health.")
+@click.option("--model-name", help="Model id in /v1/models and requests (default: the file's stem).")
+@click.option("--max-queue", default=16, show_default=True, type=click.IntRange(min=0),
+              help="Requests that may wait while one generates; more get 429.")
+@click.option("--max-body", default="1MiB", show_default=True, help="Largest request body; larger gets 413.")
+@click.option("--cors-origin", multiple=True, help="Allow browser requests from this origin (repeatable; "
+                                                   "CORS is off without it).")
+@click.option("--logprobs", is_flag=True, help="Keep every position's logits so requests may ask for "
+                                               "logprobs (n_ctx x n_vocab x 4 bytes of RAM).")
+@cache_options
+@_ctx
+@threads_opt
+@verbose_opt
+@edge
+def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
+          max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool, n_ctx: int | None,
+          threads: int | None, verbose: bool, **cache: Any) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (one generation at a time).
+
+    \b
+    Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+            GET /health (no key needed), GET /metrics (Prometheus).
+    \b
+    Examples:
+      ggmoe serve                                  # the embedded model on 127.0.0.1:8080
+      ggmoe serve model.gguf --cache-slots 16 --predictor reuse --api-key secret
+      curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+           -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
+    """
+    import uvicorn
+
+    from ggmoe.serve.app import ServeSettings, create_app
+    from ggmoe.units import parse_bytes
+
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key is empty")
+    loopback = is_loopback(host)
+    if not loopback and api_key is None:
+        click.echo(f"warning: serving on {host} (not loopback) without an API key: anyone who can reach this "
+                   "port can use the model; set --api-key or GGMOE_API_KEY", err=True)
+    path = model_path(model)
+    settings = ServeSettings(model_id=model_name or Path(path).stem, api_key=api_key, max_queue=max_queue,
+                             max_body_bytes=parse_bytes(max_body), loopback_only=loopback,
+                             cors_origins=cors_origin)
+    opts = LoadOptions(str(path), n_ctx, threads, verbose, cache)
+    with _load(opts, logits_all=logprobs) as llama:
+        app = create_app(llama, settings)
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        key = "$GGMOE_API_KEY" if os.environ.get("GGMOE_API_KEY") == api_key else "KEY"
+        auth = f' -H "Authorization: Bearer {key}"' if api_key else ""
+        click.echo(f"ggmoe serve: {settings.model_id} at {url}/v1  (health: {url}/health, metrics: {url}/metrics)")
+        click.echo(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+                   "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'")
+        sys.stdout.flush()
+        uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning",
+                    timeout_graceful_shutdown=5)
+        _write_stats(llama, cache["stats_json"])
+
+
+@click.command()
+@model_arg
+@click.option("-n", "--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per answer at most.")
+@click.option("--temp", default=0.7, show_default=True, type=click.FloatRange(min=0.0),
+              help="Sampling temperature (0: greedy).")
+@click.option("--seed", type=int, help="Sampling seed (default: a new one per answer).")
+@click.option("--system", help="A system message opening the conversation.")
+@cache_options
+@_ctx
+@threads_opt
+@verbose_opt
+@edge
+def chat(model: str | None, max_tokens: int, temp: float, seed: int | None, system: str | None,
+         n_ctx: int | None, threads: int | None, verbose: bool, **cache: Any) -> None:
+    """Chat with a model in the terminal; answers stream as they are generated.
+
+    \b
+    In the chat: /reset forgets the conversation, /stats prints the cache
+    statistics, Ctrl-C stops the current answer, Ctrl-D or /quit leaves.
+    \b
+    Examples:
+      ggmoe chat
+      ggmoe chat model.gguf --cache-slots 16 --system "You are terse."
+    """
+    from ggmoe.serve.chat import ChatOptions, run_chat
+
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:
+        pass
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    with _load(LoadOptions(model, n_ctx, threads, verbose, cache)) as llama:
+        run_chat(llama, ChatOptions(max_tokens=max_tokens, temperature=temp, seed=seed, system=system), input,
+                 write)
+        _write_stats(llama, cache["stats_json"])

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible app: FastAPI over llama-cpp-python's request types and ``Llama`` calls.
+
+llama-cpp-python's own ``create_app`` keeps its model in module globals and
+builds the ``Llama`` itself from settings, so it cannot serve a ``GgmoeLlama``
+without patching those globals; this app is the same stack (FastAPI,
+sse-starlette, its request types, its ``create_completion`` /
+``create_chat_completion``) around one given model, plus what a shared server
+needs: a bounded queue, API keys compared in constant time, a Host check
+against DNS rebinding, body limits, OpenAI-shaped errors and Prometheus
+metrics.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /health (never needs a key), GET /metrics.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from fastapi.security import HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+from ggmoe.serve import errors
+from ggmoe.serve.asgi import BodyLimit, RequestCounter
+from ggmoe.serve.errors import APIError
+from ggmoe.serve.gate import Gate
+from ggmoe.serve.generation import Watch, api_error, check_model, check_request, llama_kwargs, max_tokens_of
+from ggmoe.serve.llama import GgmoeLlama
+from ggmoe.serve.metrics import Metrics
+from ggmoe.serve.schema import ChatRequest, CompletionRequest
+
+LOOPBACK_HOSTS = ("localhost", "*.localhost", "127.0.0.1", "::1", "[::1]")
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+_DISCONNECT_POLL_S = 0.1  # seconds between checks that a non-streaming client is still there
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model_id: str  # the name /v1/models lists and requests may give
+    api_key: str | None = None  # every route but /health needs "Authorization: Bearer <key>"
+    max_queue: int = 16  # requests that may wait while one generates; more get 429
+    max_body_bytes: int = 1 << 20  # bytes; larger request bodies get 413
+    loopback_only: bool = True  # refuse Host headers that are not loopback names (DNS rebinding)
+    cors_origins: tuple[str, ...] = ()  # CORS stays off unless origins are given
+
+
+class _Server:
+    """The model, its gate and metrics; the route handlers' shared state."""
+
+    def __init__(self, llama: GgmoeLlama, settings: ServeSettings) -> None:
+        self.llama = llama
+        self.settings = settings
+        self.gate = Gate(settings.max_queue)
+        self.metrics = Metrics(llama.stats, lambda: self.gate.waiting, lambda: self.gate.running)
+        self.n_ctx = llama.n_ctx()
+        self.n_vocab = llama.n_vocab()
+
+    # -- one request
+    async def generate(self, request: Request, body: CompletionRequest | ChatRequest, chat: bool) -> Any:
+        arrival = time.monotonic()
+        check_model(body.model, self.settings.model_id)
+        check_request(body, self.n_ctx, self.n_vocab)
+        kwargs = llama_kwargs(body, self.llama, self.settings.model_id)
+        call = self.llama.create_chat_completion if chat else self.llama.create_completion
+        watch = Watch(arrival, self.n_ctx, max_tokens_of(body), self.llama.is_eog)
+        await self.gate.enter()
+        lease = _Lease(self)
+        try:
+            if body.stream:
+                # The first chunk is computed before the 200, so early errors keep their status.
+                chunks, first = await self._run(request, watch, lambda: _start(call, kwargs))
+                lease.chunks = chunks
+                usage = body.stream_options is not None and body.stream_options.include_usage
+                return EventSourceResponse(self._events(first, chunks, watch, usage, lease), sep="\n",
+                                           background=BackgroundTask(lease.release))
+            result = await self._run(request, watch, lambda: call(**kwargs))
+        except BaseException:
+            await lease.release()
+            raise
+        await lease.release()
+        self._observe(watch)
+        return result
+
+    async def _run(self, request: Request, watch: Watch, fn: Callable[[], Any]) -> Any:
+        """``fn`` in a worker thread, with ``watch`` attached and the client watched for a disconnect."""
+        self.llama.watch = watch
+        error: BaseException | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_client, request, watch)
+            try:
+                result = await anyio.to_thread.run_sync(fn)
+            except Exception as e:
+                error = e
+            tg.cancel_scope.cancel()
+        if error is not None:
+            raise api_error(error) from error
+        return result
+
+    async def _watch_client(self, request: Request, watch: Watch) -> None:
+        while not watch.cancel.is_set():
+            if await request.is_disconnected():
+                watch.cancel.set()
+                self.metrics.cancelled.inc()
+                return
+            await anyio.sleep(_DISCONNECT_POLL_S)
+
+    async def _events(self, first: dict[str, Any] | None, chunks: Iterator[dict[str, Any]], watch: Watch,
+                      usage: bool, lease: _Lease) -> AsyncIterator[dict[str, str]]:
+        """SSE events; when the client goes, the generation stops after the token being computed."""
+        last = first
+        try:
+            chunk = first
+            while chunk is not None:
+                yield {"data": json.dumps(chunk)}
+                last = chunk
+                chunk = await anyio.to_thread.run_sync(next, chunks, None)
+            if usage and last is not None:
+                yield {"data": json.dumps({"id": last["id"], "object": last["object"], "created": last["created"],
+                                           "model": last["model"], "choices": [], "usage": watch.usage()})}
+            yield {"data": "[DONE]"}
+            self._observe(watch)
+        except anyio.get_cancelled_exc_class():
+            watch.cancel.set()
+            self.metrics.cancelled.inc()
+            raise
+        except Exception as e:  # after the 200 the error can only travel in the stream
+            err = api_error(e)
+            errors.log.warning("stream stopped: %s", e)
+            yield {"data": json.dumps(errors.error_body(err.message, err.type, err.param, err.code))}
+        finally:
+            with anyio.CancelScope(shield=True):
+                await lease.release()
+
+    def _observe(self, watch: Watch) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(watch.n_prompt)
+        m.completion_tokens.inc(watch.n_tokens)
+        if watch.ttft is not None:
+            m.ttft.observe(watch.ttft)
+        if watch.tpot is not None:
+            m.tpot.observe(watch.tpot)
+
+
+def _start(call: Callable[..., Iterator[dict[str, Any]]], kwargs: dict[str, Any]
+           ) -> tuple[Iterator[dict[str, Any]], dict[str, Any] | None]:
+    """A streaming call and its first chunk (template rendering, prefill and first token)."""
+    chunks = call(**kwargs)
+    return chunks, next(chunks, None)
+
+
+class _Lease:
+    """The model held by one request; ``release`` (idempotent) closes its stream and frees the gate."""
+
+    def __init__(self, server: _Server) -> None:
+        self.server = server
+        self.chunks: Iterator[dict[str, Any]] | None = None
+        self.released = False
+
+    async def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        close = getattr(self.chunks, "close", None)
+        if close is not None:
+            await anyio.to_thread.run_sync(close)  # stops llama-cpp-python's generator
+        self.server.llama.watch = None
+        self.server.gate.leave()
+
+
+class _Authenticate:
+    """The API-key check: ``Authorization: Bearer <key>``, compared in constant time."""
+
+    def __init__(self, api_key: str | None) -> None:
+        self.api_key = api_key
+        self.bearer = HTTPBearer(auto_error=False)  # FastAPI's parser of the Authorization header
+
+    async def __call__(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        credentials = await self.bearer(request)
+        given = credentials.credentials if credentials is not None else ""
+        if not hmac.compare_digest(given.encode("utf-8"), self.api_key.encode("utf-8")):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+
+def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
+    """The app serving ``llama`` (which the caller owns and closes)."""
+    server = _Server(llama, settings)
+    auth = [Depends(_Authenticate(settings.api_key))]
+    app = FastAPI(title="ggmoe", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    errors.install(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": settings.model_id, "queue_length": server.gate.waiting,
+                "running": server.gate.running}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.model_id, "object": "model", "owned_by": "ggmoe",
+                                            "permissions": []}]}
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request, body: CompletionRequest) -> Any:
+        return await server.generate(request, body, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request, body: ChatRequest) -> Any:
+        return await server.generate(request, body, chat=True)
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # Outermost last: count every response, then refuse foreign Hosts, then limit bodies.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    if settings.loopback_only:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(LOOPBACK_HOSTS))
+    app.add_middleware(RequestCounter, count=lambda route, status: server.metrics.requests.labels(
+        route, str(status)).inc(), routes=ROUTES)
+    return app
+

@@ -1,0 +1,241 @@
+"""``ggmoe.load()``: a ``llama_cpp.Llama`` whose experts live in host RAM, with ggmoe's expert cache.
+
+Everything a ``Llama`` does (completion, chat templates rendered by
+llama-cpp-python's sandboxed Jinja2 formatter, streaming, stop strings, seeds,
+logprobs, grammars, tokenization) is llama-cpp-python's own; this subclass adds
+three things at the seams ``Llama`` leaves open:
+
+1. **Experts on the host at load.** ``Llama.__init__`` builds
+   ``self.model_params`` and hands it to llama.cpp in the same call, with no
+   argument for ``tensor_buft_overrides``. ``model_params`` is therefore a
+   property here: its setter (run by ``Llama.__init__``'s own assignment, before
+   the model loads) points the parameters at ggmoe's override list. No
+   llama_cpp module global is touched.
+2. **The cache after load.** Once the context exists, the route callback and
+   the slot tensors are attached to the raw ``llama_model *`` / ``llama_context *``
+   (``ggmoe.engine.llama_attach``).
+3. **Errors after each decode.** ``eval`` re-raises what the route callback
+   stored (a callback never raises into C), so the error surfaces from the
+   ``Llama`` call that ran the decode; ``generate`` offers a per-token hook the
+   server uses for timings, usage in streams and cancellation.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import llama_cpp
+
+from ggmoe.cache import CacheConfig
+from ggmoe.errors import ModelFileError, UsageError
+
+# Used when the GGUF carries no chat template: plain "Role: text" turns, which a base
+# model trained on plain text (such as the embedded one) continues sensibly.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+DEFAULT_CHAT_STOP = ("\nUser:", "\nSystem:")  # the next turn of the default template: stop before it
+
+
+class _DefaultChatFormatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
+    """llama-cpp-python's sandboxed Jinja2 formatter on the default template, stopping at the next turn."""
+
+    def __call__(self, **kwargs: Any) -> llama_cpp.llama_chat_format.ChatFormatterResponse:
+        response = super().__call__(**kwargs)
+        response.stop = [*response.stop, *DEFAULT_CHAT_STOP]
+        return response
+
+
+class GenerationWatch(Protocol):
+    """Sees every generation of a ``GgmoeLlama`` (the server's timings, usage and cancellation)."""
+
+    def on_prompt(self, n_prompt: int) -> None:
+        """The prompt (tokens) about to be evaluated; raise to refuse it before any decode."""
+
+    def on_token(self, token: int) -> bool:
+        """A sampled token; return False to stop the generation before it is returned."""
+
+
+class GgmoeLlama(llama_cpp.Llama):
+    """A ``llama_cpp.Llama`` with the experts in host memory and, optionally, ggmoe's expert cache."""
+
+    def __init__(self, model_path: str, *, cache: CacheConfig | None = None, experts_on_host: bool = True,
+                 **kwargs: Any) -> None:
+        from ggmoe.engine.llama_attach import HostExpertOverride
+
+        if cache is not None and not experts_on_host:
+            raise UsageError("the expert cache needs the experts in host memory (experts_on_host=True)")
+        self._ggmoe = None  # LlamaAttachment, once the context exists
+        self._placement = HostExpertOverride() if experts_on_host else None
+        self.watch: GenerationWatch | None = None
+        if experts_on_host:
+            # llama.cpp recommends no mmap for overridden tensors: they are copied anyway.
+            kwargs.setdefault("use_mmap", False)
+        super().__init__(model_path, **kwargs)
+        self._placement = None  # llama.cpp has read the override list
+        self.cache_config = cache
+        if not self.metadata.get("tokenizer.chat_template") and not kwargs.get("chat_format") \
+                and not kwargs.get("chat_handler"):
+            self.chat_handler = self._default_chat_handler()
+        try:
+            if cache is not None:
+                from ggmoe.engine.llama_attach import LlamaAttachment
+                from ggmoe.inspect import inspect_model
+
+                self._ggmoe = LlamaAttachment(self._model.model, self._ctx.ctx, inspect_model(Path(model_path)),
+                                              Path(model_path), cache)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the load-time seam: Llama.__init__ assigns self.model_params, then loads the model with it
+    @property
+    def model_params(self) -> llama_cpp.llama_model_params:
+        return self.__dict__["_ggmoe_model_params"]
+
+    @model_params.setter
+    def model_params(self, params: llama_cpp.llama_model_params) -> None:
+        placement = self.__dict__.get("_placement")
+        if placement is not None:
+            placement.apply(params)
+        self.__dict__["_ggmoe_model_params"] = params
+
+    def _default_chat_handler(self) -> llama_cpp.llama_chat_format.LlamaChatCompletionHandler:
+        eos, bos = self.token_eos(), self.token_bos()
+        return _DefaultChatFormatter(
+            template=DEFAULT_CHAT_TEMPLATE,
+            eos_token=self._model.token_get_text(eos) if eos != -1 else "",
+            bos_token=self._model.token_get_text(bos) if bos != -1 else "",
+            stop_token_ids=[eos],
+        ).to_chat_handler()
+
+    # -- decode: re-raise the route callback's error
+    def eval(self, tokens: Sequence[int]) -> None:
+        if self._ggmoe is None:
+            super().eval(tokens)
+            return
+        # Batch by batch as Llama.eval does, so the prefetcher sees each llama_decode's tokens first.
+        for i in range(0, len(tokens), self.n_batch):
+            batch = tokens[i : i + self.n_batch]
+            self._ggmoe.begin_step(batch)
+            try:
+                super().eval(batch)
+            except RuntimeError as e:
+                self._raise_route_error(cause=e)
+                raise
+            self._raise_route_error()
+
+    def _raise_route_error(self, cause: BaseException | None = None) -> None:
+        err = self._ggmoe.take_error() if self._ggmoe is not None else None
+        if err is not None:
+            # The decode's KV entries are meaningless: forget the sequence.
+            self.reset()
+            self.n_tokens = 0
+            raise err from cause
+
+    # -- generate: one hook per sampled token (timings, usage, cancellation)
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Any, None]:
+        watch = self.watch
+        if watch is not None:
+            watch.on_prompt(len(tokens))
+        inner = super().generate(tokens, *args, **kwargs)
+        try:
+            sent = None
+            while True:
+                token = inner.send(sent)
+                if watch is not None and not watch.on_token(token):
+                    return
+                sent = yield token
+        except StopIteration:
+            return
+        finally:
+            inner.close()
+
+    # -- ggmoe's additions
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends a generation (EOS, EOT...), as ``_create_completion`` tests it."""
+        return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
+
+    def stats(self) -> dict[str, Any]:
+        """Cache statistics since load: {"cache": None} without a cache, else policy, slots, totals, layers."""
+        att = self._ggmoe
+        if att is None or att.stats is None:
+            return {"cache": None}
+        return {"cache": {"policy": self.cache_config.policy,
+                          "slots_per_layer": {str(k): v for k, v in att.n_slots.items()},
+                          "occupancy": {str(k): v for k, v in att.occupancy().items()},
+                          **att.stats.to_dict()}}
+
+    @property
+    def attachment(self):
+        """The engine-side attachment (route callback, cache runtime), or None without a cache."""
+        return self._ggmoe
+
+    def close(self) -> None:
+        """Free the context, the model and the cache now (idempotent)."""
+        att = self.__dict__.get("_ggmoe")
+        if att is not None:
+            att.detach()
+        stack = self.__dict__.get("_stack")
+        if stack is not None:
+            stack.close()
+        if att is not None:
+            att.close()  # slot tensors after the context that computed with them
+            self._ggmoe = None
+
+    def __enter__(self) -> GgmoeLlama:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None,
+         cache_slots: int | None = None, policy: str | None = None, predictor: str | None = None,
+         stride: int = 2, n_prefetch: int | None = None, prefetch_threshold: float | None = None,
+         predictor_train: Sequence[str] = (), miss_policy: str | None = None, hw: str | None = None,
+         cache: CacheConfig | None = None, **llama_kwargs: Any) -> GgmoeLlama:
+    """Load a GGUF MoE model as a ``llama_cpp.Llama`` with its experts in host RAM.
+
+    ``path`` defaults to the embedded model. ``cache_slots`` (slots per MoE layer) or ``vram`` (bytes, or
+    a size such as ``"4GiB"``) turn on the expert cache, with eviction ``policy`` (default lru, see
+    ``ggmoe policies``), stride prefetching from ``predictor`` (``stride`` MoE layers ahead, ``n_prefetch``
+    experts per layer, trained on ``predictor_train`` traces when it learns), ``miss_policy`` (wait, cpu,
+    auto) and the ``hw`` profile as auto's cost model; or pass a ready ``cache`` (a ``CacheConfig``).
+    Other keyword arguments go to ``llama_cpp.Llama`` (``n_ctx``, ``seed``, ``logits_all``,
+    ``chat_format``...); ggmoe's defaults differ in two: ``verbose=False`` and ``n_gpu_layers=-1``
+    (every dense layer on the GPU when there is one).
+    """
+    from ggmoe.cache.config import build_cache_config
+    from ggmoe.cache.prefetch import build_prefetch_config
+    from ggmoe.inspect import inspect_model
+
+    if path is None:
+        from ggmoe.models import default_model_path
+
+        path = default_model_path()
+        if path is None:
+            raise UsageError("no model path given and this install has no embedded default model")
+    p = Path(path)
+    if not p.is_file():
+        raise ModelFileError(f"model file not found: {p}")
+    facts = inspect_model(p)  # the bounded reader validates the file before llama.cpp sees it
+    if cache is None:
+        prefetch = build_prefetch_config(predictor, stride, n_prefetch, prefetch_threshold,
+                                         tuple(predictor_train))
+        cache = build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw)
+    elif any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw)):
+        raise UsageError("give the cache either as cache=CacheConfig(...) or as its options, not both")
+    llama_kwargs.setdefault("verbose", False)
+    llama_kwargs.setdefault("n_gpu_layers", -1)
+    try:
+        return GgmoeLlama(str(p), cache=cache, **llama_kwargs)
+    except ValueError as e:  # llama-cpp-python's "Failed to load model from file"
+        raise ModelFileError(f"llama.cpp could not load {p}: {e}") from e

@@ -1,0 +1,83 @@
+"""``/metrics``: Prometheus text from prometheus_client, one registry per app.
+
+Request, token and latency metrics are updated by the server; the cache's
+figures are read from ``GgmoeLlama.stats()`` at scrape time by a custom
+collector, so they are never out of date and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# seconds; first tokens include the queue wait and the prefill, per-token times one decode
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class CacheCollector(Collector):
+    """Per-layer cache figures from a ``stats()`` callable (``{"cache": None}`` without a cache)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        cache = self._stats().get("cache")
+        if not cache:
+            return
+        hits = CounterMetricFamily("ggmoe_cache_hits", "Distinct experts found resident, per MoE layer",
+                                   labels=["il"])
+        misses = CounterMetricFamily("ggmoe_cache_misses", "Distinct experts copied in, per MoE layer",
+                                     labels=["il"])
+        copied = CounterMetricFamily("ggmoe_cache_copied_bytes", "Bytes of expert weights copied into slots",
+                                     labels=["il"])
+        rate = GaugeMetricFamily("ggmoe_cache_hit_rate", "Hits / (hits + misses) since load, per MoE layer",
+                                 labels=["il"])
+        host = CounterMetricFamily("ggmoe_cache_host_computed", "Distinct experts computed on the CPU (host path), "
+                                   "per MoE layer", labels=["il"])
+        issued = CounterMetricFamily("ggmoe_prefetch_issued", "Experts prefetched on a prediction, per MoE layer",
+                                     labels=["il"])
+        precision = GaugeMetricFamily("ggmoe_prefetch_precision", "Prefetched experts later used / prefetched, "
+                                      "per MoE layer (0 before any prefetch)", labels=["il"])
+        occ = GaugeMetricFamily("ggmoe_cache_occupancy", "Experts resident in the layer's slots", labels=["il"])
+        slots = GaugeMetricFamily("ggmoe_cache_slots", "Cache slots of the layer", labels=["il"])
+        for il, s in cache["layers"].items():
+            hits.add_metric([il], s["hits"])
+            misses.add_metric([il], s["misses"])
+            copied.add_metric([il], s["bytes_copied"])
+            rate.add_metric([il], s["hit_rate"])
+            host.add_metric([il], s["host_computed"])
+            issued.add_metric([il], s["prefetch_issued"])
+            precision.add_metric([il], s["prefetch_hits"] / s["prefetch_issued"] if s["prefetch_issued"] else 0.0)
+            occ.add_metric([il], cache["occupancy"].get(il, 0))
+            slots.add_metric([il], cache["slots_per_layer"].get(il, 0))
+        yield from (hits, misses, copied, rate, host, issued, precision, occ, slots)
+
+
+class Metrics:
+    """The server's metrics on their own registry."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], queue_length: Callable[[], int],
+                 running: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ggmoe_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("ggmoe_prompt_tokens", "Prompt tokens of completed generations",
+                                     registry=r)
+        self.completion_tokens = Counter("ggmoe_completion_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("ggmoe_time_to_first_token_seconds",
+                              "Request arrival to its first generated token (queue wait and prefill included)",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("ggmoe_time_per_output_token_seconds",
+                              "Mean seconds per generated token after the first, per request",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.cancelled = Counter("ggmoe_generations_cancelled", "Generations stopped by a client disconnect",
+                                 registry=r)
+        Gauge("ggmoe_queue_length", "Requests waiting for the model", registry=r).set_function(queue_length)
+        Gauge("ggmoe_generations_running", "Generations running now (0 or 1)", registry=r).set_function(running)
+        r.register(CacheCollector(stats))
