@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,13 +77,26 @@ def _write_stats(llama: Any, path: str | None) -> None:
         write_text_atomic(path, json.dumps(llama.stats()["cache"], indent=2))
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+class _Stopped(Exception):
+    """SIGTERM, raised where uvicorn re-raises the signal it caught once it has shut down."""
+
+
+def _run_until_stopped(run: Any) -> None:
+    """Run the server until Ctrl-C or SIGTERM, then return so the model is closed and stats written.
+
+    uvicorn shuts down gracefully on either signal, then raises it again in the process; a handler turns
+    that second one into a return instead of death by signal (exit status 0, nothing lost).
+    """
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+        run()
+    except (_Stopped, KeyboardInterrupt):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @click.command()
@@ -123,6 +136,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     import uvicorn
 
     from ggmoe.serve.app import ServeSettings, create_app
+    from ggmoe.serve.asgi import is_loopback
     from ggmoe.units import parse_bytes
 
     if api_key is not None and not api_key.strip():
@@ -145,9 +159,10 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
         click.echo(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
                    "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'")
         sys.stdout.flush()
-        uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning",
-                    timeout_graceful_shutdown=5)
+        _run_until_stopped(lambda: uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning",
+                                               timeout_graceful_shutdown=5))
         _write_stats(llama, cache["stats_json"])
+    click.echo("ggmoe serve: stopped")
 
 
 @click.command()

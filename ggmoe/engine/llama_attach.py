@@ -18,13 +18,30 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ggmoe.cache import CacheConfig, CacheStats
+from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.hooks import RouteOpHook
 from ggmoe.engine.loader import HostExpertOverride
 from ggmoe.engine.slots import CacheRuntime
 from ggmoe.inspect.facts import ModelFacts
 
-__all__ = ["HostExpertOverride", "LlamaAttachment"]
+__all__ = ["HostExpertOverride", "LlamaAttachment", "grammar_parses"]
+
+
+def grammar_parses(vocab_ptr: int, grammar: str, root: str = "root") -> bool:
+    """Whether llama.cpp's GBNF parser accepts ``grammar`` (with rule ``root``) for this vocabulary.
+
+    llama-cpp-python builds the grammar sampler without checking llama.cpp's NULL for a grammar that
+    does not parse, and the process then crashes; a trial build here says so first.
+    """
+    llama_cpp = B.llama_cpp
+    # struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab,
+    #                                                   const char * grammar_str, const char * grammar_root);
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab_ptr, grammar.encode("utf-8"), root.encode("utf-8"))
+    if not sampler:
+        return False
+    llama_cpp.llama_sampler_free(sampler)  # void llama_sampler_free(struct llama_sampler * smpl);
+    return True
 
 
 class LlamaAttachment:

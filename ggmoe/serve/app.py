@@ -30,10 +30,9 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from ggmoe.serve import errors
-from ggmoe.serve.asgi import BodyLimit, RequestCounter
+from ggmoe.serve.asgi import BodyLimit, LoopbackHostOnly, RequestCounter
 from ggmoe.serve.errors import APIError
 from ggmoe.serve.gate import Gate
 from ggmoe.serve.generation import Watch, api_error, check_model, check_request, llama_kwargs, max_tokens_of
@@ -41,7 +40,6 @@ from ggmoe.serve.llama import GgmoeLlama
 from ggmoe.serve.metrics import Metrics
 from ggmoe.serve.schema import ChatRequest, CompletionRequest
 
-LOOPBACK_HOSTS = ("localhost", "*.localhost", "127.0.0.1", "::1", "[::1]")
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
 _DISCONNECT_POLL_S = 0.1  # seconds between checks that a non-streaming client is still there
 
@@ -233,7 +231,7 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     if settings.loopback_only:
-        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(LOOPBACK_HOSTS))
+        app.add_middleware(LoopbackHostOnly)
     app.add_middleware(RequestCounter, count=lambda route, status: server.metrics.requests.labels(
         route, str(status)).inc(), routes=ROUTES)
     return app

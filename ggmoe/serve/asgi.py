@@ -1,14 +1,18 @@
-"""Two small ASGI middlewares Starlette does not ship: a request-body size limit and a request counter.
+"""Small ASGI middlewares Starlette does not ship: a body size limit, a request counter, a loopback Host check.
 
 Both wrap the ASGI callables only; parsing stays uvicorn's and Starlette's.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import HTTPException
+from starlette.datastructures import Headers
+
+from ggmoe.serve.errors import APIError, error_response
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -63,3 +67,43 @@ class RequestCounter:
             await send(message)
 
         await self.app(scope, receive, counting)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a host name or address (``[::1]`` bracketed or not) names this machine's loopback."""
+    name = host.strip("[]").lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(header: str) -> str:
+    """The host of a Host header, without its port: ``[::1]:8080`` -> ``[::1]``, ``a:80`` -> ``a``."""
+    if header.startswith("["):
+        return header[: header.find("]") + 1]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class LoopbackHostOnly:
+    """Refuse (403, OpenAI-shaped) a request whose Host header is not a loopback name.
+
+    While the server listens on loopback only, a web page can still reach it through a DNS name that
+    rebinds to 127.0.0.1; such a request carries the page's host name, which this refuses.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host", "")
+            if not is_loopback(_host_name(host)):
+                err = APIError(403, f"the Host header {host!r} is not a loopback name; this server answers "
+                                    "requests to localhost only (DNS rebinding protection)",
+                               type="permission_error", code="invalid_host")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -147,6 +147,9 @@ def llama_kwargs(body: CompletionRequest | ChatRequest, llama: llama_cpp.Llama, 
     if body.logit_bias:
         kw["logit_bias"] = _logit_bias(body, llama)
     if body.grammar is not None:
+        if not llama.grammar_parses(body.grammar):
+            raise APIError(400, "grammar: llama.cpp could not parse this GBNF grammar (it needs a 'root' rule)",
+                           param="grammar", code="invalid_value")
         try:
             kw["grammar"] = llama_cpp.LlamaGrammar.from_string(body.grammar, verbose=False)
         except (ValueError, RuntimeError) as e:

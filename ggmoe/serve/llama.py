@@ -159,6 +159,12 @@ class GgmoeLlama(llama_cpp.Llama):
             inner.close()
 
     # -- ggmoe's additions
+    def grammar_parses(self, grammar: str) -> bool:
+        """Whether llama.cpp parses this GBNF grammar (a grammar that does not would crash the sampler)."""
+        from ggmoe.engine.llama_attach import grammar_parses
+
+        return grammar_parses(self._model.vocab, grammar)
+
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation (EOS, EOT...), as ``_create_completion`` tests it."""
         return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 # The roles llama-cpp-python's message types accept.
 ROLES = ("system", "user", "assistant", "tool", "function")
@@ -31,6 +31,14 @@ class CompletionRequest(CreateCompletionRequest):
 class ChatRequest(CreateChatCompletionRequest):
     stream_options: StreamOptions | None = None
     max_completion_tokens: int | None = Field(default=None, description="OpenAI's newer name for max_tokens.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_given(cls, data: Any) -> Any:
+        # llama-cpp-python's type defaults messages to []; OpenAI requires them: check them as given.
+        if isinstance(data, dict) and "messages" not in data:
+            return {**data, "messages": None}
+        return data
 
     @field_validator("messages", mode="before")
     @classmethod
