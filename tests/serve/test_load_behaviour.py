@@ -1,0 +1,139 @@
+"""One generation at a time: a bounded queue, 429 beyond it, disconnects free the model, a soak stays flat."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+
+import httpx
+from conftest import API_KEY, MAX_QUEUE
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0.8, "seed": 1}
+
+
+def metric(server, name: str) -> float:
+    with server.client() as c:
+        text = c.get("/metrics").text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_several_clients_at_once_are_answered_or_told_to_retry(server):
+    n_clients = MAX_QUEUE + 5
+    results: list[tuple[int, dict, dict]] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        with server.client() as c:
+            r = c.post("/v1/completions", json={"prompt": f"Story {i}:", "max_tokens": 48, "temperature": 0})
+        with lock:
+            results.append((r.status_code, r.json(), dict(r.headers)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == n_clients  # none lost
+    statuses = sorted(s for s, _, _ in results)
+    assert set(statuses) <= {200, 429}
+    assert statuses.count(200) >= 1 + MAX_QUEUE - 1  # the running one and (nearly) a full queue were served
+    for status, body, headers in results:
+        if status == 429:
+            assert body["error"]["type"] == "rate_limit_error"
+            assert int(headers["retry-after"]) >= 1
+        else:
+            assert body["choices"][0]["text"]
+    with server.client() as c:
+        h = c.get("/health").json()
+    assert h["status"] == "ok" and h["queue_length"] == 0 and h["running"] == 0
+
+
+def test_disconnect_mid_stream_frees_the_model(server):
+    before = metric(server, "ggmoe_generations_cancelled_total")
+    with server.client() as c:
+        with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [ln for ln, _ in zip(lines, range(6), strict=False)]
+            assert any(ln.startswith("data: {") for ln in got)
+        # the stream is closed here, long before its 400 tokens
+    t0 = time.monotonic()
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+    assert r.status_code == 200
+    assert time.monotonic() - t0 < 20
+    deadline = time.monotonic() + 10
+    while metric(server, "ggmoe_generations_cancelled_total") <= before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "ggmoe_generations_cancelled_total") > before
+
+
+def test_disconnect_of_a_non_streaming_request_frees_the_model(server):
+    before = metric(server, "ggmoe_generations_cancelled_total")
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.5) as c:
+        try:
+            c.post("/v1/completions", json=LONG)
+        except httpx.ReadTimeout:
+            pass  # the client gives up and closes the connection
+    deadline = time.monotonic() + 20
+    while metric(server, "ggmoe_generations_cancelled_total") <= before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "ggmoe_generations_cancelled_total") > before
+    with server.client() as c:
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+GOOD = [
+    ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 6}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True}),
+]
+BAD = [
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/completions", {"prompt": [10**7]}),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}),
+    ("/v1/completions", {"prompt": "a", "max_tokens": -1}),
+]
+
+
+def test_soak_memory_flat_and_stats_consistent(server):
+    rng = random.Random(7)
+    counts = {"good": 0, "bad": 0}
+
+    def burst(n: int) -> None:
+        with server.client() as c:
+            for _ in range(n):
+                good = rng.random() < 0.6
+                path, body = rng.choice(GOOD if good else BAD)
+                r = c.post(path, json=body)
+                assert r.status_code == (200 if good else 400), r.text
+                counts["good" if good else "bad"] += 1
+
+    burst(40)  # warm: allocations that happen once
+    rss0 = server.rss_bytes()
+    burst(200)
+    rss1 = server.rss_bytes()
+    assert counts["good"] > 50 and counts["bad"] > 50
+    assert rss1 - rss0 < 32 << 20, f"RSS grew {(rss1 - rss0) >> 20} MiB over 200 requests"
+    with server.client() as c:
+        m = c.get("/metrics").text
+        h = c.get("/health").json()
+    assert h["queue_length"] == 0 and h["running"] == 0
+    # per layer: hit rate = hits / (hits + misses); occupancy within the slots
+    for il in range(8):
+        hits = float(re.search(rf'^ggmoe_cache_hits_total{{il="{il}"}} (\S+)$', m, re.M).group(1))
+        misses = float(re.search(rf'^ggmoe_cache_misses_total{{il="{il}"}} (\S+)$', m, re.M).group(1))
+        rate = float(re.search(rf'^ggmoe_cache_hit_rate{{il="{il}"}} (\S+)$', m, re.M).group(1))
+        occ = float(re.search(rf'^ggmoe_cache_occupancy{{il="{il}"}} (\S+)$', m, re.M).group(1))
+        slots = float(re.search(rf'^ggmoe_cache_slots{{il="{il}"}} (\S+)$', m, re.M).group(1))
+        assert hits + misses > 0 and abs(rate - hits / (hits + misses)) < 1e-9
+        assert 0 < occ <= slots == 8
+    served = sum(float(v) for v in re.findall(r'^ggmoe_requests_total{route="/v1/[a-z/]+",status="200"} (\S+)$',
+                                               m, re.M))
+    assert served >= counts["good"]
+    assert json.loads(json.dumps(h))  # the health body stays JSON
