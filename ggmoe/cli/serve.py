@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,21 @@ def _write_stats(llama: Any, path: str | None) -> None:
         write_text_atomic(path, json.dumps(llama.stats()["cache"], indent=2))
 
 
+def check_listen(host: str, port: int) -> None:
+    """Fail before the model loads when ``host:port`` cannot be listened on (in use, not this machine's)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: cannot resolve it ({e.strerror})") from e
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+
+
 class _Stopped(Exception):
     """SIGTERM, raised where uvicorn re-raises the signal it caught once it has shut down."""
 
@@ -141,6 +157,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty")
+    check_listen(host, port)
     loopback = is_loopback(host)
     if not loopback and api_key is None:
         click.echo(f"warning: serving on {host} (not loopback) without an API key: anyone who can reach this "

@@ -1,0 +1,97 @@
+"""``ggmoe serve`` as a user starts it: flags refused with one line, warnings, a hostile chat template."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import gguf
+import pytest
+from conftest import free_port, start_server, stop_server
+from make_fixtures import rewrite_gguf
+
+from ggmoe.models import default_model_path
+
+
+def ggmoe(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ggmoe", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["missing.gguf"], "no such file"),
+    (["--port", "0"], "--port"),
+    (["--port", "70000"], "--port"),
+    (["--max-body", "lots"], "bad size"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--max-queue", "-1"], "--max-queue"),
+    (["--host", "nonexistent.invalid"], "cannot resolve"),
+    (["--policy", "lfu"], "needs a cache size"),
+    (["--cache-slots", "4", "--policy", "nope"], "nope"),
+    (["--predictor", "reuse"], "needs a cache size"),
+    (["--cache-slots", "4", "--stats-json", "stats.txt"], "--stats-json"),
+    (["--cache-slots", "4", "--stats-json", "/etc/passwd/s.json"], "--stats-json"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_flags_get_one_line(args, message):
+    r = ggmoe("serve", *args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_port_in_use_is_refused_before_loading():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = ggmoe("serve", "--port", str(port))
+    assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_non_loopback_without_a_key_warns(tmp_path):
+    s = start_server(tmp_path, "--host", "0.0.0.0", "--n-ctx", "128")
+    try:
+        import httpx
+
+        assert httpx.get(s.url + "/health").status_code == 200
+        # not bound to loopback only: any Host header is served
+        assert httpx.get(s.url + "/v1/models", headers={"Host": "myhost.lan"}).status_code == 200
+    finally:
+        assert stop_server(s) == 0
+    assert "without an API key" in open(s.log).read()
+
+
+def test_stats_json_is_written_at_stop(tmp_path):
+    out = tmp_path / "stats.json"
+    s = start_server(tmp_path, "--n-ctx", "128", "--cache-slots", "8", "--stats-json", str(out))
+    try:
+        import httpx
+
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4}).status_code == 200
+    finally:
+        assert stop_server(s) == 0
+    assert '"hit_rate"' in out.read_text()
+
+
+def test_hostile_chat_template_renders_harmlessly(tmp_path):
+    evil = rewrite_gguf(default_model_path(), tmp_path / "evil.gguf", keys={"tokenizer.chat_template": (
+        "{{ cycler.__init__.__globals__.os.popen('touch " + str(tmp_path / "pwned") + "').read() }}",
+        gguf.GGUFValueType.STRING, None)})
+    s = start_server(tmp_path, str(evil), "--n-ctx", "128")
+    try:
+        import httpx
+
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 500
+        assert r.json()["error"]["code"] == "chat_template_error"
+        assert not (tmp_path / "pwned").exists()
+        ok = httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        assert stop_server(s) == 0
+
+
+def test_free_port_helper_gives_a_bindable_port():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
