@@ -3,7 +3,8 @@ PY ?= python3
 PROMPT ?= The quick brown fox
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: setup engine run test test-unit lint
+PORT ?= 8080
+.PHONY: setup engine run generate test test-unit lint
 
 # Build (or reuse the cached) patched llama-cpp-python wheel, then install ggmoe with its extras.
 setup: engine
@@ -12,8 +13,12 @@ setup: engine
 engine:
 	$(PY) tools/build_engine.py --install
 
-# The main job: generate with the embedded default model (a fixture model until it ships).
+# The main job: the OpenAI-compatible server on the embedded default model (Ctrl-C stops it).
 run: setup
+	ggmoe serve --port $(PORT)
+
+# Generate once with the embedded default model (a fixture model when none ships).
+generate: setup
 	@if $(PY) -c "from ggmoe.models import default_model_path as d; raise SystemExit(d() is None)"; then \
 		ggmoe run -p "$(PROMPT)" -n 32; \
 	else \

@@ -30,7 +30,7 @@ from ggmoe.outputs import write_text_atomic
 
 MAX_DEFAULT_CTX = 4096  # tokens: the default context is the model's training context, at most this
 
-_ctx = click.option("--n-ctx", type=click.IntRange(min=16),
+_ctx = click.option("--n-ctx", type=click.IntRange(min=16, max=1 << 24),
                     help=f"Context length in tokens, prompt and answer (default: the model's training "
                          f"context, at most {MAX_DEFAULT_CTX}).")
 

@@ -177,6 +177,9 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, ValueError) and str(e).startswith("Requested tokens"):
         # llama-cpp-python: "Requested tokens (N) exceed context window of M"
         return context_error(f"the prompt does not fit the model's context: {e}")
+    if isinstance(e, ValueError) and "logits_all=False" in str(e):
+        return APIError(400, "logprobs need the server started with --logprobs (it keeps every position's "
+                             "logits)", param="logprobs", code="unsupported_value")
     if isinstance(e, jinja2.TemplateError):
         return APIError(500, f"the model's chat template failed to render: {type(e).__name__}",
                         type="server_error", code="chat_template_error")

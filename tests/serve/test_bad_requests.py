@@ -55,6 +55,8 @@ CASES = [
      "invalid_request_error", "invalid_value", "logit_bias"),
     ("top-logprobs-too-many", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400,
      "invalid_request_error", "invalid_value", "logprobs"),
+    ("logprobs-without-flag", COMPL, {"prompt": "a", "logprobs": 2}, 400, "invalid_request_error",
+     "unsupported_value", "logprobs"),
     ("unknown-model", CHAT, {"messages": MSG, "model": "gpt-9"}, 404, "invalid_request_error", "model_not_found",
      "model"),
     ("bad-grammar", COMPL, {"prompt": "a", "grammar": "root ::= ("}, 400, "invalid_request_error",
