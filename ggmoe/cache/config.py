@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ class CacheConfig:
     hw_profile: str | None = None
     # stride prefetching from a predictor (ggmoe.cache.prefetch.PrefetchConfig), or None
     prefetch: object | None = None
+    # the policy's keyword arguments (e.g. static's per-layer counts from saved routing statistics)
+    policy_options: Mapping[str, Any] | None = None
 
     def slots(self, bytes_per_expert: dict[int, int], n_expert: int, n_expert_used: int) -> dict[int, int]:
         if (self.n_slots is None) == (self.vram_bytes is None):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +40,8 @@ class PrefetchConfig:
     # True: predict on a worker thread, off the route callback's critical path (prefetch counts then depend
     # on timing); False: in the callback, after the layer's slots are decided (deterministic)
     background: bool = False
+    # what a data-driven predictor learnt in an earlier run (Predictor.state(), from --stats-in), or None
+    state: Mapping[str, np.ndarray] | None = None
 
 
 class Prefetcher:
@@ -66,6 +68,7 @@ class Prefetcher:
         self.request = HookRequest(probs=predictor.needs_probs, hidden=predictor.needs_hidden)
         self.error: BaseException | None = None
         self._decoding = False
+        self._in_request = False  # the predictor has begun a request that has not ended
         self._queue: queue.SimpleQueue | None = None
         self._worker: threading.Thread | None = None
         if background:
@@ -91,6 +94,14 @@ class Prefetcher:
         else:
             self._queue.put((fn, *args))
 
+    def final_state(self) -> dict[str, np.ndarray]:
+        """Stop the worker, end the open request, and return what the predictor has learnt (``state()``)."""
+        self.close()
+        if self._in_request:
+            self.predictor.end_request()
+            self._in_request = False
+        return self.predictor.state()
+
     def take_error(self) -> BaseException | None:
         err, self.error = self.error, None
         return err
@@ -109,7 +120,10 @@ class Prefetcher:
 
     def _begin(self, tokens: list[int], calls: dict[int, int]) -> None:
         if len(tokens) > 1:
+            if self._in_request:  # an online learner keeps what the previous request showed it
+                self.predictor.end_request()
             self.predictor.begin_request()
+            self._in_request = True
             return
         self.predictor.begin_token(int(tokens[0]))
         for il, n in calls.items():  # targets that no earlier layer of this token predicts
@@ -155,9 +169,12 @@ def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, m
     if config.predictor == "oracle":
         raise UsageError("the oracle predictor needs the routing in advance: it runs in the simulator only")
     pred = make_predictor(config.predictor, shape, config.stride, **options)
-    if pred.needs_fit:
+    if config.state:
+        pred.load_state(dict(config.state))
+    if pred.needs_fit and not (pred.has_state and not config.train):
         if not config.train:
-            raise UsageError(f"predictor {config.predictor!r} learns from traces: give --predictor-train TRACES")
+            raise UsageError(f"predictor {config.predictor!r} learns from traces: give --predictor-train TRACES "
+                             "(or --stats-in FILE saved by a run with it)")
         train = load_traces(list(config.train))
         if train.meta.model_fingerprint != shape.model_fingerprint:
             raise UsageError("--predictor-train traces come from another model")

@@ -26,6 +26,7 @@ from ggmoe.cli.options import (
     verbose_opt,
     write_stats,
 )
+from ggmoe.cli.warm import read_stats_in, stats_options, stats_out, warm_start
 from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output_dir
 
@@ -76,6 +77,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 @click.option("--trace-out", type=click.Path(),
               help="Also record this run's routing into DIR/trace.npz (prefill routes every token).")
 @cache_options
+@stats_options
 @ctx_opt
 @threads_opt
 @verbose_opt
@@ -84,7 +86,8 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
         as_json: bool, trace_out: str | None, cache_slots: int | None, vram: str | None, policy: str | None,
         stats_json: str | None, miss_policy: str | None, predictor: str | None, stride: int,
         n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...],
-        predict_background: bool, hw: str | None, n_ctx: int | None, threads: int | None, verbose: bool) -> None:
+        predict_background: bool, hw: str | None, stats_in: str | None, stats_out_path: str | None,
+        n_ctx: int | None, threads: int | None, verbose: bool) -> None:
     """Generate text, streamed as it comes (the embedded default model when MODEL is omitted).
 
     \b
@@ -92,6 +95,8 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
       ggmoe run -p "The quick brown fox" -n 32
       echo "def main():" | ggmoe run -p - --temp 0.7 --seed 1 --json
       ggmoe run -p "def fib(n):" --cache-slots 4 --policy lru --stats-json stats.json
+      ggmoe run -p "def fib(n):" --cache-slots 8 --stats-out routing.npz     # then, warm:
+      ggmoe run -p "def fib(n):" --cache-slots 8 --policy static --stats-in routing.npz
     """
     path = model_path(model)
     facts = model_facts(path)
@@ -99,6 +104,9 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
     cache = cache_config(cache_slots, vram, policy, facts, miss_policy,
                          prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train,
                                          predict_background), hw)
+    warm = read_stats_in(stats_in, facts, path)
+    cache = warm_start(cache, warm)
+    routing_out = stats_out(stats_out_path, warm, facts, path)
     check_stats_json(stats_json, cache)
     if trace_out:
         check_output_dir(trace_out, "--trace-out", members=("trace.npz",))
@@ -106,6 +114,8 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
         toy_notice(path)
     stream = None if as_json else _echo_stream(text)
     with make_engine(path, n_ctx, threads, verbose, cache) as eng:
+        if routing_out is not None:
+            eng.add_observer(routing_out.collector)
         if trace_out:
             from ggmoe.trace.record import trace_generation
 
@@ -115,6 +125,8 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
         write_stats(eng, stats_json, {"model": str(path), "prompt_tokens": len(gen.prompt_ids),
                                        "generated_tokens": len(gen.token_ids)})
         summary = stats_summary(eng)
+        if routing_out is not None:
+            routing_out.save(eng.prefetcher, cache.prefetch.predictor if cache and cache.prefetch else None)
     if gen.stopped_on_ctx:
         click.echo(f"\nwarning: stopped after {len(gen.token_ids)} tokens: the context of {eng.n_ctx} tokens is "
                    "full (raise --n-ctx)", err=True)

@@ -25,6 +25,7 @@ from ggmoe.cli.options import (
     threads_opt,
     verbose_opt,
 )
+from ggmoe.cli.warm import StatsOut, read_stats_in, stats_options, stats_out, warm_start
 from ggmoe.errors import UsageError
 from ggmoe.outputs import write_text_atomic
 
@@ -55,27 +56,35 @@ class LoadOptions:
     cache: dict[str, Any]  # the cache_options flags (options.cache_options), by parameter name
 
 
-def _load(opts: LoadOptions, **extra: Any):
-    """The model as a GgmoeLlama, every flag checked before it loads."""
+def _load(opts: LoadOptions, **extra: Any) -> tuple[Any, StatsOut | None]:
+    """The model as a GgmoeLlama and the --stats-out writer, every flag checked before the model loads."""
     from ggmoe.serve import load
 
     path = model_path(opts.model)
+    facts = model_facts(path)
     c = opts.cache
     prefetch = prefetch_config(c["predictor"], c["stride"], c["n_prefetch"], c["prefetch_threshold"],
                                c["predictor_train"], c["predict_background"])
-    cache = cache_config(c["cache_slots"], c["vram"], c["policy"], model_facts(path), c["miss_policy"], prefetch,
-                         c["hw"])
+    cache = cache_config(c["cache_slots"], c["vram"], c["policy"], facts, c["miss_policy"], prefetch, c["hw"])
+    warm = read_stats_in(c["stats_in"], facts, path)
+    cache = warm_start(cache, warm)
+    out = stats_out(c["stats_out_path"], warm, facts, path)
     check_stats_json(c["stats_json"], cache)
     kw: dict[str, Any] = {"n_ctx": opts.n_ctx or default_n_ctx(path), "verbose": opts.verbose, **extra}
     if opts.threads:
         kw.update(n_threads=opts.threads, n_threads_batch=opts.threads)
-    return load(path, cache=cache, **kw)
+    if out is not None:
+        kw["observers"] = [out.collector]
+    return load(path, cache=cache, **kw), out
 
 
-def _write_stats(llama: Any, path: str | None) -> None:
-    """--stats-json: the cache statistics when the server or the chat stops."""
-    if path is not None:
-        write_text_atomic(path, json.dumps(llama.stats()["cache"], indent=2))
+def _write_stats(llama: Any, opts: LoadOptions, out: StatsOut | None) -> None:
+    """--stats-json (the cache statistics) and --stats-out (routing statistics) when serve or chat stops."""
+    if opts.cache["stats_json"] is not None:
+        write_text_atomic(opts.cache["stats_json"], json.dumps(llama.stats()["cache"], indent=2))
+    if out is not None:
+        cache = llama.cache_config
+        out.save(llama.prefetcher, cache.prefetch.predictor if cache and cache.prefetch else None)
 
 
 def check_listen(host: str, port: int) -> None:
@@ -130,6 +139,7 @@ def _run_until_stopped(run: Any) -> None:
 @click.option("--logprobs", is_flag=True, help="Keep every position's logits so requests may ask for "
                                                "logprobs (n_ctx x n_vocab x 4 bytes of RAM).")
 @cache_options
+@stats_options
 @_ctx
 @threads_opt
 @verbose_opt
@@ -167,7 +177,8 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
                              max_body_bytes=parse_bytes(max_body), loopback_only=loopback,
                              cors_origins=cors_origin)
     opts = LoadOptions(str(path), n_ctx, threads, verbose, cache)
-    with _load(opts, logits_all=logprobs) as llama:
+    llama, out = _load(opts, logits_all=logprobs)
+    with llama:
         app = create_app(llama, settings)
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         key = "$GGMOE_API_KEY" if os.environ.get("GGMOE_API_KEY") == api_key else "KEY"
@@ -178,7 +189,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
         sys.stdout.flush()
         _run_until_stopped(lambda: uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning",
                                                timeout_graceful_shutdown=5))
-        _write_stats(llama, cache["stats_json"])
+        _write_stats(llama, opts, out)
     click.echo("ggmoe serve: stopped")
 
 
@@ -191,6 +202,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 @click.option("--seed", type=int, help="Sampling seed (default: a new one per answer).")
 @click.option("--system", help="A system message opening the conversation.")
 @cache_options
+@stats_options
 @_ctx
 @threads_opt
 @verbose_opt
@@ -218,7 +230,9 @@ def chat(model: str | None, max_tokens: int, temp: float, seed: int | None, syst
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    with _load(LoadOptions(model, n_ctx, threads, verbose, cache)) as llama:
+    opts = LoadOptions(model, n_ctx, threads, verbose, cache)
+    llama, out = _load(opts)
+    with llama:
         run_chat(llama, ChatOptions(max_tokens=max_tokens, temperature=temp, seed=seed, system=system), input,
                  write)
-        _write_stats(llama, cache["stats_json"])
+        _write_stats(llama, opts, out)

@@ -23,6 +23,7 @@ from ggmoe.cli.options import (
     verbose_opt,
     write_stats,
 )
+from ggmoe.cli.warm import read_stats_in, stats_options, stats_out, warm_start
 from ggmoe.outputs import check_output_dir
 
 
@@ -43,6 +44,7 @@ from ggmoe.outputs import check_output_dir
               help="Sample mode seed (prompt i uses seed+i).")
 @click.option("--no-hidden", is_flag=True, help="Do not store MoE input hidden states (smaller traces).")
 @cache_options
+@stats_options
 @ctx_opt
 @threads_opt
 @verbose_opt
@@ -51,7 +53,8 @@ def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode:
           temp: float, seed: int, no_hidden: bool, cache_slots: int | None, vram: str | None, policy: str | None,
           stats_json: str | None, miss_policy: str | None, predictor: str | None, stride: int,
         n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...],
-        predict_background: bool, hw: str | None, n_ctx: int | None, threads: int | None, verbose: bool) -> None:
+        predict_background: bool, hw: str | None, stats_in: str | None, stats_out_path: str | None,
+        n_ctx: int | None, threads: int | None, verbose: bool) -> None:
     """Record per-token routing (ids, router probabilities, MoE inputs) into OUT/trace.npz.
 
     \b
@@ -71,9 +74,16 @@ def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode:
     cache = cache_config(cache_slots, vram, policy, facts, miss_policy,
                          prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train,
                                          predict_background), hw)
+    warm = read_stats_in(stats_in, facts, path)
+    cache = warm_start(cache, warm)
+    routing_out = stats_out(stats_out_path, warm, facts, path)
     check_stats_json(stats_json, cache)
     with make_engine(path, n_ctx, threads, verbose, cache) as eng:
+        if routing_out is not None:
+            eng.add_observer(routing_out.collector)
         with click.progressbar(length=len(prompts), label="tracing", file=sys.stderr) as bar:
             written = record_trace(eng, prompts, cfg, Path(out) / "trace.npz", progress=bar.update)
         write_stats(eng, stats_json, {"model": str(path), "prompts": len(prompts), "mode": mode})
+        if routing_out is not None:
+            routing_out.save(eng.prefetcher, cache.prefetch.predictor if cache and cache.prefetch else None)
     click.echo(str(written))

@@ -23,6 +23,7 @@ from ggmoe.engine import patch as _patched
 from ggmoe.engine.hooks import RouteOpHook
 from ggmoe.engine.loader import HostExpertOverride
 from ggmoe.engine.slots import CacheRuntime
+from ggmoe.hook import RouteObserver
 from ggmoe.inspect.facts import ModelFacts
 
 __all__ = ["HostExpertOverride", "LlamaAttachment", "grammar_parses"]
@@ -45,10 +46,10 @@ def grammar_parses(vocab_ptr: int, grammar: str, root: str = "root") -> bool:
 
 
 class LlamaAttachment:
-    """The route hook, the expert cache and its prefetcher on one loaded context."""
+    """The route hook and its observers, and with a config the expert cache and its prefetcher, on a context."""
 
     def __init__(self, model_ptr: int, ctx_ptr: int, facts: ModelFacts, model_path: Path,
-                 cache: CacheConfig) -> None:
+                 cache: CacheConfig | None, observers: Sequence[RouteObserver] = ()) -> None:
         _patched.load()  # EngineNotPatchedError names the fix when the engine lacks the patch
         self._ctx_ptr = ctx_ptr
         self.hook = RouteOpHook()
@@ -56,6 +57,10 @@ class LlamaAttachment:
         self.prefetcher = None  # ggmoe.cache.prefetch.Prefetcher when the cache prefetches
         self.hook.install(ctx_ptr)
         try:
+            for obs in observers:
+                self.hook.observers.add(obs)
+            if cache is None:
+                return
             self.runtime = CacheRuntime.for_model(model_ptr, ctx_ptr, cache, facts)
             self.hook.cache = self.runtime.cache
             if cache.prefetch is not None:

@@ -214,7 +214,7 @@ class CacheRuntime:
     def __init__(self, model_ptr: int, ctx_ptr: int, config: CacheConfig, moe_layers: tuple[int, ...],
                  n_expert: int, n_expert_used: int, bytes_per_expert: dict[int, int]) -> None:
         n_slots = config.slots({il: bytes_per_expert[il] for il in moe_layers}, n_expert, n_expert_used)
-        policy = POLICIES.get(config.policy)(n_expert, list(moe_layers))
+        policy = POLICIES.get(config.policy)(n_expert, list(moe_layers), **dict(config.policy_options or {}))
         buft, backend = _device_bufts()
         self.copies: GgmlCopyBackend | ThreadedCopyBackend | None = None
         host_path = check_miss_policy(config.miss_policy) != "wait"

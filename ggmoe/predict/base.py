@@ -104,6 +104,21 @@ class Predictor:
     def end_request(self) -> None:  # noqa: B027 - optional hook
         """The request finished (online learners may keep what they saw)."""
 
+    # -- what a data-driven predictor has learnt, saved with the routing statistics (--stats-out)
+    def state(self) -> dict[str, np.ndarray]:
+        """Arrays that restore what the predictor has learnt (empty: nothing to keep)."""
+        return {}
+
+    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore ``state()``; UsageError when the arrays do not fit this predictor."""
+        if arrays:
+            raise UsageError(f"predictor {self.name!r} keeps no state, yet the statistics file holds some")
+
+    @property
+    def has_state(self) -> bool:
+        """Whether it already knows something (a fit, or a loaded state): needs_fit is then met."""
+        return False
+
 
 PREDICTORS: Registry[Predictor] = Registry("predictor")
 

@@ -67,6 +67,29 @@ class EAMCollection:
         self._adds += 1
         return slot
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The entries in use: ``ratio`` [n, L, E] float32 and ``origin`` [n] int64."""
+        return {"ratio": self.ratio[: self.n].copy(), "origin": self.origin[: self.n].copy()}
+
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """Entries saved by ``arrays()`` (at most ``capacity``; the derived unit vectors recomputed)."""
+        ratio, origin = arrays.get("ratio"), arrays.get("origin")
+        shape = self.ratio.shape[1:]
+        if (ratio is None or origin is None or ratio.ndim != 3 or ratio.shape[1:] != shape
+                or origin.shape != ratio.shape[:1] or ratio.dtype != np.float32 or origin.dtype != np.int64
+                or not np.all(np.isfinite(ratio)) or (ratio < 0).any()):
+            raise UsageError(f"eam: the saved collection is not [n, {shape[0]}, {shape[1]}] float32 ratios "
+                             "with n origins")
+        n = min(ratio.shape[0], self.capacity)
+        norms = np.linalg.norm(ratio[:n].reshape(n, -1), axis=1)
+        if (norms == 0).any():
+            raise UsageError("eam: the saved collection holds an empty entry")
+        unit = ratio[:n] / norms[:, None, None]
+        self.ratio[:n], self.unit[:n], self.origin[:n] = ratio[:n], unit, origin[:n]
+        self.unit_le[:, :, :n] = unit.transpose(1, 2, 0)
+        self.n = n
+        self._adds = int(origin[:n].max()) + 1 if n else 0
+
 
 @PREDICTORS.register("eam")
 class EAM(Predictor):
@@ -128,6 +151,16 @@ class EAM(Predictor):
     def end_request(self) -> None:
         if self.online and self.request_eam.any():
             self.collection.add(self.request_eam)
+
+    def state(self) -> dict[str, np.ndarray]:
+        return self.collection.arrays()
+
+    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
+        self.collection.restore(arrays)
+
+    @property
+    def has_state(self) -> bool:
+        return self.collection.n > 0
 
     def _matched(self) -> tuple[np.ndarray, np.ndarray]:
         """Collection entries [n] and their aggregation weights [n] (summing to 1)."""

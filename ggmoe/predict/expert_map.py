@@ -86,6 +86,24 @@ class MapStore:
         self._adds += 1
         return slot
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The entries in use: ``keys`` [n, n_embd], ``maps`` [n, L, E] float32, ``origin`` [n] int64."""
+        n = self.n
+        return {"keys": self.keys[:n].copy(), "maps": self.maps[:n].copy(), "origin": self.origin[:n].copy()}
+
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """Entries saved by ``arrays()``, re-added in their original order (derived arrays recomputed)."""
+        keys, maps, origin = arrays.get("keys"), arrays.get("maps"), arrays.get("origin")
+        ok = (keys is not None and maps is not None and origin is not None and maps.ndim == 3
+              and maps.shape[1:] == self.maps.shape[1:] and keys.shape == (maps.shape[0], self.keys.shape[1])
+              and origin.shape == maps.shape[:1] and maps.dtype == keys.dtype == np.float32
+              and origin.dtype == np.int64 and np.all(np.isfinite(maps)) and np.all(np.isfinite(keys)))
+        if not ok:
+            raise UsageError("expert-map: the saved maps do not fit this model (keys [n, n_embd], maps [n, L, E] "
+                             "float32, origin [n] int64)")
+        for i in np.argsort(origin, kind="stable"):
+            self.add(keys[i] if np.any(keys[i]) else None, maps[i])
+
     def semantic(self, key: np.ndarray | None) -> tuple[int, float]:
         """Best entry and cosine for a key [n_embd]; without a key, (-1, 0.0): no match."""
         if key is None or self.n == 0 or not np.any(key):
@@ -161,6 +179,16 @@ class ExpertMap(Predictor):
 
     def end_request(self) -> None:
         self._keep_token()
+
+    def state(self) -> dict[str, np.ndarray]:
+        return self.store.arrays()
+
+    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
+        self.store.restore(arrays)
+
+    @property
+    def has_state(self) -> bool:
+        return self.store.n > 0
 
     def _keep_token(self) -> None:
         if self.online and self._now == self.shape.n_layer - 1:  # a complete token map

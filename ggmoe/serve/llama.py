@@ -31,6 +31,7 @@ import llama_cpp
 
 from ggmoe.cache import CacheConfig
 from ggmoe.errors import ModelFileError, UsageError
+from ggmoe.hook import RouteObserver
 
 # Used when the GGUF carries no chat template: plain "Role: text" turns, which a base
 # model trained on plain text (such as the embedded one) continues sensibly.
@@ -67,7 +68,7 @@ class GgmoeLlama(llama_cpp.Llama):
     """A ``llama_cpp.Llama`` with the experts in host memory and, optionally, ggmoe's expert cache."""
 
     def __init__(self, model_path: str, *, cache: CacheConfig | None = None, experts_on_host: bool = True,
-                 **kwargs: Any) -> None:
+                 observers: Sequence[RouteObserver] = (), **kwargs: Any) -> None:
         from ggmoe.engine.llama_attach import HostExpertOverride
 
         if cache is not None and not experts_on_host:
@@ -85,12 +86,12 @@ class GgmoeLlama(llama_cpp.Llama):
                 and not kwargs.get("chat_handler"):
             self.chat_handler = self._default_chat_handler()
         try:
-            if cache is not None:
+            if cache is not None or observers:
                 from ggmoe.engine.llama_attach import LlamaAttachment
                 from ggmoe.inspect import inspect_model
 
                 self._ggmoe = LlamaAttachment(self._model.model, self._ctx.ctx, inspect_model(Path(model_path)),
-                                              Path(model_path), cache)
+                                              Path(model_path), cache, observers)
         except BaseException:
             self.close()
             raise
@@ -178,6 +179,11 @@ class GgmoeLlama(llama_cpp.Llama):
                           "slots_per_layer": {str(k): v for k, v in att.n_slots.items()},
                           "occupancy": {str(k): v for k, v in att.occupancy().items()},
                           **att.stats.to_dict()}}
+
+    @property
+    def prefetcher(self):
+        """The cache's prefetcher (``ggmoe.cache.prefetch.Prefetcher``), or None."""
+        return self._ggmoe.prefetcher if self._ggmoe is not None else None
 
     @property
     def attachment(self):

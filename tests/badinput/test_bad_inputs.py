@@ -99,6 +99,12 @@ COMBOS = [
     ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--miss-policy", "auto", "--hw", "pcie9"),
     ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--miss-policy", "auto", "--hw", "PROMPTS"),  # not TOML
     ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--hw", "egpu"),  # --hw without auto
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--policy", "static"),  # static without --stats-in
+    ("run", MODEL, "-p", "hi", "--stats-in", "TMP/missing.npz"),
+    ("run", MODEL, "-p", "hi", "--stats-in", "PROMPTS"),  # not a statistics file
+    ("run", MODEL, "-p", "hi", "--stats-in", "TMP"),  # a directory
+    ("trace", MODEL, "--prompts", "PROMPTS", "-o", "TMP/out", "--stats-in", "PROMPTS"),
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "eam"),  # no traces and no --stats-in
 ]
 
 
@@ -129,6 +135,10 @@ OUTPUT_CASES = {
                                                 "--stats-json", f"{_file(t)}/s.json"),
     "run --stats-json not .json": lambda t: ("run", MODEL, "-p", "hi", "--cache-slots", "4",
                                              "--stats-json", str(t / "s.txt")),
+    "run --stats-out not .npz": lambda t: ("run", MODEL, "-p", "hi", "--stats-out", str(t / "s.json")),
+    "run --stats-out is a dir": lambda t: ("run", MODEL, "-p", "hi", "--stats-out", str(t)),
+    "trace --stats-out under a file": lambda t: ("trace", MODEL, "--prompts", "PROMPTS", "-o", str(t / "o"),
+                                                 "--stats-out", f"{_file(t)}/s.npz"),
     "run --trace-out is a file": lambda t: ("run", MODEL, "-p", "hi", "--trace-out", str(_file(t))),
     "run --trace-out whose trace.npz is a dir": lambda t: (
         (t / "r" / "trace.npz").mkdir(parents=True), ("run", MODEL, "-p", "hi", "--trace-out", str(t / "r")))[1],

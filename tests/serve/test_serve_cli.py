@@ -95,3 +95,27 @@ def test_free_port_helper_gives_a_bindable_port():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_routing_stats_persist_across_a_restart(tmp_path):
+    """--stats-out at stop, --stats-in at start: the counts of both runs add up."""
+    import httpx
+
+    from ggmoe.trace.routing_stats import load_stats
+
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    body = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+    s = start_server(tmp_path, "--n-ctx", "128", "--cache-slots", "8", "--stats-out", str(a))
+    try:
+        assert httpx.post(s.url + "/v1/completions", json=body).status_code == 200
+    finally:
+        assert stop_server(s) == 0
+    s = start_server(tmp_path, "--n-ctx", "128", "--cache-slots", "8", "--policy", "static", "--stats-in", str(a),
+                     "--stats-out", str(b))
+    try:
+        assert httpx.post(s.url + "/v1/completions", json=body).status_code == 200
+    finally:
+        assert stop_server(s) == 0
+    sa, sb = load_stats(a), load_stats(b)
+    assert sa.n_tokens.min() > 0
+    assert (sb.counts == 2 * sa.counts).all()

@@ -1,0 +1,78 @@
+"""--stats-in / --stats-out: routing statistics that make a restart start warm (run, trace, serve, chat).
+
+``--stats-in`` is read and checked against the model before it loads; the cache
+configuration then takes what it can use (``warm_start``). ``--stats-out``
+attaches a ``RoutingStatsCollector`` to the model's route observers and writes
+the counts and the predictor's state when the command ends, through
+``StatsOut.save``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ggmoe.errors import UsageError
+from ggmoe.outputs import check_output
+from ggmoe.trace.routing_stats import RoutingStats, RoutingStatsCollector, load_stats, save_stats
+
+
+def stats_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--stats-out", "stats_out_path", type=click.Path(dir_okay=False),
+                      help="When the command ends, save routing statistics here (.npz): per-layer expert "
+                           "counts, co-activation and the predictor's learnt state.")(fn)
+    fn = click.option("--stats-in", type=click.Path(dir_okay=False),
+                      help="Start warm from statistics saved by --stats-out: counts continue, --policy static "
+                           "pins their hottest experts, an eam or expert-map predictor keeps what it learnt.")(fn)
+    return fn
+
+
+def read_stats_in(path: str | None, facts: Any, model: Path) -> RoutingStats | None:
+    """The --stats-in file, validated and checked against the model (None without the flag)."""
+    if path is None:
+        return None
+    from ggmoe.inspect.fingerprint import model_fingerprint
+
+    stats = load_stats(path)
+    stats.check_model(model_fingerprint(model), tuple(facts.moe_layers), facts.n_expert)
+    return stats
+
+
+def warm_start(cache: Any, stats: RoutingStats | None) -> Any:
+    """The cache configuration with what ``stats`` gives it: static's counts, the predictor's state."""
+    if cache is None:
+        return None
+    if cache.policy == "static":
+        if stats is None:
+            raise UsageError("--policy static pins the hottest experts of saved routing statistics: give "
+                             "--stats-in FILE (written by --stats-out)")
+        cache = dataclasses.replace(cache, policy_options={"counts": stats.counts_by_layer()})
+    pre = cache.prefetch
+    if stats is not None and pre is not None and stats.predictor == pre.predictor and stats.predictor_state:
+        cache = dataclasses.replace(cache, prefetch=dataclasses.replace(pre, state=dict(stats.predictor_state)))
+    return cache
+
+
+class StatsOut:
+    """The --stats-out file: a collector to attach now, ``save`` when the command ends."""
+
+    def __init__(self, path: str, start: RoutingStats | None, facts: Any, model: Path) -> None:
+        from ggmoe.inspect.fingerprint import model_fingerprint
+
+        self.path = check_output(path, "--stats-out", suffixes=(".npz",))
+        if start is None:
+            start = RoutingStats.empty(model_fingerprint(model), tuple(facts.moe_layers), facts.n_expert)
+        self.collector = RoutingStatsCollector(start)
+
+    def save(self, prefetcher: Any = None, predictor_name: str | None = None) -> None:
+        """Write the counts and, with a prefetcher, its predictor's learnt state (the prefetcher stops)."""
+        state = prefetcher.final_state() if prefetcher is not None else {}
+        save_stats(self.path, self.collector.snapshot(predictor_name if state else None, state))
+
+
+def stats_out(path: str | None, start: RoutingStats | None, facts: Any, model: Path) -> StatsOut | None:
+    return StatsOut(path, start, facts, model) if path is not None else None
