@@ -27,13 +27,14 @@ def main() -> None:
 
 
 def _builtin_commands() -> list[click.Command]:
+    from ggmoe.cli.calibrate import calibrate
     from ggmoe.cli.generate import run
     from ggmoe.cli.model import inspect, policies, verify_hook
     from ggmoe.cli.predict import eval_predictor
     from ggmoe.cli.serve import chat, serve
     from ggmoe.cli.trace_cmd import trace
 
-    return [inspect, run, trace, policies, verify_hook, eval_predictor, serve, chat]
+    return [inspect, run, trace, policies, verify_hook, eval_predictor, serve, chat, calibrate]
 
 
 @click.command("train-predictor", context_settings={"ignore_unknown_options": True, "allow_extra_args": True},

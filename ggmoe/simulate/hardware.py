@@ -92,3 +92,32 @@ def load_profile(spec: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
     if not isinstance(name, str) or not isinstance(desc, str):
         raise UsageError(f"{path}: name and description must be strings")
     return HardwareProfile(name=name, description=desc, **values)
+
+
+def _toml_float(v: float) -> str:
+    return f"{v:.6g}" if ("e" in f"{v:.6g}" or "." in f"{v:.6g}") else f"{v:.6g}.0"
+
+
+def render_profile(profile: HardwareProfile, sources: dict[str, str]) -> str:
+    """``profile`` as a TOML file ``load_profile`` reads, each figure with its source in a comment above it."""
+    lines = [f"name = {_toml_str(profile.name)}", f"description = {_toml_str(profile.description)}"]
+    table = None
+    for attr, (tbl, key, _) in _FIELDS.items():
+        if tbl != table:
+            lines += ["", f"[{tbl}]"]
+            table = tbl
+        lines.append(f"# {_comment(sources.get(attr, 'not stated'))}")
+        lines.append(f"{key} = {_toml_float(getattr(profile, attr))}")
+    return "\n".join(lines) + "\n"
+
+
+def _comment(s: str) -> str:
+    """One comment line: control characters (newlines included) become spaces."""
+    return "".join(c if c.isprintable() else " " for c in s)
+
+
+def _toml_str(s: str) -> str:
+    """A TOML basic string (quotes, backslashes and control characters escaped)."""
+    out = s.replace("\\", "\\\\").replace('"', '\\"')
+    out = "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in out)
+    return f'"{out}"'

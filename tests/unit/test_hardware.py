@@ -65,3 +65,20 @@ def test_a_full_custom_profile_loads(tmp_path):
     p = tmp_path / "mine.toml"
     p.write_text(text)
     assert load_profile(p).name == "mine"
+
+
+@pytest.mark.parametrize("name,description", [
+    ("plain", "a machine"),
+    ('quote"s and \\backslash', "tab\there, unicode é, newline\nnext"),
+])
+def test_render_profile_round_trips(tmp_path, name, description):
+    import dataclasses
+
+    from ggmoe.simulate.hardware import render_profile
+
+    p = dataclasses.replace(load_profile("h100"), name=name, description=description, hook_s=3.25e-6,
+                            cpu_latency_s=0.0)
+    out = tmp_path / "p.toml"
+    out.write_text(render_profile(p, {"hook_s": "measured"}))
+    back = load_profile(out)
+    assert back == dataclasses.replace(p, name=name, description=description)

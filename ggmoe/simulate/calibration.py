@@ -1,0 +1,56 @@
+"""A hardware profile from measurements (``ggmoe calibrate``): measured figures, the rest from a base profile.
+
+Kept apart from the measuring (``ggmoe.engine.calibrate``) so the simulator never imports the engine: this
+takes the measurement as plain numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ggmoe.simulate.hardware import HardwareProfile, render_profile
+
+
+def profile_from(cal: Any, base: HardwareProfile, name: str) -> tuple[HardwareProfile, dict[str, str]]:
+    """The profile and, per figure, where it came from (measured here, or ``base``'s value).
+
+    ``cal`` is a ``ggmoe.engine.calibrate.Calibration``.
+    """
+    machine = f"{cal.gpu} with {cal.cpu}" if cal.gpu else f"{cal.cpu}, no GPU"
+    src = {attr: f"from the base profile {base.name!r} (not measurable here)" for attr in
+           ("copy_bytes_per_s", "copy_latency_s", "gpu_bytes_per_s", "gpu_launch_s", "gpu_layer_s",
+            "cpu_bytes_per_s", "cpu_latency_s", "hook_s")}
+    values: dict[str, float] = {}
+    if cal.gpu:
+        values["copy_bytes_per_s"] = cal.copy_bytes_per_s
+        values["copy_latency_s"] = cal.copy_latency_s
+        how = f"measured: least-squares line through {len(cal.copy_points)} pinned host-to-device copies"
+        src["copy_bytes_per_s"] = src["copy_latency_s"] = how
+    else:
+        src["copy_bytes_per_s"] = src["copy_latency_s"] = (
+            f"from the base profile {base.name!r}: this machine has no GPU (a host memcpy measured "
+            f"{cal.copy_bytes_per_s / 1e9:.2f} GB/s)")
+    if cal.gpu_bytes_per_s is not None:
+        values["gpu_bytes_per_s"] = cal.gpu_bytes_per_s
+        values["gpu_launch_s"] = 0.0
+        values["gpu_layer_s"] = 0.0
+        src["gpu_bytes_per_s"] = ("measured: weights a token reads over its decode time with every expert "
+                                  "resident on the GPU")
+        src["gpu_launch_s"] = src["gpu_layer_s"] = "0: folded into gpu bytes_per_s by the measurement"
+    values["cpu_bytes_per_s"] = cal.cpu_bytes_per_s
+    values["cpu_latency_s"] = 0.0
+    src["cpu_bytes_per_s"] = ("measured: expert bytes a token reads over the time the host experts add" if cal.gpu
+                              else "measured: weights a token reads over its decode time (CPU-only build)")
+    src["cpu_latency_s"] = "0: folded into cpu bytes_per_s by the measurement"
+    values["hook_s"] = cal.hook_s
+    src["hook_s"] = "measured: median seconds of the route callback with every expert cached"
+    profile = dataclasses.replace(base, name=name, description=f"measured by ggmoe calibrate on {machine}",
+                                  **values)
+    return profile, src
+
+
+def render(cal: Any, base: HardwareProfile, name: str) -> str:
+    profile, src = profile_from(cal, base, name)
+    notes = "".join(f"# note: {' '.join(n.split())}\n" for n in cal.notes)
+    return notes + render_profile(profile, src)
