@@ -64,10 +64,18 @@ class HostExpertOverride:
         self._overrides[0].buft = self.buft
 
     def apply(self, params: llama_cpp.llama_model_params) -> None:
-        """Point ``params.tensor_buft_overrides`` at the override list, and load without mmap."""
+        """Point ``params.tensor_buft_overrides`` at the override list, and load without mmap.
+
+        On a CPU-only build the override names the CPU buffer type, and llama.cpp then puts weights of
+        the types it can repack (Q4_0, Q4_K, IQ4_NL... on AVX2/NEON) in its CPU_REPACK buffer, in an
+        interleaved layout that slot copies and the host path cannot read; extra buffer types are turned
+        off so every weight keeps the GGUF's layout (dense matmuls lose the repacked kernels' speed).
+        """
         params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         # llama.cpp copies overridden tensors anyway, so mmap would only double the page cache
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        if self.buft == B.libggml_cpu.ggml_backend_cpu_buffer_type():
+            params.use_extra_bufts = False
 
 
 @dataclass

@@ -1,0 +1,47 @@
+"""Real quant types through the cache: Q4_K and MXFP4 experts (the real-shape writer's toy presets).
+
+On a CPU-only build llama.cpp would repack such weights into its CPU_REPACK buffer, whose layout slot
+copies cannot read; the engine keeps the GGUF layout, and every cache configuration must give exactly
+the logits of the same model run without the hook.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ggmoe.cache import CacheConfig
+from ggmoe.engine import Engine, EngineConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
+from realshape import write_model  # noqa: E402
+
+TOKENS = [1, 5, 9, 200, 33, 7, 120, 64, 2, 90]
+
+
+@pytest.fixture(scope="module", params=["toy", "toy-mxfp4"])
+def model(request, tmp_path_factory):
+    path, _, _ = write_model(request.param, tmp_path_factory.mktemp("rs") / f"{request.param}.gguf")
+    return path
+
+
+def logits(path: Path, cache: CacheConfig | None, gate_hook: bool = True) -> np.ndarray:
+    with Engine(EngineConfig(model_path=path, n_ctx=64, cache=cache, gate_hook=gate_hook)) as eng:
+        rows = [eng.decode(TOKENS[:4], all_logits=True)]
+        rows += [eng.decode([t]) for t in TOKENS[4:]]
+        expert_buffers = eng.expert_buffers
+    assert expert_buffers is None or set(expert_buffers.values()) <= {"CPU", "CUDA_Host"}
+    return np.concatenate(rows, axis=0)
+
+
+@pytest.mark.parametrize("cache", [
+    CacheConfig(n_slots=32), CacheConfig(n_slots=4), CacheConfig(n_slots=6, policy="lfu"),
+    CacheConfig(n_slots=6, miss_policy="cpu"),
+], ids=["all", "top-k", "lfu", "host-path"])
+def test_cache_gives_the_logits_of_the_plain_model(model, cache):
+    ref = logits(model, None, gate_hook=False)
+    assert np.isfinite(ref).all() and ref.std() > 0
+    assert np.array_equal(logits(model, cache), ref)

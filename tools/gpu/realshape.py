@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""Random-weight GGUF MoE models with real shapes and real quant types, written in seconds.
+
+Quantizing billions of random floats would take hours; this writes the quant
+blocks directly: a valid scale per block (chosen so every matmul keeps unit
+activations, as a trained model roughly does) and a random payload. The model
+loads and runs in llama.cpp like any other: every kernel, copy and sync is
+real; only the text is noise, and the routing nearly uniform (the benchmark's
+trace-replay routing mode replaces it by real routing).
+
+Presets (architecture qwen3moe, whose MoE llama.cpp runs like the originals'):
+
+    gpt-oss-20b    24 layers, n_embd 2880, 32 experts of width 2880, top-4; experts MXFP4 (gpt-oss's own
+                   expert type: 2880 is not a multiple of Q4_K's 256-element block), ~10 GB
+    qwen3-30b-a3b  48 layers, n_embd 2048, 128 experts of width 768, top-8; experts Q4_K, ~16 GB
+    toy            4 layers, n_embd 256, 32 experts of width 256, top-4; experts Q4_K (CI, the smoke run)
+    toy-mxfp4      4 layers, n_embd 320, 32 experts of width 320, top-4; experts MXFP4 (CI)
+
+Attention and the other dense matrices are Q8_0, norms and the router F32; heads are 64 wide. The
+vocabulary is the fixtures' 270-token byte-level BPE: the output head is small (a real 150-200k vocab
+adds the same time to every configuration of a benchmark).
+
+Usage:
+    python tools/gpu/realshape.py --preset gpt-oss-20b -o /tmp/models/gpt-oss-shape.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from make_fixtures import (  # noqa: E402,E501
+    ARCH_SPECS,
+    ModelPlan,
+    Role,
+    Shape,
+    TensorSpec,
+    _write_header_keys,
+    make_vocab,
+    moe_tensor_specs,
+)
+
+QType = gguf.GGMLQuantizationType
+ROUTER_LOGIT_STD = 2.4  # router logits' std: sharp enough that top-k depends on the token (as the fixtures)
+
+
+@dataclass(frozen=True)
+class Preset:
+    shape: Shape
+    expert_type: QType
+    what: str  # one line for the docs and the results
+
+
+PRESETS: dict[str, Preset] = {
+    "gpt-oss-20b": Preset(Shape(n_layer=24, n_embd=2880, n_head=45, n_head_kv=9, n_ff_exp=2880, n_ff=2880,
+                                n_expert=32, n_expert_used=4, n_ctx_train=4096), QType.MXFP4,
+                          "gpt-oss-20b's MoE shape: 24 layers, n_embd 2880, 32 experts x 2880, top-4, MXFP4"),
+    "qwen3-30b-a3b": Preset(Shape(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, n_ff_exp=768, n_ff=768,
+                                  n_expert=128, n_expert_used=8, n_ctx_train=4096), QType.Q4_K,
+                            "Qwen3-30B-A3B's MoE shape: 48 layers, n_embd 2048, 128 experts x 768, top-8, Q4_K"),
+    "toy": Preset(Shape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff_exp=256, n_ff=256, n_expert=32,
+                        n_expert_used=4, n_ctx_train=2048), QType.Q4_K,
+                  "toy: 4 layers, n_embd 256, 32 experts x 256, top-4, Q4_K"),
+    "toy-mxfp4": Preset(Shape(n_layer=4, n_embd=320, n_head=5, n_head_kv=1, n_ff_exp=320, n_ff=320, n_expert=32,
+                              n_expert_used=4, n_ctx_train=2048), QType.MXFP4,
+                        "toy-mxfp4: 4 layers, n_embd 320 (not a multiple of 256), 32 experts x 320, top-4, MXFP4"),
+}
+
+# --------------------------------------------------------------------------- quant blocks
+
+
+def _f16_bytes(x: float) -> np.ndarray:
+    return np.frombuffer(np.float16(x).tobytes(), dtype=np.uint8)
+
+
+def q8_0_blocks(n_blocks: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    """[n_blocks, 34] uint8: f16 d, 32 int8 q; value = d * q, uniform q of std ~73.3."""
+    b = np.frombuffer(rng.bytes(n_blocks * 34), dtype=np.uint8).reshape(n_blocks, 34).copy()
+    b[:, 0:2] = _f16_bytes(std / 73.3)
+    q = b[:, 2:].view(np.int8)
+    q[q == -128] = -127  # int8 range of the format
+    return b
+
+
+def q4_k_blocks(n_blocks: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    """[n_blocks, 144] uint8: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles.
+
+    value = d * sc * q - dmin * m with random sc, m in [0, 63] and q in [0, 15]: dmin = 7.5 d centres the
+    values, and their std is then about 258 d.
+    """
+    b = np.frombuffer(rng.bytes(n_blocks * 144), dtype=np.uint8).reshape(n_blocks, 144).copy()
+    d = std / 258.0
+    b[:, 0:2] = _f16_bytes(d)
+    b[:, 2:4] = _f16_bytes(7.5 * d)
+    return b
+
+
+def mxfp4_blocks(n_blocks: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    """[n_blocks, 17] uint8: an e8m0 scale, then 32 FP4 (e2m1) nibbles; value = kvalue * 2^(e - 128).
+
+    Uniform random nibbles give kvalues (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12) of std about 5.85.
+    """
+    b = np.frombuffer(rng.bytes(n_blocks * 17), dtype=np.uint8).reshape(n_blocks, 17).copy()
+    b[:, 0] = int(np.clip(round(128 + math.log2(std / 5.85)), 1, 254))
+    return b
+
+
+BLOCKS = {QType.Q8_0: q8_0_blocks, QType.Q4_K: q4_k_blocks, QType.MXFP4: mxfp4_blocks}
+
+# --------------------------------------------------------------------------- tensors
+
+
+def tensor_type(t: TensorSpec, expert_type: QType) -> QType:
+    if t.role is Role.EXPERT:
+        return expert_type
+    if t.role in (Role.NORM, Role.ROUTER, Role.BIAS) or len(t.ne) == 1:
+        return QType.F32
+    return QType.Q8_0
+
+
+def tensor_std(t: TensorSpec) -> float:
+    """Per-weight std that keeps unit activations: 1/sqrt(n_in); embeddings 1; the router sharper."""
+    if t.role is Role.EMBD:
+        return 1.0
+    if t.role is Role.ROUTER:
+        return ROUTER_LOGIT_STD / math.sqrt(t.ne[0])
+    return 1.0 / math.sqrt(t.ne[0])
+
+
+def tensor_bytes(t: TensorSpec, qtype: QType) -> int:
+    n = int(np.prod(t.ne))
+    if qtype is QType.F32:
+        return 4 * n
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if t.ne[0] % block:
+        raise ValueError(f"{t.name}: rows of {t.ne[0]} are not a multiple of {qtype.name}'s block of {block}")
+    return n // block * size
+
+
+def tensor_data(t: TensorSpec, qtype: QType, rng: np.random.Generator) -> np.ndarray:
+    """The tensor's bytes (uint8 [rows, row bytes]) or float32 values (numpy shape = reversed ne)."""
+    if qtype is QType.F32:
+        if t.role is Role.NORM:
+            return np.ones(tuple(reversed(t.ne)), dtype=np.float32)
+        return (rng.standard_normal(tuple(reversed(t.ne)), dtype=np.float32) * tensor_std(t)).astype(np.float32)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(t.ne)) // block
+    blocks = BLOCKS[qtype](n_blocks, tensor_std(t), rng)
+    rows = int(np.prod(t.ne[1:]))
+    return blocks.reshape(rows, n_blocks // rows * size)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def plan_for(preset: str, seed: int = 0) -> tuple[ModelPlan, Preset]:
+    if preset not in PRESETS:
+        raise SystemExit(f"error: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    spec = ARCH_SPECS["qwen3moe"]
+    vocab = make_vocab()
+    plan = ModelPlan(spec=spec, shape=p.shape, vocab=vocab,
+                     tensors=tuple(moe_tensor_specs(spec, p.shape, vocab.n_vocab)),
+                     name=f"ggmoe real-shape {preset} (random weights)", moe=True, expert_qtype=p.expert_type,
+                     seed=seed)
+    return plan, p
+
+
+def write_model(preset: str, out: Path, seed: int = 0) -> tuple[Path, int, float]:
+    """Write the preset to ``out`` (atomically); returns (path, bytes, seconds)."""
+    t0 = time.monotonic()
+    plan, p = plan_for(preset, seed)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    types = [tensor_type(t, p.expert_type) for t in plan.tensors]
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, arch=plan.spec.arch_name)
+        _write_header_keys(w, plan)
+        for t, q in zip(plan.tensors, types, strict=True):
+            shape = tuple(reversed(t.ne))  # numpy order, as add_tensor would take it
+            w.add_tensor_info(t.name, shape, np.dtype(np.float32), tensor_bytes(t, q),
+                              raw_dtype=None if q is QType.F32 else q)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t, q in zip(plan.tensors, types, strict=True):
+            w.write_tensor_data(tensor_data(t, q, rng))
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out, out.stat().st_size, time.monotonic() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("-o", "--out", required=True, type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    path, nbytes, secs = write_model(a.preset, a.out, a.seed)
+    print(f"wrote {path}: {nbytes / 2**30:.2f} GiB in {secs:.1f} s ({PRESETS[a.preset].what})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
