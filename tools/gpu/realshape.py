@@ -78,39 +78,67 @@ PRESETS: dict[str, Preset] = {
 
 # --------------------------------------------------------------------------- quant blocks
 
+POOL_BYTES = 64 << 20  # random bytes drawn once; tensors copy slices of it at random offsets
+
+
+class Payload:
+    """Random bytes at memcpy speed: numpy's generators give ~0.3 GB/s, a 10 GB model needs more.
+
+    Payloads repeat (a tensor is a slice of one pool at a random offset): for timing, a weight's value
+    does not matter, only that it is a valid number of the format.
+    """
+
+    def __init__(self, rng: np.random.Generator, pool_bytes: int = POOL_BYTES) -> None:
+        self.rng = rng
+        self.pool = rng.integers(0, 256, size=pool_bytes, dtype=np.uint8)
+        self._buf = np.empty(0, dtype=np.uint8)  # reused: fresh pages cost more than the copy
+
+    def take(self, n: int) -> np.ndarray:
+        """``n`` random bytes, writable, valid until the next ``take`` (one tensor at a time)."""
+        if self._buf.size < n:
+            self._buf = np.empty(n, dtype=np.uint8)
+        out = self._buf[:n]
+        pos = 0
+        while pos < n:
+            off = int(self.rng.integers(0, self.pool.size))
+            k = min(n - pos, self.pool.size - off)
+            out[pos:pos + k] = self.pool[off:off + k]
+            pos += k
+        return out
+
 
 def _f16_bytes(x: float) -> np.ndarray:
     return np.frombuffer(np.float16(x).tobytes(), dtype=np.uint8)
 
 
-def q8_0_blocks(n_blocks: int, std: float, rng: np.random.Generator) -> np.ndarray:
+def q8_0_blocks(n_blocks: int, std: float, payload: Payload) -> np.ndarray:
     """[n_blocks, 34] uint8: f16 d, 32 int8 q; value = d * q, uniform q of std ~73.3."""
-    b = np.frombuffer(rng.bytes(n_blocks * 34), dtype=np.uint8).reshape(n_blocks, 34).copy()
+    b = payload.take(n_blocks * 34).reshape(n_blocks, 34)
     b[:, 0:2] = _f16_bytes(std / 73.3)
     q = b[:, 2:].view(np.int8)
     q[q == -128] = -127  # int8 range of the format
     return b
 
 
-def q4_k_blocks(n_blocks: int, std: float, rng: np.random.Generator) -> np.ndarray:
+def q4_k_blocks(n_blocks: int, std: float, payload: Payload) -> np.ndarray:
     """[n_blocks, 144] uint8: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles.
 
     value = d * sc * q - dmin * m with random sc, m in [0, 63] and q in [0, 15]: dmin = 7.5 d centres the
     values, and their std is then about 258 d.
     """
-    b = np.frombuffer(rng.bytes(n_blocks * 144), dtype=np.uint8).reshape(n_blocks, 144).copy()
+    b = payload.take(n_blocks * 144).reshape(n_blocks, 144)
     d = std / 258.0
     b[:, 0:2] = _f16_bytes(d)
     b[:, 2:4] = _f16_bytes(7.5 * d)
     return b
 
 
-def mxfp4_blocks(n_blocks: int, std: float, rng: np.random.Generator) -> np.ndarray:
+def mxfp4_blocks(n_blocks: int, std: float, payload: Payload) -> np.ndarray:
     """[n_blocks, 17] uint8: an e8m0 scale, then 32 FP4 (e2m1) nibbles; value = kvalue * 2^(e - 128).
 
     Uniform random nibbles give kvalues (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12) of std about 5.85.
     """
-    b = np.frombuffer(rng.bytes(n_blocks * 17), dtype=np.uint8).reshape(n_blocks, 17).copy()
+    b = payload.take(n_blocks * 17).reshape(n_blocks, 17)
     b[:, 0] = int(np.clip(round(128 + math.log2(std / 5.85)), 1, 254))
     return b
 
@@ -147,7 +175,7 @@ def tensor_bytes(t: TensorSpec, qtype: QType) -> int:
     return n // block * size
 
 
-def tensor_data(t: TensorSpec, qtype: QType, rng: np.random.Generator) -> np.ndarray:
+def tensor_data(t: TensorSpec, qtype: QType, rng: np.random.Generator, payload: Payload) -> np.ndarray:
     """The tensor's bytes (uint8 [rows, row bytes]) or float32 values (numpy shape = reversed ne)."""
     if qtype is QType.F32:
         if t.role is Role.NORM:
@@ -155,7 +183,7 @@ def tensor_data(t: TensorSpec, qtype: QType, rng: np.random.Generator) -> np.nda
         return (rng.standard_normal(tuple(reversed(t.ne)), dtype=np.float32) * tensor_std(t)).astype(np.float32)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n_blocks = int(np.prod(t.ne)) // block
-    blocks = BLOCKS[qtype](n_blocks, tensor_std(t), rng)
+    blocks = BLOCKS[qtype](n_blocks, tensor_std(t), payload)
     rows = int(np.prod(t.ne[1:]))
     return blocks.reshape(rows, n_blocks // rows * size)
 
@@ -183,6 +211,8 @@ def write_model(preset: str, out: Path, seed: int = 0) -> tuple[Path, int, float
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
+    payload = Payload(rng, min(POOL_BYTES, max(1 << 20, sum(tensor_bytes(t, tensor_type(t, p.expert_type))
+                                                            for t in plan.tensors))))
     types = [tensor_type(t, p.expert_type) for t in plan.tensors]
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
@@ -197,7 +227,7 @@ def write_model(preset: str, out: Path, seed: int = 0) -> tuple[Path, int, float
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for t, q in zip(plan.tensors, types, strict=True):
-            w.write_tensor_data(tensor_data(t, q, rng))
+            w.write_tensor_data(tensor_data(t, q, rng, payload))
         w.close()
         os.replace(tmp, out)
     except BaseException:
