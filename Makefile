@@ -4,7 +4,7 @@ PROMPT ?= The quick brown fox
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
 PORT ?= 8080
-.PHONY: setup engine run generate test test-unit lint
+.PHONY: setup engine run generate test test-unit lint gpu-smoke
 
 # Build (or reuse the cached) patched llama-cpp-python wheel, then install ggmoe with its extras.
 setup: engine
@@ -33,3 +33,7 @@ test-unit:
 
 lint:
 	$(PY) -m ruff check ggmoe predictors tools tests
+
+# The GPU benchmark harness end to end at toy size on this machine (docs/benchmarks.md, "GPU harness").
+gpu-smoke: setup
+	$(PY) tools/gpu/smoke.py

@@ -114,6 +114,8 @@ class EngineConfig:
     n_threads: int = field(default_factory=lambda: os.cpu_count() or 2)
     n_gpu_layers: int = -1  # dense layers on the GPU when there is one (-1: all)
     experts_on_host: bool = True  # expert tensors in host memory (pinned when a GPU exists)
+    # with experts_on_host: only these MoE layers' experts (llama.cpp's --n-cpu-moe baseline); None: all
+    host_expert_layers: tuple[int, ...] | None = None
     gate_hook: bool = True  # install the gate hook (False: stock compute, for baselines)
     hook_path: str = "auto"  # auto: the patched route op when available, else cb_eval | route | cb_eval
     cache: CacheConfig | None = None  # the expert cache (needs the patched engine)
@@ -171,7 +173,10 @@ class Engine:
         self._ctx: _internals.LlamaContext | None = None
         self._batch: _internals.LlamaBatch | None = None
         try:
-            self._model = load_model(path, config.n_gpu_layers, config.experts_on_host)
+            if config.host_expert_layers is not None and config.cache is not None:
+                raise UsageError("the expert cache needs every layer's experts in host memory "
+                                 "(host_expert_layers=None)")
+            self._model = load_model(path, config.n_gpu_layers, config.experts_on_host, config.host_expert_layers)
             self.n_ctx_train = int(self._model.model.n_ctx_train())  # tokens the model was trained on
             n_ctx = config.n_ctx or self.n_ctx_train
             self._ctx = new_context(self._model, n_ctx, config.n_batch, min(config.n_ubatch, config.n_batch),
@@ -231,11 +236,14 @@ class Engine:
         if buft is None or self.expert_buffers is None:
             return ()
         wanted = B.libggml_base.ggml_backend_buft_name(buft).decode()
-        misplaced = [n for n, b in self.expert_buffers.items() if b != wanted]
+        host = self.config.host_expert_layers
+        checked = {n: b for n, b in self.expert_buffers.items()
+                   if host is None or int(n.split(".")[1]) in host}  # "blk.{il}.ffn_*_exps.weight"
+        misplaced = [n for n, b in checked.items() if b != wanted]
         if misplaced:
             raise EngineError(f"{len(misplaced)} expert tensors are not in {wanted} (e.g. {misplaced[0]} in "
                               f"{self.expert_buffers[misplaced[0]]})")
-        return tuple(self.expert_buffers)
+        return tuple(checked)
 
     def _make_cache(self, cache: CacheConfig) -> CacheRuntime:
         return CacheRuntime.for_model(self._model.ptr, self._ctx.ctx, cache, self.facts)
@@ -250,6 +258,13 @@ class Engine:
         if not isinstance(self._hook, RouteOpHook):
             raise UsageError("hook timings need the route op of the patched engine")
         self._hook.times = [] if on else None
+
+    def set_routing_override(self, override: Callable[[int, int], list[int]] | None) -> None:
+        """Benchmarks only: experts chosen by ``override(il, n_tokens)`` instead of the router's for the cache
+        and the observers (tools/gpu's trace-replay routing); None restores the router's."""
+        if not isinstance(self._hook, RouteOpHook):
+            raise UsageError("a routing override needs the route op of the patched engine")
+        self._hook.routing_override = override
 
     @property
     def hook_times(self) -> np.ndarray:

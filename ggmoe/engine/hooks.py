@@ -88,6 +88,10 @@ class RouteOpHook:
         self.cache = None  # ggmoe.cache.ExpertCache, set when the engine has a cache
         self.error: BaseException | None = None
         self.times: list[float] | None = None  # seconds per callback, when benchmarking
+        # Benchmarks only (tools/gpu, "trace-replay routing"): (il, n_tokens) -> the selected experts to
+        # use instead of the router's, flat [n_tokens * n_expert_used]; the cache and the observers see
+        # these. Never set by ggmoe itself.
+        self.routing_override: Callable[[int, int], list[int]] | None = None
         self.c_callback = _patched.route_cb(self._route)  # kept alive as long as the context
 
     def install(self, ctx_ptr: int) -> None:
@@ -111,6 +115,8 @@ class RouteOpHook:
                 return 1
             n = n_tokens * n_expert_used
             ids = (ctypes.c_int32 * n).from_address(ids_p)  # dense [n_tokens][n_expert_used]
+            if self.routing_override is not None:
+                ids = (ctypes.c_int32 * n)(*self.routing_override(il, n_tokens))
             cache = self.cache
             if cache is not None and il in cache.tables:
                 if slots_p:

@@ -20,7 +20,7 @@ from ggmoe.engine import patch as _patched
 from ggmoe.engine.log import llama_log
 from ggmoe.errors import EngineError, ModelFileError
 from ggmoe.inspect import ModelFacts
-from ggmoe.inspect.names import EXPERT_TENSOR_PATTERN
+from ggmoe.inspect.names import CACHED_KINDS, EXPERT_TENSOR_PATTERN
 
 llama_cpp = B.llama_cpp
 
@@ -55,9 +55,10 @@ class HostExpertOverride:
     it points to) during ``llama_model_load_from_file``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, layers: tuple[int, ...] | None = None) -> None:
+        """``layers``: only these layers' experts go to host memory (llama.cpp's --n-cpu-moe); None: all."""
         self.buft = host_expert_buft()  # the buffer type asked for the expert tensors
-        self._pattern = EXPERT_TENSOR_PATTERN.encode()
+        self._pattern = (EXPERT_TENSOR_PATTERN if layers is None else expert_pattern(layers)).encode()
         # struct llama_model_tensor_buft_override[2]: the pattern, then the NULL terminator
         self._overrides = (B.llama_model_tensor_buft_override * 2)()
         self._overrides[0].pattern = self._pattern
@@ -98,12 +99,21 @@ class LoadedModel:
         self.model.close()
 
 
-def load_model(path: Path, n_gpu_layers: int, experts_on_host: bool) -> LoadedModel:
-    """Load the GGUF with the experts in host memory; ModelFileError with llama.cpp's reason on failure."""
+def expert_pattern(layers: tuple[int, ...]) -> str:
+    """The regex of the expert tensors of ``layers`` only (matches no tensor when empty)."""
+    if not layers:
+        return r"^$"
+    return r"^blk\.(" + "|".join(str(int(il)) for il in sorted(layers)) + r")\.ffn_(" + "|".join(CACHED_KINDS) + r")_exps"
+
+
+def load_model(path: Path, n_gpu_layers: int, experts_on_host: bool,
+               host_layers: tuple[int, ...] | None = None) -> LoadedModel:
+    """Load the GGUF with the experts (of ``host_layers``, None: all) in host memory; ModelFileError with
+    llama.cpp's reason on failure."""
     log = llama_log()
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
-    override = HostExpertOverride() if experts_on_host else None
+    override = HostExpertOverride(host_layers) if experts_on_host else None
     if override is not None:
         override.apply(params)
     mark = log.count

@@ -91,6 +91,24 @@ class Trace:
         return int(hits[0])
 
 
+def _write_arrays(path: str | Path, meta: TraceMeta, arrays: dict[str, np.ndarray]) -> None:
+    arrays = {**arrays, "meta": np.frombuffer(json.dumps(asdict(meta)).encode(), dtype=np.uint8)}
+    with atomic_write(path) as f:  # never a half-written trace under the final name
+        np.savez(f, **arrays)
+
+
+def write_trace(trace: Trace, path: str | Path) -> Path:
+    """Write a ``Trace`` (e.g. a selection or a transformation of a loaded one) in the same format."""
+    arrays = {"token_ids": trace.token_ids.astype(np.int32), "positions": trace.positions.astype(np.int32),
+              "stage": trace.stage.astype(np.uint8), "ids": trace.ids.astype(np.int16),
+              "probs": trace.probs.astype(np.float16), "prompt_offsets": trace.prompt_offsets.astype(np.int64),
+              "layers": trace.layers.astype(np.int32)}
+    if trace.hidden is not None:
+        arrays["hidden"] = trace.hidden.astype(np.float16)
+    _write_arrays(path, trace.meta, arrays)
+    return Path(path)
+
+
 class TraceWriter:
     """Accumulates steps (one ``decode`` call each) and writes the ``.npz`` at the end."""
 
@@ -135,9 +153,7 @@ class TraceWriter:
         arrays = {k: np.concatenate(v, axis=0) for k, v in self._rows.items() if v}
         arrays["prompt_offsets"] = np.asarray(self._offsets, dtype=np.int64)
         arrays["layers"] = np.asarray(self._layers, dtype=np.int32)
-        arrays["meta"] = np.frombuffer(json.dumps(asdict(self.meta)).encode(), dtype=np.uint8)
-        with atomic_write(path) as f:  # never a half-written trace under the final name
-            np.savez(f, **arrays)
+        _write_arrays(path, self.meta, arrays)
         return Path(path)
 
 
