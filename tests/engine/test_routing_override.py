@@ -1,0 +1,54 @@
+"""Benchmark seams of the engine: a routing override (trace-replay routing) and per-layer expert placement."""
+
+from __future__ import annotations
+
+import pytest
+
+from ggmoe.cache import CacheConfig
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.errors import UsageError
+from ggmoe.hook import HookRequest, RouteRecorder
+
+
+def test_the_cache_and_the_observers_see_the_override(qwen3moe_model):
+    rec = RouteRecorder(HookRequest(probs=False, hidden=False))
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64, cache=CacheConfig(n_slots=4)),
+                observer=rec) as eng:
+        k = eng.facts.n_expert_used
+        calls = []
+
+        def override(il: int, n_tokens: int) -> list[int]:
+            calls.append((il, n_tokens))
+            return [e for _ in range(n_tokens) for e in range(k)]  # always experts 0..k-1
+
+        eng.set_routing_override(override)
+        eng.decode([1])  # one token per call: every call runs on the cache (none natively)
+        events = rec.take()
+        for _ in range(5):
+            eng.decode([4])
+        stats = eng.cache_stats
+        eng.set_routing_override(None)
+        eng.decode([5])
+        after = rec.take()
+    assert calls and {il for il, _ in calls} == set(eng.facts.moe_layers)
+    assert all(set(ev.ids.ravel().tolist()) == set(range(k)) for ev in events.values())
+    for s in stats.layers.values():
+        assert s.misses == k  # loaded once, then every call hits
+        assert s.hits == k * (s.calls - 1)
+    assert any(set(ev.ids.ravel().tolist()) != set(range(k)) for ev in after.values())
+
+
+def test_an_override_needs_the_route_op(qwen3moe_model):
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64, hook_path="cb_eval")) as eng:
+        with pytest.raises(UsageError, match="route op"):
+            eng.set_routing_override(lambda il, n: [])
+
+
+def test_host_expert_layers(qwen3moe_model):
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64, host_expert_layers=(1, 3),
+                             gate_hook=False)) as eng:
+        assert set(eng.host_expert_tensors) <= {n for n in eng.expert_buffers if n.split(".")[1] in ("1", "3")}
+        assert eng.decode([1, 2]).shape[-1] == eng.n_vocab
+    with pytest.raises(UsageError, match="every layer"):
+        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64, host_expert_layers=(1,),
+                            cache=CacheConfig(n_slots=4)))
