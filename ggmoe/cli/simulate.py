@@ -1,0 +1,189 @@
+"""``ggmoe simulate``: traces through the engine's cache, copy queue and prefetcher on a hardware cost model."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ggmoe.cli.edge import edge
+from ggmoe.cli.options import FiniteFloat, model_path
+from ggmoe.errors import UsageError
+from ggmoe.outputs import check_output
+
+
+def _split(values: tuple[str, ...]) -> list[str]:
+    """Repeated flags and comma lists alike: ("lru,lfu", "fmoe") -> ["lru", "lfu", "fmoe"]."""
+    return [v.strip() for value in values for v in value.split(",") if v.strip()]
+
+
+def _numbers(values: tuple[str, ...], kind: type, flag: str) -> list:
+    out = []
+    for v in _split(values):
+        try:
+            x = kind(v)
+        except ValueError:
+            raise UsageError(f"{flag} {v!r}: not a{'n integer' if kind is int else ' number'}") from None
+        if kind is float and not 0.0 < x <= 1.0:
+            raise UsageError(f"{flag} {v}: a share of the experts, in (0, 1]")
+        out.append(x)
+    return out
+
+
+def sizes(facts: Any, cache_slots: tuple[str, ...], fractions: tuple[str, ...],
+          vram: tuple[str, ...]) -> list[tuple[str, dict[int, int]]]:
+    """(label, slots per layer) for every size asked for."""
+    from ggmoe.cache import slots_for_budget
+    from ggmoe.units import parse_bytes
+
+    bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+    out: list[tuple[str, dict[int, int]]] = []
+    for n in _numbers(cache_slots, int, "--cache-slots"):
+        if not facts.n_expert_used <= n <= facts.n_expert:
+            raise UsageError(f"--cache-slots {n}: the model needs {facts.n_expert_used} to {facts.n_expert}")
+        out.append((f"{n} slots", dict.fromkeys(bpe, n)))
+    for f in _numbers(fractions, float, "--cache-fraction"):
+        n = max(facts.n_expert_used, min(facts.n_expert, round(f * facts.n_expert)))
+        out.append((f"{f:.0%} ({n} slots)", dict.fromkeys(bpe, n)))
+    for v in _split(vram):
+        slots = slots_for_budget(parse_bytes(v), bpe, facts.n_expert, facts.n_expert_used)
+        out.append((f"{v} ({next(iter(slots.values()))} slots)", slots))
+    if not out:
+        raise UsageError("give a cache size: --cache-slots N, --cache-fraction F or --vram BYTES (repeatable)")
+    return out
+
+
+def _row(size: str, r: Any) -> dict[str, Any]:
+    est = r.tpot_s is not None
+    return {"size": size, "policy": r.policy, "predictor": r.predictor or "-", "miss": r.miss_policy,
+            "hit rate": f"{r.hit_rate:.1%}", "pred acc": f"{r.pred_accuracy:.1%}" if r.predictor else "-",
+            "GoodPred": f"{r.goodpred:.1%}" if r.predictor else "-",
+            "exposed copy ms": f"{r.exposed_copy_s * 1e3:.1f}" if est else "-",
+            "CPU experts": r.host_computed,
+            "TPOT ms (est.)": f"{r.tpot_s * 1e3:.3f}" if est else "-",
+            "TTFT ms (est.)": f"{r.ttft_s * 1e3:.1f}" if r.ttft_s is not None else "-",
+            "cache MiB": f"{r.cache_bytes / 2**20:.1f}"}
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    cols = list(rows[0])
+    width = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    line = "  ".join(c.ljust(width[c]) for c in cols)
+    return "\n".join([line, "  ".join("-" * width[c] for c in cols),
+                      *("  ".join(str(r[c]).ljust(width[c]) for c in cols) for r in rows)])
+
+
+def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'ggmoe[train]' or pip install matplotlib") from None
+    labels = [f"{r['size']}\n{r['policy']}/{r['predictor']}/{r['miss']}" for r in rows]
+    fig, ax = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(rows)), 4.5))
+    ax[0].bar(range(len(rows)), [x.hit_rate for x in results])
+    ax[0].set_ylabel("hit rate")
+    tpot = [x.tpot_s * 1e3 if x.tpot_s is not None else 0 for x in results]
+    ax[1].bar(range(len(rows)), tpot)
+    ax[1].set_ylabel("TPOT, ms (estimate)")
+    for a in ax:
+        a.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@click.command()
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--model", "model", help="The GGUF the traces come from (bytes per expert); default: the "
+                                       "embedded model.")
+@click.option("--cache-slots", multiple=True, help="Slots per layer (repeat or comma list).")
+@click.option("--cache-fraction", multiple=True,
+              help="Share of each layer's experts cacheable, e.g. 0.25,0.5 (repeat or comma list).")
+@click.option("--vram", multiple=True, help="Cache budget over all layers, e.g. 4GiB (repeat or comma list).")
+@click.option("--policy", multiple=True, help="Eviction policies (repeat or comma list; default lru).")
+@click.option("--predictor", multiple=True, help="Predictors (none, reuse, token, eam, expert-map, oracle, "
+                                                 "PRED.npz); repeat or comma list; default none.")
+@click.option("--stride", default=2, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--prefetch", "n_prefetch", type=click.IntRange(1, 4096),
+              help="Experts prefetched per layer (default 2 x top-k).")
+@click.option("--miss-policy", multiple=True, help="wait, cpu, auto (repeat or comma list; default wait).")
+@click.option("--hw", default="pcie4", show_default=True,
+              help="Hardware profile (pcie4, h100, egpu, a .toml from ggmoe calibrate), or none: counts only.")
+@click.option("--predictor-train", multiple=True, type=click.Path(dir_okay=False),
+              help="Training traces for predictors that learn (eam, expert-map, token).")
+@click.option("--predictor-s", type=FiniteFloat(min=0.0),
+              help="Seconds per predictor call on the critical path (default: measured on this machine).")
+@click.option("--stats-in", type=click.Path(dir_okay=False), help="Routing statistics for --policy static.")
+@click.option("--json", "as_json", is_flag=True, help="Print every result as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of hit rate and TPOT.")
+@edge
+def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str, ...],
+             cache_fraction: tuple[str, ...], vram: tuple[str, ...], policy: tuple[str, ...],
+             predictor: tuple[str, ...], stride: int, n_prefetch: int | None, miss_policy: tuple[str, ...], hw: str,
+             predictor_train: tuple[str, ...], predictor_s: float | None, stats_in: str | None, as_json: bool,
+             plot_path: str | None) -> None:
+    """Replay traces through the cache, copy queue and prefetcher on a hardware cost model.
+
+    Every combination of the sizes, policies, predictors and miss policies given is simulated and shown
+    side by side: hit rate, prediction accuracy, GoodPred, exposed copy time, experts computed on the
+    CPU, and estimated TPOT and TTFT (estimates from the profile: see docs/simulator.md).
+
+    \b
+    Examples:
+      ggmoe trace --prompts prompts.jsonl -o traces/
+      ggmoe simulate traces/trace.npz --cache-fraction 0.25,0.5 --policy lru,lfu,lcp
+      ggmoe simulate traces/trace.npz --cache-slots 16 --predictor none,reuse,oracle --stride 1 --hw egpu
+      ggmoe simulate traces/trace.npz --vram 4MiB --miss-policy wait,auto --json
+    """
+    from ggmoe.cli.warm import read_stats_in
+    from ggmoe.inspect import inspect_model
+    from ggmoe.inspect.fingerprint import model_fingerprint
+    from ggmoe.simulate.des import SimConfig
+    from ggmoe.simulate.des import simulate as run
+    from ggmoe.simulate.hardware import load_profile
+    from ggmoe.trace import load_traces
+
+    if plot_path is not None:
+        check_output(plot_path, "--plot", suffixes=(".png",))
+    path = model_path(model)
+    facts = inspect_model(path)
+    trace = load_traces(list(traces))
+    if trace.meta.model_fingerprint != model_fingerprint(path):
+        raise UsageError(f"the traces come from another model than {Path(path).name}: give it with --model")
+    train = load_traces(list(predictor_train)) if predictor_train else None
+    profile = None if hw == "none" else load_profile(hw)
+    policies = _split(policy) or ["lru"]
+    predictors = [None if p == "none" else p for p in (_split(predictor) or ["none"])]
+    misses = _split(miss_policy) or ["wait"]
+    options: dict[str, dict] = {}
+    if "static" in policies:
+        warm = read_stats_in(stats_in, facts, Path(path))
+        if warm is None:
+            raise UsageError("--policy static pins the hottest experts of saved statistics: give --stats-in FILE")
+        options["static"] = {"counts": warm.counts_by_layer()}
+    bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+    results, rows = [], []
+    combos = list(itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors, misses))
+    with click.progressbar(combos, label="simulating", file=click.get_text_stream("stderr")) as bar:
+        for (label, slots), pol, pred, miss in bar:
+            cfg = SimConfig(n_slots=slots, policy=pol, policy_options=options.get(pol), predictor=pred,
+                            stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s)
+            r = run(trace, cfg, bpe, profile, train)
+            results.append(r)
+            rows.append(_row(label, r))
+    if plot_path is not None:
+        plot(plot_path, rows, results)
+    if as_json:
+        click.echo(json.dumps({"traces": list(traces), "model": str(path), "profile": hw,
+                               "estimates": "tpot_s and ttft_s are estimates from the profile's cost model",
+                               "results": [dataclasses.asdict(r) for r in results]}, indent=2))
+        return
+    click.echo(f"{trace.n_tokens} tokens of {trace.n_prompts} prompts; profile {hw}"
+               + ("" if profile else " (counts only: no times)"))
+    click.echo(render_table(rows))

@@ -1,0 +1,228 @@
+"""The discrete-event simulator: traces through the engine's cache, copy queue and prefetcher on a cost model.
+
+Three resources share one virtual clock (seconds):
+
+- the GPU stream: per MoE layer call, the route hook (``hook_s``), the predictor when one runs in the
+  callback, a wait for copies the layer needs, then the layer: attention and router (``gpu_layer_s`` per
+  64 tokens of the micro-batch) and each distinct resident expert read once (``gpu_expert_s(bytes)``);
+- the copy engine (``timeline.LinkCopyBackend``): one link, chunks, demand before admission before
+  prefetch, so copies overlap the GPU and a layer waits only for what it needs;
+- the CPU workers of the host path: the experts the miss policy sends to the CPU, one after another
+  (``cpu_expert_s(bytes)`` each), in parallel with the GPU's part of the layer: the layer takes the longer.
+
+A micro-batch too wide for the slots runs natively, as the engine does: llama.cpp's op offload uploads the
+layer's whole expert tensors for it (``n_expert`` experts over the link) and the GPU computes.
+
+The cache, the policies, the miss policy and the prefetcher are the engine's own objects; only the copy
+backend and the clock are simulated. Without a hardware profile every cost is zero and copies land at once:
+the counts then equal the engine's on a CPU build exactly. What is not modelled: the output head and
+sampling, KV-cache growth, kernel overlap inside a layer, PCIe contention with the GPU's own traffic. TPOT
+and TTFT are therefore **estimates**, labelled so wherever they are printed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ggmoe.cache import ExpertCache
+from ggmoe.cache.clock import ManualClock
+from ggmoe.cache.miss import SLOT_HOST
+from ggmoe.cache.policies import POLICIES
+from ggmoe.cache.prefetch import Prefetcher
+from ggmoe.errors import UsageError
+from ggmoe.hook import RouteEvent
+from ggmoe.predict import ModelShape, make_predictor
+from ggmoe.simulate.hardware import HardwareProfile
+from ggmoe.simulate.replay import micro_batches, next_uses
+from ggmoe.simulate.timeline import LinkCopyBackend
+from ggmoe.trace.format import STAGE_PREFILL, Trace
+
+TOKENS_PER_LAYER_STEP = 64  # tokens of a micro-batch the GPU's attention handles in one batch-1 layer time
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One configuration to simulate."""
+
+    n_slots: Mapping[int, int]  # slots per MoE layer
+    policy: str = "lru"
+    policy_options: Mapping[str, Any] | None = None  # e.g. static's counts
+    predictor: str | None = None  # a registered predictor, "oracle", or a PRED.npz; None: no prefetching
+    stride: int = 2  # MoE layers ahead
+    n_prefetch: int | None = None  # experts prefetched per target layer (default: 2 x n_expert_used)
+    threshold: float | None = None
+    miss_policy: str = "wait"
+    predictor_s: float | None = None  # s per predictor call on the GPU's critical path; None: measured here
+
+    @property
+    def label(self) -> str:
+        sizes = sorted(set(self.n_slots.values()))
+        size = str(sizes[0]) if len(sizes) == 1 else f"{min(sizes)}-{max(sizes)}"
+        pred = f"{self.predictor}/s{self.stride}" if self.predictor else "-"
+        return f"{self.policy} {size} slots, predictor {pred}, miss {self.miss_policy}"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    label: str
+    policy: str
+    predictor: str | None
+    miss_policy: str
+    slots_per_layer: dict[int, int]
+    cache_bytes: int  # bytes of slots over all layers
+    hit_rate: float
+    pred_accuracy: float  # top-k of the predictions that the layer selected
+    prefetch_issued: int
+    prefetch_hits: int
+    late_prefetches: int  # prefetched experts a layer had to wait for
+    goodpred: float  # accuracy x share of used prefetches that had landed in time
+    exposed_copy_s: float  # s the GPU waited for copies
+    host_computed: int  # experts computed on the CPU
+    native_calls: int
+    decode_tokens: int
+    prefill_tokens: int
+    tpot_s: float | None  # estimate: s per decoded token; None without a profile
+    ttft_s: float | None  # estimate: mean s from a prompt to its first token; None without a profile
+    link_busy_s: float  # s the simulated link copied
+    stats: dict = field(default_factory=dict)  # CacheStats.to_dict()
+
+
+def _predictor(config: SimConfig, trace: Trace, train: Trace | None):
+    shape = ModelShape.from_trace(trace.meta, trace.layers)
+    pred = make_predictor(config.predictor, shape, config.stride)
+    if pred.needs_fit:
+        if train is None:
+            raise UsageError(f"predictor {config.predictor!r} learns from traces: give training traces")
+        if train.meta.model_fingerprint != trace.meta.model_fingerprint:
+            raise UsageError("the training traces come from another model")
+        pred.fit(train)
+    return pred
+
+
+class _Costs:
+    """The profile's figures for one trace (zero without a profile)."""
+
+    def __init__(self, profile: HardwareProfile | None, bytes_per_expert: Mapping[int, int], n_expert: int) -> None:
+        self.p = profile
+        self.bpe = bytes_per_expert
+        self.n_expert = n_expert
+
+    def hook(self) -> float:
+        return self.p.hook_s if self.p else 0.0
+
+    def gpu(self, il: int, n_tokens: int, n_experts: int) -> float:
+        if self.p is None:
+            return 0.0
+        steps = math.ceil(n_tokens / TOKENS_PER_LAYER_STEP)
+        return steps * self.p.gpu_layer_s + n_experts * self.p.gpu_expert_s(self.bpe[il])
+
+    def cpu(self, il: int, n_experts: int) -> float:
+        return n_experts * self.p.cpu_expert_s(self.bpe[il]) if self.p and n_experts else 0.0
+
+    def native_upload(self, il: int) -> float:
+        """llama.cpp's op offload: the layer's whole expert tensors over the link."""
+        return self.p.copy_s(self.n_expert * self.bpe[il], 3) if self.p else 0.0
+
+
+def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
+             profile: HardwareProfile | None = None, train: Trace | None = None, n_chunks: int = 3) -> SimResult:
+    """Replay ``trace`` through a fresh cache on the cost model; see the module docstring."""
+    m = trace.meta
+    layers = [int(il) for il in trace.layers]
+    missing = [il for il in layers if il not in config.n_slots]
+    if missing:
+        raise UsageError(f"no slot count for MoE layers {missing}")
+    clock = ManualClock()
+    link = LinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks)
+    policy = POLICIES.get(config.policy)(m.n_expert, layers, **dict(config.policy_options or {}))
+    cache = ExpertCache(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
+                        bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=config.miss_policy,
+                        costs=profile.miss_costs() if profile is not None else None)
+    pred = _predictor(config, trace, train) if config.predictor else None
+    prefetcher = None
+    if pred is not None:
+        n = config.n_prefetch if config.n_prefetch is not None else min(2 * m.n_expert_used, m.n_expert)
+        prefetcher = Prefetcher(cache, pred, layers, n, config.threshold)
+    costs = _Costs(profile, bytes_per_expert, m.n_expert)
+    ids = trace.ids.astype(np.int32)
+    pos = {il: j for j, il in enumerate(layers)}
+    batches = list(micro_batches(trace))
+    future = _future(trace, cache, layers, batches, ids, pos) if policy.needs_future else None
+    decode_s = prefill_s = 0.0
+    ttft: list[float] = []
+    first_pending: float | None = None  # a prompt's prefill time, until its first decode step
+    fi = 0
+    for rows in batches:
+        n_tok = rows.stop - rows.start
+        prefill = bool(trace.stage[rows.start] == STAGE_PREFILL)
+        if prefetcher is not None:
+            if getattr(pred, "needs_truth", False) and n_tok == 1:
+                pred.reveal(ids[rows.start])
+            prefetcher.begin_step([int(t) for t in trace.token_ids[rows]])
+        t0 = clock.now()
+        for il in layers:
+            clock.advance(costs.hook())
+            sel = ids[rows, pos[il]]  # [n_tok, k]
+            need = len(set(sel.ravel().tolist()))
+            if not cache.fits(il, n_tok):
+                cache.observe(il, sel)
+                clock.advance(costs.native_upload(il) + costs.gpu(il, n_tok, need))
+                continue
+            flat = sel.ravel().tolist()
+            if future is None:
+                slots = cache.route_flat(il, flat)
+            else:
+                slots = cache.route_flat(il, flat, next_use=future[fi])
+                fi += 1
+            n_host = len({e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST})
+            if prefetcher is not None:
+                tp = time.perf_counter()
+                probs = trace.probs[rows, pos[il]].astype(np.float32) if pred.needs_probs else None
+                prefetcher.on_route(RouteEvent(il=il, ids=sel, probs=probs, hidden=None))
+                pred_s = time.perf_counter() - tp if config.predictor_s is None else config.predictor_s
+                clock.advance(pred_s if profile is not None else 0.0)
+            clock.advance(max(costs.gpu(il, n_tok, need - n_host), costs.cpu(il, n_host)))
+        dt = clock.now() - t0
+        if prefill:
+            prefill_s += dt
+            first_pending = (first_pending or 0.0) + dt
+        else:
+            decode_s += dt
+            if first_pending is not None:
+                ttft.append(first_pending + dt)
+                first_pending = None
+    if prefetcher is not None:
+        prefetcher.close()
+    return _result(config, trace, cache, link, profile, bytes_per_expert, decode_s, prefill_s, ttft)
+
+
+def _future(trace: Trace, cache: ExpertCache, layers: list[int], batches: Sequence[slice], ids: np.ndarray,
+            pos: dict[int, int]) -> list[dict[int, float]]:
+    routed = [(il, sorted(set(ids[rows, pos[il]].ravel().tolist()))) for rows in batches for il in layers
+              if cache.fits(il, rows.stop - rows.start)]
+    return next_uses(routed, trace.meta.n_expert)
+
+
+def _result(config: SimConfig, trace: Trace, cache: ExpertCache, link: LinkCopyBackend,
+            profile: HardwareProfile | None, bpe: Mapping[int, int], decode_s: float, prefill_s: float,
+            ttft: list[float]) -> SimResult:
+    t = cache.stats.total()
+    n_decode = int(np.sum(trace.stage != STAGE_PREFILL))
+    n_prefill = trace.n_tokens - n_decode
+    in_time = 1.0 - link.late_prefetches / t.prefetch_hits if t.prefetch_hits else 0.0
+    return SimResult(
+        label=config.label, policy=config.policy, predictor=config.predictor, miss_policy=config.miss_policy,
+        slots_per_layer=dict(config.n_slots), cache_bytes=sum(n * bpe[il] for il, n in config.n_slots.items()),
+        hit_rate=t.hit_rate, pred_accuracy=t.pred_accuracy, prefetch_issued=t.prefetch_issued,
+        prefetch_hits=t.prefetch_hits, late_prefetches=link.late_prefetches,
+        goodpred=t.pred_accuracy * max(in_time, 0.0), exposed_copy_s=t.wait_s, host_computed=t.host_computed,
+        native_calls=t.native_calls, decode_tokens=n_decode, prefill_tokens=n_prefill,
+        tpot_s=decode_s / n_decode if profile is not None and n_decode else None,
+        ttft_s=float(np.mean(ttft)) if profile is not None and ttft else None,
+        link_busy_s=link.busy_s, stats=cache.stats.to_dict())

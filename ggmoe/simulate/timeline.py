@@ -1,0 +1,141 @@
+"""A simulated copy engine on a virtual clock: the one PCIe link, two priorities, copies in chunks.
+
+``LinkCopyBackend`` implements the cache's ``CopyBackend`` protocol, so the
+simulator drives the same ``ExpertCache`` (and ``Prefetcher``) the engine does.
+Time is the cache's ``ManualClock``: the GPU stream's time. The link runs one
+chunk at a time (an expert copy is ``n_chunks`` chunks, one per expert tensor
+kind, each paying the profile's per-copy latency); after every chunk it takes
+the most urgent queued job (demand, then admission, then prefetch; within a
+priority the lower rank, then the older), so urgent work waits at most one
+chunk, as the engine's copy queue does. A job cannot start before it was
+submitted. ``wait`` blocks the GPU: it advances the clock to the moment the last
+awaited copy lands. With no ``profile`` every copy lands at once (the CPU
+build's synchronous copies: replaying an engine's trace then gives exactly the
+engine's counts).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ggmoe.cache.clock import ManualClock
+from ggmoe.cache.copy import CopyHandle, Priority
+from ggmoe.simulate.hardware import HardwareProfile
+
+
+@dataclass(order=True)
+class _Job:
+    key: tuple[int, float, int]  # (priority, rank, id): the heap's order
+    handle: CopyHandle = field(compare=False)
+    submitted: float = field(compare=False)  # s
+    chunks_left: int = field(compare=False)
+    started: bool = field(compare=False, default=False)
+    cancelled: bool = field(compare=False, default=False)
+
+
+class LinkCopyBackend:
+    """Copies of ``bytes_per_expert[il]`` bytes over one simulated link (see the module docstring)."""
+
+    def __init__(self, clock: ManualClock, bytes_per_expert: dict[int, int], profile: HardwareProfile | None,
+                 n_chunks: int = 3) -> None:
+        self.clock = clock
+        self.bytes_per_expert = bytes_per_expert
+        self.profile = profile
+        self.n_chunks = max(1, n_chunks)
+        self._ids = itertools.count()
+        self._queue: list[_Job] = []  # not yet finished, not cancelled
+        self._landed: dict[int, float] = {}  # handle id -> landing time (s)
+        self._busy_until = 0.0  # s: the link is busy with a chunk until then
+        self.busy_s = 0.0  # s the link spent copying
+        self.late_prefetches = 0  # prefetch copies a layer had to wait for (not landed in time)
+
+    def _chunk_s(self, il: int) -> float:
+        p = self.profile
+        return p.copy_latency_s + self.bytes_per_expert.get(il, 0) / self.n_chunks / p.copy_bytes_per_s
+
+    def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
+        h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
+        if self.profile is None:
+            self._landed[h.id] = self.clock.now()
+            return h
+        heapq.heappush(self._queue, _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks))
+        return h
+
+    def _step(self, until: float | None) -> bool:
+        """Run one chunk of the most urgent job available at the link's time; False when none can run
+        before ``until`` (None: whenever)."""
+        while self._queue and self._queue[0].cancelled:
+            heapq.heappop(self._queue)
+        if not self._queue:
+            return False
+        start = max(self._busy_until, min(j.submitted for j in self._queue if not j.cancelled))
+        if until is not None and start >= until:
+            return False
+        ready = [j for j in self._queue if not j.cancelled and j.submitted <= start]
+        job = min(ready)  # most urgent among those submitted by then
+        job.started = True
+        dt = self._chunk_s(job.handle.il)
+        self._busy_until = start + dt
+        self.busy_s += dt
+        job.chunks_left -= 1
+        if job.chunks_left == 0:
+            self._queue.remove(job)
+            heapq.heapify(self._queue)
+            self._landed[job.handle.id] = self._busy_until
+        return True
+
+    def _advance(self) -> None:
+        """Run every chunk that starts before now (a chunk started finishes, even past now)."""
+        now = self.clock.now()
+        while self._step(now):
+            pass
+
+    def done(self, handle: CopyHandle) -> bool:
+        self._advance()
+        t = self._landed.get(handle.id)
+        return t is not None and t <= self.clock.now()
+
+    def wait(self, handles: Iterable[CopyHandle]) -> None:
+        handles = list(handles)
+        self._advance()
+        for h in handles:
+            if h.priority == Priority.PREFETCH and not self._done_now(h):
+                self.late_prefetches += 1
+        while any(h.id not in self._landed for h in handles if not self._cancelled(h)):
+            if not self._step(None):
+                break
+        last = max((self._landed.get(h.id, 0.0) for h in handles), default=0.0)
+        if last > self.clock.now():
+            self.clock.advance(last - self.clock.now())
+
+    def _done_now(self, h: CopyHandle) -> bool:
+        t = self._landed.get(h.id)
+        return t is not None and t <= self.clock.now()
+
+    def _cancelled(self, h: CopyHandle) -> bool:
+        return h.id not in self._landed and not any(j.handle.id == h.id for j in self._queue)
+
+    def cancel(self, handle: CopyHandle) -> bool:
+        self._advance()
+        for j in self._queue:
+            if j.handle.id == handle.id and not j.started:
+                j.cancelled = True
+                self._queue.remove(j)
+                heapq.heapify(self._queue)
+                return True
+        return False
+
+    def remaining_s(self, handle: CopyHandle) -> float | None:
+        """Seconds until ``handle`` lands if the link served it next (None: landed or unknown)."""
+        if self._done_now(handle):
+            return None
+        for j in self._queue:
+            if j.handle.id == handle.id:
+                return j.chunks_left * self._chunk_s(handle.il) + max(0.0, self._busy_until - self.clock.now())
+        return None
+
+    def close(self) -> None:
+        self._queue.clear()

@@ -1,0 +1,95 @@
+"""The simulator's fidelity: replaying the engine's own trace with the same configuration gives exactly the
+engine's hits, misses, prefetch counts and experts computed on the CPU (CPU build: copies land at once)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from ggmoe.cli import main
+from ggmoe.inspect import inspect_model
+from ggmoe.simulate.des import SimConfig, simulate
+from ggmoe.trace import load_trace
+
+FIELDS = ("calls", "native_calls", "hits", "misses", "host_computed", "admission_copies", "prefetch_issued",
+          "prefetch_hits", "prefetch_wasted", "pred_correct", "pred_total")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--policy", "lru"],
+    ["--policy", "lfu", "--miss-policy", "cpu"],
+    ["--policy", "lru", "--predictor", "reuse", "--stride", "1"],
+    ["--policy", "lcp", "--predictor", "reuse", "--stride", "2", "--miss-policy", "cpu"],
+], ids=["lru", "lfu-host", "prefetch", "lcp-prefetch-host"])
+def test_simulator_counts_equal_the_engine(qwen3moe_model, tmp_path, flags):
+    stats, tr = tmp_path / "s.json", tmp_path / "trace"
+    r = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox jumps", "-n", "24",
+                                  "--cache-slots", "3", "--stats-json", str(stats), "--trace-out", str(tr), *flags])
+    assert r.exit_code == 0, r.output
+    live = json.loads(stats.read_text())["layers"]
+    opts = dict(zip(flags[::2], flags[1::2], strict=True))
+    facts = inspect_model(qwen3moe_model)
+    cfg = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, 3), policy=opts["--policy"],
+                    predictor=opts.get("--predictor"), stride=int(opts.get("--stride", 2)),
+                    miss_policy=opts.get("--miss-policy", "wait"), predictor_s=0.0)
+    sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None)
+    assert sum(s["misses"] for s in sim.stats["layers"].values()) > 0
+    for il, s in sim.stats["layers"].items():
+        assert {f: s[f] for f in FIELDS} == {f: live[il][f] for f in FIELDS}, il
+
+
+def test_simulate_command(tmp_path):
+    tr = tmp_path / "t"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def main():"}\n{"prompt": "import os"}\n')
+    assert CliRunner().invoke(main, ["trace", "--prompts", str(prompts), "-o", str(tr), "--max-tokens", "8"]) \
+        .exit_code == 0
+    out = tmp_path / "p.png"
+    r = subprocess.run([sys.executable, "-m", "ggmoe", "simulate", str(tr / "trace.npz"), "--cache-fraction",
+                        "0.25,0.5", "--policy", "lru,lfu", "--predictor", "none,reuse", "--json", "--plot",
+                        str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert len(d["results"]) == 8 and "estimates" in d
+    assert all(x["tpot_s"] > 0 and 0 <= x["hit_rate"] <= 1 for x in d["results"])
+    assert out.stat().st_size > 1000
+    table = subprocess.run([sys.executable, "-m", "ggmoe", "simulate", str(tr / "trace.npz"), "--cache-slots", "8"],
+                           capture_output=True, text=True, timeout=300)
+    assert table.returncode == 0 and "TPOT ms (est.)" in table.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "give a cache size"),
+    (["--cache-slots", "2"], "needs 4 to 32"),
+    (["--cache-slots", "x"], "not an integer"),
+    (["--cache-fraction", "1.5"], "in (0, 1]"),
+    (["--cache-slots", "8", "--policy", "nope"], "nope"),
+    (["--cache-slots", "8", "--policy", "static"], "--stats-in"),
+    (["--cache-slots", "8", "--predictor", "eam"], "training traces"),
+    (["--cache-slots", "8", "--hw", "nope"], "unknown hardware profile"),
+    (["--cache-slots", "8", "--plot", "x.txt"], ".png"),
+    (["--cache-slots", "8", "--miss-policy", "sometimes"], "unknown miss policy"),
+])
+def test_simulate_errors(tmp_path, args, message):
+    tr = tmp_path / "t"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    CliRunner().invoke(main, ["trace", "--prompts", str(prompts), "-o", str(tr), "--max-tokens", "4"])
+    r = subprocess.run([sys.executable, "-m", "ggmoe", "simulate", str(tr / "trace.npz"), *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_traces_of_another_model_are_refused(tmp_path, qwen3moe_model):
+    tr = tmp_path / "t"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    CliRunner().invoke(main, ["trace", str(qwen3moe_model), "--prompts", str(prompts), "-o", str(tr),
+                              "--max-tokens", "4"])
+    r = subprocess.run([sys.executable, "-m", "ggmoe", "simulate", str(tr / "trace.npz"), "--cache-slots", "8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "another model" in r.stderr

@@ -1,0 +1,163 @@
+"""The discrete-event simulator: the link's timeline by hand, and whole runs on hand-made traces."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ggmoe.cache.clock import ManualClock
+from ggmoe.cache.copy import Priority
+from ggmoe.simulate.des import SimConfig, simulate
+from ggmoe.simulate.hardware import load_profile
+from ggmoe.simulate.replay import replay
+from ggmoe.simulate.timeline import LinkCopyBackend
+from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, Trace, TraceMeta
+
+BPE = 1_000_000  # bytes per expert
+# A made-up profile with round numbers: a copy chunk of 1/3 MB takes 1 ms + 0.333 ms.
+PROFILE = dataclasses.replace(load_profile("pcie4"), copy_bytes_per_s=1e9, copy_latency_s=1e-3,
+                              gpu_bytes_per_s=1e12, gpu_launch_s=0.0, gpu_layer_s=1e-3,
+                              cpu_bytes_per_s=1e8, cpu_latency_s=0.0, hook_s=0.0)
+CHUNK = 1e-3 + BPE / 3 / 1e9  # s per chunk of one expert (3 chunks)
+
+
+def link(n_chunks: int = 3) -> tuple[ManualClock, LinkCopyBackend]:
+    clock = ManualClock()
+    return clock, LinkCopyBackend(clock, {0: BPE, 1: BPE}, PROFILE, n_chunks)
+
+
+def test_one_copy_takes_its_chunks():
+    clock, b = link()
+    h = b.submit(0, 5, 0, Priority.DEMAND)
+    assert not b.done(h)
+    b.wait([h])
+    assert clock.now() == pytest.approx(3 * CHUNK)
+    assert b.done(h) and b.busy_s == pytest.approx(3 * CHUNK)
+
+
+def test_demand_waits_at_most_one_chunk_of_a_prefetch():
+    clock, b = link()
+    p = b.submit(0, 1, 0, Priority.PREFETCH)
+    clock.advance(CHUNK / 2)  # the prefetch's first chunk is running
+    d = b.submit(0, 2, 1, Priority.DEMAND)
+    b.wait([d])
+    assert clock.now() == pytest.approx(CHUNK + 3 * CHUNK)  # after that one chunk, the demand's three
+    assert not b.done(p)
+    b.wait([p])
+    assert clock.now() == pytest.approx(6 * CHUNK)
+
+
+def test_within_a_priority_lower_rank_first():
+    clock, b = link(n_chunks=1)
+    far = b.submit(0, 1, 0, Priority.PREFETCH, rank=2.0)
+    near = b.submit(0, 2, 1, Priority.PREFETCH, rank=1.0)
+    b.wait([near])
+    assert clock.now() == pytest.approx(1e-3 + BPE / 1e9)
+    assert not b.done(far)
+
+
+def test_cancel_only_what_has_not_started():
+    clock, b = link()
+    a = b.submit(0, 1, 0, Priority.PREFETCH)
+    c = b.submit(0, 2, 1, Priority.PREFETCH)
+    clock.advance(CHUNK / 2)
+    assert not b.cancel(a)  # its first chunk runs
+    assert b.cancel(c)
+    b.wait([a])
+    assert clock.now() == pytest.approx(3 * CHUNK)
+
+
+def test_a_copy_cannot_start_before_it_is_submitted():
+    clock, b = link(n_chunks=1)
+    clock.advance(10.0)
+    h = b.submit(0, 1, 0, Priority.DEMAND)
+    b.wait([h])
+    assert clock.now() == pytest.approx(10.0 + 1e-3 + BPE / 1e9)
+
+
+def test_without_a_profile_copies_land_at_once():
+    clock = ManualClock()
+    b = LinkCopyBackend(clock, {0: BPE}, None)
+    h = b.submit(0, 1, 0, Priority.DEMAND)
+    assert b.done(h)
+    b.wait([h])
+    assert clock.now() == 0.0
+
+
+def trace(ids: list[list[list[int]]], n_prefill: int = 1, n_expert: int = 8) -> Trace:
+    """A one-prompt trace of ids [T][L][k] (layers 0..L-1), the first n_prefill tokens prefill."""
+    a = np.asarray(ids, dtype=np.int16)
+    t, n_layer, k = a.shape
+    meta = TraceMeta(model_fingerprint="fp", model_name="hand", arch="qwen3moe", n_layer=n_layer,
+                     n_expert=n_expert, n_expert_used=k, n_embd=4, mode="teacher", max_tokens=t - n_prefill,
+                     ggmoe_version="test", n_ubatch=512)
+    probs = np.zeros((t, n_layer, n_expert), dtype=np.float16)
+    for i in range(t):
+        for j in range(n_layer):
+            probs[i, j, a[i, j]] = 1.0 / k
+    stage = np.array([STAGE_PREFILL] * n_prefill + [STAGE_DECODE] * (t - n_prefill), dtype=np.uint8)
+    return Trace(meta=meta, token_ids=np.arange(t, dtype=np.int32), positions=np.arange(t, dtype=np.int32),
+                 stage=stage, prompt_offsets=np.array([0, t], dtype=np.int64),
+                 layers=np.arange(n_layer, dtype=np.int32), ids=a, probs=probs, hidden=None)
+
+
+def test_misses_wait_for_their_copies():
+    # one layer, top-1: experts 0, 1, 0 -> two misses (cold), one hit
+    tr = trace([[[0]], [[1]], [[0]]])
+    r = simulate(tr, SimConfig({0: 2}), {0: BPE}, PROFILE)
+    assert (r.stats["total"]["hits"], r.stats["total"]["misses"]) == (1, 2)
+    assert r.exposed_copy_s == pytest.approx(2 * 3 * CHUNK)
+    gpu = 1e-3 + BPE / 1e12  # a layer and one expert on the GPU
+    assert r.tpot_s == pytest.approx((3 * CHUNK + gpu + gpu) / 2)  # decode: a miss, then a hit
+    assert r.ttft_s == pytest.approx(3 * CHUNK + gpu + 3 * CHUNK + gpu)
+
+
+def test_the_host_path_computes_misses_on_the_cpu():
+    tr = trace([[[0]], [[1]], [[0]]])
+    r = simulate(tr, SimConfig({0: 2}, miss_policy="cpu"), {0: BPE}, PROFILE)
+    # both misses go to the CPU and are admitted at low priority; the admission of expert 0 (4 ms) has
+    # landed by the third token, which hits
+    assert r.host_computed == 2 and r.exposed_copy_s == 0.0
+    assert (r.stats["total"]["hits"], r.stats["total"]["admission_copies"]) == (1, 2)
+    cpu = BPE / 1e8  # 10 ms per expert on the CPU, in parallel with the GPU's 1 ms layer
+    gpu = 1e-3 + BPE / 1e12
+    assert r.ttft_s == pytest.approx(cpu + cpu)
+    assert r.tpot_s == pytest.approx((cpu + gpu) / 2)
+
+
+def test_auto_picks_the_cheaper():
+    tr = trace([[[0]], [[1]], [[2]]])
+    fast_cpu = dataclasses.replace(PROFILE, cpu_bytes_per_s=1e11)  # 10 us per expert: beats a copy
+    slow_cpu = dataclasses.replace(PROFILE, cpu_bytes_per_s=1e6)  # 1 s per expert: a copy wins
+    assert simulate(tr, SimConfig({0: 2}, miss_policy="auto"), {0: BPE}, fast_cpu).host_computed == 3
+    assert simulate(tr, SimConfig({0: 2}, miss_policy="auto"), {0: BPE}, slow_cpu).host_computed == 0
+
+
+def test_an_oracle_prefetch_one_layer_ahead_hides_the_copy_when_the_gpu_is_slow_enough():
+    # two layers, top-1; decode tokens use new experts in layer 1 each time
+    tr = trace([[[0], [0]], [[1], [1]], [[2], [2]], [[3], [3]]])
+    slow_gpu = dataclasses.replace(PROFILE, gpu_layer_s=10e-3)  # a layer takes longer than a copy
+    base = simulate(tr, SimConfig({0: 2, 1: 2}), {0: BPE, 1: BPE}, slow_gpu)
+    pre = simulate(tr, SimConfig({0: 2, 1: 2}, predictor="oracle", stride=1, predictor_s=0.0), {0: BPE, 1: BPE},
+                   slow_gpu)
+    assert pre.prefetch_issued > 0 and pre.pred_accuracy == 1.0
+    # layer 1's experts were all prefetched during layer 0's 10 ms and landed in time: no miss, no wait
+    assert pre.stats["layers"]["1"]["misses"] == 0 and pre.stats["layers"]["1"]["wait_s"] == 0.0
+    assert base.stats["layers"]["1"]["wait_s"] == pytest.approx(4 * 3 * CHUNK)
+    # layer 0's experts are predicted at the token's start, right before layer 0 runs: all 4 are late
+    assert (pre.late_prefetches, pre.prefetch_hits) == (4, 8)
+    assert pre.goodpred == pytest.approx(1.0 * (1 - 4 / 8))
+    assert pre.tpot_s < base.tpot_s
+
+
+def test_counts_without_a_profile_equal_replay():
+    rng = np.random.default_rng(3)
+    ids = [[sorted(rng.choice(8, size=2, replace=False).tolist()) for _ in range(3)] for _ in range(40)]
+    tr = trace(ids, n_prefill=5)
+    for policy in ("lru", "lfu", "belady"):
+        a = simulate(tr, SimConfig(dict.fromkeys(range(3), 3), policy=policy), dict.fromkeys(range(3), BPE), None)
+        b = replay(tr, 3, policy)
+        assert (a.stats["total"]["hits"], a.stats["total"]["misses"]) == (b.total().hits, b.total().misses)
+        assert a.tpot_s is None and a.ttft_s is None  # no profile: no times
