@@ -14,6 +14,7 @@ class CacheConfig:
     """How big the expert cache is and how it evicts: slots per layer, or a VRAM budget."""
 
     n_slots: int | None = None  # slots per MoE layer
+    layer_slots: Mapping[int, int] | None = None  # slots of each MoE layer (a plan's uneven split)
     vram_bytes: int | None = None  # budget in bytes for all layers' slots (spread evenly)
     policy: str = "lru"
     # Tests and benchmarks only: copies run on a worker thread after this many seconds each (a slow link
@@ -30,8 +31,16 @@ class CacheConfig:
     policy_options: Mapping[str, Any] | None = None
 
     def slots(self, bytes_per_expert: dict[int, int], n_expert: int, n_expert_used: int) -> dict[int, int]:
-        if (self.n_slots is None) == (self.vram_bytes is None):
-            raise UsageError("give the cache size as slots per layer or as a VRAM budget, not both or neither")
+        given = [x is not None for x in (self.n_slots, self.vram_bytes, self.layer_slots)]
+        if sum(given) != 1:
+            raise UsageError("give the cache size as slots per layer, per-layer slots or a VRAM budget: one of them")
+        if self.layer_slots is not None:
+            missing = sorted(set(bytes_per_expert) - set(self.layer_slots))
+            extra = sorted(set(self.layer_slots) - set(bytes_per_expert))
+            if missing or extra:
+                raise UsageError(f"the per-layer slots name MoE layers {sorted(self.layer_slots)}; the model's are "
+                                 f"{sorted(bytes_per_expert)}")
+            return {il: int(self.layer_slots[il]) for il in bytes_per_expert}
         if self.n_slots is not None:
             return {il: self.n_slots for il in bytes_per_expert}
         return slots_for_budget(self.vram_bytes, bytes_per_expert, n_expert, n_expert_used)

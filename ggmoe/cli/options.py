@@ -77,11 +77,28 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
 
 
 def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: Any = None,
-                 miss_policy: str | None = None, prefetch: Any = None, hw: str | None = None):
-    """A CacheConfig from the flags, or None when no cache flag was given (``build_cache_config``)."""
+                 miss_policy: str | None = None, prefetch: Any = None, hw: str | None = None,
+                 config: str | None = None):
+    """A CacheConfig from the flags or from a plan file (--config), or None when neither was given."""
     from ggmoe.cache.config import build_cache_config
 
-    return build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw)
+    if config is None:
+        return build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw)
+    given = [f for f, v in (("--cache-slots", cache_slots), ("--vram", vram), ("--policy", policy),
+                            ("--miss-policy", miss_policy), ("--predictor", prefetch), ("--hw", hw)) if v is not None]
+    if given:
+        raise UsageError(f"--config sets the cache; drop {', '.join(given)} (or edit the plan file)")
+    from ggmoe.cache.plan_file import read_plan
+
+    cfg = read_plan(config)
+    if facts is not None:  # layers that do not match the model fail now, before it loads
+        cfg.slots({il: facts.bytes_per_expert(il) for il in facts.moe_layers}, facts.n_expert,
+                  facts.n_expert_used)
+    if cfg.hw_profile is not None:
+        from ggmoe.simulate.hardware import load_profile
+
+        load_profile(cfg.hw_profile)
+    return cfg
 
 
 def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, threshold: float | None,
@@ -102,6 +119,9 @@ def check_stats_json(stats_json: str | None, cache: Any) -> None:
 
 
 def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--config", "config", type=click.Path(dir_okay=False),
+                      help="A plan file from `ggmoe plan` (slots per layer, policy, predictor, miss policy) "
+                           "instead of the cache flags.")(fn)
     fn = click.option("--hw", help="Hardware profile (pcie4, h100, egpu, or a .toml file) as the cost model of "
                                    "--miss-policy auto, instead of measuring this machine at startup.")(fn)
     fn = click.option("--predict-in-background", "predict_background", is_flag=True,

@@ -30,6 +30,8 @@ def ggmoe(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--cache-slots", "4", "--policy", "nope"], "nope"),
     (["--predictor", "reuse"], "needs a cache size"),
     (["--cache-slots", "4", "--stats-json", "stats.txt"], "--stats-json"),
+    (["--config", "missing-plan.toml"], "no such file"),
+    (["--stats-in", "missing-stats.npz"], "no such file"),
     (["--cache-slots", "4", "--stats-json", "/etc/passwd/s.json"], "--stats-json"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_flags_get_one_line(args, message):

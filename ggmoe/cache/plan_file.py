@@ -1,0 +1,125 @@
+"""Plan files: the cache configuration ``ggmoe plan`` chose, as TOML that ``--config FILE`` loads.
+
+    [cache]
+    policy = "lru"
+    miss_policy = "auto"
+    hw = "pcie4"                 # the auto miss policy's cost model (optional)
+    [cache.slots]                # slots per MoE layer: "il" = n
+    "0" = 8
+    "1" = 12
+    [prefetch]                   # optional: stride prefetching
+    predictor = "reuse"
+    stride = 1
+    n_prefetch = 8               # optional
+    [estimate]                   # what plan estimated (informative; never read back)
+    tpot_s = 0.0123
+
+Read with ``tomllib`` and validated field by field; written atomically.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ggmoe.cache.config import CacheConfig
+from ggmoe.errors import UsageError
+from ggmoe.outputs import write_text_atomic
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+MAX_PLAN_BYTES = 1 << 20
+PLAN_VERSION = 1
+
+
+def read_plan(path: str | Path) -> CacheConfig:
+    """The ``CacheConfig`` a plan file describes; UsageError naming the file and the field otherwise."""
+    from ggmoe.cache.miss import check_miss_policy
+    from ggmoe.cache.policies import POLICIES
+    from ggmoe.cache.prefetch import PrefetchConfig
+
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--config {p}: no such file")
+    if p.stat().st_size > MAX_PLAN_BYTES:
+        raise UsageError(f"--config {p}: too large for a plan file")
+    try:
+        data = tomllib.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
+        raise UsageError(f"--config {p}: not a valid TOML plan ({e})") from None
+
+    def fail(msg: str) -> UsageError:
+        return UsageError(f"--config {p}: {msg}")
+
+    if data.get("version", PLAN_VERSION) != PLAN_VERSION:
+        raise fail(f"plan version {data.get('version')!r}; this ggmoe reads version {PLAN_VERSION}")
+    cache = data.get("cache")
+    if not isinstance(cache, dict):
+        raise fail("needs a [cache] table")
+    slots = cache.get("slots")
+    if not isinstance(slots, dict) or not slots:
+        raise fail("[cache.slots] must map MoE layers to slot counts, e.g. \"0\" = 8")
+    layer_slots: dict[int, int] = {}
+    for k, v in slots.items():
+        if not k.isdigit() or isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise fail(f"[cache.slots] {k!r} = {v!r}: layers are numbers, slots positive integers")
+        layer_slots[int(k)] = v
+    policy = cache.get("policy", "lru")
+    if not isinstance(policy, str):
+        raise fail("[cache] policy must be a string")
+    POLICIES.get(policy)
+    miss = cache.get("miss_policy", "wait")
+    if not isinstance(miss, str):
+        raise fail("[cache] miss_policy must be a string")
+    check_miss_policy(miss)
+    hw = cache.get("hw")
+    if hw is not None and (not isinstance(hw, str) or miss != "auto"):
+        raise fail("[cache] hw is a profile name or file, for miss_policy = \"auto\"")
+    prefetch = None
+    pre = data.get("prefetch")
+    if pre is not None:
+        if not isinstance(pre, dict) or not isinstance(pre.get("predictor"), str):
+            raise fail("[prefetch] needs predictor = \"NAME\"")
+        stride, n = pre.get("stride", 2), pre.get("n_prefetch")
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise fail("[prefetch] stride must be a positive integer")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise fail("[prefetch] n_prefetch must be a positive integer")
+        prefetch = PrefetchConfig(predictor=pre["predictor"], stride=stride, n_prefetch=n)
+    return CacheConfig(layer_slots=layer_slots, policy=policy, miss_policy=miss, hw_profile=hw, prefetch=prefetch)
+
+
+def _q(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _num(x: float) -> str:
+    return repr(float(x)) if math.isfinite(x) else "0.0"
+
+
+def render_plan(config: CacheConfig, estimate: Mapping[str, float], comment: str = "") -> str:
+    lines = [f"# {line}" for line in comment.splitlines()] + [f"version = {PLAN_VERSION}", "", "[cache]",
+                                                             f"policy = {_q(config.policy)}",
+                                                             f"miss_policy = {_q(config.miss_policy)}"]
+    if config.hw_profile is not None:
+        lines.append(f"hw = {_q(str(config.hw_profile))}")
+    lines += ["", "[cache.slots]", *(f'"{il}" = {n}' for il, n in sorted((config.layer_slots or {}).items()))]
+    pre: Any = config.prefetch
+    if pre is not None:
+        lines += ["", "[prefetch]", f"predictor = {_q(pre.predictor)}", f"stride = {pre.stride}"]
+        if pre.n_prefetch is not None:
+            lines.append(f"n_prefetch = {pre.n_prefetch}")
+    if estimate:
+        lines += ["", "[estimate]", *(f"{k} = {_num(v)}" for k, v in estimate.items())]
+    return "\n".join(lines) + "\n"
+
+
+def write_plan(path: str | Path, config: CacheConfig, estimate: Mapping[str, float], comment: str = "") -> Path:
+    write_text_atomic(path, render_plan(config, estimate, comment))
+    return Path(path)
