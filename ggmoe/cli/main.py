@@ -32,11 +32,13 @@ def _builtin_commands() -> list[click.Command]:
     from ggmoe.cli.model import inspect, policies, verify_hook
     from ggmoe.cli.plan import plan
     from ggmoe.cli.predict import eval_predictor
+    from ggmoe.cli.quant import compare_quants, quantize
     from ggmoe.cli.serve import chat, serve
     from ggmoe.cli.simulate import simulate
     from ggmoe.cli.trace_cmd import trace
 
-    return [inspect, run, trace, policies, verify_hook, eval_predictor, serve, chat, calibrate, simulate, plan]
+    return [inspect, run, trace, policies, verify_hook, eval_predictor, serve, chat, calibrate, simulate, plan,
+            quantize, compare_quants]
 
 
 @click.command("train-predictor", context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
