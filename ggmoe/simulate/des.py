@@ -226,3 +226,65 @@ def _result(config: SimConfig, trace: Trace, cache: ExpertCache, link: LinkCopyB
         tpot_s=decode_s / n_decode if profile is not None and n_decode else None,
         ttft_s=float(np.mean(ttft)) if profile is not None and ttft else None,
         link_busy_s=link.busy_s, stats=cache.stats.to_dict())
+
+
+BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")
+OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp computes host weights on the GPU (uploading them) from this batch size
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    kind: str  # stock-vram | stock-cpu | n-cpu-moe
+    gpu_layers: int  # MoE layers whose experts sit in VRAM
+    tpot_s: float  # estimate
+    ttft_s: float | None  # estimate
+
+
+def baseline(trace: Trace, kind: str, bytes_per_expert: Mapping[int, int], profile: HardwareProfile,
+             budget: int | None = None) -> BaselineResult:
+    """Stock llama.cpp on the same routing, estimated on the same cost model (no cache, no hook):
+
+    - ``stock-vram``: every expert in VRAM; ``stock-cpu``: every expert in host memory, computed by the CPU
+      (``-ot exps=CPU``); ``n-cpu-moe``: the first MoE layers whose whole expert tensors fit ``budget`` in
+      VRAM, the others on the CPU (``--n-cpu-moe``). Micro-batches of at least 32 tokens on host experts
+      take llama.cpp's op offload: the layer's expert tensors are uploaded and the GPU computes.
+    """
+    if kind not in BASELINES:
+        raise UsageError(f"unknown baseline {kind!r}; choose one of {', '.join(BASELINES)}")
+    m = trace.meta
+    layers = [int(il) for il in trace.layers]
+    costs = _Costs(profile, bytes_per_expert, m.n_expert)
+    on_gpu: set[int] = set(layers) if kind == "stock-vram" else set()
+    if kind == "n-cpu-moe":
+        if budget is None:
+            raise UsageError("the n-cpu-moe baseline needs the VRAM budget")
+        left = budget
+        for il in layers:
+            whole = m.n_expert * bytes_per_expert[il]
+            if whole > left:
+                break
+            on_gpu.add(il)
+            left -= whole
+    ids = trace.ids.astype(np.int32)
+    pos = {il: j for j, il in enumerate(layers)}
+    decode_s, ttft, first, n_decode = 0.0, [], None, 0
+    for rows in micro_batches(trace):
+        n_tok = rows.stop - rows.start
+        dt = 0.0
+        for il in layers:
+            need = len(set(ids[rows, pos[il]].ravel().tolist()))
+            if il in on_gpu:
+                dt += costs.gpu(il, n_tok, need)
+            elif n_tok >= OP_OFFLOAD_MIN_TOKENS:
+                dt += costs.native_upload(il) + costs.gpu(il, n_tok, need)
+            else:
+                dt += max(costs.gpu(il, n_tok, 0), costs.cpu(il, need))
+        if trace.stage[rows.start] == STAGE_PREFILL:
+            first = (first or 0.0) + dt
+        else:
+            decode_s += dt
+            n_decode += 1
+            if first is not None:
+                ttft.append(first + dt)
+                first = None
+    return BaselineResult(kind, len(on_gpu), decode_s / max(n_decode, 1), float(np.mean(ttft)) if ttft else None)
