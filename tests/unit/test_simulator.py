@@ -161,3 +161,21 @@ def test_counts_without_a_profile_equal_replay():
         b = replay(tr, 3, policy)
         assert (a.stats["total"]["hits"], a.stats["total"]["misses"]) == (b.total().hits, b.total().misses)
         assert a.tpot_s is None and a.ttft_s is None  # no profile: no times
+
+
+def test_baselines_by_hand():
+    from ggmoe.simulate.des import baseline
+
+    # two layers, top-1, one prefill token then two decode tokens
+    tr = trace([[[0], [1]], [[2], [3]], [[4], [5]]])
+    bpe = {0: BPE, 1: BPE}
+    gpu = 1e-3 + BPE / 1e12  # layer + one expert on the GPU
+    cpu = max(1e-3, BPE / 1e8)  # the GPU's layer alongside the CPU's expert: the CPU's 10 ms
+    assert baseline(tr, "stock-vram", bpe, PROFILE).tpot_s == pytest.approx(2 * gpu)
+    assert baseline(tr, "stock-cpu", bpe, PROFILE).tpot_s == pytest.approx(2 * cpu)
+    # a budget of one layer's whole expert tensors (8 experts): layer 0 on the GPU, layer 1 on the CPU
+    b = baseline(tr, "n-cpu-moe", bpe, PROFILE, budget=8 * BPE)
+    assert b.gpu_layers == 1 and b.tpot_s == pytest.approx(gpu + cpu)
+    assert b.ttft_s == pytest.approx(2 * (gpu + cpu))
+    with pytest.raises(Exception, match="budget"):
+        baseline(tr, "n-cpu-moe", bpe, PROFILE)
