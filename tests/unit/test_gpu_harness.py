@@ -103,3 +103,171 @@ def test_trace_routing_cursor():
     assert r(0, 1) == [12]
     assert r(5, 1) == [22]
     assert r(0, 2) == [10, 11]  # wraps around the trace
+
+
+# --------------------------------------------------------------------------- Q4_K blocks, by hand
+
+def _q4_k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of each block (ggml's get_scale_min_k4), [n, 8] each."""
+    q = b[:, 4:16].astype(np.int32)
+    sc = np.empty((len(b), 8), np.int32)
+    mn = np.empty((len(b), 8), np.int32)
+    sc[:, :4], mn[:, :4] = q[:, 0:4] & 63, q[:, 4:8] & 63
+    sc[:, 4:] = (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)
+    return sc, mn
+
+
+@pytest.mark.parametrize("std", [0.01, 1 / 48.0])
+def test_q4_k_blocks_by_hand(std):
+    b = q4_k_blocks(2048, std, Payload(np.random.default_rng(3), 1 << 20))
+    assert b.shape == (2048, 144) and b.dtype == np.uint8
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32).ravel()
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32).ravel()
+    assert (d == np.float16(std / 258.0)).all() and (dmin == np.float16(7.5 * std / 258.0)).all()
+    sc, mn = _q4_k_scales(b)
+    assert sc.min() >= 0 and sc.max() <= 63 and mn.min() >= 0 and mn.max() <= 63
+    assert len(np.unique(sc)) == 64 and len(np.unique(mn)) == 64  # the whole 6-bit range is used
+    v = gguf.quants.dequantize(b, Q.Q4_K).reshape(2048, 256)
+    # value = d * sc * q - dmin * m, q in [0, 15]: inside [-63 dmin, 945 d], and exact per sub-block
+    assert v.min() >= -63 * dmin[0] - 1e-6 and v.max() <= 945 * d[0] + 1e-6
+    q = np.stack([b[:, 16:144] & 0xF, b[:, 16:144] >> 4], axis=1)  # [n, 2, 128]: 32-byte groups, lo then hi
+    q = q.reshape(2048, 2, 4, 32).transpose(0, 2, 1, 3).reshape(2048, 256).astype(np.float32)
+    want = d[0] * np.repeat(sc, 32, axis=1) * q - dmin[0] * np.repeat(mn, 32, axis=1)
+    np.testing.assert_allclose(v, want, rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- the matrix's pure parts
+
+from matrix import (  # noqa: E402
+    Cell,
+    goals,
+    hook_overhead_us,
+    n_gpu_layers_for,
+    n_slots_for,
+    plan_cells,
+)
+
+
+def test_plan_cells_order_and_exclusions():
+    plan = plan_cells(["random", "trace"], ["stock-vram", "stock-cpu", "n-cpu-moe", "lru", "prefetch",
+                                            "prefetch-eam"], [0.5, 0.25])
+    assert plan[:2] == [("random", "stock-vram", None), ("random", "stock-cpu", None)]
+    assert plan[2:5] == [("random", "n-cpu-moe", 0.5), ("random", "lru", 0.5), ("random", "prefetch", 0.5)]
+    assert ("random", "prefetch-eam", 0.5) not in plan  # eam learns from the trace
+    trace = [p for p in plan if p[0] == "trace"]
+    assert trace == [("trace", c, f) for f in (0.5, 0.25) for c in ("lru", "prefetch", "prefetch-eam")]
+    assert len(plan) == len(set(plan)) == 2 + 3 * 2 + 3 * 2
+
+
+@pytest.mark.parametrize("f,n_e,k,want", [(0.25, 32, 4, 8), (0.5, 128, 8, 64), (0.01, 32, 4, 4), (1.0, 32, 4, 32)])
+def test_n_slots_for(f, n_e, k, want):
+    assert n_slots_for(f, n_e, k) == want
+
+
+@pytest.mark.parametrize("slots,layers,n_e,want", [(8, 24, 32, 6), (16, 24, 32, 12), (32, 48, 128, 12), (4, 4, 32, 0)])
+def test_n_cpu_moe_layers_at_the_cache_vram(slots, layers, n_e, want):
+    assert n_gpu_layers_for(slots, layers, n_e) == want
+
+
+def _cell(routing, config, fraction, tps, prefill=100.0, sim=None, error=None):
+    return Cell("m", routing, config, fraction, None, tps, (tps,), prefill, 0.1, None, None, None,
+                tpot_sim_ms=sim, error=error)
+
+
+def test_goals_by_hand():
+    tr = "trace-replay routing (benchmark only)"
+    cells = [_cell("random", "stock-vram", None, 100.0), _cell("random", "stock-cpu", None, 20.0, prefill=50.0),
+             _cell("random", "n-cpu-moe", 0.5, 40.0), _cell("random", "lru", 0.5, 60.0, sim=1e3 / 60 * 1.1),
+             _cell("random", "prefetch", 0.5, 95.0, sim=1e3 / 95 * 0.8), _cell("random", "lru", 0.25, 30.0),
+             _cell(tr, "lru", 0.5, 70.0, prefill=40.0), _cell(tr, "prefetch", 0.5, 0.0, error="OOM")]
+    g = {(x["routing"], x["goal"].split(":")[0] + x["goal"].split("/")[-1]): x for x in goals(cells)}
+    r = {k[1]: v for k, v in g.items() if k[0] == "random"}
+    assert r["decode at 50 % n-cpu-moe"]["value"] == pytest.approx(95 / 40) and r["decode at 50 % n-cpu-moe"]["met"]
+    assert r["decode at 50 % lru"]["value"] == pytest.approx(95 / 60) and r["decode at 50 % lru"]["met"]
+    assert r["decode at 50 % stock-vram"]["value"] == pytest.approx(0.95) and r["decode at 50 % stock-vram"]["met"]
+    assert r["decode, every size stock-cpu"]["value"] == pytest.approx(30 / 20)
+    assert r["prefill, every size stock-cpu"]["value"] == pytest.approx(2.0)
+    t = {k[1]: v for k, v in g.items() if k[0] == "trace"}
+    assert t["decode at 50 % n-cpu-moe"]["value"] == pytest.approx(70 / 40)  # stock rows stand for both
+    assert t["decode at 50 % lru"]["value"] == pytest.approx(1.0) and not t["decode at 50 % lru"]["met"]
+    assert not t["prefill, every size stock-cpu"]["met"]  # 40 < 50
+    sim = [x for x in goals(cells) if x["routing"] == "both"]
+    assert len(sim) == 1 and sim[0]["value"] == pytest.approx(0.2) and not sim[0]["met"]
+
+
+def test_hook_overhead_per_layer():
+    cells = [_cell("random", "stock-vram", None, 100.0), _cell("random", "lru", 1.0, 80.0)]
+    assert hook_overhead_us(cells, 10) == pytest.approx((12.5 - 10.0) * 1e3 / 10)
+    assert hook_overhead_us(cells[:1], 10) is None
+
+
+def test_trace_routing_decode_fast_path_equals_the_batch_path():
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 32, size=(50, 3, 4))
+    one, many = TraceRouting(_Trace(ids, [0, 2, 4])), TraceRouting(_Trace(ids, [0, 2, 4]))
+    for _ in range(60):
+        a = [one(il, 1) for il in (0, 2, 4)]
+        b = [many(il, 1)[:] for il in (0, 2, 4)]
+        assert a == b and all(len(x) == 4 for x in a)
+    assert one.calls == 180 and one.seconds > 0
+
+
+# --------------------------------------------------------------------------- build and pack
+
+import build as gpu_build  # noqa: E402
+import pack as gpu_pack  # noqa: E402
+
+
+def test_build_cmake_args_and_env():
+    m = {"cmake_args": ["-DGGML_OPENMP=ON", "-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_NATIVE=ON"]}
+    assert gpu_build.cmake_args(m, cpu=False) == m["cmake_args"]
+    assert gpu_build.cmake_args(m, cpu=True) == ["-DGGML_OPENMP=ON", "-DGGML_NATIVE=ON"]
+    assert gpu_build.env_sh(Path("/p/site")).startswith("export PYTHONPATH=/p/site:")
+
+
+def test_build_states(tmp_path):
+    import json
+    import os
+
+    pack, prefix = tmp_path / "pack", tmp_path / "prefix"
+    pack.mkdir()
+    prefix.mkdir()
+    m = {"llama_cpp_python": "0.3.36", "patch_sha256": "abc", "cmake_args": []}
+    (pack / "MANIFEST.json").write_text(json.dumps(m))
+    assert gpu_build.state(pack, prefix, cpu=True)[0] == gpu_build.NEVER
+    (prefix / "RUNNING").write_text(str(os.getpid()))  # a live process
+    (prefix / "build.log").write_text("  [12/141] g++ ...\n")
+    code, msg = gpu_build.state(pack, prefix, cpu=True)
+    assert code == gpu_build.RUNNING and "[12/141]" in msg
+    (prefix / "RUNNING").write_text("999999999")  # gone without a marker
+    assert gpu_build.state(pack, prefix, cpu=True)[0] == gpu_build.FAILED
+    (prefix / "RUNNING").unlink()
+    (prefix / "DONE").write_text(json.dumps({"key": gpu_build.key(m, True), "seconds": 5, "jobs": 2, "gpu": None}))
+    assert gpu_build.state(pack, prefix, cpu=True)[0] == gpu_build.READY
+    assert gpu_build.state(pack, prefix, cpu=False)[0] == gpu_build.STALE  # built without CUDA
+
+
+def test_pack_carries_every_runtime_dependency():
+    """Each non-optional requirement of the engine, gguf and ggmoe, beyond numpy (there) and requests (gguf's
+    downloads only, and there), has a wheel in the pack, at the version tested here."""
+    import importlib.metadata as md
+    import re
+
+    names = {w.split("==")[0] for w in gpu_pack.WHEELS}
+    for dist in ("llama_cpp_python", "gguf", "diskcache", "jinja2"):
+        for req in md.requires(dist) or []:
+            if "extra ==" in req or "python_version" in req:
+                continue
+            name = re.split(r"[ <>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+            if name not in ("numpy", "requests"):
+                assert name in names, f"{dist} needs {name}"
+    for w in gpu_pack.WHEELS:
+        name, version = w.split("==")
+        assert md.version(name) == version, f"{name}: the pack pins {version}, {md.version(name)} is tested here"
+
+
+def test_pack_trims_no_cuda_source():
+    assert "ggml-cuda" not in gpu_pack.TRIM_BACKENDS and "ggml-cpu" not in gpu_pack.TRIM_BACKENDS
+    assert {"ggml-vulkan", "ggml-metal", "ggml-sycl", "ggml-opencl", "ggml-cann", "ggml-musa", "ggml-hip"} <= set(
+        gpu_pack.TRIM_BACKENDS)

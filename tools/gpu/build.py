@@ -5,12 +5,19 @@ Everything goes under one prefix (default /tmp/ggmoe-gpu) that later calls on th
 reuse: the source, the wheel, and site/ with the engine and the packed wheels; ggmoe itself is used from
 the working tree (PYTHONPATH). A build that cannot finish inside one 10-minute command runs detached:
 
-    python3 tools/gpu/build.py --detach     # starts it (setsid), returns at once
-    python3 tools/gpu/build.py --status     # later calls: running / failed (log tail) / ready
-    . /tmp/ggmoe-gpu/env.sh                 # then: PYTHONPATH with the engine and ggmoe
+    python3 tools/gpu/build.py --detach     # starts it in its own session (setsid), returns at once
+    python3 tools/gpu/build.py --status     # later calls: running (progress) / failed (log tail) / ready
+    python3 tools/gpu/build.py --wait 540   # polls until ready, failed, or 540 s have passed
+    . /tmp/ggmoe-gpu/env.sh                 # then: PYTHONPATH with the engine and the working tree's ggmoe
 
-``--cpu`` builds the same way without CUDA (to check the procedure on a machine without a GPU).
-The build is keyed by gpu-pack/MANIFEST.json: a new pack rebuilds.
+The build: ``pip wheel --no-build-isolation --no-index`` of the packed source with CMAKE_ARGS from
+gpu-pack/MANIFEST.json (``-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90`` ...) and
+CMAKE_BUILD_PARALLEL_LEVEL = every core, then a check that the installed engine has ggmoe's patched C API
+and (CUDA) sees a GPU. ``--cpu`` builds the same way without CUDA (to check the procedure on a machine
+without a GPU). The build is keyed by the manifest: a new pack builds again.
+
+Exit status of --status and --wait: 0 ready, 1 stale (built from another pack), 2 failed, 3 running,
+4 never started.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,10 +36,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACK = ROOT / "gpu-pack"
 DEFAULT_PREFIX = Path(os.environ.get("GGMOE_GPU_PREFIX", "/tmp/ggmoe-gpu"))
+READY, STALE, FAILED, RUNNING, NEVER = 0, 1, 2, 3, 4
+_PROGRESS = re.compile(r"\[(\d+)/(\d+)\]")  # ninja's "[done/total]"
+
+# Checks the installed engine from a fresh interpreter: the patched C API, and the GPU ggml sees.
+_CHECK = ("import json; from ggmoe.engine import patch; patch.load(); "
+          "from ggmoe.engine.loader import gpu_device_name; import llama_cpp; "
+          "print(json.dumps({'gpu': gpu_device_name(), 'llama_cpp': llama_cpp.__file__}))")
 
 
-def manifest() -> dict:
-    path = PACK / "MANIFEST.json"
+class BuildFailed(Exception):
+    pass
+
+
+def manifest(pack: Path) -> dict:
+    path = pack / "MANIFEST.json"
     if not path.is_file():
         raise SystemExit(f"error: {path} is missing: run tools/gpu/pack.py on the CPU machine and carry gpu-pack")
     return json.loads(path.read_text())
@@ -41,95 +60,164 @@ def key(m: dict, cpu: bool) -> str:
     return f"{m['llama_cpp_python']}-{m['patch_sha256']}-{'cpu' if cpu else 'cuda'}"
 
 
+def cmake_args(m: dict, cpu: bool) -> list[str]:
+    """The manifest's CMake flags; without CUDA's for --cpu."""
+    return [a for a in m["cmake_args"] if not (cpu and "CUDA" in a)]
+
+
+def env_sh(site: Path) -> str:
+    """PYTHONPATH: the engine and wheels, then the working tree the command runs in (its ggmoe and tools)."""
+    return f'export PYTHONPATH={site}:"${{GGMOE_ROOT:-$PWD}}"${{PYTHONPATH:+:$PYTHONPATH}}\n'
+
+
 def sh(cmd: list[str], log, env: dict | None = None, cwd: Path | None = None) -> None:
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
     if rc != 0:
-        raise RuntimeError(f"{cmd[0]} ... exited {rc}")
+        raise BuildFailed(f"{' '.join(cmd[:4])} ... exited {rc}")
 
 
-def build(prefix: Path, cpu: bool, jobs: int) -> None:
-    m = manifest()
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def build(pack: Path, prefix: Path, cpu: bool, jobs: int) -> None:
+    m = manifest(pack)
     prefix.mkdir(parents=True, exist_ok=True)
-    done, failed = prefix / "DONE", prefix / "FAILED"
+    done, failed, running = prefix / "DONE", prefix / "FAILED", prefix / "RUNNING"
     for f in (done, failed):
         f.unlink(missing_ok=True)
+    running.write_text(str(os.getpid()))
     t0 = time.monotonic()
     with open(prefix / "build.log", "w") as log:
         try:
             site = prefix / "site"
-            if site.exists():
-                shutil.rmtree(site)
+            shutil.rmtree(site, ignore_errors=True)
             py = [sys.executable, "-m", "pip"]
-            sh([*py, "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", str(site),
-                *map(str, sorted((PACK / "wheels").glob("*.whl")))], log)
+            pip_quiet = ["--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--disable-pip-version-check"]
+            sh([*py, "install", "-q", *pip_quiet, "--target", str(site),
+                *map(str, sorted((pack / "wheels").glob("*.whl")))], log)
             src_root = prefix / "src"
-            if src_root.exists():
-                shutil.rmtree(src_root)
-            with tarfile.open(PACK / "engine-src.tar.gz") as tf:
+            shutil.rmtree(src_root, ignore_errors=True)
+            with tarfile.open(pack / "engine-src.tar.gz") as tf:
                 tf.extractall(src_root, filter="data")
             src = next(src_root.iterdir())
-            args = [a for a in m["cmake_args"] if not (cpu and ("CUDA" in a))]
+            args = cmake_args(m, cpu)
             env = {**os.environ, "CMAKE_ARGS": " ".join(args), "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
-            log.write(f"CMAKE_ARGS={env['CMAKE_ARGS']}\n")
+            log.write(f"CMAKE_ARGS={env['CMAKE_ARGS']}\nCMAKE_BUILD_PARALLEL_LEVEL={jobs}\n")
             wheel_dir = prefix / "wheel"
-            if wheel_dir.exists():
-                shutil.rmtree(wheel_dir)
-            sh([*py, "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-w", str(wheel_dir), str(src)],
+            shutil.rmtree(wheel_dir, ignore_errors=True)
+            # -v: ninja's [done/total] lines reach the log, so --status can show progress
+            sh([*py, "wheel", "-v", "--no-build-isolation", "--no-index", "--no-deps", "--no-cache-dir",
+                "--disable-pip-version-check", "-w", str(wheel_dir), str(src)],
                log, env=env)
-            sh([*py, "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", str(site),
-                *map(str, wheel_dir.glob("*.whl"))], log)
-            (prefix / "env.sh").write_text(f"export PYTHONPATH={site}:{ROOT}${{PYTHONPATH:+:$PYTHONPATH}}\n")
+            t_build = time.monotonic() - t0
+            sh([*py, "install", "-q", *pip_quiet, "--target", str(site), *map(str, wheel_dir.glob("*.whl"))], log)
+            (prefix / "env.sh").write_text(env_sh(site))
+            check = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, cwd=ROOT,
+                                   env={**os.environ, "PYTHONPATH": f"{site}:{ROOT}"})
+            if check.returncode != 0:
+                raise BuildFailed(f"the installed engine does not load: {check.stderr.strip()[-2000:]}")
+            info = json.loads(check.stdout.strip().splitlines()[-1])
+            if not cpu and info["gpu"] is None:
+                log.write("warning: the CUDA build sees no GPU here\n")
             secs = time.monotonic() - t0
-            done.write_text(json.dumps({"key": key(m, cpu), "seconds": round(secs), "jobs": jobs,
-                                        "cmake_args": args}))
-            log.write(f"built in {secs:.0f} s\n")
+            done.write_text(json.dumps({"key": key(m, cpu), "seconds": round(secs), "build_seconds": round(t_build),
+                                        "jobs": jobs, "cmake_args": args, **info}))
+            log.write(f"built in {secs:.0f} s (the wheel in {t_build:.0f} s)\n")
         except Exception as e:  # noqa: BLE001 - the marker and the log say what failed
             failed.write_text(f"{type(e).__name__}: {e}\n")
             log.write(f"FAILED: {e}\n")
             raise SystemExit(f"error: the build failed ({e}); see {prefix / 'build.log'}") from None
+        finally:
+            running.unlink(missing_ok=True)
 
 
-def status(prefix: Path, cpu: bool) -> int:
-    done, failed, log = prefix / "DONE", prefix / "FAILED", prefix / "build.log"
+def _progress(log: Path) -> str:
+    """The last ninja progress in the log, e.g. '[212/348]', or ''."""
+    if not log.is_file():
+        return ""
+    with open(log, "rb") as f:
+        f.seek(max(0, log.stat().st_size - (2 << 20)))
+        hits = _PROGRESS.findall(f.read().decode(errors="replace"))
+    return f"[{hits[-1][0]}/{hits[-1][1]}]" if hits else ""
+
+
+def _tail(log: Path, lines: int = 12, width: int = 240) -> str:
+    """The log's last lines, each cut to ``width`` characters (compiler lines are long)."""
+    if not log.is_file():
+        return "(no log)"
+    with open(log, "rb") as f:
+        f.seek(max(0, log.stat().st_size - (256 << 10)))
+        text = f.read().decode(errors="replace")
+    return "\n".join(line[:width] for line in text.splitlines()[-lines:])
+
+
+def state(pack: Path, prefix: Path, cpu: bool) -> tuple[int, str]:
+    done, failed, running, log = prefix / "DONE", prefix / "FAILED", prefix / "RUNNING", prefix / "build.log"
+    tail = _tail(log)
+    if running.is_file() and _pid_alive(int(running.read_text() or 0)):
+        secs = time.time() - running.stat().st_mtime
+        return RUNNING, f"running for {secs:.0f} s {_progress(log)}\n{tail}"
     if done.is_file():
         info = json.loads(done.read_text())
-        if info["key"] == key(manifest(), cpu):
-            print(f"ready: built in {info['seconds']} s with {info['jobs']} jobs; . {prefix / 'env.sh'}")
-            return 0
-        print(f"stale: built for {info['key']}, the pack is {key(manifest(), cpu)}: build again")
-        return 1
-    tail = "\n".join(log.read_text().splitlines()[-15:]) if log.is_file() else "(no log)"
+        if info["key"] == key(manifest(pack), cpu):
+            return READY, (f"ready: built in {info['seconds']} s with {info['jobs']} jobs (GPU: {info['gpu']}); "
+                           f". {prefix / 'env.sh'}")
+        return STALE, f"stale: built for {info['key']}, the pack is {key(manifest(pack), cpu)}: build again"
     if failed.is_file():
-        print(f"failed: {failed.read_text().strip()}\n{tail}")
-        return 2
-    print(f"running (or never started):\n{tail}")
-    return 3
+        return FAILED, f"failed: {failed.read_text().strip()}\n{tail}"
+    if running.is_file():
+        return FAILED, f"failed: the build process {running.read_text()} is gone without a result\n{tail}"
+    return NEVER, "never started"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefix", type=Path, default=DEFAULT_PREFIX)
+    ap.add_argument("--pack", type=Path, default=PACK)
     ap.add_argument("--cpu", action="store_true", help="build without CUDA (checks the procedure)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--detach", action="store_true", help="start the build in its own session and return")
     g.add_argument("--status", action="store_true", help="say whether the build is running, failed or ready")
+    g.add_argument("--wait", type=float, metavar="S", help="poll until the build ends or S seconds have passed")
+    g.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the detached build itself
     a = ap.parse_args(argv)
-    if a.status:
-        return status(a.prefix, a.cpu)
-    if status(a.prefix, a.cpu) == 0:
+    pack, prefix = a.pack.resolve(), a.prefix.resolve()
+    if a.status or a.wait is not None:
+        end = time.monotonic() + (a.wait or 0)
+        code, msg = state(pack, prefix, a.cpu)
+        while code == RUNNING and time.monotonic() < end:
+            time.sleep(min(10.0, max(0.1, end - time.monotonic())))
+            code, msg = state(pack, prefix, a.cpu)
+        print(msg)
+        return code
+    code, msg = state(pack, prefix, a.cpu)
+    if code in (READY, RUNNING) and not a.child:
+        print(msg)
         return 0
     if a.detach:
-        a.prefix.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, __file__, "--prefix", str(a.prefix), "--jobs", str(a.jobs), *(["--cpu"] if a.cpu else [])]
-        with open(a.prefix / "detached.log", "w") as out:
-            subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        print(f"started; poll with: python3 tools/gpu/build.py --status{' --cpu' if a.cpu else ''}")
+        prefix.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--prefix", str(prefix), "--pack", str(pack),
+               "--jobs", str(a.jobs), "--child", *(["--cpu"] if a.cpu else [])]
+        with open(prefix / "detached.log", "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=ROOT)
+        (prefix / "RUNNING").write_text(str(proc.pid))  # at once: a --status right after sees it running
+        print(f"started (pid {proc.pid}); poll with: python3 tools/gpu/build.py --status{' --cpu' if a.cpu else ''}")
         return 0
-    build(a.prefix, a.cpu, a.jobs)
-    return status(a.prefix, a.cpu)
+    build(pack, prefix, a.cpu, a.jobs)
+    code, msg = state(pack, prefix, a.cpu)
+    print(msg)
+    return code
 
 
 if __name__ == "__main__":

@@ -13,29 +13,39 @@ routing, benchmark only, see trace_routing.py) and each configuration:
     prefetch-eam the same with MoE-Infinity's EAM predictor trained on the tiled trace's other prompts
                  (trace routing only)
 
-at each fraction of experts cacheable (--fractions, default 0.25, 0.5, 1.0; the stock-vram and stock-cpu
-rows do not depend on it and run once). Each cell: decode tok/s (median of --runs generations), prefill
-tok/s of a --prefill-tokens prompt, TTFT (that prefill and the first token), hit rate, the route hook's
-median seconds per MoE layer call. Once per model: pinned host-to-device copy bandwidth and CPU time per
-expert (``ggmoe.engine.calibrate``). Stock rows always route with the model's router: routing does not
-change what they compute.
+at each fraction of experts cacheable (--fractions; the stock-vram and stock-cpu rows do not depend on it
+and run once; stock rows always route with the model's router: routing does not change what they compute,
+so they stand for both routings). Each cell: decode tok/s (median of --runs generations), prefill tok/s of
+a --prefill-tokens prompt, TTFT (that prefill and the first token), hit rate, the route callback's median
+µs per MoE layer call, experts computed on the CPU. Once per model (unless --no-calibrate): ``ggmoe
+calibrate``'s measurements (pinned host-to-device copy bandwidth, CPU time per expert, the route hook),
+the hardware profile made of them, and the simulator's TPOT estimate for every cell on the same routing
+(random: a trace recorded of the model's own router on the generation's prompt; trace: the held-out tiled
+trace) beside the measured TPOT. Then the issue's goals, checked at 50 %.
 
-Writes OUT/matrix.json and OUT/matrix.md, and prints the table.
+Results are written after every cell (a command stopped at its time limit still leaves them):
+OUT/matrix.json and OUT/matrix.md. ``--append`` adds to an earlier run's OUT/matrix.json (say, the other
+routing in a second command), replacing cells measured again.
 
-    python tools/gpu/matrix.py --model M.gguf --trace TRACE.npz --out $OUT [--fractions 0.25,0.5,1]
+    python tools/gpu/matrix.py --model M.gguf --trace TRACE.npz --out DIR [--routing random,trace]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,16 +54,24 @@ from trace_routing import ROUTING_NAME, TraceRouting, split_tiled  # noqa: E402
 
 from ggmoe.cache import CacheConfig  # noqa: E402
 from ggmoe.cache.prefetch import PrefetchConfig  # noqa: E402
-from ggmoe.engine import Engine, EngineConfig  # noqa: E402
-from ggmoe.engine.loader import gpu_device_name  # noqa: E402
 from ggmoe.inspect import inspect_model  # noqa: E402
 from ggmoe.inspect.fingerprint import model_fingerprint  # noqa: E402
 from ggmoe.trace import load_trace  # noqa: E402
 
+if TYPE_CHECKING:
+    from ggmoe.engine import Engine, EngineConfig
+# the engine (llama.cpp) is imported where it runs: the pure parts here are unit-tested without it
+
 CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "prefetch", "prefetch-eam")
+BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
 PER_FRACTION = ("n-cpu-moe", "lru", "prefetch", "prefetch-eam")
+GGMOE = ("lru", "prefetch", "prefetch-eam")
 TRACE_ONLY = ("prefetch-eam",)  # learns from the tiled trace's training prompts
 PROMPT = "The expert cache keeps the experts a model uses most on the device"
+GOAL_FRACTION = 0.5
+# Generations sample: greedy decoding of a random-weight model soon repeats tokens, and repeated tokens route
+# to the same experts, which would flatter the cache under the model's own (random) router.
+TEMP = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,27 +81,80 @@ class Cell:
     config: str
     fraction: float | None  # experts cacheable per layer (None: does not apply)
     slots: int | None  # cache slots per layer, or layers with experts on the GPU (n-cpu-moe)
-    decode_tps: float  # median of the runs
-    decode_tps_runs: tuple[float, ...]
-    prefill_tps: float
-    ttft_s: float
-    hit_rate: float | None
-    hook_us_p50: float | None  # route callback, µs per MoE layer call (with its device sync)
-    host_computed: int | None  # experts computed on the CPU (host path)
+    decode_tps: float  # tokens/s, median of the runs
+    decode_tps_runs: tuple[float, ...]  # tokens/s per run
+    prefill_tps: float  # tokens/s
+    ttft_s: float  # s: the prefill and the first decoded token
+    hit_rate: float | None  # of the cache, during the timed generations
+    hook_us_p50: float | None  # µs per route callback (Python side; the device sync is in the decode time)
+    host_computed: int | None  # experts computed on the CPU (host path) during the timed generations
+    override_us: float | None = None  # µs per call of trace-replay routing's override (inside hook_us_p50)
+    wall_s: float = 0.0  # s the cell took, loading included
+    tpot_sim_ms: float | None = None  # the simulator's TPOT estimate for this cell (ms), None: not simulated
     error: str | None = None  # why the cell could not run (e.g. out of VRAM)
+
+    @property
+    def is_random(self) -> bool:
+        return self.routing == "random"
+
+    @property
+    def key(self) -> tuple[str, str, float | None]:
+        return ("random" if self.is_random else "trace", self.config, self.fraction)
+
+    @property
+    def tpot_ms(self) -> float | None:
+        return 1e3 / self.decode_tps if self.decode_tps > 0 else None
+
+
+def describe(facts) -> str:
+    """One line: the model's shape."""
+    types = ", ".join(f"{n} x{c}" for n, c in facts.ggml_types)
+    return (f"{facts.name} ({facts.arch}): {facts.n_layer} layers, n_embd {facts.n_embd}, {facts.n_expert} experts "
+            f"x {facts.n_ff_exp}, top-{facts.n_expert_used}, {facts.file_bytes / 2**30:.2f} GiB; tensors {types}")
+
+
+def routing_label(routing: str) -> str:
+    return ROUTING_NAME if routing == "trace" else "random"
+
+
+def n_slots_for(fraction: float, n_expert: int, k: int) -> int:
+    return max(k, min(n_expert, round(fraction * n_expert)))
+
+
+def n_gpu_layers_for(n_slots: int, n_moe_layers: int, n_expert: int) -> int:
+    """Whole layers' experts that fit the VRAM of ``n_slots`` slots in every layer (--n-cpu-moe)."""
+    return round(n_moe_layers * n_slots / n_expert)
+
+
+def plan_cells(routings: list[str], configs: list[str], fractions: list[float]) -> list[tuple[str, str, float | None]]:
+    """(routing, config, fraction) in run order: per routing, the fixed baselines, then fraction by fraction."""
+    out: list[tuple[str, str, float | None]] = []
+    for routing in routings:
+        for config in configs:
+            if config in PER_FRACTION or (routing == "trace" and config in BASELINES):
+                continue
+            out.append((routing, config, None))
+        for f in fractions:
+            for config in configs:
+                if config not in PER_FRACTION or (routing == "trace" and config in BASELINES) or \
+                        (routing == "random" and config in TRACE_ONLY):
+                    continue
+                out.append((routing, config, f))
+    return out
 
 
 def engine_config(model: Path, config: str, fraction: float | None, facts, n_threads: int, n_ctx: int,
                   train: Path | None) -> tuple[EngineConfig, int | None]:
+    from ggmoe.engine import EngineConfig
+
     base = {"model_path": model, "n_ctx": n_ctx, "n_threads": n_threads}
     if config == "stock-vram":
         return EngineConfig(**base, experts_on_host=False, gate_hook=False), None
     if config == "stock-cpu":
         return EngineConfig(**base, experts_on_host=True, gate_hook=False), None
-    n_slots = max(facts.n_expert_used, round(fraction * facts.n_expert))
+    n_slots = n_slots_for(fraction, facts.n_expert, facts.n_expert_used)
     if config == "n-cpu-moe":
-        # the same VRAM as n_slots slots in every layer, spent on whole layers' experts instead
-        n_gpu = round(len(facts.moe_layers) * n_slots / facts.n_expert)
+        n_gpu = n_gpu_layers_for(n_slots, len(facts.moe_layers), facts.n_expert)
         host = tuple(facts.moe_layers[n_gpu:])
         return EngineConfig(**base, experts_on_host=True, host_expert_layers=host, gate_hook=False), n_gpu
     if config == "lru":
@@ -96,9 +167,25 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
     raise SystemExit(f"error: unknown config {config!r}; choose from {', '.join(CONFIGS)}")
 
 
-def measure(eng: Engine, vocab: int, prefill_tokens: int, decode_tokens: int, runs: int,
-            seed: int) -> tuple[float, list[float], float, float]:
-    """(prefill tok/s, decode tok/s per run, TTFT s, median decode tok/s)."""
+@dataclass(frozen=True)
+class Measured:
+    prefill_tps: float  # tokens/s
+    decode_tps: tuple[float, ...]  # tokens/s per run
+    ttft_s: float  # s
+    decode_stats: object | None  # ggmoe.cache.stats.LayerStats of the decode runs alone (None: no cache)
+
+
+def _delta(after, before):
+    """LayerStats after - before (the decode runs' counts)."""
+    from ggmoe.cache.stats import LayerStats
+
+    return LayerStats(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(LayerStats)})
+
+
+def measure(eng: Engine, vocab: int, prefill_tokens: int, decode_tokens: int, runs: int, seed: int) -> Measured:
+    """Warm-up, then a ``prefill_tokens`` prompt of random tokens and one token (TTFT), then ``runs``
+    generations of ``decode_tokens`` from PROMPT, sampled (TEMP, seeds seed, seed + 1, ...); cache counts
+    are those of the generations alone."""
     rng = np.random.default_rng(seed)
     prompt = [int(t) for t in rng.integers(0, vocab, size=prefill_tokens)]
     eng.generate(PROMPT, max_tokens=4)  # warm-up: graphs, first touch, the cache's first copies
@@ -109,56 +196,225 @@ def measure(eng: Engine, vocab: int, prefill_tokens: int, decode_tokens: int, ru
     t1 = time.perf_counter()
     eng.decode([int(np.argmax(logits))])
     ttft = t_prefill + (time.perf_counter() - t1)
-    tps = []
-    for _ in range(runs):
-        g = eng.generate(PROMPT, max_tokens=decode_tokens)
-        tps.append(g.timings.decode_tps)
-    return prefill_tokens / t_prefill, tps, ttft, float(statistics.median(tps))
+    before = eng.cache_stats.total() if eng.cache_stats is not None else None
+    tps = tuple(eng.generate(PROMPT, max_tokens=decode_tokens, temp=TEMP, seed=seed + i).timings.decode_tps
+                for i in range(runs))
+    stats = _delta(eng.cache_stats.total(), before) if before is not None else None
+    return Measured(prefill_tokens / t_prefill, tps, ttft, stats)
 
 
 def run_cell(model: Path, facts, config: str, fraction: float | None, routing: str, held: Path | None,
              args, train: Path | None) -> Cell:
+    from ggmoe.engine import Engine
+
+    t0 = time.monotonic()
     cfg, slots = engine_config(model, config, fraction, facts, args.threads, args.n_ctx, train)
-    name = ROUTING_NAME if routing == "trace" else "random"
+    name = routing_label(routing)
     try:
         with Engine(cfg) as eng:
+            override = None
             if routing == "trace" and cfg.cache is not None:
-                eng.set_routing_override(TraceRouting(load_trace(held, hidden=False)))
+                override = TraceRouting(load_trace(held, hidden=False))
+                eng.set_routing_override(override)
             if cfg.cache is not None:
                 eng.record_hook_times()
-            prefill, runs, ttft, decode = measure(eng, eng.n_vocab, args.prefill_tokens, args.decode_tokens,
-                                                  args.runs, args.seed)
-            stats = eng.cache_stats
-            hook = eng.hook_times
-            total = stats.total() if stats is not None else None
-        return Cell(str(model), name, config, fraction, slots, decode, tuple(runs), prefill, ttft,
-                    total.hit_rate if total else None,
-                    float(np.median(hook)) * 1e6 if hook.size else None,
-                    total.host_computed if total else None)
+            m = measure(eng, eng.n_vocab, args.prefill_tokens, args.decode_tokens, args.runs, args.seed)
+            hook = eng.hook_times if cfg.cache is not None else np.zeros(0)
+        s = m.decode_stats
+        return Cell(str(model), name, config, fraction, slots, float(statistics.median(m.decode_tps)),
+                    m.decode_tps, m.prefill_tps, m.ttft_s, s.hit_rate if s else None,
+                    float(np.median(hook)) * 1e6 if hook.size else None, s.host_computed if s else None,
+                    override_us=override.seconds / override.calls * 1e6 if override and override.calls else None,
+                    wall_s=time.monotonic() - t0)
     except Exception as e:  # noqa: BLE001 - a cell that cannot run (e.g. out of VRAM) is reported, not fatal
         return Cell(str(model), name, config, fraction, slots, 0.0, (), 0.0, 0.0, None, None, None,
-                    error=f"{type(e).__name__}: {e}")
+                    wall_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+
+
+# --------------------------------------------------------------------------- the simulator beside it
+
+
+def record_random_trace(model: Path, args, path: Path) -> Path:
+    """The model's own routing on the cells' first generation (PROMPT, sampled, --decode-tokens): a trace."""
+    from ggmoe.engine import Engine, EngineConfig
+    from ggmoe.trace.record import RecordConfig, record_trace
+
+    with Engine(EngineConfig(model_path=model, n_ctx=args.n_ctx, n_threads=args.threads)) as eng:
+        return record_trace(eng, [PROMPT], RecordConfig(mode="sample", max_tokens=args.decode_tokens, temp=TEMP,
+                                                        seed=args.seed, keep_hidden=False), path)
+
+
+def simulate_cell(cell: Cell, facts, trace, train, profile) -> float | None:
+    """The simulator's TPOT (ms) for ``cell`` on ``trace`` (the same routing) and ``profile``."""
+    from ggmoe.simulate.des import SimConfig, baseline, simulate
+
+    bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+    if cell.config in BASELINES:
+        budget = None
+        if cell.config == "n-cpu-moe":
+            budget = sum(facts.n_expert * bpe[il] for il in facts.moe_layers[:cell.slots])
+        return baseline(trace, cell.config, bpe, profile, budget).tpot_s * 1e3
+    pred = {"lru": None, "prefetch": "reuse", "prefetch-eam": "eam"}[cell.config]
+    sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots), policy="lru", predictor=pred, stride=1,
+                    miss_policy="wait" if cell.config == "lru" else "auto")
+    r = simulate(trace, sim, bpe, profile, train=train if pred == "eam" else None)
+    return r.tpot_s * 1e3 if r.tpot_s is not None else None
+
+
+# --------------------------------------------------------------------------- goals and tables
+
+
+def goals(cells: list[Cell], sim_tolerance: float = 0.15) -> list[dict]:
+    """The issue's goals, per routing: at 50 % cacheable, ggmoe's best decode >= 2x n-cpu-moe, >= 1.3x on-demand
+    LRU and >= 0.9x all in VRAM; never below experts-on-CPU (decode and prefill, every size); simulator TPOT
+    within 15 % of the measured. A goal whose cells are missing is not listed."""
+    ok = [c for c in cells if c.error is None and c.decode_tps > 0]
+
+    def one(routing: str | None, config: str, fraction: float | None) -> Cell | None:
+        for c in ok:
+            if c.config == config and c.fraction == fraction and (routing is None or c.key[0] == routing):
+                return c
+        return None
+
+    out: list[dict] = []
+    for routing in ("random", "trace"):
+        ours = [c for c in ok if c.key[0] == routing and c.config in GGMOE]
+        if not ours:
+            continue
+        at = [c for c in ours if c.fraction == GOAL_FRACTION]
+        best = max(at, key=lambda c: c.decode_tps, default=None)
+        refs = (("n-cpu-moe", GOAL_FRACTION, 2.0), ("lru", GOAL_FRACTION, 1.3), ("stock-vram", None, 0.9))
+        for config, fraction, target in refs:
+            ref = one(routing if config in GGMOE else None, config, fraction)
+            if best is not None and ref is not None:
+                ratio = best.decode_tps / ref.decode_tps
+                out.append({"routing": routing, "goal": f"decode at 50 %: best ggmoe ({best.config}) / {config}",
+                            "value": ratio, "target": f">= {target}", "met": ratio >= target})
+        cpu = one(None, "stock-cpu", None)
+        if cpu is not None:
+            for what, attr in (("decode", "decode_tps"), ("prefill", "prefill_tps")):
+                worst = min(ours, key=lambda c: getattr(c, attr))
+                ratio = getattr(worst, attr) / getattr(cpu, attr)
+                out.append({"routing": routing, "goal": f"{what}, every size: worst ggmoe ({worst.config} "
+                            f"{worst.fraction:.0%}) / stock-cpu", "value": ratio, "target": ">= 1.0",
+                            "met": ratio >= 1.0})
+    sims = [c for c in ok if c.tpot_sim_ms is not None]
+    if sims:
+        errs = [abs(c.tpot_sim_ms - c.tpot_ms) / c.tpot_ms for c in sims]
+        worst = max(errs)
+        out.append({"routing": "both", "goal": f"simulator TPOT vs measured, {len(sims)} cells: worst error",
+                    "value": worst, "target": f"<= {sim_tolerance}", "met": worst <= sim_tolerance})
+    return out
+
+
+def hook_overhead_us(cells: list[Cell], n_moe_layers: int) -> float | None:
+    """µs per MoE layer that the route hook (callback and device sync) and the slot indirection cost:
+    decode time of lru at 100 % (every expert resident after warm-up) less stock-vram's, per layer."""
+    lru = [c for c in cells if c.error is None and c.is_random and c.config == "lru" and c.fraction == 1.0]
+    vram = [c for c in cells if c.error is None and c.config == "stock-vram"]
+    if not lru or not vram or not lru[0].tpot_ms or not vram[0].tpot_ms:
+        return None
+    return (lru[0].tpot_ms - vram[0].tpot_ms) * 1e3 / n_moe_layers
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
 def table(cells: list[Cell]) -> str:
-    head = "| routing | config | cacheable | slots | decode tok/s | prefill tok/s | TTFT ms | hit rate | hook µs | CPU experts |"
-    rows = [head, "|" + "---|" * 10]
-    for c in cells:
-        routing = "trace" if c.routing != "random" else "random"
+    head = ("| routing | config | cacheable | slots | decode tok/s | TPOT ms | sim TPOT ms | prefill tok/s | "
+            "TTFT ms | hit rate | hook µs (replay) | CPU experts |")
+    rows = [head, "|" + "---|" * 12]
+    order = {c: i for i, c in enumerate(CONFIGS)}
+    for c in sorted(cells, key=lambda c: (not c.is_random, c.fraction or 0.0, order[c.config])):
+        routing = "random" if c.is_random else "trace"
+        frac = "-" if c.fraction is None else f"{c.fraction:.0%}"
         if c.error:
-            rows.append(f"| {routing} | {c.config} | {c.fraction or '-'} | {c.slots or '-'} | {c.error} |||||")
+            rows.append(f"| {routing} | {c.config} | {frac} | {_f(c.slots, 'd')} | failed: "
+                        f"{c.error[:160].replace('|', '/')} |||||||")
             continue
-        rows.append(f"| {routing} | {c.config} | {'-' if c.fraction is None else f'{c.fraction:.0%}'} | "
-                    f"{'-' if c.slots is None else c.slots} | {c.decode_tps:.1f} | {c.prefill_tps:.1f} | "
-                    f"{c.ttft_s * 1e3:.1f} | {'-' if c.hit_rate is None else f'{c.hit_rate:.1%}'} | "
-                    f"{'-' if c.hook_us_p50 is None else f'{c.hook_us_p50:.1f}'} | "
-                    f"{'-' if c.host_computed is None else c.host_computed} |")
+        rows.append(f"| {routing} | {c.config} | {frac} | {_f(c.slots, 'd')} | {c.decode_tps:.1f} | "
+                    f"{_f(c.tpot_ms, '.2f')} | {_f(c.tpot_sim_ms, '.2f')} | {c.prefill_tps:.1f} | "
+                    f"{c.ttft_s * 1e3:.1f} | {_f(c.hit_rate, '.1%')} | {_f(c.hook_us_p50, '.1f')}"
+                    f"{'' if c.override_us is None else f' ({c.override_us:.1f})'} | "
+                    f"{_f(c.host_computed, 'd')} |")
     return "\n".join(rows)
 
 
+def markdown(result: dict, cells: list[Cell]) -> str:
+    m = result["machine"]
+    lines = [f"# {Path(result['model']).name}: {result['facts']['what']}", "",
+             f"machine: GPU {m['gpu'] or 'none (CPU-only build)'} (nvidia-smi: {m.get('nvidia_smi') or '-'}; "
+             f"{m.get('nvcc') or 'no nvcc'}), {m['cpu']}, {m['cores']} cores, Python {m['python']}, {m['date']}; "
+             f"runs: {result['args']}"]
+    if result.get("routing_note"):
+        lines.append(f"'trace' rows: {result['routing_note']}; stock rows route with the model's router "
+                     "(routing does not change what they compute) and stand for both routings.")
+    cal = result.get("calibration")
+    if cal:
+        cpu_us = cal["bytes_per_expert"] / cal["cpu_bytes_per_s"] * 1e6
+        lines.append(f"calibration: copies {cal['copy_bytes_per_s'] / 1e9:.2f} GB/s + "
+                     f"{cal['copy_latency_s'] * 1e6:.1f} µs each ({'pinned host to device' if cal['gpu'] else 'a host memcpy: no GPU'}); "
+                     f"CPU time per expert {cpu_us:.0f} µs ({cal['bytes_per_expert'] / 2**20:.2f} MiB); "
+                     f"route callback {cal['hook_s'] * 1e6:.1f} µs")
+    if result.get("sim_note"):
+        lines.append(f"sim TPOT: {result['sim_note']}")
+    if result.get("hook_overhead_us") is not None:
+        lines.append(f"route hook with its device sync, per MoE layer (lru 100 % less stock-vram, per layer): "
+                     f"{result['hook_overhead_us']:.1f} µs")
+    lines += ["hit rate and CPU experts: the timed generations only; hook µs: the route callback's median per "
+              "MoE layer call, and in brackets what trace-replay routing's override took of it", "", table(cells)]
+    if result.get("goals"):
+        lines += ["", "| routing | goal | value | target | met |", "|---|---|---|---|---|"]
+        lines += [f"| {g['routing']} | {g['goal']} | {g['value']:.2f} | {g['target']} | {'yes' if g['met'] else 'no'} |"
+                  for g in result["goals"]]
+    if result.get("skipped"):
+        lines += ["", f"not run (--budget-s): {', '.join(result['skipped'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def _cmd(*cmd: str) -> str | None:
+    """A tool's output, stripped, or None when it is missing or fails."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict:
-    return {"gpu": gpu_device_name(), "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    """The GPU (ggml's name; nvidia-smi's name, driver and memory), CUDA's compiler, the CPU, the engine."""
+    import llama_cpp
+
+    from ggmoe.engine.loader import gpu_device_name
+
+    nvcc = _cmd("nvcc", "--version")
+    return {"gpu": gpu_device_name(), "engine": llama_cpp.__file__,
+            "nvidia_smi": _cmd("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"),
+            "nvcc": nvcc.splitlines()[-1] if nvcc else None, "cpu": _cpu_name(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def cell_from_dict(d: dict) -> Cell:
+    names = {f.name for f in fields(Cell)}
+    d = {k: v for k, v in d.items() if k in names}
+    d["decode_tps_runs"] = tuple(d.get("decode_tps_runs") or ())
+    return Cell(**d)
+
+
+def write(out: Path, result: dict, cells: list[Cell]) -> None:
+    result["cells"] = [asdict(c) for c in cells]
+    (out / "matrix.json").write_text(json.dumps(result, indent=2))
+    (out / "matrix.md").write_text(markdown(result, cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,59 +424,109 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--routing", default="random,trace", help="random, trace or both (comma list)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--fractions", default="0.25,0.5,1.0")
+    ap.add_argument("--fractions", default="0.5,0.25,1.0", help="run in this order (50 %% first: the goals)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--calibrate", action="store_true", help="also measure copy bandwidth and CPU time per expert")
+    ap.add_argument("--no-calibrate", action="store_true", help="skip calibration and the simulator's estimates")
+    ap.add_argument("--append", action="store_true", help="add to OUT/matrix.json of an earlier run")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no cell after this many seconds")
     a = ap.parse_args(argv)
+    t_start = time.monotonic()
+    if not a.model.is_file():
+        raise SystemExit(f"error: no model at {a.model}")
     facts = inspect_model(a.model)
     routings = [r for r in a.routing.split(",") if r]
     configs = [c for c in a.configs.split(",") if c]
-    fractions = [float(f) for f in a.fractions.split(",") if f]
+    try:
+        fractions = [float(f) for f in a.fractions.split(",") if f]
+    except ValueError:
+        raise SystemExit(f"error: --fractions {a.fractions!r}: a comma list of numbers in (0, 1]") from None
     bad = set(configs) - set(CONFIGS) or set(routings) - {"random", "trace"}
-    if bad:
-        raise SystemExit(f"error: unknown {sorted(bad)}; configs: {', '.join(CONFIGS)}; routing: random, trace")
+    if bad or not all(0 < f <= 1 for f in fractions):
+        raise SystemExit(f"error: unknown {sorted(bad) or a.fractions}; configs: {', '.join(CONFIGS)}; "
+                         "routing: random, trace; fractions in (0, 1]")
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ggmoe-matrix-"))  # tiled traces: not into OUT (files back are few)
     held = train = None
     if "trace" in routings:
-        if a.trace is None:
-            raise SystemExit("error: trace routing needs --trace (a trace of the embedded model)")
+        if a.trace is None or not a.trace.is_file():
+            raise SystemExit("error: trace routing needs --trace (a trace of the embedded model: gpu-pack/trace.npz)")
         train, held = split_tiled(a.trace, tuple(facts.moe_layers), facts.n_expert, facts.n_expert_used,
-                                  model_fingerprint(a.model), a.out / "tiled")
-    a.out.mkdir(parents=True, exist_ok=True)
+                                  model_fingerprint(a.model), work / "tiled")
     cells: list[Cell] = []
-    for routing in routings:
-        for config in configs:
-            if routing == "trace" and config not in ("lru", "prefetch", "prefetch-eam"):
-                continue  # stock rows compute the same whatever the routing: measured once, under random
-            if routing == "random" and config in TRACE_ONLY:
-                continue
-            for f in fractions if config in PER_FRACTION else [None]:
-                t0 = time.monotonic()
-                cell = run_cell(a.model, facts, config, f, routing, held, a, train)
-                cells.append(cell)
-                print(f"{routing:6} {config:10} {'' if f is None else f'{f:.0%}':>5}  "
-                      f"{cell.error or f'{cell.decode_tps:.1f} tok/s'}  ({time.monotonic() - t0:.0f} s)", flush=True)
-    result = {"machine": machine(), "model": str(a.model), "facts": {"n_expert": facts.n_expert,
-              "n_expert_used": facts.n_expert_used, "moe_layers": len(facts.moe_layers),
-              "bytes_per_expert": facts.bytes_per_expert(facts.moe_layers[0])},
-              "routing_note": ROUTING_NAME if "trace" in routings else None,
-              "cells": [asdict(c) for c in cells]}
-    if a.calibrate:
-        from ggmoe.engine.calibrate import calibrate
-
-        result["calibration"] = calibrate(a.model, n_threads=a.threads, n_tokens=16, repeat=3).to_dict()
-    (a.out / "matrix.json").write_text(json.dumps(result, indent=2))
-    md = table(cells)
-    notes = [f"machine: {result['machine']}", f"model: {a.model.name}"]
-    if "trace" in routings:
-        notes.append(f"'trace' rows: {ROUTING_NAME}")
-    (a.out / "matrix.md").write_text("\n".join(notes) + "\n\n" + md + "\n")
-    print(md)
+    result: dict = {}
+    if a.append and (a.out / "matrix.json").is_file():
+        result = json.loads((a.out / "matrix.json").read_text())
+        cells = [cell_from_dict(d) for d in result.get("cells", [])]
+    result.update({"machine": machine(), "model": str(a.model), "facts": {
+        "what": describe(facts), "n_expert": facts.n_expert, "n_expert_used": facts.n_expert_used,
+        "moe_layers": len(facts.moe_layers), "bytes_per_expert": facts.bytes_per_expert(facts.moe_layers[0])},
+        "args": f"{a.runs} x {a.decode_tokens} decoded tokens (median), {a.prefill_tokens}-token prefill, "
+                f"{a.threads} threads"})
+    if "trace" in routings or any(not c.is_random for c in cells):
+        result["routing_note"] = ROUTING_NAME
+    plan = plan_cells(routings, configs, fractions)
+    skipped = []
+    for routing, config, f in plan:
+        if a.budget_s is not None and time.monotonic() - t_start > a.budget_s:
+            skipped.append(f"{routing} {config} {'' if f is None else f'{f:.0%}'}".strip())
+            continue
+        cell = run_cell(a.model, facts, config, f, routing, held, a, train)
+        cells = [c for c in cells if c.key != cell.key] + [cell]
+        print(f"{routing:6} {config:12} {'' if f is None else f'{f:.0%}':>5}  "
+              f"{cell.error or f'{cell.decode_tps:.1f} tok/s decode, {cell.prefill_tps:.0f} tok/s prefill'}"
+              f"  ({cell.wall_s:.0f} s)", flush=True)
+        result["goals"] = goals(cells)
+        write(a.out, result, cells)
+    result["skipped"] = skipped
+    result["hook_overhead_us"] = hook_overhead_us(cells, len(facts.moe_layers))
+    if not a.no_calibrate and not skipped:
+        cells = estimate(a, facts, cells, result, work, held, train)
+    result["goals"] = goals(cells)
+    write(a.out, result, cells)
+    print(markdown(result, cells))
+    print(f"matrix: {len(cells)} cells in {time.monotonic() - t_start:.0f} s -> {a.out / 'matrix.md'}")
     return 0
+
+
+def estimate(a, facts, cells: list[Cell], result: dict, work: Path, held: Path | None,
+             train: Path | None) -> list[Cell]:
+    """Calibrate on the model, make its hardware profile, and fill every cell's simulated TPOT."""
+    from dataclasses import replace
+
+    from ggmoe.engine.calibrate import calibrate
+    from ggmoe.simulate.calibration import profile_from, render
+    from ggmoe.simulate.hardware import load_profile
+
+    t0 = time.monotonic()
+    cal = calibrate(a.model, n_threads=a.threads, n_tokens=16, repeat=3)
+    base = load_profile("h100" if cal.gpu else "pcie4")
+    profile, _ = profile_from(cal, base, "matrix")
+    result["calibration"] = cal.to_dict()
+    result["profile_toml"] = render(cal, base, "matrix")
+    result["sim_note"] = (f"the simulator on the calibrated profile (base {base.name}); random rows on a trace of "
+                          "the model's own routing of the generation, trace rows on the held-out tiled trace")
+    if not cal.gpu:
+        result["sim_note"] += ("; CPU-only machine: the profile models a GPU's link and the measured rows ran "
+                               "on the CPU, so the two are not comparable here")
+    traces = {}
+    if any(c.is_random for c in cells):
+        traces["random"] = load_trace(record_random_trace(a.model, a, work / "random.npz"), hidden=False)
+    if held is not None:
+        traces["trace"] = load_trace(held, hidden=False)
+    train_trace = load_trace(train, hidden=False) if train is not None else None
+    out = []
+    for c in cells:
+        trace = traces.get(c.key[0])
+        if c.error is None and trace is not None:
+            c = replace(c, tpot_sim_ms=simulate_cell(c, facts, trace, train_trace, profile))
+        out.append(c)
+    print(f"calibration and simulation: {time.monotonic() - t0:.0f} s", flush=True)
+    return out
 
 
 if __name__ == "__main__":

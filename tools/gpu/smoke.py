@@ -1,46 +1,72 @@
 #!/usr/bin/env python3
 """The GPU harness end to end at toy size, on any machine: pack, a real-shape toy model, the matrix.
 
-The same steps a GPU machine runs (docs/benchmarks.md, "GPU harness"), minus the CUDA build: it uses the
-engine installed here. Fails (exit 1) if a step fails or the matrix has a cell that could not run.
+The same steps a GPU machine runs (docs/benchmarks.md, "GPU harness"). By default the matrix runs on the
+engine installed here (`make gpu-smoke`, CI); ``--build`` also builds the engine from the pack with
+tools/gpu/build.py --cpu into OUT/prefix (minutes) and runs the matrix on that build, with PYTHONPATH as
+the GPU machine has it. Fails (exit 1) if a step fails, a cell could not run, or the table is missing.
 
-    python tools/gpu/smoke.py [--out DIR]
+    python tools/gpu/smoke.py [--out DIR] [--build]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 
 
-def step(*cmd: str) -> None:
+def step(*cmd: str, env: dict | None = None) -> float:
+    """Run one step with this interpreter; returns its seconds."""
     print("$", " ".join(cmd), flush=True)
-    subprocess.run([sys.executable, *cmd], check=True)
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, *cmd], check=True, env=env, cwd=ROOT)
+    secs = time.monotonic() - t0
+    print(f"  ({secs:.0f} s)", flush=True)
+    return secs
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--build", action="store_true", help="also build the engine from the pack (--cpu) and use it")
     a = ap.parse_args(argv)
-    out = a.out or Path(tempfile.mkdtemp(prefix="ggmoe-gpu-smoke-"))
+    out = (a.out or Path(tempfile.mkdtemp(prefix="ggmoe-gpu-smoke-"))).resolve()
     pack = out / "gpu-pack"
-    step(str(HERE / "pack.py"), "--out", str(pack), "--trace-docs", "6")
-    step(str(HERE / "realshape.py"), "--preset", "toy", "-o", str(out / "toy.gguf"))
-    step(str(HERE / "matrix.py"), "--model", str(out / "toy.gguf"), "--trace", str(pack / "trace.npz"),
-         "--out", str(out / "matrix"), "--runs", "2", "--decode-tokens", "16", "--prefill-tokens", "64",
-         "--n-ctx", "256", "--fractions", "0.25,0.5")
+    times = {"pack": step(str(HERE / "pack.py"), "--out", str(pack), "--trace-docs", "6")}
+    env = None
+    if a.build:
+        prefix = out / "prefix"
+        times["build"] = step(str(HERE / "build.py"), "--cpu", "--pack", str(pack), "--prefix", str(prefix))
+        env = {**os.environ, "PYTHONPATH": f"{prefix / 'site'}:{ROOT}"}
+    times["model"] = step(str(HERE / "realshape.py"), "--preset", "toy", "-o", str(out / "toy.gguf"), env=env)
+    # one thread: the toy's matmuls are tiny, and spare threads only spin on a busy machine
+    times["matrix"] = step(str(HERE / "matrix.py"), "--model", str(out / "toy.gguf"), "--trace",
+                           str(pack / "trace.npz"), "--out", str(out / "matrix"), "--runs", "2", "--decode-tokens",
+                           "16", "--prefill-tokens", "64", "--n-ctx", "256", "--fractions", "0.5,0.25,1.0",
+                           "--threads", "1", env=env)
     result = json.loads((out / "matrix" / "matrix.json").read_text())
     bad = [c for c in result["cells"] if c["error"]]
     if bad:
         print(f"error: {len(bad)} cells failed, e.g. {bad[0]['config']}: {bad[0]['error']}", file=sys.stderr)
         return 1
-    print(f"gpu-smoke: {len(result['cells'])} cells in {out / 'matrix'}")
+    if not (out / "matrix" / "matrix.md").is_file():
+        print("error: the matrix wrote no table", file=sys.stderr)
+        return 1
+    if a.build and not result["machine"]["engine"].startswith(str(out / "prefix")):
+        print(f"error: the matrix ran on {result['machine']['engine']}, not the build", file=sys.stderr)
+        return 1
+    (out / "smoke.json").write_text(json.dumps({"seconds": times}, indent=2))
+    print(f"gpu-smoke: {len(result['cells'])} cells in {out / 'matrix'}; seconds: "
+          + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     return 0
 
 
