@@ -271,3 +271,50 @@ def test_pack_trims_no_cuda_source():
     assert "ggml-cuda" not in gpu_pack.TRIM_BACKENDS and "ggml-cpu" not in gpu_pack.TRIM_BACKENDS
     assert {"ggml-vulkan", "ggml-metal", "ggml-sycl", "ggml-opencl", "ggml-cann", "ggml-musa", "ggml-hip"} <= set(
         gpu_pack.TRIM_BACKENDS)
+
+
+def _touch(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
+    return path
+
+
+def test_cuda_libs_from_a_trimmed_toolkit_and_pip(tmp_path):
+    """A toolkit with nvcc and cudart alone (as on this machine): cuBLAS from PyTorch's pip package, linked
+    alone into the prefix; no driver library: VMM off."""
+    root = tmp_path / "cuda"
+    _touch(root / "include" / "cuda_runtime.h")
+    site_dir = tmp_path / "site"
+    _touch(site_dir / "nvidia" / "cu13" / "include" / "cublas_v2.h")
+    _touch(site_dir / "nvidia" / "cu13" / "include" / "cuda_runtime_api.h")  # another CUDA's: not linked
+    _touch(site_dir / "nvidia" / "cu13" / "lib" / "libcublas.so.13")
+    _touch(site_dir / "nvidia" / "cu13" / "lib" / "libcublasLt.so.13")
+    _touch(site_dir / "nvidia" / "cu13" / "lib" / "libcudart.so.13")  # not linked either
+    dest = tmp_path / "prefix" / "cuda"
+    libs = gpu_build.find_cuda_libs(dest, [tmp_path / "empty", site_dir], root=root, driver_dirs=(), ldconfig=False)
+    assert f"-DCUDA_cublas_LIBRARY={dest / 'lib' / 'libcublas.so'}" in libs.args
+    assert f"-DCUDA_cublasLt_LIBRARY={dest / 'lib' / 'libcublasLt.so'}" in libs.args
+    assert f"-DCMAKE_CUDA_FLAGS=-I{dest / 'include'}" in libs.args and "-DGGML_CUDA_NO_VMM=ON" in libs.args
+    assert sorted(p.name for p in (dest / "lib").iterdir()) == ["libcublas.so", "libcublas.so.13", "libcublasLt.so",
+                                                                "libcublasLt.so.13"]
+    assert (dest / "lib" / "libcublas.so.13").resolve() == site_dir / "nvidia" / "cu13" / "lib" / "libcublas.so.13"
+    assert sorted(p.name for p in (dest / "include").iterdir()) == ["cublas_v2.h"]
+    assert libs.lib_dirs == (dest / "lib",)
+    assert "LD_LIBRARY_PATH=" in gpu_build.env_sh(Path("/p/site"), libs.lib_dirs)
+
+
+def test_cuda_libs_of_a_full_toolkit(tmp_path):
+    root = tmp_path / "cuda"
+    _touch(root / "include" / "cuda_runtime.h")
+    _touch(root / "include" / "cublas_v2.h")
+    _touch(root / "lib64" / "libcublas.so")
+    stub = _touch(root / "lib64" / "stubs" / "libcuda.so")
+    libs = gpu_build.find_cuda_libs(tmp_path / "dest", [], root=root, driver_dirs=(), ldconfig=False)
+    assert libs.args == (f"-DCUDA_cuda_driver_LIBRARY={stub}",) and libs.lib_dirs == ()
+
+
+def test_cuda_libs_refused_without_cublas(tmp_path):
+    root = tmp_path / "cuda"
+    _touch(root / "include" / "cuda_runtime.h")
+    with pytest.raises(gpu_build.BuildFailed, match="no cuBLAS"):
+        gpu_build.find_cuda_libs(tmp_path / "dest", [tmp_path], root=root, driver_dirs=(), ldconfig=False)
