@@ -104,6 +104,10 @@ class ExpertCache:
             pending += loaded
             st.demand_copies += len(loaded)
         if pending:
+            promote = getattr(self.copies, "promote", None)
+            if promote is not None:  # queued behind prefetches or admissions: the layer waits for these now
+                for h in pending:
+                    promote(h)
             tw = self.time.now()
             self.copies.wait(pending)
             st.wait_s += self.time.now() - tw
@@ -113,6 +117,10 @@ class ExpertCache:
         if host:
             st.host_computed += len(host)
             admit = [e for e in host if slot_of[e] < 0]
+            # At most n_expert_used admissions in flight per layer: on a link slower than the CPU, queued
+            # admissions would pile up, each holding a slot while it waits.
+            room = self.n_expert_used - sum(1 for h in table.copy if h is not None and h.priority == Priority.ADMISSION)
+            admit = admit[: max(room, 0)]
             if admit:  # low priority: a later token finds them; the current call computes them on the CPU
                 st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
         if il in self.predicted:
@@ -136,12 +144,13 @@ class ExpertCache:
         host: set[int] = set()
         keep: list[CopyHandle] = []
         now = self.time.now()
+        remaining = getattr(self.copies, "remaining_s", None)
         for h in pending:
             if self.copies.done(h):
                 keep.append(h)
                 continue
-            left = None
-            if self.costs is not None:
+            left = remaining(h) if remaining is not None else None
+            if left is None and self.costs is not None:  # no queue to ask: the copy's own time, less its age
                 left = max(0.0, self.costs.copy_s(nbytes) - (now - self._submitted.get(h.id, now)))
             if prefer_host(self.miss_policy, self.costs, nbytes, left):
                 host.add(h.expert)  # its slot stays LOADING; a later call reads it once landed

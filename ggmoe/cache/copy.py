@@ -54,6 +54,10 @@ class CopyBackend(Protocol):
     def close(self) -> None:
         """Release what the backend holds (threads, streams)."""
 
+    # Optional (a backend with a queue): ``promote(handle)`` moves a queued copy to demand priority (a layer
+    # is about to wait for it); ``remaining_s(handle)`` is the seconds until it would land if served next
+    # (None: unknown), which the auto miss policy weighs against the CPU.
+
 
 class NullCopyBackend:
     """Every copy lands when submitted; optionally calls ``copy(il, expert, slot)`` to do it."""
@@ -130,6 +134,16 @@ class ThreadedCopyBackend:
                 raise self.error
             if not ids <= self._done:
                 raise RuntimeError("copy backend closed with copies pending")
+
+    def promote(self, handle: CopyHandle) -> None:
+        """Serve a queued copy at demand priority from now on (a layer is waiting for it)."""
+        with self._cv:
+            for i, item in enumerate(self._queue):
+                if item[2] == handle.id and item[0] > Priority.DEMAND:
+                    self._queue[i] = (int(Priority.DEMAND), item[1], item[2], item[3])
+                    heapq.heapify(self._queue)
+                    self._cv.notify_all()
+                    return
 
     def cancel(self, handle: CopyHandle) -> bool:
         """Drop a queued copy that no chunk of has run (a partly written slot is never handed out)."""

@@ -128,10 +128,22 @@ class LinkCopyBackend:
                 return True
         return False
 
+    def promote(self, handle: CopyHandle) -> None:
+        """Serve a queued copy at demand priority from now on (a layer waits for it)."""
+        self._advance()
+        for j in self._queue:
+            if j.handle.id == handle.id and j.key[0] > Priority.DEMAND:
+                j.key = (int(Priority.DEMAND), j.key[1], j.key[2])
+                heapq.heapify(self._queue)
+                return
+
     def remaining_s(self, handle: CopyHandle) -> float | None:
-        """Seconds until ``handle`` lands if the link served it next (None: landed or unknown)."""
+        """Seconds until ``handle`` lands if the link served it next (0: landed; None: unknown)."""
+        self._advance()
         if self._done_now(handle):
-            return None
+            return 0.0
+        if handle.id in self._landed:  # its last chunk is running
+            return self._landed[handle.id] - self.clock.now()
         for j in self._queue:
             if j.handle.id == handle.id:
                 return j.chunks_left * self._chunk_s(handle.il) + max(0.0, self._busy_until - self.clock.now())

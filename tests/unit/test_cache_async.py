@@ -199,3 +199,21 @@ def test_prefetches_run_by_rank_within_their_priority():
         assert order == [0, 2, 3, 1]  # fMoE's p / distance, highest first (lowest rank)
     finally:
         b.close()
+
+
+def test_threaded_backend_promotes_a_queued_copy():
+    from ggmoe.cache.copy import Priority, ThreadedCopyBackend
+
+    gate = threading.Event()
+    b = ThreadedCopyBackend(lambda il, e, s: gate.wait(5))
+    try:
+        first = b.submit(0, 0, 0, Priority.PREFETCH)
+        queued = [b.submit(0, e, e, Priority.PREFETCH) for e in range(1, 4)]
+        b.promote(queued[-1])
+        gate.set()
+        b.wait([queued[-1]])
+        finished = [h.id for h in b.order]
+        assert finished.index(queued[-1].id) < finished.index(queued[0].id) or queued[0].id not in finished
+        assert first.id in finished
+    finally:
+        b.close()

@@ -179,3 +179,49 @@ def test_baselines_by_hand():
     assert b.ttft_s == pytest.approx(2 * (gpu + cpu))
     with pytest.raises(Exception, match="budget"):
         baseline(tr, "n-cpu-moe", bpe, PROFILE)
+
+
+def test_a_waited_copy_is_promoted_past_queued_prefetches():
+    clock, b = link(n_chunks=1)
+    one = 1e-3 + BPE / 1e9
+    ahead = [b.submit(0, e, e, Priority.PREFETCH) for e in range(3)]
+    late = b.submit(0, 7, 7, Priority.PREFETCH, rank=9.0)  # the last of the queued prefetches
+    clock.advance(1e-4)  # the first prefetch has started
+    assert b.remaining_s(late) == pytest.approx(one - 1e-4 + one)  # the running chunk, then itself
+    b.promote(late)
+    b.wait([late])
+    # the first prefetch had started at 0 and finishes; then the promoted copy
+    assert clock.now() == pytest.approx(2 * one)
+    assert not b.done(ahead[1])
+
+
+def test_auto_does_not_wait_for_a_copy_stuck_behind_a_backlog():
+    """An expert whose admission copy is queued behind others: the CPU is sooner than the link."""
+    from ggmoe.cache import ExpertCache
+    from ggmoe.cache.miss import SLOT_HOST
+    from ggmoe.cache.policies import POLICIES
+
+    clock = ManualClock()
+    prof = dataclasses.replace(PROFILE, cpu_bytes_per_s=1e9)  # 1 ms per expert on the CPU; a copy takes 4 ms
+    b = LinkCopyBackend(clock, {0: BPE}, prof, 3)
+    cache = ExpertCache(8, 1, {0: 4}, POLICIES.get("lru")(8, [0]), copies=b, bytes_per_expert={0: BPE},
+                        clock=clock, miss_policy="auto", costs=prof.miss_costs())
+    assert cache.route_flat(0, [1]) == [SLOT_HOST]  # computed on the CPU, admitted at low priority
+    assert cache.route_flat(0, [2]) == [SLOT_HOST]
+    clock.advance(1e-4)
+    # expert 2's admission is queued behind expert 1's: over 5 ms away, so the CPU computes it again
+    assert cache.route_flat(0, [2]) == [SLOT_HOST]
+    assert cache.stats.layers[0].wait_s == 0.0
+
+
+def test_admissions_in_flight_are_capped_per_layer():
+    from ggmoe.cache import ExpertCache
+    from ggmoe.cache.policies import POLICIES
+
+    clock = ManualClock()
+    b = LinkCopyBackend(clock, {0: BPE}, PROFILE, 3)
+    cache = ExpertCache(8, 2, {0: 6}, POLICIES.get("lru")(8, [0]), copies=b, bytes_per_expert={0: BPE},
+                        clock=clock, miss_policy="cpu")
+    for e in range(0, 8, 2):
+        cache.route_flat(0, [e, e + 1])
+    assert cache.stats.layers[0].admission_copies == 2  # n_expert_used in flight at most; the link is busy
