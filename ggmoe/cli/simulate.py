@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,8 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
               help="Share of each layer's experts cacheable, e.g. 0.25,0.5 (repeat or comma list).")
 @click.option("--vram", multiple=True, help="Cache budget over all layers, e.g. 4GiB (repeat or comma list).")
 @click.option("--policy", multiple=True, help="Eviction policies (repeat or comma list; default lru).")
-@click.option("--predictor", multiple=True, help="Predictors (none, reuse, token, eam, expert-map, oracle, "
-                                                 "PRED.npz); repeat or comma list; default none.")
+@click.option("--predictor", multiple=True, help="Predictors (none, reuse, skip-gate, token, eam, expert-map, "
+                                                 "oracle, PRED.npz); repeat or comma list; default none.")
 @click.option("--stride", default=2, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--prefetch", "n_prefetch", type=click.IntRange(1, 4096),
               help="Experts prefetched per layer (default 2 x top-k).")
@@ -119,7 +120,9 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
               help="Training traces for predictors that learn (eam, expert-map, token).")
 @click.option("--predictor-s", type=FiniteFloat(min=0.0),
               help="Seconds per predictor call on the critical path (default: measured on this machine).")
-@click.option("--stats-in", type=click.Path(dir_okay=False), help="Routing statistics for --policy static.")
+@click.option("--stats-in", type=click.Path(dir_okay=False),
+              help="Routing statistics saved by --stats-out: --policy static pins their hottest experts; the "
+                   "predictor they were saved with starts from what it learnt.")
 @click.option("--json", "as_json", is_flag=True, help="Print every result as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of hit rate and TPOT.")
 @edge
@@ -162,19 +165,21 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     predictors = [None if p == "none" else p for p in (_split(predictor) or ["none"])]
     misses = _split(miss_policy) or ["wait"]
     options: dict[str, dict] = {}
+    warm = read_stats_in(stats_in, facts, Path(path))
     if "static" in policies:
-        warm = read_stats_in(stats_in, facts, Path(path))
         if warm is None:
             raise UsageError("--policy static pins the hottest experts of saved statistics: give --stats-in FILE")
         options["static"] = {"counts": warm.counts_by_layer()}
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
     results, rows = [], []
     combos = list(itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors, misses))
-    with click.progressbar(combos, label="simulating", file=click.get_text_stream("stderr")) as bar:
+    with click.progressbar(combos, label="simulating", file=sys.stderr) as bar:
         for (label, slots), pol, pred, miss in bar:
+            state = warm.predictor_state if warm is not None and pred and warm.predictor == pred else None
             cfg = SimConfig(n_slots=slots, policy=pol, policy_options=options.get(pol), predictor=pred,
-                            stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s)
-            r = run(trace, cfg, bpe, profile, train)
+                            stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
+                            predictor_state=state or None)
+            r = run(trace, cfg, bpe, profile, train, model_path=str(path))
             results.append(r)
             rows.append(_row(label, r))
     if plot_path is not None:

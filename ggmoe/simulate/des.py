@@ -59,6 +59,7 @@ class SimConfig:
     threshold: float | None = None
     miss_policy: str = "wait"
     predictor_s: float | None = None  # s per predictor call on the GPU's critical path; None: measured here
+    predictor_state: Mapping[str, np.ndarray] | None = None  # a learnt state (--stats-in), as the engine loads it
 
     @property
     def label(self) -> str:
@@ -93,12 +94,20 @@ class SimResult:
     stats: dict = field(default_factory=dict)  # CacheStats.to_dict()
 
 
-def _predictor(config: SimConfig, trace: Trace, train: Trace | None):
+def _predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None):
+    """The predictor built as the engine's ``make_prefetcher`` builds it, from the traces' model shape."""
     shape = ModelShape.from_trace(trace.meta, trace.layers)
-    pred = make_predictor(config.predictor, shape, config.stride)
-    if pred.needs_fit:
+    options = {"model": model_path} if config.predictor == "skip-gate" else {}
+    pred = make_predictor(config.predictor, shape, config.stride, **options)
+    if pred.needs_hidden and trace.hidden is None:
+        raise UsageError(f"predictor {config.predictor!r} reads hidden states: the traces have none "
+                         "(record them without --no-hidden)")
+    if config.predictor_state:
+        pred.load_state(dict(config.predictor_state))
+    if pred.needs_fit and not (pred.has_state and train is None):
         if train is None:
-            raise UsageError(f"predictor {config.predictor!r} learns from traces: give training traces")
+            raise UsageError(f"predictor {config.predictor!r} learns from traces: give training traces "
+                             "(or routing statistics saved by a run with it)")
         if train.meta.model_fingerprint != trace.meta.model_fingerprint:
             raise UsageError("the training traces come from another model")
         pred.fit(train)
@@ -131,7 +140,8 @@ class _Costs:
 
 
 def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
-             profile: HardwareProfile | None = None, train: Trace | None = None, n_chunks: int = 3) -> SimResult:
+             profile: HardwareProfile | None = None, train: Trace | None = None, n_chunks: int = 3,
+             model_path: str | None = None) -> SimResult:
     """Replay ``trace`` through a fresh cache on the cost model; see the module docstring."""
     m = trace.meta
     layers = [int(il) for il in trace.layers]
@@ -144,7 +154,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     cache = ExpertCache(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
                         bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=config.miss_policy,
                         costs=profile.miss_costs() if profile is not None else None)
-    pred = _predictor(config, trace, train) if config.predictor else None
+    pred = _predictor(config, trace, train, model_path) if config.predictor else None
     prefetcher = None
     if pred is not None:
         n = config.n_prefetch if config.n_prefetch is not None else min(2 * m.n_expert_used, m.n_expert)
@@ -184,7 +194,8 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
             if prefetcher is not None:
                 tp = time.perf_counter()
                 probs = trace.probs[rows, pos[il]].astype(np.float32) if pred.needs_probs else None
-                prefetcher.on_route(RouteEvent(il=il, ids=sel, probs=probs, hidden=None))
+                hidden = trace.hidden[rows, pos[il]].astype(np.float32) if pred.needs_hidden else None
+                prefetcher.on_route(RouteEvent(il=il, ids=sel, probs=probs, hidden=hidden))
                 pred_s = time.perf_counter() - tp if config.predictor_s is None else config.predictor_s
                 clock.advance(pred_s if profile is not None else 0.0)
             clock.advance(max(costs.gpu(il, n_tok, need - n_host), costs.cpu(il, n_host)))

@@ -24,7 +24,8 @@ FIELDS = ("calls", "native_calls", "hits", "misses", "host_computed", "admission
     ["--policy", "lfu", "--miss-policy", "cpu"],
     ["--policy", "lru", "--predictor", "reuse", "--stride", "1"],
     ["--policy", "lcp", "--predictor", "reuse", "--stride", "2", "--miss-policy", "cpu"],
-], ids=["lru", "lfu-host", "prefetch", "lcp-prefetch-host"])
+    ["--policy", "lru", "--predictor", "skip-gate", "--stride", "1"],
+], ids=["lru", "lfu-host", "prefetch", "lcp-prefetch-host", "skip-gate"])
 def test_simulator_counts_equal_the_engine(qwen3moe_model, tmp_path, flags):
     stats, tr = tmp_path / "s.json", tmp_path / "trace"
     r = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox jumps", "-n", "24",
@@ -36,8 +37,11 @@ def test_simulator_counts_equal_the_engine(qwen3moe_model, tmp_path, flags):
     cfg = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, 3), policy=opts["--policy"],
                     predictor=opts.get("--predictor"), stride=int(opts.get("--stride", 2)),
                     miss_policy=opts.get("--miss-policy", "wait"), predictor_s=0.0)
-    sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None)
+    sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None,
+                   model_path=str(qwen3moe_model))
     assert sum(s["misses"] for s in sim.stats["layers"].values()) > 0
+    if cfg.predictor:
+        assert sum(s["prefetch_issued"] for s in sim.stats["layers"].values()) > 0
     for il, s in sim.stats["layers"].items():
         assert {f: s[f] for f in FIELDS} == {f: live[il][f] for f in FIELDS}, il
 
@@ -93,3 +97,52 @@ def test_traces_of_another_model_are_refused(tmp_path, qwen3moe_model):
     r = subprocess.run([sys.executable, "-m", "ggmoe", "simulate", str(tr / "trace.npz"), "--cache-slots", "8"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "another model" in r.stderr
+
+
+def test_predictors_that_read_hidden_states_or_routers(tmp_path):
+    """A trained predictor file (linear) and skip-gate (the model's own routers) run in the simulator."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                               ["def main():", "import os", "class A:", "for i in x:", "while True:", "x = 1"]))
+    tr = tmp_path / "t"
+    assert CliRunner().invoke(main, ["trace", "--prompts", str(prompts), "-o", str(tr), "--max-tokens", "12"]) \
+        .exit_code == 0
+    pred = tmp_path / "lin.npz"
+    r = subprocess.run([sys.executable, "-m", "ggmoe", "train-predictor", str(tr / "trace.npz"), "-o", str(pred),
+                        "--kind", "linear", "--stride", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "ggmoe", "simulate", str(tr / "trace.npz"), "--cache-slots", "8",
+                        "--predictor", f"{pred},skip-gate", "--stride", "1", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    results = json.loads(r.stdout)["results"]
+    assert len(results) == 2 and all(x["prefetch_issued"] > 0 and x["pred_accuracy"] > 0 for x in results)
+
+
+@pytest.mark.parametrize("start", ["train", "warm"])
+def test_a_learning_predictor_counts_equal_the_engine(qwen3moe_model, tmp_path, start):
+    """eam fitted on training traces, or restarted from the state a run saved (--stats-in): the simulator's
+    counts on the live run's trace equal the live run's."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "import os"}\n{"prompt": "class A:"}\n{"prompt": "def main():"}\n')
+    invoke = CliRunner().invoke
+    assert invoke(main, ["trace", str(qwen3moe_model), "--prompts", str(prompts), "-o", str(tmp_path / "train"),
+                         "--max-tokens", "12"]).exit_code == 0
+    train = ["--predictor-train", str(tmp_path / "train" / "trace.npz")]
+    saved = tmp_path / "eam.npz"
+    if start == "warm":
+        assert invoke(main, ["run", str(qwen3moe_model), "-p", "for i in", "-n", "12", "--cache-slots", "3",
+                             "--predictor", "eam", *train, "--stats-out", str(saved)]).exit_code == 0
+    source = train if start == "train" else ["--stats-in", str(saved)]
+    stats, tr = tmp_path / "s.json", tmp_path / "trace"
+    r = invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox jumps", "-n", "24", "--cache-slots",
+                      "3", "--predictor", "eam", *source, "--stats-json", str(stats), "--trace-out", str(tr)])
+    assert r.exit_code == 0, r.output
+    live = json.loads(stats.read_text())["layers"]
+    r = invoke(main, ["simulate", str(tr / "trace.npz"), "--model", str(qwen3moe_model), "--cache-slots", "3",
+                      "--predictor", "eam", "--predictor-s", "0", "--hw", "none", "--json", *source])
+    assert r.exit_code == 0, r.output
+    sim = json.loads(r.stdout[r.stdout.index("{"):])["results"][0]["stats"]["layers"]
+    assert sum(s["prefetch_issued"] for s in sim.values()) > 0
+    for il, s in sim.items():
+        assert {f: s[f] for f in FIELDS} == {f: live[il][f] for f in FIELDS}, il

@@ -9,6 +9,7 @@ import pytest
 
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.copy import Priority
+from ggmoe.errors import UsageError
 from ggmoe.simulate.des import SimConfig, simulate
 from ggmoe.simulate.hardware import load_profile
 from ggmoe.simulate.replay import replay
@@ -86,13 +87,15 @@ def test_without_a_profile_copies_land_at_once():
     assert clock.now() == 0.0
 
 
-def trace(ids: list[list[list[int]]], n_prefill: int = 1, n_expert: int = 8) -> Trace:
-    """A one-prompt trace of ids [T][L][k] (layers 0..L-1), the first n_prefill tokens prefill."""
+def trace(ids: list[list[list[int]]], n_prefill: int = 1, n_expert: int = 8,
+          hidden: np.ndarray | None = None) -> Trace:
+    """A one-prompt trace of ids [T][L][k] (layers 0..L-1), the first n_prefill tokens prefill; hidden
+    [T, L, n_embd] optional."""
     a = np.asarray(ids, dtype=np.int16)
     t, n_layer, k = a.shape
     meta = TraceMeta(model_fingerprint="fp", model_name="hand", arch="qwen3moe", n_layer=n_layer,
-                     n_expert=n_expert, n_expert_used=k, n_embd=4, mode="teacher", max_tokens=t - n_prefill,
-                     ggmoe_version="test", n_ubatch=512)
+                     n_expert=n_expert, n_expert_used=k, n_embd=4 if hidden is None else hidden.shape[2],
+                     mode="teacher", max_tokens=t - n_prefill, ggmoe_version="test", n_ubatch=512)
     probs = np.zeros((t, n_layer, n_expert), dtype=np.float16)
     for i in range(t):
         for j in range(n_layer):
@@ -100,7 +103,8 @@ def trace(ids: list[list[list[int]]], n_prefill: int = 1, n_expert: int = 8) -> 
     stage = np.array([STAGE_PREFILL] * n_prefill + [STAGE_DECODE] * (t - n_prefill), dtype=np.uint8)
     return Trace(meta=meta, token_ids=np.arange(t, dtype=np.int32), positions=np.arange(t, dtype=np.int32),
                  stage=stage, prompt_offsets=np.array([0, t], dtype=np.int64),
-                 layers=np.arange(n_layer, dtype=np.int32), ids=a, probs=probs, hidden=None)
+                 layers=np.arange(n_layer, dtype=np.int32), ids=a, probs=probs,
+                 hidden=None if hidden is None else hidden.astype(np.float16))
 
 
 def test_misses_wait_for_their_copies():
@@ -225,3 +229,46 @@ def test_admissions_in_flight_are_capped_per_layer():
     for e in range(0, 8, 2):
         cache.route_flat(0, [e, e + 1])
     assert cache.stats.layers[0].admission_copies == 2  # n_expert_used in flight at most; the link is busy
+
+
+def _identity_mlp(path, n_embd: int, n_expert: int = 8) -> str:
+    """A PRED.npz for layer 0 -> layer 1 whose net passes the hidden state through (ReLU of the identity):
+    with n_embd = n_expert it predicts the expert whose one-hot the hidden state holds."""
+    import json
+
+    meta = {"format": "ggmoe-predictor", "version": 1, "kind": "mlp", "model_fingerprint": "fp",
+            "model_name": "hand", "layers": [0, 1], "n_expert": n_expert, "n_expert_used": 1, "n_embd": n_embd,
+            "dtype": "float32", "hidden": n_embd, "nets": [{"il": 0, "targets": [1], "metrics": {}}]}
+    zero = np.zeros(n_embd, np.float32)
+    np.savez(path, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **{
+        "net0.w1": np.eye(n_embd, dtype=np.float32), "net0.b1": zero,
+        "net0.w2": np.eye(n_expert, n_embd, dtype=np.float32), "net0.b2": np.zeros(n_expert, np.float32),
+        "net0.mean": zero, "net0.std": np.ones(n_embd, np.float32)})
+    return str(path)
+
+
+def test_a_predictor_of_hidden_states_reads_the_traces_hidden_states(tmp_path):
+    # two layers, top-1, new experts each token, two prefill tokens; layer 0's MoE input is the one-hot of
+    # layer 1's expert
+    ids = [[[e], [e]] for e in range(5)]
+    hidden = np.zeros((5, 2, 8), np.float32)
+    for t in range(5):
+        hidden[t, 0, ids[t][1][0]] = 1.0
+    slow_gpu = dataclasses.replace(PROFILE, gpu_layer_s=10e-3)  # a layer takes longer than a copy
+    cfg = SimConfig({0: 2, 1: 2}, predictor=_identity_mlp(tmp_path / "p.npz", 8), stride=1, n_prefetch=1,
+                    predictor_s=0.0)
+    r = simulate(trace(ids, n_prefill=2, hidden=hidden), cfg, {0: BPE, 1: BPE}, slow_gpu)
+    # each decode token: layer 1's expert predicted from layer 0's hidden state, copied during layer 0
+    assert (r.prefetch_issued, r.prefetch_hits, r.pred_accuracy) == (3, 3, 1.0)
+    # layer 1 misses only in the prefill (nothing is predicted for a prefill): two copies waited for
+    assert r.stats["layers"]["1"]["misses"] == 2 and r.stats["layers"]["1"]["wait_s"] == pytest.approx(6 * CHUNK)
+    assert r.late_prefetches == 0 and r.goodpred == 1.0
+    with pytest.raises(UsageError, match="hidden states"):
+        simulate(trace(ids), dataclasses.replace(cfg, predictor=_identity_mlp(tmp_path / "q.npz", 4)),
+                 {0: BPE, 1: BPE}, slow_gpu)
+
+
+def test_skip_gate_needs_the_model():
+    with pytest.raises(UsageError, match="model"):
+        simulate(trace([[[0], [0]], [[1], [1]]]), SimConfig({0: 2, 1: 2}, predictor="skip-gate", stride=1),
+                 {0: BPE, 1: BPE}, PROFILE)
