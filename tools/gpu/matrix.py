@@ -400,7 +400,7 @@ def machine() -> dict:
     nvcc = _cmd("nvcc", "--version")
     return {"gpu": gpu_device_name(), "engine": llama_cpp.__file__,
             "nvidia_smi": _cmd("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"),
-            "nvcc": nvcc.splitlines()[-1] if nvcc else None, "cpu": _cpu_name(), "cores": os.cpu_count(),
+            "nvcc": next((x.strip() for x in nvcc.splitlines() if "release" in x), None) if nvcc else None, "cpu": _cpu_name(), "cores": os.cpu_count(),
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
@@ -498,12 +498,18 @@ def estimate(a, facts, cells: list[Cell], result: dict, work: Path, held: Path |
     """Calibrate on the model, make its hardware profile, and fill every cell's simulated TPOT."""
     from dataclasses import replace
 
-    from ggmoe.engine.calibrate import calibrate
+    from ggmoe.engine.calibrate import Calibration, calibrate
     from ggmoe.simulate.calibration import profile_from, render
     from ggmoe.simulate.hardware import load_profile
 
     t0 = time.monotonic()
-    cal = calibrate(a.model, n_threads=a.threads, n_tokens=16, repeat=3)
+    prev = result.get("calibration")
+    if prev is not None and result.get("calibrated_model") == str(a.model):  # --append: measured already
+        cal = Calibration(**{**prev, "copy_points": tuple(tuple(p) for p in prev["copy_points"]),
+                             "notes": tuple(prev["notes"])})
+    else:
+        cal = calibrate(a.model, n_threads=a.threads, n_tokens=16, repeat=3)
+    result["calibrated_model"] = str(a.model)
     base = load_profile("h100" if cal.gpu else "pcie4")
     profile, _ = profile_from(cal, base, "matrix")
     result["calibration"] = cal.to_dict()
