@@ -318,3 +318,35 @@ def test_cuda_libs_refused_without_cublas(tmp_path):
     _touch(root / "include" / "cuda_runtime.h")
     with pytest.raises(gpu_build.BuildFailed, match="no cuBLAS"):
         gpu_build.find_cuda_libs(tmp_path / "dest", [tmp_path], root=root, driver_dirs=(), ldconfig=False)
+
+
+# --------------------------------------------------------------------------- the pipeline's bookkeeping
+
+import pipeline as gpu_pipeline  # noqa: E402
+
+
+def test_pipeline_states_and_collect(tmp_path):
+    import os
+
+    res, prefix, out = tmp_path / "res", tmp_path / "prefix", tmp_path / "OUT"
+    res.mkdir()
+    prefix.mkdir()
+    assert gpu_pipeline.state(res)[0] == gpu_pipeline.NEVER
+    (res / "PID").write_text(str(os.getpid()))
+    assert gpu_pipeline.state(res)[0] == gpu_pipeline.RUNNING
+    (res / "PID").write_text("999999999")
+    assert gpu_pipeline.state(res)[0] == gpu_pipeline.FAILED  # gone without EXIT
+    (res / "EXIT").write_text("0")
+    assert gpu_pipeline.state(res)[0] == gpu_pipeline.FINISHED
+    for model in ("gpt-oss-20b", "qwen3-30b-a3b"):
+        (res / model).mkdir()
+        (res / model / "matrix.json").write_text("{}")
+        (res / model / "matrix.md").write_text("#")
+    (res / "steps.json").write_text("{}")
+    (res / "pipeline.log").write_text("log")
+    (prefix / "build.log").write_text("x" * 1000 + "\n[5/9] nvcc\n")
+    copied = gpu_pipeline.collect(res, prefix, out)
+    assert sorted(copied) == sorted(p.name for p in out.iterdir())
+    assert set(copied) == {"gpt-oss-20b.json", "gpt-oss-20b.md", "qwen3-30b-a3b.json", "qwen3-30b-a3b.md",
+                           "steps.json", "pipeline.log", "build-tail.log"}
+    assert len(copied) <= 8  # what the device tool brings back

@@ -178,7 +178,8 @@ def manifest(pack: Path) -> dict:
 
 
 def key(m: dict, cpu: bool) -> str:
-    return f"{m['llama_cpp_python']}-{m['patch_sha256']}-{'cpu' if cpu else 'cuda'}"
+    """What a build is of: the engine, the patches, CUDA or not, and the Python its wheels are for."""
+    return f"{m['llama_cpp_python']}-{m['patch_sha256']}-{'cpu' if cpu else 'cuda'}-py{m.get('python', '3.12')}"
 
 
 def cmake_args(m: dict, cpu: bool) -> list[str]:

@@ -12,6 +12,8 @@ routing, benchmark only, see trace_routing.py) and each configuration:
     prefetch     ggmoe, stride prefetching (reuse predictor, stride 1) and the host path (--miss-policy auto)
     prefetch-eam the same with MoE-Infinity's EAM predictor trained on the tiled trace's other prompts
                  (trace routing only)
+    prefetch-bg  prefetch with the predictor on a worker thread (PrefetchConfig.background; not in the
+                 default --configs: its counts depend on timing)
 
 at each fraction of experts cacheable (--fractions; the stock-vram and stock-cpu rows do not depend on it
 and run once; stock rows always route with the model's router: routing does not change what they compute,
@@ -62,10 +64,11 @@ if TYPE_CHECKING:
     from ggmoe.engine import Engine, EngineConfig
 # the engine (llama.cpp) is imported where it runs: the pure parts here are unit-tested without it
 
-CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "prefetch", "prefetch-eam")
+CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "prefetch", "prefetch-eam", "prefetch-bg")
+DEFAULT_CONFIGS = CONFIGS[:6]
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
-PER_FRACTION = ("n-cpu-moe", "lru", "prefetch", "prefetch-eam")
-GGMOE = ("lru", "prefetch", "prefetch-eam")
+PER_FRACTION = ("n-cpu-moe", "lru", "prefetch", "prefetch-eam", "prefetch-bg")
+GGMOE = ("lru", "prefetch", "prefetch-eam", "prefetch-bg")
 TRACE_ONLY = ("prefetch-eam",)  # learns from the tiled trace's training prompts
 PROMPT = "The expert cache keeps the experts a model uses most on the device"
 GOAL_FRACTION = 0.5
@@ -159,9 +162,10 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
         return EngineConfig(**base, experts_on_host=True, host_expert_layers=host, gate_hook=False), n_gpu
     if config == "lru":
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy="wait")), n_slots
-    if config in ("prefetch", "prefetch-eam"):
-        pre = PrefetchConfig(predictor="reuse", stride=1) if config == "prefetch" else \
-            PrefetchConfig(predictor="eam", stride=1, train=(str(train),))
+    if config in ("prefetch", "prefetch-eam", "prefetch-bg"):
+        pre = {"prefetch": PrefetchConfig(predictor="reuse", stride=1),
+               "prefetch-bg": PrefetchConfig(predictor="reuse", stride=1, background=True),
+               "prefetch-eam": PrefetchConfig(predictor="eam", stride=1, train=(str(train),))}[config]
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy="auto",
                                                       prefetch=pre)), n_slots
     raise SystemExit(f"error: unknown config {config!r}; choose from {', '.join(CONFIGS)}")
@@ -254,7 +258,7 @@ def simulate_cell(cell: Cell, facts, trace, train, profile) -> float | None:
         if cell.config == "n-cpu-moe":
             budget = sum(facts.n_expert * bpe[il] for il in facts.moe_layers[:cell.slots])
         return baseline(trace, cell.config, bpe, profile, budget).tpot_s * 1e3
-    pred = {"lru": None, "prefetch": "reuse", "prefetch-eam": "eam"}[cell.config]
+    pred = {"lru": None, "prefetch": "reuse", "prefetch-bg": "reuse", "prefetch-eam": "eam"}[cell.config]
     sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots), policy="lru", predictor=pred, stride=1,
                     miss_policy="wait" if cell.config == "lru" else "auto")
     r = simulate(trace, sim, bpe, profile, train=train if pred == "eam" else None)
@@ -423,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, help="a trace of the embedded model (for trace-replay routing)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--routing", default="random,trace", help="random, trace or both (comma list)")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--fractions", default="0.5,0.25,1.0", help="run in this order (50 %% first: the goals)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=64)

@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""The whole GPU loan as one detached pipeline: build, real-shape models, the matrix per model and routing.
+
+A GPU machine is lent for at most 30 minutes, 10 per command, and goes back 30 s after a command ends with
+none following. The pipeline runs in its own session (setsid) on the machine, so work goes on between
+the commands; each command only waits and copies what is done into $OUT:
+
+    python3 tools/gpu/pipeline.py --detach && python3 tools/gpu/pipeline.py --wait 540 --out $OUT   # first
+    python3 tools/gpu/pipeline.py --wait 560 --out $OUT                                              # then
+
+Steps, in order of what matters most (a loan cut short still returns the first ones):
+
+    build            tools/gpu/build.py (CUDA, sm_90; skipped when a build of this pack is ready), with the
+                     first model written beside it
+    model M          tools/gpu/realshape.py --preset M
+    matrix M random  tools/gpu/matrix.py, the model's own router
+    matrix M trace   tools/gpu/matrix.py --append, trace-replay routing (benchmark only)
+
+for each model of --models (default gpt-oss-20b, then qwen3-30b-a3b). Results go to --results (default
+/tmp/ggmoe-results): RESULTS/M/matrix.{json,md}, steps.json (each step's seconds and exit status) and
+pipeline.log; --out copies them flat as M.json, M.md, steps.json, pipeline.log and build-tail.log (the
+device tool brings back at most 8 files). Exit status of --wait: 0 finished, 3 still running, 2 a step
+failed, 4 never started.
+
+``--cpu --models toy --matrix-args ...`` runs the same pipeline on a machine without a GPU (the smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import build as gpu_build  # noqa: E402
+
+DEFAULT_RESULTS = Path("/tmp/ggmoe-results")
+DEFAULT_MODELS = "gpt-oss-20b,qwen3-30b-a3b"
+FINISHED, FAILED, RUNNING, NEVER = 0, 2, 3, 4
+
+
+class Pipeline:
+    def __init__(self, results: Path, prefix: Path, pack: Path, models: list[str], cpu: bool, trace: Path,
+                 model_dir: Path, matrix_args: list[str], cuda_sites: list[Path]) -> None:
+        self.results, self.prefix, self.pack, self.models = results, prefix, pack, models
+        self.cpu, self.trace, self.model_dir, self.matrix_args = cpu, trace, model_dir, matrix_args
+        self.cuda_sites = cuda_sites
+        self.steps: dict[str, dict] = {}
+        self.writer_env: dict | None = None
+        self.log = open(results / "pipeline.log", "a", buffering=1)  # noqa: SIM115 - open for the whole run
+
+    def say(self, msg: str) -> None:
+        self.log.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+
+    def record(self, name: str, t0: float, rc: int) -> None:
+        self.steps[name] = {"seconds": round(time.monotonic() - t0, 1), "exit": rc}
+        (self.results / "steps.json").write_text(json.dumps(self.steps, indent=2))
+        self.say(f"{name}: exit {rc} in {self.steps[name]['seconds']:.0f} s")
+
+    def run(self, name: str, cmd: list[str], env: dict | None = None) -> int:
+        self.say(f"{name}: {shlex.join(cmd)}")
+        t0 = time.monotonic()
+        rc = subprocess.run(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+        self.record(name, t0, rc)
+        return rc
+
+    def model_path(self, preset: str) -> Path:
+        return self.model_dir / f"{preset}.gguf"
+
+    def model_cmd(self, preset: str) -> list[str]:
+        return [sys.executable, str(HERE / "realshape.py"), "--preset", preset, "-o", str(self.model_path(preset))]
+
+    def engine_env(self) -> dict:
+        """The environment env.sh gives: the built engine and the working tree on PYTHONPATH, cuBLAS's links."""
+        env = dict(os.environ)
+        site_dir, lib = self.prefix / "site", self.prefix / "cuda" / "lib"
+        env["PYTHONPATH"] = f"{site_dir}:{ROOT}"
+        if lib.is_dir():
+            env["LD_LIBRARY_PATH"] = ":".join(x for x in (str(lib), env.get("LD_LIBRARY_PATH", "")) if x)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def main(self) -> int:
+        self.say(f"pipeline: models {', '.join(self.models)}; {'CPU' if self.cpu else 'CUDA'} build in {self.prefix}")
+        build_cmd = [sys.executable, str(HERE / "build.py"), "--prefix", str(self.prefix), "--pack", str(self.pack),
+                     *(["--cpu"] if self.cpu else []), *[x for d in self.cuda_sites for x in ("--cuda-site", str(d))]]
+        self.model_dir.mkdir(parents=True, exist_ok=True)
+        first = self.models[0]
+        # the first model is written while the engine builds (the writer is one thread and the disk); it needs
+        # gguf: the packed wheels, in a folder of their own (the build replaces its site folder)
+        deps = self.prefix / "deps"
+        if self.run("wheels", [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                               "--no-cache-dir", "--disable-pip-version-check", "--upgrade", "--target", str(deps),
+                               *map(str, sorted((self.pack / "wheels").glob("*.whl")))]) != 0:
+            return FAILED
+        self.writer_env = {**os.environ, "PYTHONPATH": f"{deps}:{ROOT}"}
+        t0 = time.monotonic()
+        writer = None if self.model_path(first).is_file() else subprocess.Popen(
+            self.model_cmd(first), stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.writer_env)
+        rc = self.run("build", build_cmd)
+        while gpu_build.state(self.pack, self.prefix, self.cpu)[0] == gpu_build.RUNNING:  # started by another
+            time.sleep(5)
+        code, msg = gpu_build.state(self.pack, self.prefix, self.cpu)
+        self.say(f"build: {msg.splitlines()[0]}")
+        if writer is not None:
+            self.record(f"model {first}", t0, writer.wait())
+        if rc != 0 or code != gpu_build.READY:
+            return FAILED
+        failed = False
+        for preset in self.models:
+            path = self.model_path(preset)
+            if not path.is_file() and self.run(f"model {preset}", self.model_cmd(preset), env=self.writer_env) != 0:
+                failed = True
+                continue
+            out = self.results / preset
+            for routing in ("random", "trace"):
+                cmd = [sys.executable, str(HERE / "matrix.py"), "--model", str(path), "--trace", str(self.trace),
+                       "--routing", routing, "--out", str(out), *(["--append"] if routing == "trace" else []),
+                       *self.matrix_args]
+                failed |= self.run(f"matrix {preset} {routing}", cmd, env=self.engine_env()) != 0
+        self.say("pipeline: done" + (" (a step failed)" if failed else ""))
+        return FAILED if failed else FINISHED
+
+
+def state(results: Path) -> tuple[int, str]:
+    marker = results / "EXIT"
+    pid_file = results / "PID"
+    if marker.is_file():
+        rc = int(marker.read_text().strip() or FAILED)
+        return (FINISHED if rc == 0 else FAILED), f"finished (exit {rc})"
+    if pid_file.is_file() and gpu_build._pid_alive(int(pid_file.read_text() or 0)):
+        return RUNNING, f"running since {time.ctime(pid_file.stat().st_mtime)}"
+    if pid_file.is_file():
+        return FAILED, "the pipeline process is gone without a result"
+    return NEVER, "never started"
+
+
+def collect(results: Path, prefix: Path, out: Path) -> list[str]:
+    """Copy what is done into ``out``, flat (the device tool brings back 8 files, 2 folders deep)."""
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for d in sorted(p for p in results.iterdir() if p.is_dir()):
+        for ext in ("json", "md"):
+            src = d / f"matrix.{ext}"
+            if src.is_file():
+                shutil.copy(src, out / f"{d.name}.{ext}")
+                copied.append(f"{d.name}.{ext}")
+    for name in ("steps.json", "pipeline.log"):
+        if (results / name).is_file():
+            shutil.copy(results / name, out / name)
+            copied.append(name)
+    log = prefix / "build.log"
+    if log.is_file():
+        (out / "build-tail.log").write_text(gpu_build._tail(log, lines=200, width=400) + "\n")
+        copied.append("build-tail.log")
+    return copied
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    ap.add_argument("--prefix", type=Path, default=gpu_build.DEFAULT_PREFIX)
+    ap.add_argument("--pack", type=Path, default=gpu_build.PACK)
+    ap.add_argument("--models", default=DEFAULT_MODELS, help="realshape presets, in order")
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/ggmoe-models"))
+    ap.add_argument("--trace", type=Path, default=None, help="default: PACK/trace.npz")
+    ap.add_argument("--matrix-args", default="", help="more arguments for every matrix.py run (one string)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU build (no GPU here)")
+    ap.add_argument("--cuda-site", type=Path, action="append", default=[])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--detach", action="store_true", help="start the pipeline in its own session and return")
+    g.add_argument("--wait", type=float, metavar="S", help="wait until it ends or S seconds have passed")
+    g.add_argument("--status", action="store_true")
+    g.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help="with --wait/--status: copy the results here ($OUT)")
+    a = ap.parse_args(argv)
+    results, prefix, pack = a.results.resolve(), a.prefix.resolve(), a.pack.resolve()
+    models = [m for m in a.models.split(",") if m]
+    if a.child:
+        p = Pipeline(results, prefix, pack, models, a.cpu, (a.trace or pack / "trace.npz").resolve(),
+                     a.model_dir.resolve(), shlex.split(a.matrix_args), a.cuda_site)
+        try:
+            rc = p.main()
+        except Exception as e:  # noqa: BLE001 - the marker and the log say what failed
+            p.say(f"pipeline: {type(e).__name__}: {e}")
+            rc = FAILED
+        (results / "EXIT").write_text(str(rc))
+        return rc
+    if a.detach:
+        code, msg = state(results)
+        if code == RUNNING:
+            print(f"already {msg}")
+            return 0
+        if not (pack / "MANIFEST.json").is_file():
+            raise SystemExit(f"error: {pack / 'MANIFEST.json'} is missing: run tools/gpu/pack.py here and carry "
+                             "gpu-pack")
+        results.mkdir(parents=True, exist_ok=True)
+        (results / "EXIT").unlink(missing_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--results", str(results), "--prefix",
+               str(prefix), "--pack", str(pack), "--models", ",".join(models), "--model-dir", str(a.model_dir),
+               "--matrix-args", a.matrix_args, *(["--cpu"] if a.cpu else []),
+               *(["--trace", str(a.trace)] if a.trace else []),
+               *[x for d in a.cuda_site for x in ("--cuda-site", str(d))]]
+        with open(results / "detached.log", "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=ROOT)
+        (results / "PID").write_text(str(proc.pid))
+        print(f"started (pid {proc.pid}); results in {results}")
+        return 0
+    end = time.monotonic() + (a.wait or 0)
+    code, msg = state(results)
+    while code == RUNNING and time.monotonic() < end:
+        time.sleep(min(5.0, max(0.1, end - time.monotonic())))
+        code, msg = state(results)
+    print(f"pipeline: {msg}")
+    if (results / "steps.json").is_file():
+        for name, s in json.loads((results / "steps.json").read_text()).items():
+            print(f"  {name}: exit {s['exit']} in {s['seconds']:.0f} s")
+    if code == RUNNING:
+        bcode, bmsg = gpu_build.state(pack, prefix, a.cpu)
+        if bcode == gpu_build.RUNNING:
+            print(f"  build: {bmsg.splitlines()[0]}")
+    if a.out is not None and results.is_dir():
+        print(f"copied to {a.out}: {', '.join(collect(results, prefix, a.out))}")
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
