@@ -2,13 +2,14 @@
 
 Three resources share one virtual clock (seconds):
 
-- the GPU stream: per MoE layer call, the route hook (``hook_s``), the predictor when one runs in the
-  callback, a wait for copies the layer needs, then the layer: attention and router (``gpu_layer_s`` per
-  64 tokens of the micro-batch) and each distinct resident expert read once (``gpu_expert_s(bytes)``);
+- the GPU stream: per MoE layer call, attention and router (``gpu_layer_s`` per 64 tokens of the
+  micro-batch), the route hook (``hook_s``), a wait for copies the layer needs, the predictor when one runs
+  in the callback, then each distinct resident expert read once (``gpu_expert_s(bytes)``);
 - the copy engine (``timeline.LinkCopyBackend``): one link, chunks, demand before admission before
   prefetch, so copies overlap the GPU and a layer waits only for what it needs;
 - the CPU workers of the host path: the experts the miss policy sends to the CPU, one after another
-  (``cpu_expert_s(bytes)`` each), in parallel with the GPU's part of the layer: the layer takes the longer.
+  (``cpu_expert_s(bytes)`` each), after the router (they need its answer) and in parallel with the GPU's
+  experts: the layer's expert part takes the longer of the two.
 
 A micro-batch too wide for the slots runs natively, as the engine does: llama.cpp's op offload uploads the
 layer's whole expert tensors for it (``n_expert`` experts over the link) and the GPU computes.
@@ -125,11 +126,13 @@ class _Costs:
     def hook(self) -> float:
         return self.p.hook_s if self.p else 0.0
 
-    def gpu(self, il: int, n_tokens: int, n_experts: int) -> float:
-        if self.p is None:
-            return 0.0
-        steps = math.ceil(n_tokens / TOKENS_PER_LAYER_STEP)
-        return steps * self.p.gpu_layer_s + n_experts * self.p.gpu_expert_s(self.bpe[il])
+    def layer(self, n_tokens: int) -> float:
+        """Attention and router of a micro-batch of ``n_tokens`` (before the route op)."""
+        return math.ceil(n_tokens / TOKENS_PER_LAYER_STEP) * self.p.gpu_layer_s if self.p else 0.0
+
+    def experts(self, il: int, n_experts: int) -> float:
+        """``n_experts`` distinct experts computed on the GPU."""
+        return n_experts * self.p.gpu_expert_s(self.bpe[il]) if self.p and n_experts else 0.0
 
     def cpu(self, il: int, n_experts: int) -> float:
         return n_experts * self.p.cpu_expert_s(self.bpe[il]) if self.p and n_experts else 0.0
@@ -177,12 +180,12 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
             prefetcher.begin_step([int(t) for t in trace.token_ids[rows]])
         t0 = clock.now()
         for il in layers:
-            clock.advance(costs.hook())
+            clock.advance(costs.layer(n_tok) + costs.hook())  # attention and router, then the route op
             sel = ids[rows, pos[il]]  # [n_tok, k]
             need = len(set(sel.ravel().tolist()))
             if not cache.fits(il, n_tok):
                 cache.observe(il, sel)
-                clock.advance(costs.native_upload(il) + costs.gpu(il, n_tok, need))
+                clock.advance(costs.native_upload(il) + costs.experts(il, need))
                 continue
             flat = sel.ravel().tolist()
             if future is None:
@@ -198,7 +201,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
                 prefetcher.on_route(RouteEvent(il=il, ids=sel, probs=probs, hidden=hidden))
                 pred_s = time.perf_counter() - tp if config.predictor_s is None else config.predictor_s
                 clock.advance(pred_s if profile is not None else 0.0)
-            clock.advance(max(costs.gpu(il, n_tok, need - n_host), costs.cpu(il, n_host)))
+            clock.advance(max(costs.experts(il, need - n_host), costs.cpu(il, n_host)))
         dt = clock.now() - t0
         if prefill:
             prefill_s += dt
@@ -284,12 +287,13 @@ def baseline(trace: Trace, kind: str, bytes_per_expert: Mapping[int, int], profi
         dt = 0.0
         for il in layers:
             need = len(set(ids[rows, pos[il]].ravel().tolist()))
+            dt += costs.layer(n_tok)  # attention and router on the GPU, then the experts wherever they are
             if il in on_gpu:
-                dt += costs.gpu(il, n_tok, need)
+                dt += costs.experts(il, need)
             elif n_tok >= OP_OFFLOAD_MIN_TOKENS:
-                dt += costs.native_upload(il) + costs.gpu(il, n_tok, need)
+                dt += costs.native_upload(il) + costs.experts(il, need)
             else:
-                dt += max(costs.gpu(il, n_tok, 0), costs.cpu(il, need))
+                dt += costs.cpu(il, need)
         if trace.stage[rows.start] == STAGE_PREFILL:
             first = (first or 0.0) + dt
         else:

@@ -125,10 +125,11 @@ def test_the_host_path_computes_misses_on_the_cpu():
     # landed by the third token, which hits
     assert r.host_computed == 2 and r.exposed_copy_s == 0.0
     assert (r.stats["total"]["hits"], r.stats["total"]["admission_copies"]) == (1, 2)
-    cpu = BPE / 1e8  # 10 ms per expert on the CPU, in parallel with the GPU's 1 ms layer
-    gpu = 1e-3 + BPE / 1e12
-    assert r.ttft_s == pytest.approx(cpu + cpu)
-    assert r.tpot_s == pytest.approx((cpu + gpu) / 2)
+    layer = 1e-3  # attention and router: the CPU starts on the router's answer
+    cpu = BPE / 1e8  # 10 ms per expert on the CPU (the GPU computes no expert meanwhile)
+    gpu = BPE / 1e12  # one expert on the GPU
+    assert r.ttft_s == pytest.approx(2 * (layer + cpu))
+    assert r.tpot_s == pytest.approx((layer + cpu + layer + gpu) / 2)
 
 
 def test_auto_picks_the_cheaper():
@@ -150,10 +151,27 @@ def test_an_oracle_prefetch_one_layer_ahead_hides_the_copy_when_the_gpu_is_slow_
     # layer 1's experts were all prefetched during layer 0's 10 ms and landed in time: no miss, no wait
     assert pre.stats["layers"]["1"]["misses"] == 0 and pre.stats["layers"]["1"]["wait_s"] == 0.0
     assert base.stats["layers"]["1"]["wait_s"] == pytest.approx(4 * 3 * CHUNK)
-    # layer 0's experts are predicted at the token's start, right before layer 0 runs: all 4 are late
-    assert (pre.late_prefetches, pre.prefetch_hits) == (4, 8)
-    assert pre.goodpred == pytest.approx(1.0 * (1 - 4 / 8))
+    # layer 0's experts are predicted at the token's start and land during layer 0's attention: none late
+    assert (pre.late_prefetches, pre.prefetch_hits) == (0, 8)
+    assert pre.goodpred == 1.0 and pre.exposed_copy_s == 0.0
+    assert pre.tpot_s == pytest.approx(2 * (10e-3 + BPE / 1e12))  # two layers, nothing waited for
     assert pre.tpot_s < base.tpot_s
+
+
+def test_a_late_prefetch_costs_the_rest_of_its_copy():
+    # two layers, top-1, new experts each token; a layer's attention (1 ms) is shorter than a copy (4 ms)
+    tr = trace([[[0], [0]], [[1], [1]], [[2], [2]]])
+    cfg = SimConfig({0: 2, 1: 2}, predictor="oracle", stride=1, n_prefetch=1, predictor_s=0.0)
+    r = simulate(tr, cfg, {0: BPE, 1: BPE}, PROFILE)
+    gpu = BPE / 1e12
+    # per token: layer 0's expert is prefetched at the token's start and waited for after the 1 ms attention;
+    # layer 1's is prefetched once layer 0 routed and waited for after layer 0's expert and layer 1's attention
+    assert r.stats["layers"]["0"]["wait_s"] == pytest.approx(3 * (3 * CHUNK - 1e-3))
+    assert r.stats["layers"]["1"]["wait_s"] == pytest.approx(3 * (3 * CHUNK - gpu - 1e-3))
+    assert (r.late_prefetches, r.prefetch_hits, r.goodpred) == (6, 6, 0.0)
+    assert r.tpot_s == pytest.approx(2 * 3 * CHUNK + gpu)  # the link is the bottleneck: two copies a token
+    base = simulate(tr, dataclasses.replace(cfg, predictor=None), {0: BPE, 1: BPE}, PROFILE)
+    assert base.tpot_s == pytest.approx(2 * (1e-3 + 3 * CHUNK + gpu))
 
 
 def test_counts_without_a_profile_equal_replay():
@@ -173,8 +191,8 @@ def test_baselines_by_hand():
     # two layers, top-1, one prefill token then two decode tokens
     tr = trace([[[0], [1]], [[2], [3]], [[4], [5]]])
     bpe = {0: BPE, 1: BPE}
-    gpu = 1e-3 + BPE / 1e12  # layer + one expert on the GPU
-    cpu = max(1e-3, BPE / 1e8)  # the GPU's layer alongside the CPU's expert: the CPU's 10 ms
+    gpu = 1e-3 + BPE / 1e12  # attention and router, then one expert on the GPU
+    cpu = 1e-3 + BPE / 1e8  # attention and router on the GPU, then one expert on the CPU
     assert baseline(tr, "stock-vram", bpe, PROFILE).tpot_s == pytest.approx(2 * gpu)
     assert baseline(tr, "stock-cpu", bpe, PROFILE).tpot_s == pytest.approx(2 * cpu)
     # a budget of one layer's whole expert tensors (8 experts): layer 0 on the GPU, layer 1 on the CPU
