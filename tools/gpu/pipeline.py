@@ -90,6 +90,9 @@ class Pipeline:
 
     def main(self) -> int:
         self.say(f"pipeline: models {', '.join(self.models)}; {'CPU' if self.cpu else 'CUDA'} build in {self.prefix}")
+        # a copy: the working tree (and an uncarried gpu-pack) may be replaced by the next device command
+        shutil.copy(self.trace, self.results / "trace.npz")
+        self.trace = self.results / "trace.npz"
         build_cmd = [sys.executable, str(HERE / "build.py"), "--prefix", str(self.prefix), "--pack", str(self.pack),
                      *(["--cpu"] if self.cpu else []), *[x for d in self.cuda_sites for x in ("--cuda-site", str(d))]]
         self.model_dir.mkdir(parents=True, exist_ok=True)
