@@ -39,7 +39,7 @@ from ggmoe.cache.prefetch import Prefetcher
 from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
-from ggmoe.simulate.hardware import HardwareProfile
+from ggmoe.simulate.hardware import COPIES_PER_EXPERT, HardwareProfile
 from ggmoe.simulate.replay import micro_batches, next_uses
 from ggmoe.simulate.timeline import LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace
@@ -139,7 +139,7 @@ class _Costs:
 
     def native_upload(self, il: int) -> float:
         """llama.cpp's op offload: the layer's whole expert tensors over the link."""
-        return self.p.copy_s(self.n_expert * self.bpe[il], 3) if self.p else 0.0
+        return self.p.copy_s(self.n_expert * self.bpe[il], COPIES_PER_EXPERT) if self.p else 0.0
 
 
 def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
@@ -156,7 +156,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     policy = POLICIES.get(config.policy)(m.n_expert, layers, **dict(config.policy_options or {}))
     cache = ExpertCache(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
                         bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=config.miss_policy,
-                        costs=profile.miss_costs() if profile is not None else None)
+                        costs=profile.miss_costs(n_chunks) if profile is not None else None)
     pred = _predictor(config, trace, train, model_path) if config.predictor else None
     prefetcher = None
     if pred is not None:

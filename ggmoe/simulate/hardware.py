@@ -24,6 +24,7 @@ else:  # pragma: no cover - Python 3.10
 PROFILES_DIR = Path(__file__).with_name("profiles")
 DEFAULT_PROFILE = "pcie4"
 MAX_PROFILE_BYTES = 1 << 20
+COPIES_PER_EXPERT = 3  # an expert's copy is one copy per tensor kind: up, gate, down
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,10 @@ class HardwareProfile:
     def cpu_expert_s(self, nbytes: int) -> float:
         return self.cpu_latency_s + nbytes / self.cpu_bytes_per_s
 
-    def miss_costs(self) -> MissCosts:
-        """The profile as the ``auto`` miss policy's cost model."""
-        return MissCosts(copy_bytes_per_s=self.copy_bytes_per_s, copy_latency_s=self.copy_latency_s,
+    def miss_costs(self, n_copies: int = COPIES_PER_EXPERT) -> MissCosts:
+        """The profile as the ``auto`` miss policy's cost model: an expert is ``n_copies`` copies (one per
+        tensor kind), each paying the per-copy latency, as the link charges them."""
+        return MissCosts(copy_bytes_per_s=self.copy_bytes_per_s, copy_latency_s=n_copies * self.copy_latency_s,
                          cpu_bytes_per_s=self.cpu_bytes_per_s, cpu_latency_s=self.cpu_latency_s)
 
 

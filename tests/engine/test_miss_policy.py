@@ -67,11 +67,19 @@ def test_run_stats_equal_replay_with_misses_on_the_cpu(qwen3moe_model, tmp_path)
     assert sum(s.host_computed for s in sim.layers.values()) > 0
 
 
-@pytest.mark.parametrize("hw, on_cpu", [("egpu", True), ("h100", False)])
-def test_auto_follows_the_hardware_profile(stock_logits, hw, on_cpu):
-    """The embedded model's 52 KB experts: a slow link (egpu) sends misses to the CPU, a fast one copies."""
-    from ggmoe.models import default_model_path
+@pytest.mark.parametrize("hw, on_cpu", [("egpu", True), ("slow-cpu", False)])
+def test_auto_follows_the_hardware_profile(stock_logits, tmp_path, hw, on_cpu):
+    """The embedded model's 52 KB experts: a slow link (egpu) sends misses to the CPU; h100's link with a CPU
+    at 2 GB/s (41 us an expert, a copy of its 3 tensors 25 us) copies."""
+    import dataclasses
 
+    from ggmoe.models import default_model_path
+    from ggmoe.simulate.hardware import load_profile, render_profile
+
+    if hw == "slow-cpu":
+        slow = tmp_path / "slow-cpu.toml"
+        slow.write_text(render_profile(dataclasses.replace(load_profile("h100"), cpu_bytes_per_s=2e9), {}))
+        hw = str(slow)
     model = default_model_path()
     ref = stock_logits(model)
     cfg = EngineConfig(model_path=model, n_ctx=256, n_batch=64, n_ubatch=4,

@@ -138,6 +138,10 @@ def test_auto_picks_the_cheaper():
     slow_cpu = dataclasses.replace(PROFILE, cpu_bytes_per_s=1e6)  # 1 s per expert: a copy wins
     assert simulate(tr, SimConfig({0: 2}, miss_policy="auto"), {0: BPE}, fast_cpu).host_computed == 3
     assert simulate(tr, SimConfig({0: 2}, miss_policy="auto"), {0: BPE}, slow_cpu).host_computed == 0
+    # 3 ms on the CPU against a copy of 3 chunks, 3 x 1 ms latency + 1 ms of bytes: the CPU is sooner
+    mid_cpu = dataclasses.replace(PROFILE, cpu_bytes_per_s=BPE / 3e-3)
+    r = simulate(tr, SimConfig({0: 2}, miss_policy="auto"), {0: BPE}, mid_cpu)
+    assert r.host_computed == 3 and r.exposed_copy_s == 0.0
 
 
 def test_an_oracle_prefetch_one_layer_ahead_hides_the_copy_when_the_gpu_is_slow_enough():
