@@ -63,7 +63,7 @@ def _row(size: str, r: Any) -> dict[str, Any]:
     return {"size": size, "policy": r.policy, "predictor": r.predictor or "-", "miss": r.miss_policy,
             "hit rate": f"{r.hit_rate:.1%}", "pred acc": f"{r.pred_accuracy:.1%}" if r.predictor else "-",
             "GoodPred": f"{r.goodpred:.1%}" if r.predictor else "-",
-            "exposed copy ms": f"{r.exposed_copy_s * 1e3:.1f}" if est else "-",
+            "exposed copy ms (est., total)": f"{r.exposed_copy_s * 1e3:.1f}" if est else "-",
             "CPU experts": r.host_computed,
             "TPOT ms (est.)": f"{r.tpot_s * 1e3:.3f}" if est else "-",
             "TTFT ms (est.)": f"{r.ttft_s * 1e3:.1f}" if r.ttft_s is not None else "-",
@@ -78,7 +78,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
                       *("  ".join(str(r[c]).ljust(width[c]) for c in cols) for r in rows)])
 
 
-def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or UsageError saying how to install it."""
     try:
         import matplotlib
 
@@ -86,6 +87,11 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'ggmoe[train]' or pip install matplotlib") from None
+    return plt
+
+
+def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
+    plt = pyplot()
     labels = [f"{r['size']}\n{r['policy']}/{r['predictor']}/{r['miss']}" for r in rows]
     fig, ax = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(rows)), 4.5))
     ax[0].bar(range(len(rows)), [x.hit_rate for x in results])
@@ -144,10 +150,12 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe simulate traces/trace.npz --cache-slots 16 --predictor none,reuse,oracle --stride 1 --hw egpu
       ggmoe simulate traces/trace.npz --vram 4MiB --miss-policy wait,auto --json
     """
+    from ggmoe.cache.miss import check_miss_policy
+    from ggmoe.cache.policies import POLICIES
     from ggmoe.cli.warm import read_stats_in
     from ggmoe.inspect import inspect_model
     from ggmoe.inspect.fingerprint import model_fingerprint
-    from ggmoe.simulate.des import SimConfig
+    from ggmoe.simulate.des import SimConfig, build_predictor
     from ggmoe.simulate.des import simulate as run
     from ggmoe.simulate.hardware import load_profile
     from ggmoe.trace import load_traces
@@ -173,12 +181,26 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
     results, rows = [], []
     combos = list(itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors, misses))
+    for miss in misses:  # refuse what cannot run before simulating any
+        check_miss_policy(miss)
+
+    def state(pred: str | None) -> Any:
+        """What the predictor saved in --stats-in learnt, for that predictor."""
+        return (warm.predictor_state or None) if warm is not None and pred and warm.predictor == pred else None
+
+    for pol in policies:
+        POLICIES.get(pol)
+    for pred in predictors:
+        if pred is not None:
+            check = SimConfig(n_slots=combos[0][0][1], predictor=pred, stride=stride, predictor_state=state(pred))
+            build_predictor(check, trace, train, str(path), fit=False)
+    if plot_path is not None:
+        pyplot()
     with click.progressbar(combos, label="simulating", file=sys.stderr) as bar:
         for (label, slots), pol, pred, miss in bar:
-            state = warm.predictor_state if warm is not None and pred and warm.predictor == pred else None
             cfg = SimConfig(n_slots=slots, policy=pol, policy_options=options.get(pol), predictor=pred,
                             stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
-                            predictor_state=state or None)
+                            predictor_state=state(pred))
             r = run(trace, cfg, bpe, profile, train, model_path=str(path))
             results.append(r)
             rows.append(_row(label, r))

@@ -95,8 +95,10 @@ class SimResult:
     stats: dict = field(default_factory=dict)  # CacheStats.to_dict()
 
 
-def _predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None):
-    """The predictor built as the engine's ``make_prefetcher`` builds it, from the traces' model shape."""
+def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
+                    fit: bool = True):
+    """The predictor built as the engine's ``make_prefetcher`` builds it, from the traces' model shape;
+    ``fit=False`` checks that it can be built (UsageError otherwise) without learning from ``train``."""
     shape = ModelShape.from_trace(trace.meta, trace.layers)
     options = {"model": model_path} if config.predictor == "skip-gate" else {}
     pred = make_predictor(config.predictor, shape, config.stride, **options)
@@ -108,10 +110,11 @@ def _predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path:
     if pred.needs_fit and not (pred.has_state and train is None):
         if train is None:
             raise UsageError(f"predictor {config.predictor!r} learns from traces: give training traces "
-                             "(or routing statistics saved by a run with it)")
+                             "(--predictor-train) or routing statistics saved by a run with it (--stats-in)")
         if train.meta.model_fingerprint != trace.meta.model_fingerprint:
             raise UsageError("the training traces come from another model")
-        pred.fit(train)
+        if fit:
+            pred.fit(train)
     return pred
 
 
@@ -157,7 +160,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     cache = ExpertCache(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
                         bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=config.miss_policy,
                         costs=profile.miss_costs(n_chunks) if profile is not None else None)
-    pred = _predictor(config, trace, train, model_path) if config.predictor else None
+    pred = build_predictor(config, trace, train, model_path) if config.predictor else None
     prefetcher = None
     if pred is not None:
         n = config.n_prefetch if config.n_prefetch is not None else min(2 * m.n_expert_used, m.n_expert)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -294,3 +295,11 @@ def test_skip_gate_needs_the_model():
     with pytest.raises(UsageError, match="model"):
         simulate(trace([[[0], [0]], [[1], [1]]]), SimConfig({0: 2, 1: 2}, predictor="skip-gate", stride=1),
                  {0: BPE, 1: BPE}, PROFILE)
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch):
+    from ggmoe.cli.simulate import pyplot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(UsageError, match="pip install"):
+        pyplot()
