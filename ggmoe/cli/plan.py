@@ -24,10 +24,14 @@ from ggmoe.outputs import check_output
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="The plan file (.toml).")
 @click.option("--predictor-s", type=FiniteFloat(min=0.0),
               help="Seconds per predictor call (default: measured on this machine while simulating).")
+@click.option("--moepic", is_flag=True,
+              help="Also estimate MoEpic's expert split (top segments cached, bottoms prefetched; per-layer "
+                   "ratio and VRAM from its configurator) beside the even split. Needs --traces; the engine "
+                   "does not run split experts, so the plan file does not hold it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the choice and every candidate as JSON.")
 @edge
 def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_path: str | None, out: str,
-         predictor_s: float | None, as_json: bool) -> None:
+         predictor_s: float | None, moepic: bool, as_json: bool) -> None:
     """Choose slots per layer, policy, predictor and miss policy for a VRAM budget, by simulation.
 
     The plan is written as TOML that run, trace, serve and chat take with --config FILE; the estimated
@@ -55,6 +59,8 @@ def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_p
     check_output(out, "-o", suffixes=(".toml",))
     if bool(traces) == (stats_path is not None):
         raise UsageError("give the routing to plan for: --traces FILE... or --stats FILE, one of them")
+    if moepic and not traces:
+        raise UsageError("--moepic measures hit curves and predictor recall on traces: give --traces")
     path = model_path(model)
     facts = inspect_model(path)
     profile = load_profile(hw)
@@ -82,13 +88,23 @@ def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_p
     if c.policy == "static":
         comment += "\nthe static policy needs the statistics at run time: add --stats-in " + str(stats_path)
     write_plan(out, cfg, estimate, comment)
+    split = None
+    if moepic:
+        from ggmoe.simulate.moepic import configure, measure_curves
+
+        split = configure(measure_curves(trace, "reuse", 1), bpe, budget, profile,
+                          max(1, sum(bpe.values()) // len(bpe) // 4))
     if as_json:
         click.echo(json.dumps({"plan": out, "slots_per_layer": {str(k): v for k, v in c.n_slots.items()},
                                "policy": c.policy, "predictor": c.predictor, "stride": c.stride,
                                "miss_policy": c.miss_policy, "allocation": p.allocation,
                                "tpot_s_estimate": p.tpot_s, "baseline_tpot_s_estimate": p.baseline_tpot_s,
                                "baseline": baseline, "hit_rate": p.hit_rate, "analytic": p.analytic,
-                               "candidates": [{"label": lab, "tpot_s_estimate": t} for lab, t in p.tried]},
+                               "candidates": [{"label": lab, "tpot_s_estimate": t} for lab, t in p.tried],
+                               "moepic": None if split is None else {
+                                   "waited_s_per_token": split.exposed_s,
+                                   "even_waited_s_per_token": split.even_exposed_s,
+                                   "layers": {str(il): vars(c) for il, c in split.layers.items()}}},
                               indent=2))
         return
     sizes = sorted(set(c.n_slots.values()))
@@ -98,3 +114,9 @@ def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_p
     click.echo(f"estimated TPOT {p.tpot_s * 1e3:.3f} ms against {p.baseline_tpot_s * 1e3:.3f} ms for the "
                f"baseline ({baseline}): {p.baseline_tpot_s / p.tpot_s:.2f}x")
     click.echo(f"wrote {out}; use it with: ggmoe run --config {out} -p ...")
+    if split is not None:
+        thetas = sorted({c.theta for c in split.layers.values()})
+        click.echo(f"MoEpic split (estimate, reuse predictor at stride 1; PH = H x P): copies waited for "
+                   f"{split.exposed_s * 1e3:.3f} ms per token against {split.even_exposed_s * 1e3:.3f} ms for the "
+                   f"even split without it; top shares {', '.join(f'{t:g}' for t in thetas)} "
+                   f"({split.iterations} configurator steps)")

@@ -80,3 +80,15 @@ def test_config_with_cache_flags_is_refused(traced, tmp_path):
     ggmoe("plan", "--vram", "4MiB", "--stats", str(traced / "stats.npz"), "-o", str(out))
     r = ggmoe("run", "-p", "x", "--config", str(out), "--vram", "1MiB", ok=False)
     assert r.returncode == 2 and "--config sets the cache" in r.stderr
+
+
+def test_plan_reports_moepics_split(traced, tmp_path):
+    r = ggmoe("plan", "--vram", "4MiB", "--traces", str(traced / "t" / "trace.npz"), "-o", str(tmp_path / "p.toml"),
+              "--predictor-s", "0.00002", "--hw", "egpu", "--moepic", "--json")
+    m = json.loads(r.stdout)["moepic"]
+    assert m["waited_s_per_token"] <= m["even_waited_s_per_token"] + 1e-12
+    assert set(m["layers"]) == {str(il) for il in inspect_model(default_model_path()).moe_layers}
+    assert sum(x["vram"] for x in m["layers"].values()) <= 4 << 20
+    bad = ggmoe("plan", "--vram", "4MiB", "--stats", str(traced / "stats.npz"), "-o", str(tmp_path / "q.toml"),
+                "--moepic", ok=False)
+    assert bad.returncode == 2 and "--moepic" in bad.stderr
