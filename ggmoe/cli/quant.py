@@ -72,7 +72,7 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
       ggmoe compare-quants q4.gguf ggmoe/models/tiny-moe.gguf f16.gguf --traces traces/trace.npz --vram 4MiB
     """
     from ggmoe.cache.config import slots_for_budget
-    from ggmoe.cli.simulate import plot, render_table
+    from ggmoe.cli.simulate import plot, pyplot, render_table
     from ggmoe.inspect import inspect_model
     from ggmoe.simulate.des import SimConfig, simulate
     from ggmoe.simulate.hardware import load_profile
@@ -81,6 +81,7 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
 
     if plot_path is not None:
         check_output(plot_path, "--plot", suffixes=(".png",))
+        pyplot()  # matplotlib missing: say so before simulating
     trace = load_traces(list(traces))
     profile = load_profile(hw)
     budget = parse_bytes(vram)
