@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import site
 import subprocess
 import sys
@@ -391,4 +392,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--status | head` ends quietly
     raise SystemExit(main())

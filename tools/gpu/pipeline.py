@@ -32,8 +32,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,15 +57,17 @@ class Pipeline:
         self.cuda_sites = cuda_sites
         self.steps: dict[str, dict] = {}
         self.writer_env: dict | None = None
+        self.lock = threading.Lock()
         self.log = open(results / "pipeline.log", "a", buffering=1)  # noqa: SIM115 - open for the whole run
 
     def say(self, msg: str) -> None:
         self.log.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
 
     def record(self, name: str, t0: float, rc: int) -> None:
-        self.steps[name] = {"seconds": round(time.monotonic() - t0, 1), "exit": rc}
-        (self.results / "steps.json").write_text(json.dumps(self.steps, indent=2))
-        self.say(f"{name}: exit {rc} in {self.steps[name]['seconds']:.0f} s")
+        with self.lock:  # the first model's writer records from its own thread
+            self.steps[name] = {"seconds": round(time.monotonic() - t0, 1), "exit": rc}
+            (self.results / "steps.json").write_text(json.dumps(self.steps, indent=2))
+            self.say(f"{name}: exit {rc} in {self.steps[name]['seconds']:.0f} s")
 
     def run(self, name: str, cmd: list[str], env: dict | None = None) -> int:
         self.say(f"{name}: {shlex.join(cmd)}")
@@ -105,16 +109,20 @@ class Pipeline:
                                *map(str, sorted((self.pack / "wheels").glob("*.whl")))]) != 0:
             return FAILED
         self.writer_env = {**os.environ, "PYTHONPATH": f"{deps}:{ROOT}"}
-        t0 = time.monotonic()
-        writer = None if self.model_path(first).is_file() else subprocess.Popen(
-            self.model_cmd(first), stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.writer_env)
+        writer = None
+        if not self.model_path(first).is_file():
+            proc = subprocess.Popen(self.model_cmd(first), stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    env=self.writer_env)
+            t0 = time.monotonic()
+            writer = threading.Thread(target=lambda: self.record(f"model {first}", t0, proc.wait()))
+            writer.start()
         rc = self.run("build", build_cmd)
         while gpu_build.state(self.pack, self.prefix, self.cpu)[0] == gpu_build.RUNNING:  # started by another
             time.sleep(5)
         code, msg = gpu_build.state(self.pack, self.prefix, self.cpu)
         self.say(f"build: {msg.splitlines()[0]}")
         if writer is not None:
-            self.record(f"model {first}", t0, writer.wait())
+            writer.join()
         if rc != 0 or code != gpu_build.READY:
             return FAILED
         failed = False
@@ -237,4 +245,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--status | head` ends quietly
     raise SystemExit(main())
