@@ -20,7 +20,6 @@ Read with ``tomllib`` and validated field by field; written atomically.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,7 @@ from typing import Any
 from ggmoe.cache.config import CacheConfig
 from ggmoe.errors import UsageError
 from ggmoe.outputs import write_text_atomic
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from ggmoe.tomlfile import read_toml
 
 MAX_PLAN_BYTES = 1 << 20
 PLAN_VERSION = 1
@@ -47,12 +42,7 @@ def read_plan(path: str | Path) -> CacheConfig:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--config {p}: no such file")
-    if p.stat().st_size > MAX_PLAN_BYTES:
-        raise UsageError(f"--config {p}: too large for a plan file")
-    try:
-        data = tomllib.loads(p.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
-        raise UsageError(f"--config {p}: not a valid TOML plan ({e})") from None
+    data = read_toml(p, f"--config {p}", "plan", MAX_PLAN_BYTES)
 
     def fail(msg: str) -> UsageError:
         return UsageError(f"--config {p}: {msg}")

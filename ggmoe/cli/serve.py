@@ -103,6 +103,13 @@ def check_listen(host: str, port: int) -> None:
             raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from e
 
 
+def _model_options(fn: Any) -> Any:
+    """What serve and chat share: the cache and warm-start flags, the context, threads and the log."""
+    for option in (verbose_opt, threads_opt, _ctx, stats_options, cache_options):
+        fn = option(fn)
+    return fn
+
+
 class _Stopped(Exception):
     """SIGTERM, raised where uvicorn re-raises the signal it caught once it has shut down."""
 
@@ -139,11 +146,7 @@ def _run_until_stopped(run: Any) -> None:
                                                    "CORS is off without it).")
 @click.option("--logprobs", is_flag=True, help="Keep every position's logits so requests may ask for "
                                                "logprobs (n_ctx x n_vocab x 4 bytes of RAM).")
-@cache_options
-@stats_options
-@_ctx
-@threads_opt
-@verbose_opt
+@_model_options
 @edge
 def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
           max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool, n_ctx: int | None,
@@ -202,11 +205,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
               help="Sampling temperature (0: greedy).")
 @click.option("--seed", type=int, help="Sampling seed (default: a new one per answer).")
 @click.option("--system", help="A system message opening the conversation.")
-@cache_options
-@stats_options
-@_ctx
-@threads_opt
-@verbose_opt
+@_model_options
 @edge
 def chat(model: str | None, max_tokens: int, temp: float, seed: int | None, system: str | None,
          n_ctx: int | None, threads: int | None, verbose: bool, **cache: Any) -> None:

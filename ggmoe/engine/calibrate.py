@@ -60,7 +60,8 @@ class Calibration:
         return d
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The processor as the OS names it (/proc/cpuinfo's model name)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -162,7 +163,7 @@ def calibrate(model: Path, n_threads: int, n_tokens: int = 32, repeat: int = 5) 
         else:
             notes.append("CPU-only build: no GPU figures; the CPU rate is the weights a token reads over its "
                          "decode time (every weight is streamed from the same memory)")
-    return Calibration(gpu=gpu, cpu=_cpu_name(), copy_points=tuple(points), copy_bytes_per_s=copy_bps,
+    return Calibration(gpu=gpu, cpu=cpu_name(), copy_points=tuple(points), copy_bytes_per_s=copy_bps,
                        copy_latency_s=copy_lat, token_host_s=token_host_s, token_device_s=token_cached_s,
                        bytes_per_token=dense_bytes + expert_bytes, expert_bytes_per_token=expert_bytes,
                        n_moe_layers=n_moe, n_expert_used=k, bytes_per_expert=bpe, cpu_bytes_per_s=cpu_bps,

@@ -9,17 +9,12 @@ its cost model from one (``MissCosts``).
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ggmoe.cache.miss import MissCosts
 from ggmoe.errors import UsageError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from ggmoe.tomlfile import read_toml
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
 DEFAULT_PROFILE = "pcie4"
@@ -77,12 +72,7 @@ def load_profile(spec: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
     if not path.is_file():
         raise UsageError(f"unknown hardware profile {str(spec)!r}: give one of {', '.join(profile_names())} "
                          "or a profile .toml file")
-    if path.stat().st_size > MAX_PROFILE_BYTES:
-        raise UsageError(f"{path}: too large for a hardware profile")
-    try:
-        data = tomllib.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
-        raise UsageError(f"{path}: not a valid TOML profile ({e})") from None
+    data = read_toml(path, str(path), "profile", MAX_PROFILE_BYTES)
     values: dict[str, float] = {}
     for attr, (table, key, low) in _FIELDS.items():
         section = data.get(table)

@@ -386,13 +386,9 @@ def _cmd(*cmd: str) -> str | None:
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from ggmoe.engine.calibrate import cpu_name
+
+    return cpu_name()
 
 
 def machine() -> dict:
