@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import N_CTX
+from server_process import N_CTX
 
 MSG = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"

@@ -9,7 +9,7 @@ import threading
 import time
 
 import httpx
-from conftest import API_KEY, MAX_QUEUE
+from server_process import API_KEY, MAX_QUEUE
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0.8, "seed": 1}
 

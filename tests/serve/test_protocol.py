@@ -11,7 +11,7 @@ import json
 
 import openai
 import pytest
-from conftest import API_KEY
+from server_process import API_KEY
 
 CHAT = [{"role": "user", "content": "Once upon a time"}]
 

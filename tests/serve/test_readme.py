@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import start_server, stop_server
+from server_process import start_server, stop_server
 
 from ggmoe.models import default_model_path
 

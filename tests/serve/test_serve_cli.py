@@ -8,8 +8,8 @@ import sys
 
 import gguf
 import pytest
-from conftest import free_port, start_server, stop_server
 from make_fixtures import rewrite_gguf
+from server_process import free_port, start_server, stop_server
 
 from ggmoe.models import default_model_path
 
