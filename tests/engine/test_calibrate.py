@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from cli_run import ggmoe
 
 from ggmoe.engine.loader import gpu_device_name
 from ggmoe.simulate.hardware import load_profile
-
-
-def ggmoe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ggmoe", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -70,5 +65,5 @@ def test_printed_without_out():
     (["missing.gguf"], "no such file"),
 ])
 def test_bad_flags(args, message):
-    r = ggmoe("calibrate", *args)
+    r = ggmoe("calibrate", *args, ok=False)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from cli_run import ggmoe
 from click.testing import CliRunner
 
 from ggmoe.cli import main
 from ggmoe.models import default_model_path
-
-
-def ggmoe(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "ggmoe", *args], capture_output=True, text=True, timeout=300)
-    if ok:
-        assert r.returncode == 0, r.stderr
-    return r
 
 
 @pytest.fixture(scope="module")

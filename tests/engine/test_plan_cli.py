@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from cli_run import ggmoe
 from click.testing import CliRunner
 
 from ggmoe.cache.plan_file import read_plan
 from ggmoe.cli import main
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
-
-
-def ggmoe(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "ggmoe", *args], capture_output=True, text=True, timeout=600)
-    if ok:
-        assert r.returncode == 0, r.stderr
-    return r
 
 
 @pytest.fixture(scope="module")

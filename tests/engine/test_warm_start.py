@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from cli_run import ggmoe
 
 from ggmoe.cache.policies.static import trace_counts
 from ggmoe.trace import load_trace
@@ -15,11 +16,6 @@ from ggmoe.trace.routing_stats import load_stats
 
 PROMPT = "def fib(n):"
 
-
-def ggmoe(*args: str) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "ggmoe", *args], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return r
 
 
 @pytest.fixture(scope="module")
