@@ -48,6 +48,9 @@ class ExpertCache:
         self.clock = 0  # access counter: one per routed layer call
         # whether the policy drops experts after a call (on-demand); checked once, not per call
         self._releases = type(policy).release is not Policy.release
+        # the copy queue's optional hooks, looked up once rather than per call (None: the backend has no queue)
+        self._promote = getattr(self.copies, "promote", None)
+        self._remaining = getattr(self.copies, "remaining_s", None)
         self.miss_policy = check_miss_policy(miss_policy)
         self.costs = costs  # for "auto"
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
@@ -104,10 +107,9 @@ class ExpertCache:
             pending += loaded
             st.demand_copies += len(loaded)
         if pending:
-            promote = getattr(self.copies, "promote", None)
-            if promote is not None:  # queued behind prefetches or admissions: the layer waits for these now
+            if self._promote is not None:  # queued behind prefetches or admissions: the layer waits for these
                 for h in pending:
-                    promote(h)
+                    self._promote(h)
             tw = self.time.now()
             self.copies.wait(pending)
             st.wait_s += self.time.now() - tw
@@ -144,7 +146,7 @@ class ExpertCache:
         host: set[int] = set()
         keep: list[CopyHandle] = []
         now = self.time.now()
-        remaining = getattr(self.copies, "remaining_s", None)
+        remaining = self._remaining
         for h in pending:
             if self.copies.done(h):
                 keep.append(h)
