@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 __version__ = "0.1.0"
@@ -16,3 +19,27 @@ def __getattr__(name: str) -> Any:
 
         return load
     raise AttributeError(f"module 'ggmoe' has no attribute {name!r}")
+
+
+def _engine_before_numpy() -> None:
+    """On a CUDA build of llama-cpp-python, load its libraries before anything imports numpy.
+
+    Seen on an H100 machine (CUDA 13, driver 580, numpy 2.5, 2026-11-23): when numpy and ggmoe's other
+    imports were loaded before libllama, llama.cpp segfaulted inside std::regex while loading a model's
+    vocabulary (a C++ runtime call bound into libggml-cuda); with ``import llama_cpp`` first, or with
+    libstdc++ preloaded, every load ran. ``import llama_cpp`` maps libllama before it imports numpy itself.
+    The check is a look at llama_cpp's lib folder: a CPU build, or no engine, costs nothing here.
+    """
+    if "llama_cpp" in sys.modules or "numpy" in sys.modules:
+        return  # too late to choose the order (numpy first: see docs/engine.md, "CUDA builds")
+    try:
+        spec = importlib.util.find_spec("llama_cpp")
+        places = list(spec.submodule_search_locations or []) if spec is not None else []
+        if not any(next((Path(d) / "lib").glob("libggml-cuda*"), None) for d in places):
+            return
+        import llama_cpp  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install is reported where ggmoe loads the engine
+        return
+
+
+_engine_before_numpy()

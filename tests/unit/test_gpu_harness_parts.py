@@ -350,3 +350,35 @@ def test_pipeline_states_and_collect(tmp_path):
     assert set(copied) == {"gpt-oss-20b.json", "gpt-oss-20b.md", "qwen3-30b-a3b.json", "qwen3-30b-a3b.md",
                            "steps.json", "pipeline.log", "build-tail.log"}
     assert len(copied) <= 8  # what the device tool brings back
+
+
+# (exit of the plain check, exit with libstdc++ preloaded or None: not tried, libstdc++ found,
+#  the check's result, LD_PRELOAD kept for the matrix)
+ENGINE_CHECKS = [
+    (0, None, True, 0, None),
+    (1, None, True, 1, None),  # a Python error: preloading would not help
+    (-11, 0, True, 0, "/lib/libstdc++.so.6"),  # the first loan's segfault, fixed by the preload
+    (-11, -11, True, -11, None),
+    (-11, None, False, -11, None),
+]
+
+
+@pytest.mark.parametrize(("plain", "preloaded", "found", "rc", "kept"), ENGINE_CHECKS)
+def test_engine_check_falls_back_to_preloading_libstdcxx(tmp_path, monkeypatch, plain, preloaded, found, rc, kept):
+    p = gpu_pipeline.Pipeline(tmp_path, tmp_path / "prefix", tmp_path / "pack", ["toy"], True, tmp_path / "t.npz",
+                              tmp_path, [], [])
+    calls = []
+
+    def run(name, cmd, env=None):
+        calls.append((name, env.get("LD_PRELOAD")))
+        return plain if len(calls) == 1 else preloaded
+
+    monkeypatch.setattr(p, "run", run)
+    monkeypatch.setattr(gpu_pipeline, "find_libstdcxx", lambda: "/lib/libstdc++.so.6" if found else None)
+    assert p.engine_check(tmp_path / "m.gguf") == rc
+    assert p.preload == kept
+    assert p.engine_env().get("LD_PRELOAD") == kept
+    assert calls[0][1] is None
+    assert len(calls) == (2 if preloaded is not None else 1)
+    if preloaded is not None:
+        assert calls[1][1] == "/lib/libstdc++.so.6"

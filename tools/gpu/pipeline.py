@@ -13,6 +13,9 @@ Steps, in order of what matters most (a loan cut short still returns the first o
     build            tools/gpu/build.py (CUDA, sm_90; skipped when a build of this pack is ready), with the
                      first model written beside it
     model M          tools/gpu/realshape.py --preset M
+    engine check     the first model loaded through ggmoe's Engine in a fresh process; if that dies by a
+                     signal, again with libstdc++ preloaded, kept for the matrix runs (the first loan's
+                     segfault: numpy loaded before libllama)
     matrix M random  tools/gpu/matrix.py, the model's own router
     matrix M trace   tools/gpu/matrix.py --append, trace-replay routing (benchmark only)
 
@@ -45,6 +48,10 @@ sys.path.insert(0, str(HERE))
 import build as gpu_build  # noqa: E402
 
 DEFAULT_RESULTS = Path("/tmp/ggmoe-results")
+# what the matrix does first: import ggmoe's engine (numpy and all), then load the model, experts on the host
+ENGINE_CHECK = ("import sys; from ggmoe.engine import Engine, EngineConfig; "
+                "eng = Engine(EngineConfig(model_path=sys.argv[1], n_ctx=64)); eng.close(); "
+                "print('engine check: loaded', sys.argv[1])")
 DEFAULT_MODELS = "gpt-oss-20b,qwen3-30b-a3b"
 FINISHED, FAILED, RUNNING, NEVER = 0, 2, 3, 4
 
@@ -57,6 +64,7 @@ class Pipeline:
         self.cuda_sites = cuda_sites
         self.steps: dict[str, dict] = {}
         self.writer_env: dict | None = None
+        self.preload: str | None = None  # LD_PRELOAD for the engine's runs, when the engine check needed it
         self.lock = threading.Lock()
         self.log = open(results / "pipeline.log", "a", buffering=1)  # noqa: SIM115 - open for the whole run
 
@@ -90,7 +98,30 @@ class Pipeline:
         if lib.is_dir():
             env["LD_LIBRARY_PATH"] = ":".join(x for x in (str(lib), env.get("LD_LIBRARY_PATH", "")) if x)
         env["PYTHONUNBUFFERED"] = "1"
+        if self.preload:
+            env["LD_PRELOAD"] = self.preload
         return env
+
+    def engine_check(self, model: Path) -> int:
+        """Load ``model`` through ggmoe's Engine (as the matrix does) in a fresh process; if that dies by a
+        signal, try again with libstdc++ preloaded and keep the preload for the matrix runs.
+
+        The first loan (2026-11-23) found the engine segfaulting in std::regex while loading a vocabulary
+        when numpy was imported before libllama; ggmoe now imports a CUDA build first. This step shows
+        whether that holds on the machine, and keeps the loan useful if it does not.
+        """
+        cmd = [sys.executable, "-c", ENGINE_CHECK, str(model)]
+        rc = self.run("engine check", cmd, env=self.engine_env())
+        if rc >= 0:
+            return rc
+        lib = find_libstdcxx()
+        if lib is None:
+            return rc
+        self.preload = lib
+        rc = self.run(f"engine check with LD_PRELOAD={lib}", cmd, env=self.engine_env())
+        if rc != 0:
+            self.preload = None
+        return rc
 
     def main(self) -> int:
         self.say(f"pipeline: models {', '.join(self.models)}; {'CPU' if self.cpu else 'CUDA'} build in {self.prefix}")
@@ -126,11 +157,17 @@ class Pipeline:
         if rc != 0 or code != gpu_build.READY:
             return FAILED
         failed = False
+        checked = False
         for preset in self.models:
             path = self.model_path(preset)
             if not path.is_file() and self.run(f"model {preset}", self.model_cmd(preset), env=self.writer_env) != 0:
                 failed = True
                 continue
+            if not checked:
+                checked = True
+                if self.engine_check(path) != 0:
+                    self.say("pipeline: the engine cannot load a model; no matrix")
+                    return FAILED
             out = self.results / preset
             for routing in ("random", "trace"):
                 cmd = [sys.executable, str(HERE / "matrix.py"), "--model", str(path), "--trace", str(self.trace),
@@ -139,6 +176,21 @@ class Pipeline:
                 failed |= self.run(f"matrix {preset} {routing}", cmd, env=self.engine_env()) != 0
         self.say("pipeline: done" + (" (a step failed)" if failed else ""))
         return FAILED if failed else FINISHED
+
+
+def find_libstdcxx() -> str | None:
+    """The system's libstdc++.so.6 (what ldconfig knows), or None."""
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        if line.strip().startswith("libstdc++.so.6 ") and "x86-64" in line and "=>" in line:
+            return line.split("=>", 1)[1].strip()
+    for p in ("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", "/usr/lib64/libstdc++.so.6"):
+        if Path(p).is_file():
+            return p
+    return None
 
 
 def state(results: Path) -> tuple[int, str]:
