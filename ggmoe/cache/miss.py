@@ -12,6 +12,7 @@ The host path exists only for micro-batches of at most ``HOST_MAX_TOKENS`` token
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ggmoe.errors import UsageError
@@ -51,3 +52,29 @@ def prefer_host(policy: str, costs: MissCosts | None, nbytes: int, copy_left_s: 
         return True
     wait_s = copy_left_s if copy_left_s is not None else costs.copy_s(nbytes)
     return costs.cpu_s(nbytes) < wait_s
+
+
+def host_path_pays(costs: MissCosts | None, bytes_per_expert: Mapping[int, int]) -> bool:
+    """Whether ``auto`` keeps the host path: for some layer, the CPU computes an expert sooner than a copy on
+    an idle link brings it (no cost model: kept, as ``prefer_host`` then sends misses to the CPU).
+
+    The host path is not free when unused: its host matmuls split the graph at every MoE layer. Measured
+    on an H100 (PCIe 5, 16 cores, 2026-11-23, Qwen3-30B-A3B shape, every expert cached): decode fell from
+    139 to 90 tok/s with the host path armed and no expert ever computed on the CPU, because a copy
+    (about 230 us an expert) always beat the CPU (about 300 us). A host path ``auto`` would never choose
+    only costs, so it is not built.
+    """
+    if costs is None:
+        return True
+    return any(costs.cpu_s(nb) < costs.copy_s(nb) for nb in bytes_per_expert.values())
+
+
+def effective_miss_policy(policy: str, costs: MissCosts | None, bytes_per_expert: Mapping[int, int]
+                          ) -> tuple[str, str | None]:
+    """The miss policy the cache runs and, when ``auto`` became ``wait``, why (one line for the user)."""
+    policy = check_miss_policy(policy)
+    if policy != "auto" or host_path_pays(costs, bytes_per_expert):
+        return policy, None
+    nb = max(bytes_per_expert.values(), default=0)
+    return "wait", (f"auto: a copy ({costs.copy_s(nb) * 1e6:.0f} us per expert) is sooner than the CPU "
+                    f"({costs.cpu_s(nb) * 1e6:.0f} us), so misses wait for copies and the host path is off")

@@ -161,8 +161,10 @@ def stats_summary(eng: Any) -> str | None:
     host = f", {t.host_computed} computed on the CPU" if t.host_computed else ""
     pre = (f", prefetch {t.prefetch_hits}/{t.prefetch_issued} used, predictor {t.pred_accuracy:.1%} accurate"
            if t.prefetch_issued else "")
+    note = (eng.miss_policy or (None, None))[1]
     return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.misses} expert uses), "
-            f"{format_bytes(t.bytes_copied)} copied{host}{pre}, {t.native_calls} native calls")
+            f"{format_bytes(t.bytes_copied)} copied{host}{pre}, {t.native_calls} native calls"
+            + (f"; {note}" if note else ""))
 
 
 def write_stats(eng: Any, path: str | None, extra: dict) -> None:
@@ -170,8 +172,10 @@ def write_stats(eng: Any, path: str | None, extra: dict) -> None:
         return
     if eng.cache_stats is None:
         raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
-    d = {"policy": eng.config.cache.policy, "miss_policy": eng.config.cache.miss_policy, "slots_per_layer": {str(k): v for k, v in eng.cache_slots.items()},
-         **extra, **eng.cache_stats.to_dict()}
+    in_effect, note = eng.miss_policy
+    d = {"policy": eng.config.cache.policy, "miss_policy": eng.config.cache.miss_policy,
+         "miss_policy_in_effect": in_effect, "miss_policy_note": note,
+         "slots_per_layer": {str(k): v for k, v in eng.cache_slots.items()}, **extra, **eng.cache_stats.to_dict()}
     write_text_atomic(path, json.dumps(d, indent=2))
 
 

@@ -246,7 +246,7 @@ class Engine:
         return tuple(checked)
 
     def _make_cache(self, cache: CacheConfig) -> CacheRuntime:
-        return CacheRuntime.for_model(self._model.ptr, self._ctx.ctx, cache, self.facts)
+        return CacheRuntime.for_model(self._model.ptr, self._ctx.ctx, cache, self.facts, self.config.n_threads)
 
     @property
     def cache_stats(self) -> CacheStats | None:
@@ -285,6 +285,13 @@ class Engine:
     @property
     def cache_slots(self) -> dict[int, int] | None:
         return self._runtime.cache.n_slots if self._runtime is not None else None
+
+    @property
+    def miss_policy(self) -> tuple[str, str | None] | None:
+        """(the miss policy the cache runs, why ``auto`` became ``wait`` or None); None without a cache."""
+        if self._runtime is None:
+            return None
+        return self._runtime.miss_policy, self._runtime.miss_policy_note
 
     # -- lifecycle
     def close(self) -> None:

@@ -175,7 +175,9 @@ class GgmoeLlama(llama_cpp.Llama):
         att = self._ggmoe
         if att is None or att.stats is None:
             return {"cache": None}
-        return {"cache": {"policy": self.cache_config.policy,
+        in_effect, note = att.runtime.miss_policy, att.runtime.miss_policy_note
+        return {"cache": {"policy": self.cache_config.policy, "miss_policy": self.cache_config.miss_policy,
+                          "miss_policy_in_effect": in_effect, "miss_policy_note": note,
                           "slots_per_layer": {str(k): v for k, v in att.n_slots.items()},
                           "occupancy": {str(k): v for k, v in att.occupancy().items()},
                           **att.stats.to_dict()}}

@@ -33,7 +33,7 @@ import numpy as np
 
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.clock import ManualClock
-from ggmoe.cache.miss import SLOT_HOST
+from ggmoe.cache.miss import SLOT_HOST, effective_miss_policy
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.prefetch import Prefetcher
 from ggmoe.errors import UsageError
@@ -157,9 +157,11 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     clock = ManualClock()
     link = LinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks)
     policy = POLICIES.get(config.policy)(m.n_expert, layers, **dict(config.policy_options or {}))
+    miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
+    miss_policy, _ = effective_miss_policy(config.miss_policy, miss_costs, bytes_per_expert)  # as the engine
     cache = ExpertCache(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
-                        bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=config.miss_policy,
-                        costs=profile.miss_costs(n_chunks) if profile is not None else None)
+                        bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=miss_policy,
+                        costs=miss_costs)
     pred = build_predictor(config, trace, train, model_path) if config.predictor else None
     prefetcher = None
     if pred is not None:

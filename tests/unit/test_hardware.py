@@ -83,3 +83,24 @@ def test_render_profile_round_trips(tmp_path, name, description):
     out.write_text(render_profile(p, {"hook_s": "measured"}))
     back = load_profile(out)
     assert back == dataclasses.replace(p, name=name, description=description)
+
+
+# (copy GB/s, copy latency us, CPU GB/s, expert bytes per layer, policy asked, policy in effect)
+EFFECTIVE = [
+    (54.7, 14.4, 44.5, [13_219_200], "auto", "wait"),  # the H100 measured: a copy beats the CPU
+    (25.0, 10.0, 44.5, [13_219_200], "auto", "auto"),  # a PCIe 4 link: the CPU is sooner
+    (54.7, 14.4, 44.5, [13_219_200, 1_000], "auto", "auto"),  # one layer where the CPU wins keeps the path
+    (54.7, 14.4, 44.5, [13_219_200], "cpu", "cpu"),  # asked for: kept
+    (54.7, 14.4, 44.5, [13_219_200], "wait", "wait"),
+]
+
+
+@pytest.mark.parametrize(("copy_gbs", "lat_us", "cpu_gbs", "sizes", "asked", "want"), EFFECTIVE)
+def test_auto_drops_a_host_path_it_would_never_choose(copy_gbs, lat_us, cpu_gbs, sizes, asked, want):
+    from ggmoe.cache.miss import MissCosts, effective_miss_policy
+
+    costs = MissCosts(copy_bytes_per_s=copy_gbs * 1e9, copy_latency_s=lat_us * 1e-6, cpu_bytes_per_s=cpu_gbs * 1e9)
+    got, note = effective_miss_policy(asked, costs, dict(enumerate(sizes)))
+    assert got == want
+    assert (note is not None) == (asked == "auto" and want == "wait")
+    assert effective_miss_policy("auto", None, {0: 1})[0] == "auto"  # no cost model: the CPU path stays
