@@ -195,21 +195,25 @@ class ExpertCache:
         ``ranks`` (one per expert, lower first) order the prefetches within their priority.
         """
         table = self.tables[il]
-        st = self.stats.layers[il]
-        rank_of = dict(zip(experts, ranks, strict=True)) if ranks is not None else {}
-        want = [e for e in experts if table.slot_of_list[e] < 0]
+        slot_of = table.slot_of_list
+        want = [e for e in experts if slot_of[e] < 0]
         if not want:
             return 0
+        st = self.stats.layers[il]
+        rank_of = dict(zip(experts, ranks, strict=True)) if ranks is not None else {}
         protect = set(experts) | (keep or set())
         n = 0
+        cand: list[int] | None = None  # victims, computed once: each pick only removes itself from them
         for e in want:
             if table.free:
                 slot = table.free.pop(0)
             else:
-                cand = [x for x in self._victims(table, protect) if not table.prefetched[table.slot_of_list[x]]]
+                if cand is None:
+                    cand = [x for x in self._victims(table, protect) if not table.prefetched[table.slot_of_list[x]]]
                 if not cand:
                     break
                 victim = self.policy.victim(il, cand, self.clock)
+                cand.remove(victim)
                 slot = table.slot_of_list[victim]
                 self.policy.on_evict(il, victim)
             self._note_eviction(il, table, slot)
@@ -292,17 +296,20 @@ class ExpertCache:
         in_use = set(need)  # never evict what this call uses
         bpe = self.bytes_per_expert.get(il, 0)
         handles = []
+        cand: list[int] | None = None  # victims, computed once (a miss's own copy is in use, so never one)
         for e in missing:
             if table.free:
                 slot = table.free.pop(0)
             else:
-                cand = self._victims(table, in_use)
+                if not cand:
+                    cand = self._victims(table, in_use)
                 if not cand:
                     if priority != Priority.DEMAND:
                         break  # every other slot is in use or still loading: no room for a low-priority copy
                     self._land_all(table)  # a demand copy may take a slot whose copy landed
                     cand = self._victims(table, in_use)
                 victim = self.policy.victim(il, cand, self.clock)
+                cand.remove(victim)
                 slot = table.slot_of_list[victim]
                 self.policy.on_evict(il, victim)
             self._note_eviction(il, table, slot)

@@ -146,14 +146,20 @@ class Prefetcher:
     def _prefetch(self, target: int, scores: np.ndarray | None, calls: int | None = None) -> None:
         if scores is None or target not in self.cache.tables:
             return
-        order = np.argsort(-scores, kind="stable")
-        self.cache.score_prediction(target, [int(e) for e in order[: self.k]])
-        top = [int(e) for e in order[: self.n_prefetch]]
+        # one argsort and two tolist() calls: per-element numpy indexing costs ~0.1 us an element here
+        order = np.argsort(-scores, kind="stable")[: max(self.k, self.n_prefetch)]
+        ranked = order.tolist()
+        self.cache.score_prediction(target, ranked[: self.k])
+        top = ranked[: self.n_prefetch]
+        top_scores = scores[order[: self.n_prefetch]].tolist()
         if self.threshold is not None:
-            top = [e for e in top if scores[e] >= self.threshold]
+            keep = [j for j, v in enumerate(top_scores) if v >= self.threshold]
+            top, top_scores = [top[j] for j in keep], [top_scores[j] for j in keep]
+        if not top:
+            return
         # fMoE's priority p / (l - l_now): likelier experts of nearer layers are copied first
         d = self.predictor.stride
-        self.cache.prefetch(target, top, ranks=[-float(scores[e]) / d for e in top],
+        self.cache.prefetch(target, top, ranks=[-v / d for v in top_scores],
                             if_calls=calls if self._queue is not None else None)
 
 
