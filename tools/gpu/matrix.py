@@ -14,6 +14,10 @@ routing, benchmark only, see trace_routing.py) and each configuration:
                  (trace routing only)
     prefetch-bg  prefetch with the predictor on a worker thread (PrefetchConfig.background; not in the
                  default --configs: its counts depend on timing)
+    lru-auto     lru with --miss-policy auto (not in the default --configs): what the host path costs
+                 where auto keeps it, or that it was dropped
+    prefetch-wait  prefetch with --miss-policy wait (not in the default --configs): what prediction costs
+                 without the host path
 
 at each fraction of experts cacheable (--fractions; the stock-vram and stock-cpu rows do not depend on it
 and run once; stock rows always route with the model's router: routing does not change what they compute,
@@ -64,11 +68,12 @@ if TYPE_CHECKING:
     from ggmoe.engine import Engine, EngineConfig
 # the engine (llama.cpp) is imported where it runs: the pure parts here are unit-tested without it
 
-CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "prefetch", "prefetch-eam", "prefetch-bg")
+CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto",
+           "prefetch-wait")
 DEFAULT_CONFIGS = CONFIGS[:6]
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
-PER_FRACTION = ("n-cpu-moe", "lru", "prefetch", "prefetch-eam", "prefetch-bg")
-GGMOE = ("lru", "prefetch", "prefetch-eam", "prefetch-bg")
+PER_FRACTION = ("n-cpu-moe", "lru", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait")
+GGMOE = ("lru", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait")
 TRACE_ONLY = ("prefetch-eam",)  # learns from the tiled trace's training prompts
 PROMPT = "The expert cache keeps the experts a model uses most on the device"
 GOAL_FRACTION = 0.5
@@ -160,13 +165,16 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
         n_gpu = n_gpu_layers_for(n_slots, len(facts.moe_layers), facts.n_expert)
         host = tuple(facts.moe_layers[n_gpu:])
         return EngineConfig(**base, experts_on_host=True, host_expert_layers=host, gate_hook=False), n_gpu
-    if config == "lru":
-        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy="wait")), n_slots
-    if config in ("prefetch", "prefetch-eam", "prefetch-bg"):
+    if config in ("lru", "lru-auto"):
+        miss = "auto" if config == "lru-auto" else "wait"
+        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=miss)), n_slots
+    if config in ("prefetch", "prefetch-eam", "prefetch-bg", "prefetch-wait"):
         pre = {"prefetch": PrefetchConfig(predictor="reuse", stride=1),
+               "prefetch-wait": PrefetchConfig(predictor="reuse", stride=1),
                "prefetch-bg": PrefetchConfig(predictor="reuse", stride=1, background=True),
                "prefetch-eam": PrefetchConfig(predictor="eam", stride=1, train=(str(train),))}[config]
-        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy="auto",
+        miss = "wait" if config == "prefetch-wait" else "auto"
+        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=miss,
                                                       prefetch=pre)), n_slots
     raise SystemExit(f"error: unknown config {config!r}; choose from {', '.join(CONFIGS)}")
 
@@ -258,9 +266,10 @@ def simulate_cell(cell: Cell, facts, trace, train, profile) -> float | None:
         if cell.config == "n-cpu-moe":
             budget = sum(facts.n_expert * bpe[il] for il in facts.moe_layers[:cell.slots])
         return baseline(trace, cell.config, bpe, profile, budget).tpot_s * 1e3
-    pred = {"lru": None, "prefetch": "reuse", "prefetch-bg": "reuse", "prefetch-eam": "eam"}[cell.config]
+    pred = {"lru": None, "lru-auto": None, "prefetch": "reuse", "prefetch-bg": "reuse", "prefetch-wait": "reuse",
+            "prefetch-eam": "eam"}[cell.config]
     sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots), policy="lru", predictor=pred, stride=1,
-                    miss_policy="wait" if cell.config == "lru" else "auto")
+                    miss_policy="wait" if cell.config in ("lru", "prefetch-wait") else "auto")
     r = simulate(trace, sim, bpe, profile, train=train if pred == "eam" else None)
     return r.tpot_s * 1e3 if r.tpot_s is not None else None
 
