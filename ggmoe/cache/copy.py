@@ -5,7 +5,8 @@ issues ggml copies (``ggmoe.engine.slots.GgmlCopyBackend``); ``NullCopyBackend``
 lands every copy at once (bookkeeping, the simulator without a cost model);
 ``ThreadedCopyBackend`` runs copies on a worker thread in priority order with a
 settable delay, so that tests exercise readiness, priorities and cancellation
-with real concurrency on a CPU-only machine.
+with real concurrency on a CPU-only machine; ``StreamCopyBackend`` is the same
+queue over a real asynchronous stream (the GPU's), demand copies issued at once.
 """
 
 from __future__ import annotations
@@ -194,3 +195,123 @@ class ThreadedCopyBackend:
             self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout=5)
+
+
+class CopyStream(Protocol):
+    """One asynchronous copy stream (the GPU's: ``ggmoe.engine.slots.GgmlCopyBackend``)."""
+
+    n_chunks: int  # chunks of one expert copy (one per expert tensor kind)
+
+    def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> None:
+        """Put chunk ``i`` of the copy on the stream; returns before it lands."""
+
+    def synchronize(self) -> None:
+        """Block until everything put on the stream so far has landed."""
+
+
+_NOT_ISSUED = 1 << 62  # the sequence number of a promoted copy until its chunks are on the stream
+
+
+class StreamCopyBackend(ThreadedCopyBackend):
+    """The GPU's copy queue on one stream: demand copies at once, the rest one chunk at a time behind them.
+
+    A demand copy (and a queued copy promoted because a layer waits for it) is put on the stream at once by
+    the caller, all its chunks. Admissions and prefetches wait in the base class's queue; its worker puts
+    the most urgent one's next chunk on the stream, synchronizes (the GIL is free meanwhile), and picks
+    again. So the stream never holds more than one low-priority chunk ahead of a demand copy (urgent work
+    waits at most one chunk, as the simulator's link models it), and a queued copy can still be cancelled
+    (early preemption at the gate) or promoted. Readiness of a demand copy: every chunk put on the stream
+    before a ``synchronize`` has landed after it (a sequence number per chunk).
+    """
+
+    def __init__(self, stream: CopyStream) -> None:
+        self.stream = stream
+        self._issue_lock = threading.Lock()  # one issuer at a time: stream order = sequence order
+        self._seq = 0  # chunks put on the stream so far
+        self._landed_seq = 0  # every chunk up to this one has landed
+        self._inline: dict[int, int] = {}  # demand handle id -> sequence number of its last chunk
+        super().__init__(self._worker_copy, chunks=stream.n_chunks, copy_chunk=self._worker_chunk)
+
+    def _issue(self, il: int, expert: int, slot: int, chunks: range) -> int:
+        with self._issue_lock:
+            for i in chunks:
+                self.stream.issue_chunk(il, expert, slot, i)
+                self._seq += 1
+            return self._seq
+
+    def _sync(self) -> None:
+        with self._issue_lock:
+            upto = self._seq
+        self.stream.synchronize()
+        with self._issue_lock:
+            self._landed_seq = max(self._landed_seq, upto)
+
+    def _worker_chunk(self, il: int, expert: int, slot: int, i: int) -> None:
+        self._issue(il, expert, slot, range(i, i + 1))
+        self._sync()
+
+    def _worker_copy(self, il: int, expert: int, slot: int) -> None:
+        self._issue(il, expert, slot, range(self.chunks))
+        self._sync()
+
+    def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
+        if priority != Priority.DEMAND:
+            return super().submit(il, expert, slot, priority, rank)
+        h = CopyHandle(next(self._ids), il, expert, slot, Priority.DEMAND)
+        last = self._issue(il, expert, slot, range(self.chunks))
+        with self._cv:
+            self._inline[h.id] = last
+        return h
+
+    def done(self, handle: CopyHandle) -> bool:
+        with self._cv:
+            last = self._inline.get(handle.id)
+            if last is None:
+                return handle.id in self._done
+            if last > self._landed_seq:
+                return False
+            del self._inline[handle.id]
+            self._done.add(handle.id)
+            return True
+
+    def promote(self, handle: CopyHandle) -> None:
+        """A layer waits for ``handle``: put a queued copy on the stream now; one the worker has begun goes on
+        at demand priority (its next chunks are the worker's next)."""
+        with self._cv:
+            if handle.id in self._done or handle.id in self._inline:
+                return
+            queued = any(item[2] == handle.id for item in self._queue)
+            if queued and handle.id not in self._progress:
+                self._queue = [item for item in self._queue if item[2] != handle.id]
+                heapq.heapify(self._queue)
+                self._inline[handle.id] = _NOT_ISSUED  # never done until issued below
+            else:
+                queued = False
+        if queued:
+            last = self._issue(handle.il, handle.expert, handle.slot, range(self.chunks))
+            with self._cv:
+                self._inline[handle.id] = last
+            return
+        super().promote(handle)
+
+    def wait(self, handles: Iterable[CopyHandle]) -> None:
+        hs = list(handles)
+        with self._cv:
+            queued = [h for h in hs if h.id not in self._inline and h.id not in self._done]
+        for h in queued:  # the cache promotes before it waits; a direct caller may not have
+            self.promote(h)
+        with self._cv:
+            inline = [h for h in hs if h.id in self._inline]
+            rest = [h for h in hs if h.id not in self._inline]
+            pending = any(self._inline[h.id] > self._landed_seq for h in inline)
+        if pending:
+            self._sync()
+        for h in inline:
+            self.done(h)
+        super().wait(rest)
+
+    def cancel(self, handle: CopyHandle) -> bool:
+        with self._cv:
+            if handle.id in self._inline:
+                return False  # on the stream already
+        return super().cancel(handle)

@@ -78,7 +78,7 @@ def _median(xs: list[float]) -> float:
 def _copy_points(eng: Engine, repeat: int) -> list[tuple[int, float]]:
     """(bytes, seconds) of single-kind copies and whole-expert copies into slot 0 of the first layer."""
     runtime = eng._runtime
-    copies, pairs = runtime.copies, runtime.slots.pairs
+    copies, pairs = runtime.stream, runtime.slots.pairs
     il = next(iter(pairs))
     backend = getattr(copies, "backend", None)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggmoe.cache import CacheConfig, CopyHandle, ExpertCache, MonotonicClock, Priority, ThreadedCopyBackend
+from ggmoe.cache.copy import StreamCopyBackend
 from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy
 from ggmoe.cache.policies import POLICIES
 from ggmoe.engine import ggml as B
@@ -140,6 +141,22 @@ class GgmlCopyBackend:
             B.libggml_base.ggml_backend_tensor_set(ctypes.cast(p.cache, B.ggml_tensor_p),
                                                    p.host_data + expert * p.nb2, slot * p.nb2, p.nb2)
 
+    def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> None:
+        """Put expert tensor kind ``i`` of ``expert``'s copy on the copy stream (a memcpy on a CPU-only build)."""
+        pairs = self.pairs[il]
+        if i < len(pairs):
+            p = pairs[i]
+            t, src = ctypes.cast(p.cache, B.ggml_tensor_p), p.host_data + expert * p.nb2
+            if self.backend:
+                B.libggml_base.ggml_backend_tensor_set_async(self.backend, t, src, slot * p.nb2, p.nb2)
+            else:
+                B.libggml_base.ggml_backend_tensor_set(t, src, slot * p.nb2, p.nb2)
+
+    def synchronize(self) -> None:
+        """Block until every copy put on the stream has landed (the GIL is released meanwhile)."""
+        if self.backend:
+            B.libggml_base.ggml_backend_synchronize(self.backend)
+
     @property
     def n_chunks(self) -> int:
         """Chunks of one expert copy: its tensor kinds (the most any layer has)."""
@@ -215,6 +232,14 @@ def _device_bufts() -> tuple[int, int | None]:
     return B.libggml_cpu.ggml_backend_cpu_buffer_type(), None
 
 
+def use_copy_queue(ggml: GgmlCopyBackend, config: CacheConfig, miss_policy: str) -> bool:
+    """Whether copies go through the priority queue (``StreamCopyBackend``): on a GPU's stream, when there
+    are low-priority copies (prefetches, or admissions of the host path) that a demand copy must not wait
+    behind. Otherwise every copy is a demand copy and the plain stream does (no worker thread)."""
+    return bool(ggml.backend) and config.copy_delay_s is None and (
+        config.prefetch is not None or miss_policy != "wait")
+
+
 class CacheRuntime:
     """Slot tensors + copy backend + ``ExpertCache``, registered with the context layer by layer."""
 
@@ -224,6 +249,7 @@ class CacheRuntime:
         n_slots = config.slots({il: bytes_per_expert[il] for il in moe_layers}, n_expert, n_expert_used)
         policy = POLICIES.get(config.policy)(n_expert, list(moe_layers), **dict(config.policy_options or {}))
         self.copies: GgmlCopyBackend | ThreadedCopyBackend | None = None
+        self._ggml: GgmlCopyBackend | None = None
         self.slots: SlotTensors | None = None
         asked = check_miss_policy(config.miss_policy)
         try:
@@ -235,6 +261,8 @@ class CacheRuntime:
             host_path = self.miss_policy != "wait"
             if host_path and asked == "auto":  # the host path reads a zero slot: allocate again with it
                 self._allocate(model_ptr, n_slots, config, zero_slot=True)
+            if use_copy_queue(self._ggml, config, self.miss_policy):
+                self.copies = StreamCopyBackend(self._ggml)
         except BaseException:
             self.close()
             raise
@@ -257,12 +285,7 @@ class CacheRuntime:
 
     def _allocate(self, model_ptr: int, n_slots: dict[int, int], config: CacheConfig, zero_slot: bool) -> None:
         """(Re)create the slot tensors and the copy backend over them (the GPU's copy stream when there is one)."""
-        if self.copies is not None:
-            self.copies.close()
-            self.copies = None
-        if self.slots is not None:
-            self.slots.close()
-            self.slots = None
+        self.close()
         buft, backend = _device_bufts()
         try:
             self.slots = SlotTensors(model_ptr, n_slots, buft, zero_slot=zero_slot)
@@ -288,6 +311,11 @@ class CacheRuntime:
             return load_profile(config.hw_profile).miss_costs()
         return measure_costs(self.slots, self._ggml, n_threads, self._link_s)
 
+    @property
+    def stream(self) -> GgmlCopyBackend:
+        """The ggml copies under the queue (the GPU's copy stream; memcpy on a CPU-only build)."""
+        return self._ggml
+
     @classmethod
     def for_model(cls, model_ptr: int, ctx_ptr: int, config: CacheConfig, facts: ModelFacts,
                   n_threads: int | None = None) -> CacheRuntime:
@@ -301,6 +329,9 @@ class CacheRuntime:
         if self.copies is not None:
             self.copies.close()
             self.copies = None
+        if self._ggml is not None:  # the stream under a queue (closing twice is harmless)
+            self._ggml.close()
+            self._ggml = None
         if self.slots is not None:
             self.slots.close()
             self.slots = None

@@ -217,3 +217,105 @@ def test_threaded_backend_promotes_a_queued_copy():
         assert first.id in finished
     finally:
         b.close()
+
+
+class FakeStream:
+    """A copy stream whose chunks land only at synchronize(); a gate holds the worker's first synchronize."""
+
+    n_chunks = 3
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.issued: list[tuple[int, int]] = []  # (expert, chunk) in stream order
+        self.landed = 0  # chunks of issued that have landed
+        self.gate = threading.Event()
+        self.syncs = 0
+
+    def issue_chunk(self, il, expert, slot, i):
+        with self.lock:
+            self.issued.append((expert, i))
+
+    def synchronize(self):
+        if threading.current_thread().name == "ggmoe-copies":
+            self.gate.wait(5)  # the worker's chunk is "on the link" until the test opens the gate
+        with self.lock:
+            self.landed = len(self.issued)
+            self.syncs += 1
+
+
+def _stream_backend():
+    from ggmoe.cache.copy import StreamCopyBackend
+
+    s = FakeStream()
+    return s, StreamCopyBackend(s)
+
+
+def test_stream_queue_puts_demand_behind_one_low_priority_chunk_at_most():
+    s, b = _stream_backend()
+    try:
+        p0 = b.submit(0, 10, 0, Priority.PREFETCH)  # the worker issues its first chunk and waits on the gate
+        deadline = time.monotonic() + 5
+        while not s.issued and time.monotonic() < deadline:
+            time.sleep(0.001)
+        p1 = b.submit(0, 11, 1, Priority.PREFETCH)
+        a = b.submit(0, 12, 2, Priority.ADMISSION)
+        d = b.submit(0, 13, 3, Priority.DEMAND)
+        # the demand copy went on the stream at once, right behind the one prefetch chunk in flight
+        assert s.issued == [(10, 0), (13, 0), (13, 1), (13, 2)]
+        assert not b.done(d)
+        b.wait([d])  # the main thread's synchronize lands it (and the prefetch chunk before it)
+        assert b.done(d)
+        assert b.cancel(p1)  # still queued: dropped, never put on the stream
+        assert not b.cancel(d)  # on the stream already
+        b.promote(a)  # a layer will wait for the admission: on the stream now, ahead of p0's other chunks
+        s.gate.set()
+        b.wait([p0, a, p1])
+        assert [e for e, _ in s.issued] == [10, 13, 13, 13, 12, 12, 12, 10, 10]
+        assert b.done(p0) and b.done(a)
+        assert [h for h, _ in b.chunk_log] == [p0.id] * 3  # the worker ran p0 alone; p1 never ran
+    finally:
+        s.gate.set()
+        b.close()
+
+
+def test_stream_queue_promotes_a_queued_copy_onto_the_stream():
+    s, b = _stream_backend()
+    try:
+        p0 = b.submit(0, 10, 0, Priority.PREFETCH)
+        deadline = time.monotonic() + 5
+        while not s.issued and time.monotonic() < deadline:
+            time.sleep(0.001)
+        p1 = b.submit(0, 11, 1, Priority.PREFETCH)
+        p2 = b.submit(0, 12, 2, Priority.PREFETCH)
+        b.promote(p2)  # a layer waits for p2: it jumps p1 and goes on the stream now
+        assert s.issued == [(10, 0), (12, 0), (12, 1), (12, 2)]
+        b.wait([p2])
+        assert b.done(p2) and not b.cancel(p2)
+        b.promote(p0)  # begun by the worker: it goes on at demand priority, chunk by chunk
+        s.gate.set()
+        b.wait([p0])
+        b.wait([p1])  # waiting promotes a copy still queued, as the cache does before it waits
+        assert s.issued[4:] == [(10, 1), (10, 2), (11, 0), (11, 1), (11, 2)]
+        assert all(b.done(h) for h in (p0, p1, p2))
+    finally:
+        s.gate.set()
+        b.close()
+
+
+def test_stream_queue_drives_the_cache_exactly():
+    """The cache over the stream queue: prefetches, a waited-for prefetch promoted, demand misses."""
+    s, b = _stream_backend()
+    s.gate.set()  # no holding back: the worker's chunks land as it synchronizes
+    try:
+        cache = ExpertCache(E, K, {0: 4}, POLICIES.get("lru")(E, [0]), copies=b)
+        cache.route(0, np.array([[0, 1]], dtype=np.int32))
+        assert cache.prefetch(0, [2, 3]) == 2
+        slots = cache.route(0, np.array([[2, 4]], dtype=np.int32))  # 2 prefetched (waited if need be), 4 missed
+        t = cache.tables[0]
+        assert [t.expert_in_list[x] for x in slots.ravel()] == [2, 4]
+        assert all(t.state[x] == SlotState.READY for x in slots.ravel())
+        experts = {e for e, _ in s.issued}
+        assert {0, 1, 2, 4} <= experts
+        assert sorted(c for e, c in s.issued if e == 4) == [0, 1, 2]  # every chunk of the demand copy
+    finally:
+        b.close()
