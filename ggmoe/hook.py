@@ -21,6 +21,8 @@ class RouteEvent:
     ids: np.ndarray  # [n_tokens, n_expert_used] int32, selected experts in router order
     probs: np.ndarray | None  # [n_tokens, n_expert] float32, router probabilities (after gating)
     hidden: np.ndarray | None  # [n_tokens, n_embd] float32, the MoE layer input
+    # [n_tokens, n_scores] float32, the layer's in-graph predictor's logits (None without one)
+    scores: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:

@@ -49,13 +49,21 @@ def _speed(model: Path, predictor: str, stride: int, rounds: int = 7, tokens: in
     from ggmoe.inspect import inspect_model
 
     n = inspect_model(model).n_expert
+
+    def engine(pre: PrefetchConfig | None) -> Engine:
+        return Engine(EngineConfig(model_path=model, n_ctx=512, cache=CacheConfig(n_slots=n, prefetch=pre)))
+
     engines = {
-        "cache-all": Engine(EngineConfig(model_path=model, n_ctx=512, cache=CacheConfig(n_slots=n))),
-        "cache-all + prefetch": Engine(EngineConfig(model_path=model, n_ctx=512, cache=CacheConfig(
-            n_slots=n, prefetch=PrefetchConfig(predictor, stride=stride)))),
-        "cache-all + prefetch (background)": Engine(EngineConfig(model_path=model, n_ctx=512, cache=CacheConfig(
-            n_slots=n, prefetch=PrefetchConfig(predictor, stride=stride, background=True)))),
+        "cache-all": engine(None),
+        "cache-all + prefetch (numpy)": engine(PrefetchConfig(predictor, stride=stride, in_graph=False)),
+        "cache-all + prefetch (background)": engine(PrefetchConfig(predictor, stride=stride, background=True,
+                                                                   in_graph=False)),
     }
+    graph = engine(PrefetchConfig(predictor, stride=stride))
+    if graph._graph_predictor is not None:  # the mlp predictor: its nets in the decode graph
+        engines["cache-all + prefetch (in graph)"] = graph
+    else:
+        graph.close()
     ids = next(iter(engines.values())).tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n" * 4)
     tps: dict[str, list[float]] = {k: [] for k in engines}
     hook: dict[str, list[float]] = {k: [] for k in engines}

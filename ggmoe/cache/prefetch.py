@@ -42,6 +42,9 @@ class PrefetchConfig:
     background: bool = False
     # what a data-driven predictor learnt in an earlier run (Predictor.state(), from --stats-in), or None
     state: Mapping[str, np.ndarray] | None = None
+    # True: the engine computes the predictor's nets inside the decode graph when it has them (the mlp
+    # predictor; llama_ggmoe_set_predictor), and the callback only ranks; False: numpy in the callback
+    in_graph: bool = True
 
 
 class Prefetcher:
@@ -136,10 +139,17 @@ class Prefetcher:
         calls = self.cache.stats.layers[target].calls if target in self.cache.tables else None
         self._do(self._observe, event, target, calls)
 
+    def scores_from_graph(self) -> None:
+        """The engine computes the predictor's nets in the graph: the route events bring their logits, so the
+        layer's MoE input need not be copied for it."""
+        self.request = HookRequest(probs=self.predictor.needs_probs, hidden=False)
+
     def _observe(self, event: RouteEvent, target: int | None, calls: int | None) -> None:
         probs = event.probs[0] if event.probs is not None else None
         hidden = event.hidden[0] if event.hidden is not None else None
         self.predictor.observe(event.il, event.ids[0], probs, hidden)
+        if event.scores is not None:
+            self.predictor.observe_scores(event.il, event.scores[0])
         if target is not None:
             self._prefetch(target, self.predictor.predict(target), calls)
 

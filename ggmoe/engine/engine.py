@@ -29,6 +29,7 @@ from llama_cpp import _internals
 from ggmoe.cache import CacheConfig, CacheStats
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
+from ggmoe.engine.graph_predictor import attach_graph_predictor
 from ggmoe.engine.hooks import HOOKS, CbEvalHook, Observers, RouteOpHook
 from ggmoe.engine.loader import LoadedModel, expert_placement, gpu_device_name, load_model, new_context
 from ggmoe.engine.log import llama_log
@@ -172,6 +173,7 @@ class Engine:
         self._model: LoadedModel | None = None
         self._ctx: _internals.LlamaContext | None = None
         self._batch: _internals.LlamaBatch | None = None
+        self._graph_predictor = None  # ggmoe.engine.graph_predictor.GraphPredictor: the nets in the graph
         try:
             if config.host_expert_layers is not None and config.cache is not None:
                 raise UsageError("the expert cache needs every layer's experts in host memory "
@@ -191,6 +193,11 @@ class Engine:
 
                     self.prefetcher = make_prefetcher(self._runtime.cache, config.cache.prefetch, self.facts,
                                                       str(path))
+                    if config.cache.prefetch.in_graph:
+                        self._graph_predictor = attach_graph_predictor(
+                            self._ctx.ctx, self.prefetcher.predictor, self.facts.moe_layers)
+                        if self._graph_predictor is not None:
+                            self.prefetcher.scores_from_graph()
             self._batch = _internals.LlamaBatch(n_tokens=config.n_batch, embd=0, n_seq_max=1, verbose=False)
             # expert tensor name -> its buffer type's name (e.g. CPU, CUDA_Host), None on a stock build
             self.expert_buffers: dict[str, str] | None = expert_placement(self._model, self.facts)
@@ -299,7 +306,7 @@ class Engine:
         # the model last.
         if getattr(self, "prefetcher", None) is not None:
             self.prefetcher.close()
-        for part in ("_batch", "_ctx", "_runtime", "_model"):
+        for part in ("_batch", "_ctx", "_graph_predictor", "_runtime", "_model"):
             obj = getattr(self, part, None)
             if obj is not None:
                 obj.close()

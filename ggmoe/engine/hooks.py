@@ -66,10 +66,11 @@ class Observers:
 
 
 def build_event(il: int, ids: np.ndarray, request: HookRequest, probs: Callable[[], np.ndarray | None],
-                hidden: Callable[[], np.ndarray | None]) -> RouteEvent:
-    """The one event builder: ids [n_tokens, k] int32 (a copy), probs/hidden read only when asked for."""
+                hidden: Callable[[], np.ndarray | None], scores: np.ndarray | None = None) -> RouteEvent:
+    """The one event builder: ids [n_tokens, k] int32 (a copy), probs/hidden read only when asked for,
+    the in-graph predictor's scores (a copy) when the layer has one."""
     return RouteEvent(il=il, ids=ids, probs=probs() if request.probs else None,
-                      hidden=hidden() if request.hidden else None)
+                      hidden=hidden() if request.hidden else None, scores=scores)
 
 
 def _view(ptr: int, ctype: type, shape: tuple[int, int]) -> np.ndarray:
@@ -106,7 +107,8 @@ class RouteOpHook:
         return err
 
     def _route(self, user_data: int, il: int, n_tokens: int, n_expert_used: int, n_expert: int, n_embd: int,
-               ids_p: int, probs_p: int, inp_p: int, slots_p: int | None) -> int:
+               ids_p: int, probs_p: int, inp_p: int, slots_p: int | None, scores_p: int | None = None,
+               n_scores: int = 0) -> int:
         # Hot path: once per MoE layer per micro-batch. Plain ctypes arrays and lists; numpy only when an
         # observer is attached.
         t0 = time.perf_counter() if self.times is not None else 0.0
@@ -128,10 +130,11 @@ class RouteOpHook:
             observers = self.observers
             if observers.items:
                 ids_np = np.frombuffer(ids, dtype=np.int32).reshape(n_tokens, n_expert_used).copy()
+                scores = _view(scores_p, ctypes.c_float, (n_tokens, n_scores)).copy() if scores_p else None
                 observers.emit(build_event(
                     il, ids_np, observers.request,
                     lambda: _view(probs_p, ctypes.c_float, (n_tokens, n_expert)).copy(),
-                    lambda: _view(inp_p, ctypes.c_float, (n_tokens, n_embd)).copy()))
+                    lambda: _view(inp_p, ctypes.c_float, (n_tokens, n_embd)).copy(), scores))
             if self.times is not None:
                 self.times.append(time.perf_counter() - t0)
             return 0

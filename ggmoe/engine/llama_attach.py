@@ -20,6 +20,7 @@ from pathlib import Path
 from ggmoe.cache import CacheConfig, CacheStats
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
+from ggmoe.engine.graph_predictor import attach_graph_predictor
 from ggmoe.engine.hooks import RouteOpHook
 from ggmoe.engine.loader import HostExpertOverride
 from ggmoe.engine.slots import CacheRuntime
@@ -55,6 +56,7 @@ class LlamaAttachment:
         self.hook = RouteOpHook()
         self.runtime: CacheRuntime | None = None
         self.prefetcher = None  # ggmoe.cache.prefetch.Prefetcher when the cache prefetches
+        self.graph_predictor = None  # its nets in the graph (ggmoe.engine.graph_predictor), when it has any
         self.hook.install(ctx_ptr)
         try:
             for obs in observers:
@@ -67,6 +69,11 @@ class LlamaAttachment:
                 from ggmoe.cache.prefetch import make_prefetcher
 
                 self.prefetcher = make_prefetcher(self.runtime.cache, cache.prefetch, facts, str(model_path))
+                if cache.prefetch.in_graph:
+                    self.graph_predictor = attach_graph_predictor(ctx_ptr, self.prefetcher.predictor,
+                                                                  facts.moe_layers)
+                    if self.graph_predictor is not None:
+                        self.prefetcher.scores_from_graph()
                 self.hook.observers.add(self.prefetcher)
         except BaseException:
             self.detach()
@@ -105,11 +112,17 @@ class LlamaAttachment:
             self.prefetcher.close()
         if self._ctx_ptr:
             _patched.load().llama_ggmoe_set_route_cb(self._ctx_ptr, _patched.route_cb(), None)
+            if self.graph_predictor is not None:  # out of the context's graphs before its tensors go
+                self.graph_predictor.close(ctx_alive=True)
+                self.graph_predictor = None
             self._ctx_ptr = 0
 
     def close(self) -> None:
         """Free the slot tensors and the copy stream (after the context that computed with them)."""
         self.detach()
+        if self.graph_predictor is not None:
+            self.graph_predictor.close()
+            self.graph_predictor = None
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = None

@@ -55,7 +55,8 @@ ERROR_NAMES: dict[int, str] = {
 
 # typedef int32_t (*llama_ggmoe_route_cb)(
 #         void * user_data, int32_t il, int32_t n_tokens, int32_t n_expert_used, int32_t n_expert, int32_t n_embd,
-#         const int32_t * ids, const float * probs, const float * inp, int32_t * slots);
+#         const int32_t * ids, const float * probs, const float * inp, int32_t * slots,
+#         const float * scores, int32_t n_scores);
 route_cb = ctypes.CFUNCTYPE(
     ctypes.c_int32,
     ctypes.c_void_p,  # user_data
@@ -68,6 +69,8 @@ route_cb = ctypes.CFUNCTYPE(
     ctypes.c_void_p,  # probs [n_tokens][n_expert] float32
     ctypes.c_void_p,  # inp   [n_tokens][n_embd] float32
     ctypes.c_void_p,  # slots [n_tokens][n_expert_used] int32, NULL in observe mode
+    ctypes.c_void_p,  # scores [n_tokens][n_scores] float32, the in-graph predictor's; NULL without one
+    ctypes.c_int32,  # n_scores
 )
 
 # (name, argtypes, restype) of every patched symbol; ggml tensors are passed as void pointers
@@ -89,6 +92,11 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
      ctypes.c_int32),
     # int32_t llama_ggmoe_set_host_path(struct llama_context * ctx, int32_t il, int32_t zero_slot);
     ("llama_ggmoe_set_host_path", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
+    # int32_t llama_ggmoe_set_predictor(struct llama_context * ctx, int32_t il, struct ggml_tensor * w1,
+    #         struct ggml_tensor * b1, struct ggml_tensor * w2, struct ggml_tensor * b2);
+    ("llama_ggmoe_set_predictor",
+     [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
+     ctypes.c_int32),
 )
 
 SYMBOLS: tuple[str, ...] = tuple(name for name, _, _ in _SIGNATURES)
@@ -103,6 +111,7 @@ class PatchedLib:
     llama_ggmoe_get_error: Any
     llama_ggmoe_set_layer_cache: Any
     llama_ggmoe_set_host_path: Any
+    llama_ggmoe_set_predictor: Any
     route_cb: Any = route_cb
 
 

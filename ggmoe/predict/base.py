@@ -67,6 +67,25 @@ class ModelShape:
             raise UsageError(f"layer {il} is not a MoE layer of this model ({list(self.layers)})") from None
 
 
+@dataclass(frozen=True)
+class FoldedNet:
+    """A net as the engine's in-graph predictor computes it: logits = w2 relu(w1 h + b1) + b2 on the raw MoE
+    input h (linear: w2 h + b2). Row-major float32, the rows of each matrix are its outputs (ggml's ne1)."""
+
+    w1: np.ndarray | None  # [H, n_embd]; None for a linear net
+    b1: np.ndarray | None  # [H]
+    w2: np.ndarray  # [T * n_expert, H] (linear: [T * n_expert, n_embd])
+    b2: np.ndarray  # [T * n_expert]
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [n, n_embd] -> logits [n, T * n_expert] (what the graph computes; tests compare)."""
+        x = hidden.astype(np.float32, copy=False)
+        if self.w1 is not None:
+            x = np.maximum(x @ self.w1.T + self.b1, 0.0)
+        return x @ self.w2.T + self.b2
+
+
+
 class Predictor:
     """Base class; the defaults make a predictor that knows nothing (all scores zero)."""
 
@@ -103,6 +122,15 @@ class Predictor:
 
     def end_request(self) -> None:  # noqa: B027 - optional hook
         """The request finished (online learners may keep what they saw)."""
+
+    # -- the engine's in-graph predictor (llama_ggmoe_set_predictor): a net the graph computes per layer
+    def graph_net(self, il: int) -> FoldedNet | None:
+        """The net the engine may compute in the graph at source layer ``il`` (its logits then reach
+        ``observe_scores``), or None: this predictor computes in Python."""
+        return None
+
+    def observe_scores(self, il: int, scores: np.ndarray) -> None:  # noqa: B027 - optional hook
+        """The graph's logits [n_out] float32 of ``graph_net(il)`` for the current token (after ``observe``)."""
 
     # -- what a data-driven predictor has learnt, saved with the routing statistics (--stats-out)
     def state(self) -> dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.errors import UsageError
-from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
+from ggmoe.predict.base import PREDICTORS, FoldedNet, ModelShape, Predictor
 from ggmoe.predict.mlp_file import Net, load_mlp_file, read_predictor_file
 
 __all__ = ["MLP", "load_mlp_file"]  # load_mlp_file: the reader's name from when the format lived here
@@ -45,6 +45,7 @@ class MLP(Predictor):
         self._src: int | None = None  # latest observed layer of the current token
         self._hidden: np.ndarray | None = None  # [n_embd] float32 its MoE input
         self._out: dict[int, np.ndarray] = {}  # id(net) -> logits [T * E] for the current token
+        self._graph: dict[int, Net] = {}  # source il -> the net the engine computes in the graph
 
     def strides(self) -> list[int]:
         """The strides (in MoE layers) this file has nets for."""
@@ -58,8 +59,24 @@ class MLP(Predictor):
         self._src, self._hidden = il, hidden
         self._out.clear()
 
+    def graph_net(self, il: int) -> FoldedNet | None:
+        """The net for (il, the layer ``stride`` MoE layers ahead), folded for the engine's graph."""
+        j = self.shape.pos(il) + self.stride
+        if j >= len(self.shape.layers):
+            return None
+        hit = self._route.get((il, self.shape.layers[j]))
+        if hit is None:
+            return None
+        self._graph[il] = hit[0]
+        return hit[0].folded()
+
+    def observe_scores(self, il: int, scores: np.ndarray) -> None:
+        net = self._graph.get(il)
+        if net is not None and il == self._src:
+            self._out[id(net)] = scores
+
     def predict(self, il_target: int) -> np.ndarray | None:
-        if self._src is None or self._hidden is None:
+        if self._src is None:
             return None
         hit = self._route.get((self._src, il_target))
         if hit is None:
@@ -67,6 +84,8 @@ class MLP(Predictor):
         net, off = hit
         out = self._out.get(id(net))
         if out is None:  # one forward per net and token serves all its targets
+            if self._hidden is None:
+                return None
             out = self._out[id(net)] = net.logits(self._hidden[None])[0]
         z = out[off:off + self.shape.n_expert]
         return 1.0 / (1.0 + np.exp(-z))

@@ -51,7 +51,7 @@ import numpy as np
 from ggmoe import outputs
 from ggmoe.errors import PredictorFileError
 from ggmoe.npzfile import NpzMembers
-from ggmoe.predict.base import ModelShape
+from ggmoe.predict.base import FoldedNet, ModelShape
 
 FORMAT = "ggmoe-predictor"
 VERSION = 1
@@ -83,6 +83,16 @@ class Net:
         if self.w1t is not None:
             x = np.maximum(x @ self.w1t + self.b1, 0.0)
         return x @ self.w2t + self.b2
+
+    def folded(self) -> FoldedNet:
+        """The same function with the input normalisation folded into the first layer, in ggml's layout."""
+        shift = self.mean / self.std  # x = h / std - mean / std
+        if self.w1t is not None:
+            w1 = np.ascontiguousarray((self.w1t / self.std[:, None]).T, dtype=np.float32)  # [H, n_embd]
+            b1 = (self.b1 - shift @ self.w1t).astype(np.float32)
+            return FoldedNet(w1, b1, np.ascontiguousarray(self.w2t.T, dtype=np.float32), self.b2)
+        w2 = np.ascontiguousarray((self.w2t / self.std[:, None]).T, dtype=np.float32)  # [T * E, n_embd]
+        return FoldedNet(None, None, w2, (self.b2 - shift @ self.w2t).astype(np.float32))
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,8 @@ class HostRouter:
         cache.load(e, slot)
         return slot
 
-    def _cb(self, user_data, il, n_tokens, n_expert_used, n_expert, n_embd, ids_p, probs_p, inp_p, slots_p):
+    def _cb(self, user_data, il, n_tokens, n_expert_used, n_expert, n_embd, ids_p, probs_p, inp_p, slots_p,
+            scores_p=None, n_scores=0):
         try:
             if not slots_p:
                 return 0

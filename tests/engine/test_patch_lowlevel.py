@@ -127,7 +127,8 @@ class SlotRouter:
         self.error: BaseException | None = None
         self.c_cb = P.route_cb(self._cb)  # kept alive as long as the router
 
-    def _cb(self, user_data, il, n_tokens, n_expert_used, n_expert, n_embd, ids_p, probs_p, inp_p, slots_p):
+    def _cb(self, user_data, il, n_tokens, n_expert_used, n_expert, n_embd, ids_p, probs_p, inp_p, slots_p,
+            scores_p=None, n_scores=0):
         try:
             self.calls.append((il, n_tokens, bool(slots_p)))
             ids = _array(ids_p, ctypes.c_int32, (n_tokens, n_expert_used))
@@ -505,5 +506,5 @@ def test_unpatched_library_raises_engine_not_patched(P):
     assert _patched.is_patched()
     assert set(_patched.SYMBOLS) == {
         "llama_ggmoe_model_get_tensor", "llama_ggmoe_set_route_cb", "llama_ggmoe_get_error",
-        "llama_ggmoe_set_layer_cache", "llama_ggmoe_set_host_path",
+        "llama_ggmoe_set_layer_cache", "llama_ggmoe_set_host_path", "llama_ggmoe_set_predictor",
     }

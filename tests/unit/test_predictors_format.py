@@ -220,3 +220,15 @@ def test_output_checks(tmp_path):
         ro.mkdir(mode=0o555)
         with pytest.raises(UsageError, match="cannot write in"):
             check_output(ro / "p.npz")
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+def test_folded_nets_compute_the_same_logits(tmp_path, kind):
+    """What the engine's graph computes (normalisation folded into the first layer) equals the file's nets."""
+    path = write_predictor_file(tmp_path / f"{kind}.npz", _meta(kind), _arrays(kind, seed=3))
+    hidden = np.random.default_rng(4).standard_normal((6, 3)).astype(np.float32) * 3
+    for net in read_predictor_file(path, SHAPE).nets:
+        f = net.folded()
+        assert (f.w1 is None) == (kind == "linear") and f.w2.flags.c_contiguous
+        assert f.w2.shape == (4, H if kind == "mlp" else 3)
+        np.testing.assert_allclose(f.logits(hidden), net.logits(hidden), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,38 @@
+"""Random-weight predictor files (the ``ggmoe-predictor`` format) for a model's shape: fixtures from a seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ggmoe.inspect import inspect_model
+from ggmoe.inspect.fingerprint import model_fingerprint
+from ggmoe.predict.mlp_file import write_predictor_file
+
+
+def random_predictor_file(model: Path, out: Path, kind: str = "mlp", stride: int = 1, hidden: int = 64,
+                          seed: int = 0) -> Path:
+    """One net per source layer predicting the layer ``stride`` MoE layers ahead, random weights."""
+    facts = inspect_model(model)
+    layers = list(facts.moe_layers)
+    d, e = facts.n_embd, facts.n_expert
+    rng = np.random.default_rng(seed)
+    nets, arrays = [], {}
+    for i, il in enumerate(layers[:-stride]):
+        nets.append({"il": il, "targets": [layers[i + stride]], "metrics": {}})
+        p = f"net{i}."
+        if kind == "mlp":
+            arrays |= {p + "w1": (rng.standard_normal((hidden, d)) / np.sqrt(d)).astype(np.float32),
+                       p + "b1": rng.standard_normal(hidden).astype(np.float32) * 0.1,
+                       p + "w2": (rng.standard_normal((e, hidden)) / np.sqrt(hidden)).astype(np.float32),
+                       p + "b2": rng.standard_normal(e).astype(np.float32) * 0.1}
+        else:
+            arrays |= {p + "w": (rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32),
+                       p + "b": rng.standard_normal(e).astype(np.float32) * 0.1}
+        arrays |= {p + "mean": rng.standard_normal(d).astype(np.float32) * 0.1,
+                   p + "std": rng.uniform(0.5, 2.0, d).astype(np.float32)}
+    meta = {"format": "ggmoe-predictor", "version": 1, "kind": kind, "model_fingerprint": model_fingerprint(model),
+            "model_name": model.name, "layers": layers, "n_expert": e, "n_expert_used": facts.n_expert_used,
+            "n_embd": d, "dtype": "float32", "hidden": hidden if kind == "mlp" else 0, "nets": nets}
+    return write_predictor_file(out, meta, arrays)
