@@ -10,7 +10,7 @@ import ctypes
 
 import numpy as np
 import pytest
-from predictor_files import random_predictor_file
+from random_predictor import random_predictor_file
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.cache import CacheConfig

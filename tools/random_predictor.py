@@ -1,4 +1,9 @@
-"""Random-weight predictor files (the ``ggmoe-predictor`` format) for a model's shape: fixtures from a seed."""
+"""Random-weight predictor files (the ``ggmoe-predictor`` format) for a model's shape, from a seed.
+
+For tests (fixtures) and speed benchmarks, where what a net computes matters and what it predicts does not:
+
+    python tools/random_predictor.py [MODEL] -o OUT.npz [--kind mlp|linear] [--hidden 1024] [--stride 2]
+"""
 
 from __future__ import annotations
 
@@ -36,3 +41,25 @@ def random_predictor_file(model: Path, out: Path, kind: str = "mlp", stride: int
             "model_name": model.name, "layers": layers, "n_expert": e, "n_expert_used": facts.n_expert_used,
             "n_embd": d, "dtype": "float32", "hidden": hidden if kind == "mlp" else 0, "nets": nets}
     return write_predictor_file(out, meta, arrays)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from ggmoe.models import default_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", type=Path, default=None, help="default: the embedded model")
+    ap.add_argument("-o", "--out", type=Path, required=True)
+    ap.add_argument("--kind", choices=("mlp", "linear"), default="mlp")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--stride", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    out = random_predictor_file(a.model or default_model_path(), a.out, a.kind, a.stride, a.hidden, a.seed)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
