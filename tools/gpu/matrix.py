@@ -18,6 +18,9 @@ routing, benchmark only, see trace_routing.py) and each configuration:
                  where auto keeps it, or that it was dropped
     prefetch-wait  prefetch with --miss-policy wait (not in the default --configs): what prediction costs
                  without the host path
+    prefetch-mlp ggmoe's own configuration: an mlp predictor (hidden 1024) at stride 2, computed in the
+                 decode graph, --miss-policy auto; its weights are RANDOM (no trained predictor exists for
+                 these random-weight models), so the row measures what the mlp costs, not what it predicts
 
 at each fraction of experts cacheable (--fractions; the stock-vram and stock-cpu rows do not depend on it
 and run once; stock rows always route with the model's router: routing does not change what they compute,
@@ -56,6 +59,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tools/: random_predictor
 from trace_routing import ROUTING_NAME, TraceRouting, split_tiled  # noqa: E402
 
 from ggmoe.cache import CacheConfig  # noqa: E402
@@ -69,11 +73,12 @@ if TYPE_CHECKING:
 # the engine (llama.cpp) is imported where it runs: the pure parts here are unit-tested without it
 
 CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto",
-           "prefetch-wait")
-DEFAULT_CONFIGS = CONFIGS[:6]
+           "prefetch-wait", "prefetch-mlp")
+DEFAULT_CONFIGS = (*CONFIGS[:6], "prefetch-mlp")
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
-PER_FRACTION = ("n-cpu-moe", "lru", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait")
-GGMOE = ("lru", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait")
+PER_FRACTION = ("n-cpu-moe", "lru", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait",
+                "prefetch-mlp")
+GGMOE = ("lru", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp")
 TRACE_ONLY = ("prefetch-eam",)  # learns from the tiled trace's training prompts
 PROMPT = "The expert cache keeps the experts a model uses most on the device"
 GOAL_FRACTION = 0.5
@@ -168,6 +173,10 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
     if config in ("lru", "lru-auto"):
         miss = "auto" if config == "lru-auto" else "wait"
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=miss)), n_slots
+    if config == "prefetch-mlp":
+        pre = PrefetchConfig(predictor=str(random_mlp(model)), stride=2)
+        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy="auto",
+                                                      prefetch=pre)), n_slots
     if config in ("prefetch", "prefetch-eam", "prefetch-bg", "prefetch-wait"):
         pre = {"prefetch": PrefetchConfig(predictor="reuse", stride=1),
                "prefetch-wait": PrefetchConfig(predictor="reuse", stride=1),
@@ -177,6 +186,19 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=miss,
                                                       prefetch=pre)), n_slots
     raise SystemExit(f"error: unknown config {config!r}; choose from {', '.join(CONFIGS)}")
+
+
+_RANDOM_MLP: dict[Path, Path] = {}  # model -> its random-weight mlp file (written once per run)
+
+
+def random_mlp(model: Path) -> Path:
+    """A random-weight mlp predictor file for ``model`` (hidden 1024, stride 2): what the mlp costs."""
+    from random_predictor import random_predictor_file
+
+    if model not in _RANDOM_MLP:
+        out = Path(tempfile.mkdtemp(prefix="ggmoe-mlp-")) / "random-mlp.npz"
+        _RANDOM_MLP[model] = random_predictor_file(model, out, stride=2, hidden=1024)
+    return _RANDOM_MLP[model]
 
 
 @dataclass(frozen=True)
@@ -275,6 +297,8 @@ def simulate_cell(cell: Cell, facts, trace, train, profile) -> float | None:
         if cell.config == "n-cpu-moe":
             budget = sum(facts.n_expert * bpe[il] for il in facts.moe_layers[:cell.slots])
         return baseline(trace, cell.config, bpe, profile, budget).tpot_s * 1e3
+    if cell.config == "prefetch-mlp":
+        return None  # the simulator would need the random net's predictions: not modelled
     pred = {"lru": None, "lru-auto": None, "prefetch": "reuse", "prefetch-bg": "reuse", "prefetch-wait": "reuse",
             "prefetch-eam": "eam"}[cell.config]
     sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots), policy="lru", predictor=pred, stride=1,
