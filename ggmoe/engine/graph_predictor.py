@@ -17,6 +17,7 @@ import numpy as np
 
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
+from ggmoe.engine.arena import TensorArena
 from ggmoe.errors import EngineError
 from ggmoe.predict.base import FoldedNet, Predictor
 
@@ -39,34 +40,22 @@ class GraphPredictor:
     def __init__(self, ctx_ptr: int, nets: dict[int, FoldedNet], buft: int | None = None) -> None:
         self._ctx_ptr = ctx_ptr
         self.layers = tuple(sorted(nets))  # source MoE layers with a net in the graph
-        self.ctx = None
-        self.buffer = None
-        arrays: list[tuple[int, np.ndarray]] = []  # (tensor, its data)
-        per_layer: dict[int, list[int | None]] = {}
-        n_tensors = sum(4 if n.w1 is not None else 2 for n in nets.values())
-        params = B.ggml_init_params(mem_size=(n_tensors + 1) * B.libggml_base.ggml_tensor_overhead(),
-                                    mem_buffer=None, no_alloc=True)
-        self.ctx = B.libggml_base.ggml_init(params)
-        if not self.ctx:
-            raise EngineError("ggml_init failed for the predictor's tensors")
+        self.arena = TensorArena(sum(4 if n.w1 is not None else 2 for n in nets.values()), "the predictor's tensors")
         try:
+            arrays: list[tuple[int, np.ndarray]] = []  # (tensor, its data)
+            per_layer: dict[int, list[int | None]] = {}
             for il, net in nets.items():
-                made = []
+                made: list[int | None] = []
                 for name, a in (("w1", net.w1), ("b1", net.b1), ("w2", net.w2), ("b2", net.b2)):
                     if a is None:
                         made.append(None)
                         continue
                     a = np.ascontiguousarray(a, dtype=np.float32)
                     ne0, ne1 = (a.shape[1], a.shape[0]) if a.ndim == 2 else (a.shape[0], 1)
-                    t = B.libggml_base.ggml_new_tensor_3d(self.ctx, B.GGML_TYPE_F32, ne0, ne1, 1)
-                    B.libggml_base.ggml_set_name(t, f"ggmoe_pred.{il}.{name}".encode())
-                    ptr = ctypes.cast(t, ctypes.c_void_p).value
-                    made.append(ptr)
-                    arrays.append((ptr, a))
+                    made.append(self.arena.new_tensor(B.GGML_TYPE_F32, ne0, ne1, 1, f"ggmoe_pred.{il}.{name}"))
+                    arrays.append((made[-1], a))
                 per_layer[il] = made
-            self.buffer = B.libggml_base.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buft or device_buft())
-            if not self.buffer:
-                raise EngineError("could not allocate the predictor's tensors (out of device memory?)")
+            self.arena.allocate(buft or device_buft())
             for ptr, a in arrays:
                 B.libggml_base.ggml_backend_tensor_set(ctypes.cast(ptr, B.ggml_tensor_p),
                                                        a.ctypes.data_as(ctypes.c_void_p), 0, a.nbytes)
@@ -87,12 +76,7 @@ class GraphPredictor:
             for il in self.layers:
                 P.llama_ggmoe_set_predictor(self._ctx_ptr, il, None, None, None, None)
         self._ctx_ptr = None
-        if self.buffer:
-            B.libggml_base.ggml_backend_buffer_free(self.buffer)
-            self.buffer = None
-        if self.ctx:
-            B.libggml_base.ggml_free(self.ctx)
-            self.ctx = None
+        self.arena.close()
 
 
 def attach_graph_predictor(ctx_ptr: int, predictor: Predictor, layers: Sequence[int]) -> GraphPredictor | None:

@@ -29,6 +29,7 @@ from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy
 from ggmoe.cache.policies import POLICIES
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
+from ggmoe.engine.arena import TensorArena
 from ggmoe.errors import EngineError
 from ggmoe.inspect.facts import ModelFacts
 from ggmoe.inspect.names import CACHED_KINDS, expert_weight_name
@@ -58,29 +59,22 @@ class SlotTensors:
             found[il] = {k: v for k, v in found[il].items() if v}
             if not found[il]:
                 raise EngineError(f"layer {il} has no expert tensors")
-        n_tensors = sum(len(v) for v in found.values())
-        params = B.ggml_init_params(mem_size=(n_tensors + 1) * B.libggml_base.ggml_tensor_overhead(),
-                                    mem_buffer=None, no_alloc=True)
-        self.ctx = B.libggml_base.ggml_init(params)
-        self.buffer = None
-        if not self.ctx:
-            raise EngineError("ggml_init failed for the cache tensors")
-        self.tensors: dict[int, dict[str, int]] = {}
-        for il, kinds in found.items():
-            self.tensors[il] = {}
-            for kind, host_ptr in kinds.items():
-                h = ctypes.cast(host_ptr, B.ggml_tensor_p).contents
-                t = B.libggml_base.ggml_new_tensor_3d(self.ctx, h.type, h.ne[0], h.ne[1],
-                                                      n_slots[il] + int(zero_slot))
-                B.libggml_base.ggml_set_name(t, f"ggmoe_slots.{il}.{kind}".encode())
-                self.tensors[il][kind] = ctypes.cast(t, ctypes.c_void_p).value
-        self.buffer = B.libggml_base.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buft)
-        if not self.buffer:
+        self.arena = TensorArena(sum(len(v) for v in found.values()), "the expert cache")
+        try:
+            self.tensors: dict[int, dict[str, int]] = {}
+            for il, kinds in found.items():
+                self.tensors[il] = {}
+                for kind, host_ptr in kinds.items():
+                    h = ctypes.cast(host_ptr, B.ggml_tensor_p).contents
+                    self.tensors[il][kind] = self.arena.new_tensor(h.type, h.ne[0], h.ne[1],
+                                                                   n_slots[il] + int(zero_slot),
+                                                                   f"ggmoe_slots.{il}.{kind}")
+            self.nbytes = self.arena.allocate(buft)  # bytes
+            for il, kinds in found.items():
+                self.pairs[il] = [self._pair(host_ptr, self.tensors[il][kind]) for kind, host_ptr in kinds.items()]
+        except BaseException:
             self.close()
-            raise EngineError("could not allocate the expert cache (out of device memory?)")
-        self.nbytes = B.libggml_base.ggml_backend_buffer_get_size(self.buffer)  # bytes
-        for il, kinds in found.items():
-            self.pairs[il] = [self._pair(host_ptr, self.tensors[il][kind]) for kind, host_ptr in kinds.items()]
+            raise
         if zero_slot:
             for il, pairs in self.pairs.items():
                 for p in pairs:  # the zero slot: entries the CPU computes read it on the device (x + 0 = x)
@@ -100,12 +94,7 @@ class SlotTensors:
         return {il: sum(p.nb2 for p in pairs) for il, pairs in self.pairs.items()}
 
     def close(self) -> None:
-        if self.buffer:
-            B.libggml_base.ggml_backend_buffer_free(self.buffer)
-            self.buffer = None
-        if self.ctx:
-            B.libggml_base.ggml_free(self.ctx)
-            self.ctx = None
+        self.arena.close()
 
 
 class GgmlCopyBackend:

@@ -101,22 +101,36 @@ def test_oracle_is_refused_live(qwen3moe_model):
                             cache=CacheConfig(n_slots=4, prefetch=PrefetchConfig("oracle", stride=1))))
 
 
+# (predictor on a worker thread, copies through the GPU's copy queue)
+WORKERS = [(True, False), (False, True), (True, True)]
+
+
+@pytest.mark.parametrize(("background", "queue"), WORKERS, ids=["background", "queue", "background+queue"])
 @pytest.mark.parametrize("miss_policy", ["wait", "cpu"])
-def test_background_prediction_keeps_logits_exact(arch_model, stock_logits, miss_policy):
-    """The predictor on a worker thread: counts depend on timing, the logits never do."""
+def test_worker_threads_keep_logits_exact(arch_model, stock_logits, monkeypatch, miss_policy, background, queue):
+    """The predictor on a worker thread, and the GPU's copy queue (``StreamCopyBackend``: demand copies at
+    once, the rest one chunk at a time on a worker) over the CPU build's memcpy "stream": counts depend on
+    timing, the logits never do."""
+    from ggmoe.cache.copy import StreamCopyBackend
+    from ggmoe.engine import slots
+
+    if queue:
+        monkeypatch.setattr(slots, "use_copy_queue", lambda ggml, config, miss: True)
     arch, path = arch_model
     facts = inspect_model(path)
     ref = stock_logits(path)
     stride = min(2, len(facts.moe_layers) - 1)
     cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
                        cache=CacheConfig(n_slots=facts.n_expert_used + 2, miss_policy=miss_policy,
-                                         prefetch=PrefetchConfig("test-fixed", stride=stride, background=True)))
+                                         prefetch=PrefetchConfig("test-fixed", stride=stride, background=background)))
     with Engine(cfg) as eng:
+        assert isinstance(eng._runtime.copies, StreamCopyBackend) == queue
         got = run_sequences(eng)
         st = eng.cache_stats.total()
     for a, b in zip(got, ref, strict=True):
-        assert np.abs(a - b).max() <= EXACT, (arch, miss_policy)
+        assert np.abs(a - b).max() <= EXACT, (arch, miss_policy, background, queue)
     assert st.prefetch_issued + st.prefetch_late > 0  # the worker really ran
+    assert st.demand_copies > 0 or st.host_computed > 0
 
 
 def test_a_background_predictor_error_surfaces_at_a_decode(qwen3moe_model):
@@ -129,29 +143,3 @@ def test_a_background_predictor_error_surfaces_at_a_decode(qwen3moe_model):
         with pytest.raises(RuntimeError, match="the predictor broke"):
             for t in ids * 20:  # the worker's error reaches one of the next decodes
                 eng.decode([t])
-
-
-@pytest.mark.parametrize("background", [False, True])
-@pytest.mark.parametrize("miss_policy", ["wait", "cpu"])
-def test_the_gpu_copy_queue_keeps_logits_exact(arch_model, stock_logits, monkeypatch, miss_policy, background):
-    """The GPU's copy queue (``StreamCopyBackend``: demand copies at once, the rest one chunk at a time on a
-    worker) over the CPU build's memcpy "stream": the same logits, every copy accounted for."""
-    from ggmoe.cache.copy import StreamCopyBackend
-    from ggmoe.engine import slots
-
-    monkeypatch.setattr(slots, "use_copy_queue", lambda ggml, config, miss: True)
-    arch, path = arch_model
-    facts = inspect_model(path)
-    ref = stock_logits(path)
-    stride = min(2, len(facts.moe_layers) - 1)
-    cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                       cache=CacheConfig(n_slots=facts.n_expert_used + 2, miss_policy=miss_policy,
-                                         prefetch=PrefetchConfig("test-fixed", stride=stride, background=background)))
-    with Engine(cfg) as eng:
-        assert isinstance(eng._runtime.copies, StreamCopyBackend)
-        got = run_sequences(eng)
-        st = eng.cache_stats.total()
-    for a, b in zip(got, ref, strict=True):
-        assert np.abs(a - b).max() <= EXACT, (arch, miss_policy, background)
-    assert st.prefetch_issued + st.prefetch_late > 0
-    assert st.demand_copies > 0 or st.host_computed > 0
