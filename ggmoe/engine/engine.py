@@ -306,6 +306,8 @@ class Engine:
         # the model last.
         if getattr(self, "prefetcher", None) is not None:
             self.prefetcher.close()
+        if getattr(self, "observers", None) is not None:
+            self.observers.on_change = None  # the route op's inputs: nothing to tell a freed context
         for part in ("_batch", "_ctx", "_graph_predictor", "_runtime", "_model"):
             obj = getattr(self, part, None)
             if obj is not None:

@@ -39,6 +39,8 @@ class Observers:
         # a tuple rebuilt on change: the hooks read it once per layer call without copying
         self.items: tuple[RouteObserver, ...] = ()
         self.request = HookRequest(probs=False, hidden=False)
+        # called with the new request when it changes (the route op then attaches only what is read)
+        self.on_change: Callable[[HookRequest], None] | None = None
 
     def add(self, obs: RouteObserver) -> None:
         if any(o is obs for o in self.items):
@@ -51,8 +53,11 @@ class Observers:
         self._refresh()
 
     def _refresh(self) -> None:
+        before = self.request
         self.request = HookRequest(probs=any(o.request.probs for o in self.items),
                                    hidden=any(o.request.hidden for o in self.items))
+        if self.on_change is not None and self.request != before:
+            self.on_change(self.request)
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -96,7 +101,21 @@ class RouteOpHook:
         self.c_callback = _patched.route_cb(self._route)  # kept alive as long as the context
 
     def install(self, ctx_ptr: int) -> None:
-        _patched.load().llama_ggmoe_set_route_cb(ctx_ptr, self.c_callback, None)
+        """The callback on every MoE layer of ``ctx_ptr``; the route op then takes the router probabilities and
+        the MoE input only while an observer reads them (on a GPU each is a copy to the host per layer)."""
+        P = _patched.load()
+        P.llama_ggmoe_set_route_cb(ctx_ptr, self.c_callback, None)
+
+        def inputs(request: HookRequest) -> None:
+            P.llama_ggmoe_set_route_inputs(ctx_ptr, request.probs, request.hidden)
+
+        self.observers.on_change = inputs
+        inputs(self.observers.request)
+
+    def uninstall(self, ctx_ptr: int) -> None:
+        """Take the callback off the context (before it is freed)."""
+        self.observers.on_change = None
+        _patched.load().llama_ggmoe_set_route_cb(ctx_ptr, _patched.route_cb(), None)
 
     def take_error(self, ctx_ptr: int) -> BaseException | None:
         """The stored exception, else the op's own recorded error; both cleared."""
@@ -131,10 +150,11 @@ class RouteOpHook:
             if observers.items:
                 ids_np = np.frombuffer(ids, dtype=np.int32).reshape(n_tokens, n_expert_used).copy()
                 scores = _view(scores_p, ctypes.c_float, (n_tokens, n_scores)).copy() if scores_p else None
+                # probs_p / inp_p are NULL when no observer read them at graph build (llama_ggmoe_set_route_inputs)
                 observers.emit(build_event(
                     il, ids_np, observers.request,
-                    lambda: _view(probs_p, ctypes.c_float, (n_tokens, n_expert)).copy(),
-                    lambda: _view(inp_p, ctypes.c_float, (n_tokens, n_embd)).copy(), scores))
+                    lambda: _view(probs_p, ctypes.c_float, (n_tokens, n_expert)).copy() if probs_p else None,
+                    lambda: _view(inp_p, ctypes.c_float, (n_tokens, n_embd)).copy() if inp_p else None, scores))
             if self.times is not None:
                 self.times.append(time.perf_counter() - t0)
             return 0

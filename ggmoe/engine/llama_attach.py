@@ -111,7 +111,7 @@ class LlamaAttachment:
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self._ctx_ptr:
-            _patched.load().llama_ggmoe_set_route_cb(self._ctx_ptr, _patched.route_cb(), None)
+            self.hook.uninstall(self._ctx_ptr)
             if self.graph_predictor is not None:  # out of the context's graphs before its tensors go
                 self.graph_predictor.close(ctx_alive=True)
                 self.graph_predictor = None

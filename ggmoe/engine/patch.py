@@ -92,6 +92,8 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
      ctypes.c_int32),
     # int32_t llama_ggmoe_set_host_path(struct llama_context * ctx, int32_t il, int32_t zero_slot);
     ("llama_ggmoe_set_host_path", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
+    # void llama_ggmoe_set_route_inputs(struct llama_context * ctx, bool probs, bool inp);
+    ("llama_ggmoe_set_route_inputs", [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None),
     # int32_t llama_ggmoe_set_predictor(struct llama_context * ctx, int32_t il, struct ggml_tensor * w1,
     #         struct ggml_tensor * b1, struct ggml_tensor * w2, struct ggml_tensor * b2);
     ("llama_ggmoe_set_predictor",
@@ -111,6 +113,7 @@ class PatchedLib:
     llama_ggmoe_get_error: Any
     llama_ggmoe_set_layer_cache: Any
     llama_ggmoe_set_host_path: Any
+    llama_ggmoe_set_route_inputs: Any
     llama_ggmoe_set_predictor: Any
     route_cb: Any = route_cb
 

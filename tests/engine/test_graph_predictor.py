@@ -1,7 +1,8 @@
-"""The in-graph predictor (patch 0005): the mlp predictor's nets computed inside the decode graph.
+"""Patch 0005: the route op's inputs follow what the observers read, and the in-graph predictor.
 
-Its logits equal numpy's on the same MoE input, the model's logits stay exact, the prefetches follow the
-same scores as in Python, and ``llama_ggmoe_set_predictor`` refuses what it cannot compute.
+The in-graph predictor's logits equal numpy's on the same MoE input, the model's logits stay exact, the
+prefetches follow the same scores as in Python, and ``llama_ggmoe_set_predictor`` refuses what it cannot
+compute.
 """
 
 from __future__ import annotations
@@ -160,3 +161,49 @@ def test_load_puts_the_mlp_in_the_graph(tmp_path):
         assert llm.stats()["cache"]["total"]["pred_total"] > 0
     finally:
         llm.close()
+
+
+class Seen:
+    """Whether the callback got the router probabilities and the MoE input (not NULL)."""
+
+    def __init__(self, probs: bool, hidden: bool) -> None:
+        self.request = HookRequest(probs=probs, hidden=hidden)
+        self.got: set[tuple[bool, bool]] = set()
+
+    def on_route(self, event) -> None:
+        self.got.add((event.probs is not None, event.hidden is not None))
+
+
+def test_the_route_op_takes_only_the_inputs_an_observer_reads():
+    """Without a reader the op drops probs and inp (on a GPU: two copies to the host per layer fewer); an
+    observer that reads them brings them back at the next decode, and the logits never change."""
+    from ggmoe.engine.hooks import RouteOpHook
+
+    calls = []
+    cfg = EngineConfig(model_path=default_model_path(), n_ctx=128, cache=CacheConfig(n_slots=8))
+    with Engine(cfg) as eng:
+        hook = eng._hook
+        assert isinstance(hook, RouteOpHook)
+        original = hook._route
+
+        def spy(user_data, il, n_tokens, k, n_expert, n_embd, ids_p, probs_p, inp_p, *rest):
+            calls.append((bool(probs_p), bool(inp_p)))
+            return original(user_data, il, n_tokens, k, n_expert, n_embd, ids_p, probs_p, inp_p, *rest)
+
+        hook._route = spy  # the C callback calls through the bound attribute
+        hook.c_callback = _patched.route_cb(lambda *a: hook._route(*a))
+        _patched.load().llama_ggmoe_set_route_cb(eng.ctx_ptr, hook.c_callback, None)
+        ids = eng.tokenize("The expert cache keeps")
+        plain = eng.decode(ids).copy()
+        assert set(calls) == {(False, False)}
+        reader = Seen(probs=True, hidden=True)
+        with eng.observing(reader):
+            eng.reset()
+            calls.clear()
+            read = eng.decode(ids).copy()
+            assert set(calls) == {(True, True)} and reader.got == {(True, True)}
+        eng.reset()
+        calls.clear()
+        again = eng.decode(ids).copy()
+        assert set(calls) == {(False, False)}
+    assert np.array_equal(plain, read) and np.array_equal(plain, again)
