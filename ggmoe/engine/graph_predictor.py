@@ -55,7 +55,7 @@ class GraphPredictor:
                     made.append(self.arena.new_tensor(B.GGML_TYPE_F32, ne0, ne1, 1, f"ggmoe_pred.{il}.{name}"))
                     arrays.append((made[-1], a))
                 per_layer[il] = made
-            self.arena.allocate(buft or device_buft())
+            self.nbytes = self.arena.allocate(buft or device_buft())  # bytes of device memory the nets take
             for ptr, a in arrays:
                 B.libggml_base.ggml_backend_tensor_set(ctypes.cast(ptr, B.ggml_tensor_p),
                                                        a.ctypes.data_as(ctypes.c_void_p), 0, a.nbytes)
