@@ -29,12 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 from trace_routing import tile_trace  # noqa: E402
 
+from ggmoe.cache.hardware import load_profile  # noqa: E402
 from ggmoe.cache.policies import POLICIES  # noqa: E402
 from ggmoe.cache.policies.static import trace_counts  # noqa: E402
 from ggmoe.inspect import inspect_model  # noqa: E402
 from ggmoe.models import default_model_path  # noqa: E402
 from ggmoe.simulate.des import SimConfig, baseline, simulate  # noqa: E402
-from ggmoe.simulate.hardware import load_profile  # noqa: E402
 from ggmoe.trace import load_traces  # noqa: E402
 from ggmoe.trace.data import select_prompts  # noqa: E402
 

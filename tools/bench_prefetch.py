@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from ggmoe.cache import CacheConfig
-from ggmoe.cache.prefetch import PrefetchConfig
+from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.models import default_model_path
 from ggmoe.trace.record import RecordConfig, read_prompts, record_trace

@@ -57,6 +57,8 @@ class ExpertCache:
         self.lock = threading.Lock()
         self.n_prefetched = dict.fromkeys(n_slots, 0)  # il -> slots holding an unused prefetched expert
         self.predicted: dict[int, list[int]] = {}  # il -> experts predicted for its next call (accuracy)
+        self.token = 0  # async decode: tokens seen by the controller (the epoch of a copy's submission)
+        self._submit_token: dict[int, int] = {}  # copy handle id -> token it was submitted at
 
     def fits(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of ``n_tokens`` runs on the cache (else the native path)."""
@@ -116,6 +118,7 @@ class ExpertCache:
             for h in pending:
                 table.landed(h.slot)
                 self._submitted.pop(h.id, None)
+                self._submit_token.pop(h.id, None)
         if host:
             st.host_computed += len(host)
             admit = [e for e in host if slot_of[e] < 0]
@@ -138,6 +141,36 @@ class ExpertCache:
                 table.drop(slot_of[e])
         st.hook_s += self.time.now() - t0
         return slots
+
+    def after_token(self, il: int, flat: list[int]) -> None:
+        """The async decode's step for one layer of one decoded micro-batch (between tokens, no graph running).
+
+        ``flat``: the experts the layer selected, read through the expert table as it stood at launch: those
+        READY in a slot were hits, the rest misses the device read from host memory. Copies that landed since
+        the last token become readable (the listener points their entries at the slots), then every missing
+        expert is admitted at low priority into a free slot or the policy's victim (its entry back to host
+        memory first). Nothing waits: a later token finds the admitted experts once their copies landed.
+        """
+        with self.lock:
+            st = self.stats.layers[il]
+            table = self.tables[il]
+            self.clock += 1
+            st.calls += 1
+            need = sorted(set(flat))
+            slot_of, copy = table.slot_of_list, table.copy
+            missing = [e for e in need if slot_of[e] < 0 or copy[slot_of[e]] is not None]
+            st.hits += len(need) - len(missing)
+            st.misses += len(missing)
+            st.host_reads += len(missing)
+            st.host_read_bytes += len(missing) * self.bytes_per_expert.get(il, 0)
+            if table.n_loading:
+                self._land_done(table)
+            self.policy.on_access(il, need, self.clock)
+            admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
+            if admit:
+                st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
+            if table.n_loading:  # a synchronous backend (the CPU build's memcpy) has landed them already
+                self._land_done(table)
 
     def _to_host(self, il: int, pending: list[CopyHandle], missing: list[int]
                  ) -> tuple[set[int], list[CopyHandle], list[int]]:
@@ -216,9 +249,12 @@ class ExpertCache:
                 cand.remove(victim)
                 slot = table.slot_of_list[victim]
                 self.policy.on_evict(il, victim)
+                st.evictions += 1
             self._note_eviction(il, table, slot)
+            table.unmap(slot)  # the expert table stops pointing at the slot before the copy may write it
             h = self.copies.submit(il, e, slot, Priority.PREFETCH, rank_of.get(e, 0.0))
             self._submitted[h.id] = self.time.now()
+            self._submit_token[h.id] = self.token
             table.place(e, slot, h)
             table.prefetched[slot] = True
             self.n_prefetched[il] += 1
@@ -258,6 +294,7 @@ class ExpertCache:
                     self.n_prefetched[il] -= 1
                 table.drop(slot)
                 self._submitted.pop(h.id, None)
+                self._submit_token.pop(h.id, None)
 
     def score_prediction(self, il: int, predicted: list[int]) -> None:
         """Remember the top-k predicted for layer ``il``'s next call, to score it when that call comes."""
@@ -276,6 +313,9 @@ class ExpertCache:
             if h is not None and self.copies.done(h):
                 table.landed(slot)
                 self._submitted.pop(h.id, None)
+                st = self.stats.layers[h.il]
+                st.landed += 1
+                st.lag_tokens += self.token - self._submit_token.pop(h.id, self.token)
 
     def _land_all(self, table: SlotTable) -> None:
         handles = [h for h in table.copy if h is not None]
@@ -283,6 +323,7 @@ class ExpertCache:
         for h in handles:
             table.landed(h.slot)
             self._submitted.pop(h.id, None)
+            self._submit_token.pop(h.id, None)
 
     def observe(self, il: int, ids: np.ndarray | list[int]) -> None:
         """A micro-batch that ran the native path: counted, nothing loaded or evicted."""
@@ -312,9 +353,12 @@ class ExpertCache:
                 cand.remove(victim)
                 slot = table.slot_of_list[victim]
                 self.policy.on_evict(il, victim)
+                self.stats.layers[il].evictions += 1
             self._note_eviction(il, table, slot)
+            table.unmap(slot)  # the expert table stops pointing at the slot before the copy may write it
             h = self.copies.submit(il, e, slot, priority)
             self._submitted[h.id] = self.time.now()
+            self._submit_token[h.id] = self.token
             table.place(e, slot, h)
             handles.append(h)
             self.policy.on_insert(il, e, self.clock)

@@ -25,10 +25,13 @@ class CacheConfig:
     miss_policy: str = "wait"
     # the auto miss policy's cost model: a hardware profile name or TOML file; None: measured at startup
     hw_profile: str | None = None
-    # stride prefetching from a predictor (ggmoe.cache.prefetch.PrefetchConfig), or None
+    # stride prefetching from a predictor (ggmoe.control.prefetch.PrefetchConfig), or None
     prefetch: object | None = None
     # the policy's keyword arguments (e.g. static's per-layer counts from saved routing statistics)
     policy_options: Mapping[str, Any] | None = None
+    # sync (the route op per MoE layer), async (the expert table, no sync on the decode path) or auto
+    # (ggmoe.cache.decode_mode)
+    decode_mode: str = "auto"
 
     def slots(self, bytes_per_expert: dict[int, int], n_expert: int, n_expert_used: int) -> dict[int, int]:
         given = [x is not None for x in (self.n_slots, self.vram_bytes, self.layer_slots)]
@@ -59,7 +62,7 @@ def slots_for_budget(budget: int, bytes_per_expert: dict[int, int], n_expert: in
 
 def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: str | None, facts: Any = None,
                        miss_policy: str | None = None, prefetch: Any = None,
-                       hw: str | None = None) -> CacheConfig | None:
+                       hw: str | None = None, decode_mode: str | None = None) -> CacheConfig | None:
     """A CacheConfig from the command line's (or ``ggmoe.load()``'s) options; None when no cache size is given.
 
     --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of
@@ -68,9 +71,10 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
     if cache_slots is None and vram is None:
         if prefetch is not None:
             raise UsageError("--predictor needs a cache size: --cache-slots N or --vram BYTES")
-        if policy is not None or miss_policy is not None:
-            raise UsageError(f"{'--policy' if policy is not None else '--miss-policy'} needs a cache size: "
-                             "--cache-slots N or --vram BYTES")
+        given = next((n for n, v in (("--policy", policy), ("--miss-policy", miss_policy),
+                                     ("--decode-mode", decode_mode)) if v is not None), None)
+        if given is not None:
+            raise UsageError(f"{given} needs a cache size: --cache-slots N or --vram BYTES")
         return None
     from ggmoe.cache.policies import POLICIES
 
@@ -81,14 +85,18 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
     if hw is not None:
         if miss != "auto":
             raise UsageError("--hw gives the cost model of --miss-policy auto")
-        from ggmoe.simulate.hardware import load_profile
+        from ggmoe.cache.hardware import load_profile
 
         load_profile(hw)  # a bad profile fails now, before the model loads
     if vram is not None and facts is not None:  # a budget too small fails now, before the model loads
         slots_for_budget(_bytes(vram), {layer.il: layer.bytes_per_expert for layer in facts.layers},
                          facts.n_expert, facts.n_expert_used)
+    from ggmoe.cache.decode_mode import check_decode_mode
+
+    mode = check_decode_mode(decode_mode or "auto")
     return CacheConfig(n_slots=cache_slots, vram_bytes=_bytes(vram) if vram is not None else None,
-                       policy=policy or "lru", miss_policy=miss, prefetch=prefetch, hw_profile=hw)
+                       policy=policy or "lru", miss_policy=miss, prefetch=prefetch, hw_profile=hw,
+                       decode_mode=mode)
 
 
 def _bytes(size: int | str) -> int:

@@ -7,6 +7,7 @@ call, where Python indexing costs far less than numpy's per-call overhead.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Protocol
 
 import numpy as np
 
@@ -17,6 +18,17 @@ class SlotState(IntEnum):
     EMPTY = 0  # holds no expert
     LOADING = 1  # a copy is in flight: never read it
     READY = 2  # the copy landed: the expert may be read
+
+
+class SlotListener(Protocol):
+    """Told when an expert becomes readable in a slot or stops being: the async decode's expert table
+    (``ggmoe.engine.tables``) points its entry at the slot, or back at the expert's host copy."""
+
+    def mapped(self, expert: int, slot: int) -> None:
+        """``expert``'s copy in ``slot`` has landed: it may be read there."""
+
+    def unmapped(self, expert: int) -> None:
+        """``expert`` is no longer readable in its slot (evicted, or a new copy is about to overwrite it)."""
 
 
 class SlotTable:
@@ -30,6 +42,8 @@ class SlotTable:
         self.free = list(range(n_slots))  # empty slots, lowest first
         self.n_loading = 0  # slots whose copy is in flight (0: the route callback skips the check)
         self.prefetched = [False] * n_slots  # [n_slots] holds a prefetched expert not used yet
+        # told of every change of what is readable where (the async decode's expert table); None: nobody
+        self.listener: SlotListener | None = None
 
     @property
     def n_slots(self) -> int:
@@ -48,6 +62,8 @@ class SlotTable:
         old = self.expert_in_list[slot]
         if old >= 0:
             self.slot_of_list[old] = -1
+            if self.listener is not None:
+                self.listener.unmapped(old)
         self.expert_in_list[slot] = expert
         self.slot_of_list[expert] = slot
         if self.copy[slot] is not None:
@@ -57,18 +73,31 @@ class SlotTable:
         self.state[slot] = SlotState.LOADING if handle is not None else SlotState.READY
         if handle is not None:
             self.n_loading += 1
+        elif self.listener is not None:
+            self.listener.mapped(expert, slot)
+
+    def unmap(self, slot: int) -> None:
+        """Before a copy overwrites ``slot``: its expert stops being readable there (the listener is told)."""
+        old = self.expert_in_list[slot]
+        if old >= 0 and self.listener is not None:
+            self.listener.unmapped(old)
 
     def landed(self, slot: int) -> None:
         if self.copy[slot] is not None:
             self.n_loading -= 1
         self.copy[slot] = None
+        was = self.state[slot]
         self.state[slot] = SlotState.READY
+        if self.listener is not None and was == SlotState.LOADING and self.expert_in_list[slot] >= 0:
+            self.listener.mapped(self.expert_in_list[slot], slot)
 
     def drop(self, slot: int) -> int:
         """Empty ``slot``; returns the expert it held (-1 if none)."""
         old = self.expert_in_list[slot]
         if old >= 0:
             self.slot_of_list[old] = -1
+            if self.listener is not None:
+                self.listener.unmapped(old)
         self.expert_in_list[slot] = -1
         if self.copy[slot] is not None:
             self.n_loading -= 1

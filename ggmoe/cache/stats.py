@@ -23,6 +23,11 @@ class LayerStats:
     prefetch_late: int = 0  # predictions that came after their layer had started (not prefetched)
     pred_correct: int = 0  # predicted experts (top n_expert_used) that the layer really selected
     pred_total: int = 0  # experts predicted
+    host_reads: int = 0  # async decode: distinct experts per call the device read from host memory (misses)
+    host_read_bytes: int = 0  # bytes those reads moved over the link
+    evictions: int = 0  # experts evicted to make room (every mode)
+    landed: int = 0  # copies seen landed between tokens (async decode)
+    lag_tokens: int = 0  # async decode: tokens from each landed copy's submission to its slot being readable
     wait_s: float = 0.0  # seconds spent waiting for this layer's copies (clock time)
     hook_s: float = 0.0  # seconds inside route() for this layer (clock time)
 
@@ -30,6 +35,11 @@ class LayerStats:
     def hit_rate(self) -> float:
         n = self.hits + self.misses
         return self.hits / n if n else 0.0
+
+    @property
+    def mean_lag_tokens(self) -> float:
+        """Async decode's epoch lag: tokens from an admission's submission until a graph could read it."""
+        return self.lag_tokens / self.landed if self.landed else 0.0
 
     @property
     def pred_accuracy(self) -> float:
@@ -43,6 +53,7 @@ class LayerStats:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["hit_rate"] = self.hit_rate
         d["pred_accuracy"] = self.pred_accuracy
+        d["mean_lag_tokens"] = self.mean_lag_tokens
         return d
 
 

@@ -42,9 +42,9 @@ def calibrate(model: str | None, out: str | None, name: str, base: str, tokens: 
     """
     import os
 
+    from ggmoe.cache.hardware import load_profile
     from ggmoe.engine.calibrate import calibrate as measure
     from ggmoe.simulate.calibration import profile_from, render
-    from ggmoe.simulate.hardware import load_profile
 
     path = model_path(model)
     base_profile = load_profile(base)

@@ -88,14 +88,14 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
                             ("--miss-policy", miss_policy), ("--predictor", prefetch), ("--hw", hw)) if v is not None]
     if given:
         raise UsageError(f"--config sets the cache; drop {', '.join(given)} (or edit the plan file)")
-    from ggmoe.cache.plan_file import read_plan
+    from ggmoe.control.plan_file import read_plan
 
     cfg = read_plan(config)
     if facts is not None:  # layers that do not match the model fail now, before it loads
         cfg.slots({il: facts.bytes_per_expert(il) for il in facts.moe_layers}, facts.n_expert,
                   facts.n_expert_used)
     if cfg.hw_profile is not None:
-        from ggmoe.simulate.hardware import load_profile
+        from ggmoe.cache.hardware import load_profile
 
         load_profile(cfg.hw_profile)
     return cfg
@@ -104,7 +104,7 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
 def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, threshold: float | None,
                     train: tuple[str, ...], background: bool = False):
     """A PrefetchConfig from the flags, or None without --predictor (``build_prefetch_config``)."""
-    from ggmoe.cache.prefetch import build_prefetch_config
+    from ggmoe.control.prefetch import build_prefetch_config
 
     return build_prefetch_config(predictor, stride, n_prefetch, threshold, train, background)
 

@@ -46,12 +46,12 @@ def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_p
       ggmoe plan model.gguf --vram 8GiB --hw egpu --stats routing.npz -o plan.toml
     """
     from ggmoe.cache.config import CacheConfig
-    from ggmoe.cache.plan_file import write_plan
-    from ggmoe.cache.prefetch import PrefetchConfig
+    from ggmoe.cache.hardware import load_profile
     from ggmoe.cli.warm import read_stats_in
+    from ggmoe.control.plan_file import write_plan
+    from ggmoe.control.prefetch import PrefetchConfig
     from ggmoe.inspect import inspect_model
     from ggmoe.inspect.fingerprint import model_fingerprint
-    from ggmoe.simulate.hardware import load_profile
     from ggmoe.simulate.plan import plan_from_stats, plan_from_traces
     from ggmoe.trace import load_traces
     from ggmoe.units import parse_bytes

@@ -72,10 +72,10 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
       ggmoe compare-quants q4.gguf ggmoe/models/tiny-moe.gguf f16.gguf --traces traces/trace.npz --vram 4MiB
     """
     from ggmoe.cache.config import slots_for_budget
+    from ggmoe.cache.hardware import load_profile
     from ggmoe.cli.simulate import plot, pyplot, render_table
     from ggmoe.inspect import inspect_model
     from ggmoe.simulate.des import SimConfig, simulate
-    from ggmoe.simulate.hardware import load_profile
     from ggmoe.trace import load_traces
     from ggmoe.units import parse_bytes
 

@@ -150,6 +150,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe simulate traces/trace.npz --cache-slots 16 --predictor none,reuse,oracle --stride 1 --hw egpu
       ggmoe simulate traces/trace.npz --vram 4MiB --miss-policy wait,auto --json
     """
+    from ggmoe.cache.hardware import load_profile
     from ggmoe.cache.miss import check_miss_policy
     from ggmoe.cache.policies import POLICIES
     from ggmoe.cli.warm import read_stats_in
@@ -157,7 +158,6 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     from ggmoe.inspect.fingerprint import model_fingerprint
     from ggmoe.simulate.des import SimConfig, build_predictor
     from ggmoe.simulate.des import simulate as run
-    from ggmoe.simulate.hardware import load_profile
     from ggmoe.trace import load_traces
 
     if plot_path is not None:

@@ -29,10 +29,10 @@ from llama_cpp import _internals
 from ggmoe.cache import CacheConfig, CacheStats
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
-from ggmoe.engine.graph_predictor import attach_graph_predictor
-from ggmoe.engine.hooks import HOOKS, CbEvalHook, Observers, RouteOpHook
+from ggmoe.engine.hooks import CbEvalHook, Observers, RouteOpHook
 from ggmoe.engine.loader import LoadedModel, expert_placement, gpu_device_name, load_model, new_context
 from ggmoe.engine.log import llama_log
+from ggmoe.engine.pipeline import CachePipeline
 from ggmoe.engine.slots import CacheRuntime
 from ggmoe.errors import EngineError, ModelFileError, UsageError
 from ggmoe.hook import RouteObserver
@@ -167,13 +167,13 @@ class Engine:
         self.patched = _patched.is_patched()
         kind = self._hook_kind(config)
         self.observers = Observers()
-        self._hook: RouteOpHook | CbEvalHook | None = HOOKS[kind](self.observers) if kind else None
-        self._runtime: CacheRuntime | None = None
-        self.prefetcher = None  # ggmoe.cache.prefetch.Prefetcher when the cache prefetches
+        # cb_eval (a stock build): the hook is the context's scheduler callback; route: the pipeline's
+        self._hook: RouteOpHook | CbEvalHook | None = CbEvalHook(self.observers) if kind == "cb_eval" else None
+        # route hook, cache runtime, decode mode, expert tables, controller, prefetcher (ggmoe.engine.pipeline)
+        self.pipeline: CachePipeline | None = None
         self._model: LoadedModel | None = None
         self._ctx: _internals.LlamaContext | None = None
         self._batch: _internals.LlamaBatch | None = None
-        self._graph_predictor = None  # ggmoe.engine.graph_predictor.GraphPredictor: the nets in the graph
         try:
             if config.host_expert_layers is not None and config.cache is not None:
                 raise UsageError("the expert cache needs every layer's experts in host memory "
@@ -184,20 +184,10 @@ class Engine:
             self._ctx = new_context(self._model, n_ctx, config.n_batch, min(config.n_ubatch, config.n_batch),
                                     config.n_threads, self._hook.c_callback if kind == "cb_eval" else None)
             if kind == "route":
-                self._hook.install(self._ctx.ctx)
-            if config.cache is not None:
-                self._runtime = self._make_cache(config.cache)
-                self._hook.cache = self._runtime.cache
-                if config.cache.prefetch is not None:
-                    from ggmoe.cache.prefetch import make_prefetcher
-
-                    self.prefetcher = make_prefetcher(self._runtime.cache, config.cache.prefetch, self.facts,
-                                                      str(path))
-                    if config.cache.prefetch.in_graph:
-                        self._graph_predictor = attach_graph_predictor(
-                            self._ctx.ctx, self.prefetcher.predictor, self.facts.moe_layers)
-                        if self._graph_predictor is not None:
-                            self.prefetcher.scores_from_graph()
+                self.pipeline = CachePipeline(self._model.ptr, self._ctx.ctx, self.facts, path, config.cache,
+                                              self.observers, config.n_threads, config.n_batch,
+                                              min(config.n_ubatch, config.n_batch))
+                self._hook = self.pipeline.hook
             self._batch = _internals.LlamaBatch(n_tokens=config.n_batch, embd=0, n_seq_max=1, verbose=False)
             # expert tensor name -> its buffer type's name (e.g. CPU, CUDA_Host), None on a stock build
             self.expert_buffers: dict[str, str] | None = expert_placement(self._model, self.facts)
@@ -211,8 +201,6 @@ class Engine:
         self.n_ctx = self._ctx.n_ctx()
         self.n_past = 0  # tokens in the KV cache
         self.stopped_on_ctx = False  # the last stream() stopped because the context was full
-        if self.prefetcher is not None:
-            self.add_observer(self.prefetcher)
         if observer is not None:
             self.add_observer(observer)
 
@@ -252,8 +240,25 @@ class Engine:
                               f"{self.expert_buffers[misplaced[0]]})")
         return tuple(checked)
 
-    def _make_cache(self, cache: CacheConfig) -> CacheRuntime:
-        return CacheRuntime.for_model(self._model.ptr, self._ctx.ctx, cache, self.facts, self.config.n_threads)
+    @property
+    def _runtime(self) -> CacheRuntime | None:
+        """The cache runtime (slot tensors, copies, ``ExpertCache``), None without a cache."""
+        return self.pipeline.runtime if self.pipeline is not None else None
+
+    @property
+    def prefetcher(self):
+        """The cache's prefetcher (``ggmoe.control.prefetch.Prefetcher``), None when it does not prefetch."""
+        return self.pipeline.prefetcher if self.pipeline is not None else None
+
+    @property
+    def _graph_predictor(self):
+        """The mlp predictor's nets in the decode graph (``ggmoe.engine.graph_predictor``), or None."""
+        return self.pipeline.graph_predictor if self.pipeline is not None else None
+
+    @property
+    def decode_mode(self) -> dict[str, object]:
+        """The decode mode asked for, in effect and why (empty without a cache)."""
+        return self.pipeline.describe() if self.pipeline is not None else {}
 
     @property
     def cache_stats(self) -> CacheStats | None:
@@ -269,9 +274,9 @@ class Engine:
     def set_routing_override(self, override: Callable[[int, int], list[int]] | None) -> None:
         """Benchmarks only: experts chosen by ``override(il, n_tokens)`` instead of the router's for the cache
         and the observers (tools/gpu's trace-replay routing); None restores the router's."""
-        if not isinstance(self._hook, RouteOpHook):
+        if self.pipeline is None:
             raise UsageError("a routing override needs the route op of the patched engine")
-        self._hook.routing_override = override
+        self.pipeline.set_routing_override(override)
 
     @property
     def hook_times(self) -> np.ndarray:
@@ -302,13 +307,14 @@ class Engine:
 
     # -- lifecycle
     def close(self) -> None:
-        # The prefetch worker stops first; the context goes before the slot tensors it computes with, and
-        # the model last.
-        if getattr(self, "prefetcher", None) is not None:
-            self.prefetcher.close()
+        # The pipeline leaves the context first (prefetch worker, callback, tables, predictor); the context
+        # goes before the slot tensors it computes with, and the model last.
+        pipeline = self.__dict__.get("pipeline")
+        if pipeline is not None:
+            pipeline.detach()
         if getattr(self, "observers", None) is not None:
             self.observers.on_change = None  # the route op's inputs: nothing to tell a freed context
-        for part in ("_batch", "_ctx", "_graph_predictor", "_runtime", "_model"):
+        for part in ("_batch", "_ctx", "pipeline", "_model"):
             obj = getattr(self, part, None)
             if obj is not None:
                 obj.close()
@@ -408,8 +414,8 @@ class Engine:
         out = []
         for i in range(0, len(tokens), self.config.n_batch):
             chunk = list(tokens[i : i + self.config.n_batch])
-            if self.prefetcher is not None:
-                self.prefetcher.begin_step(chunk)
+            if self.pipeline is not None:
+                self.pipeline.begin_step(chunk)
             self._batch.set_batch(chunk, self.n_past, all_logits)
             mark = llama_log().count
             failed: RuntimeError | None = None
@@ -420,6 +426,8 @@ class Engine:
                 failed = e
             finally:
                 _sigint.exit()
+            if failed is None and self.pipeline is not None:
+                self.pipeline.after_decode(len(chunk))  # synchronizes first (as the logits read does)
             self._raise_hook_error()
             if failed is not None:
                 raise EngineError(f"{failed}: {llama_log().error_since(mark) or 'no reason logged'}")
@@ -430,9 +438,10 @@ class Engine:
 
     def _raise_hook_error(self) -> None:
         """Re-raise what a callback (or the prefetch worker) stored: they never raise into C."""
-        err = self._hook.take_error(self._ctx.ctx) if self._hook is not None else None
-        if err is None and self.prefetcher is not None:
-            err = self.prefetcher.take_error()
+        if self.pipeline is not None:
+            err = self.pipeline.take_error()
+        else:
+            err = self._hook.take_error(self._ctx.ctx) if self._hook is not None else None
         if err is not None:
             raise err
 

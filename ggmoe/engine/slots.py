@@ -51,6 +51,7 @@ class SlotTensors:
     def __init__(self, model_ptr: int, n_slots: dict[int, int], buft: int, zero_slot: bool = False) -> None:
         """``zero_slot``: one more slot per layer, after the others, filled with zeros (the host path's)."""
         P = _patched.load()
+        self.buft = buft  # the slots' buffer type (the expert tables go on the same device)
         self.pairs: dict[int, list[_Pair]] = {}
         found: dict[int, dict[str, int]] = {}
         for il in n_slots:
@@ -295,7 +296,7 @@ class CacheRuntime:
     def _costs(self, config: CacheConfig, n_threads: int) -> MissCosts:
         """The auto policy's cost model: the hardware profile's, or measured now on the slots."""
         if config.hw_profile is not None:
-            from ggmoe.simulate.hardware import load_profile
+            from ggmoe.cache.hardware import load_profile
 
             return load_profile(config.hw_profile).miss_costs()
         return measure_costs(self.slots, self._ggml, n_threads, self._link_s)

@@ -96,6 +96,11 @@ class ModelFacts:
                 return layer
         raise KeyError(f"layer {il} is not a MoE layer (MoE layers: {_ranges(self.moe_layers)})")
 
+    @property
+    def experts_quantized(self) -> bool:
+        """Whether every routed-expert tensor has a block-quantized type (not F32, F16 or BF16)."""
+        return all(t.ggml_type not in ("F32", "F16", "BF16", "F64") for layer in self.layers for t in layer.tensors)
+
     def bytes_per_expert(self, il: int) -> int:
         """Bytes of one expert of MoE layer `il` (all its expert tensors)."""
         return self.layer(il).bytes_per_expert

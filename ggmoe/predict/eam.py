@@ -24,15 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ggmoe.cache.policies.eam import row_normalise
 from ggmoe.errors import UsageError
 from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
 from ggmoe.trace.format import Trace
-
-
-def row_normalise(counts: np.ndarray) -> np.ndarray:
-    """counts [..., n_layer, n_expert] -> each layer's row divided by its sum (zero rows stay zero)."""
-    s = counts.sum(axis=-1, keepdims=True)
-    return np.divide(counts, s, out=np.zeros_like(counts, dtype=np.float32), where=s > 0)
 
 
 class EAMCollection:

@@ -91,7 +91,8 @@ class GgmoeLlama(llama_cpp.Llama):
                 from ggmoe.inspect import inspect_model
 
                 self._ggmoe = LlamaAttachment(self._model.model, self._ctx.ctx, inspect_model(Path(model_path)),
-                                              Path(model_path), cache, observers)
+                                              Path(model_path), cache, observers, n_threads=self.context_params.n_threads,
+                                              n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch)
         except BaseException:
             self.close()
             raise
@@ -127,10 +128,11 @@ class GgmoeLlama(llama_cpp.Llama):
             batch = tokens[i : i + self.n_batch]
             self._ggmoe.begin_step(batch)
             try:
-                super().eval(batch)
+                super().eval(batch)  # reads the logits: the device is done with this decode
             except RuntimeError as e:
                 self._raise_route_error(cause=e)
                 raise
+            self._ggmoe.after_decode(len(batch))
             self._raise_route_error()
 
     def _raise_route_error(self, cause: BaseException | None = None) -> None:
@@ -177,14 +179,14 @@ class GgmoeLlama(llama_cpp.Llama):
             return {"cache": None}
         in_effect, note = att.runtime.miss_policy, att.runtime.miss_policy_note
         return {"cache": {"policy": self.cache_config.policy, "miss_policy": self.cache_config.miss_policy,
-                          "miss_policy_in_effect": in_effect, "miss_policy_note": note,
+                          "miss_policy_in_effect": in_effect, "miss_policy_note": note, **att.describe(),
                           "slots_per_layer": {str(k): v for k, v in att.n_slots.items()},
                           "occupancy": {str(k): v for k, v in att.occupancy().items()},
                           **att.stats.to_dict()}}
 
     @property
     def prefetcher(self):
-        """The cache's prefetcher (``ggmoe.cache.prefetch.Prefetcher``), or None."""
+        """The cache's prefetcher (``ggmoe.control.prefetch.Prefetcher``), or None."""
         return self._ggmoe.prefetcher if self._ggmoe is not None else None
 
     @property
@@ -215,20 +217,21 @@ def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None
          cache_slots: int | None = None, policy: str | None = None, predictor: str | None = None,
          stride: int = 2, n_prefetch: int | None = None, prefetch_threshold: float | None = None,
          predictor_train: Sequence[str] = (), miss_policy: str | None = None, hw: str | None = None,
-         cache: CacheConfig | None = None, **llama_kwargs: Any) -> GgmoeLlama:
+         decode_mode: str | None = None, cache: CacheConfig | None = None, **llama_kwargs: Any) -> GgmoeLlama:
     """Load a GGUF MoE model as a ``llama_cpp.Llama`` with its experts in host RAM.
 
     ``path`` defaults to the embedded model. ``cache_slots`` (slots per MoE layer) or ``vram`` (bytes, or
     a size such as ``"4GiB"``) turn on the expert cache, with eviction ``policy`` (default lru, see
     ``ggmoe policies``), stride prefetching from ``predictor`` (``stride`` MoE layers ahead, ``n_prefetch``
     experts per layer, trained on ``predictor_train`` traces when it learns), ``miss_policy`` (wait, cpu,
-    auto) and the ``hw`` profile as auto's cost model; or pass a ready ``cache`` (a ``CacheConfig``).
+    auto) and the ``hw`` profile as auto's cost model, ``decode_mode`` (auto, async: the expert table and no
+    sync per MoE layer, sync: the route op per layer); or pass a ready ``cache`` (a ``CacheConfig``).
     Other keyword arguments go to ``llama_cpp.Llama`` (``n_ctx``, ``seed``, ``logits_all``,
     ``chat_format``...); ggmoe's defaults differ in two: ``verbose=False`` and ``n_gpu_layers=-1``
     (every dense layer on the GPU when there is one).
     """
     from ggmoe.cache.config import build_cache_config
-    from ggmoe.cache.prefetch import build_prefetch_config
+    from ggmoe.control.prefetch import build_prefetch_config
     from ggmoe.inspect import inspect_model
 
     if path is None:
@@ -244,8 +247,8 @@ def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None
     if cache is None:
         prefetch = build_prefetch_config(predictor, stride, n_prefetch, prefetch_threshold,
                                          tuple(predictor_train))
-        cache = build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw)
-    elif any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw)):
+        cache = build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode)
+    elif any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw, decode_mode)):
         raise UsageError("give the cache either as cache=CacheConfig(...) or as its options, not both")
     llama_kwargs.setdefault("verbose", False)
     llama_kwargs.setdefault("n_gpu_layers", -1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ggmoe.simulate.hardware import HardwareProfile, render_profile
+from ggmoe.cache.hardware import HardwareProfile, render_profile
 
 
 def profile_from(cal: Any, base: HardwareProfile, name: str) -> tuple[HardwareProfile, dict[str, str]]:

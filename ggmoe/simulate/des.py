@@ -33,13 +33,13 @@ import numpy as np
 
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.clock import ManualClock
+from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
 from ggmoe.cache.miss import SLOT_HOST, effective_miss_policy
 from ggmoe.cache.policies import POLICIES
-from ggmoe.cache.prefetch import Prefetcher
+from ggmoe.control.prefetch import Prefetcher
 from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
-from ggmoe.simulate.hardware import COPIES_PER_EXPERT, HardwareProfile
 from ggmoe.simulate.replay import micro_batches, next_uses
 from ggmoe.simulate.timeline import LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ggmoe.simulate.hardware import HardwareProfile
+from ggmoe.cache.hardware import HardwareProfile
 
 THETAS = (0.25, 0.5, 0.75, 1.0)  # shares of an expert's bytes in its top segment
 

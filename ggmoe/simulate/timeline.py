@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.copy import CopyHandle, Priority
-from ggmoe.simulate.hardware import HardwareProfile
+from ggmoe.cache.hardware import HardwareProfile
 
 
 @dataclass(order=True)

@@ -7,8 +7,8 @@ import json
 import pytest
 from cli_run import ggmoe
 
+from ggmoe.cache.hardware import load_profile
 from ggmoe.engine.loader import gpu_device_name
-from ggmoe.simulate.hardware import load_profile
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from random_predictor import random_predictor_file
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.cache import CacheConfig
-from ggmoe.cache.prefetch import PrefetchConfig
+from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched

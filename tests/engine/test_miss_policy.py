@@ -73,8 +73,8 @@ def test_auto_follows_the_hardware_profile(stock_logits, tmp_path, hw, on_cpu):
     0.5 GB/s (about 160 us an expert, a copy of its 3 tensors about 45 us) copies."""
     import dataclasses
 
+    from ggmoe.cache.hardware import load_profile, render_profile
     from ggmoe.models import default_model_path
-    from ggmoe.simulate.hardware import load_profile, render_profile
 
     if hw == "slow-cpu":
         slow = tmp_path / "slow-cpu.toml"

@@ -8,8 +8,8 @@ import pytest
 from cli_run import ggmoe
 from click.testing import CliRunner
 
-from ggmoe.cache.plan_file import read_plan
 from ggmoe.cli import main
+from ggmoe.control.plan_file import read_plan
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
 

@@ -7,7 +7,7 @@ import pytest
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.cache import CacheConfig
-from ggmoe.cache.prefetch import PrefetchConfig
+from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 from ggmoe.predict import PREDICTORS, Predictor

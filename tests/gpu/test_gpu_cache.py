@@ -12,7 +12,7 @@ from make_fixtures import fixture_path
 
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.copy import StreamCopyBackend
-from ggmoe.cache.prefetch import PrefetchConfig
+from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ggmoe.cache.hardware import DEFAULT_PROFILE, load_profile, profile_names
 from ggmoe.errors import UsageError
-from ggmoe.simulate.hardware import DEFAULT_PROFILE, load_profile, profile_names
 
 pytestmark = pytest.mark.unit
 
@@ -75,7 +75,7 @@ def test_a_full_custom_profile_loads(tmp_path):
 def test_render_profile_round_trips(tmp_path, name, description):
     import dataclasses
 
-    from ggmoe.simulate.hardware import render_profile
+    from ggmoe.cache.hardware import render_profile
 
     p = dataclasses.replace(load_profile("h100"), name=name, description=description, hook_s=3.25e-6,
                             cpu_latency_s=0.0)

@@ -92,3 +92,55 @@ def test_ctypes_only_in_the_engine():
     bad = sorted(m for m, p in mods.items() if "ctypes" in {i.split(".")[0] for i in _imports(m, p, mods)}
                  and not m.startswith("ggmoe.engine"))
     assert bad == []
+
+
+# The packages from the bottom up (docs/architecture.md): a module may import its own package and those
+# below it, never one above. ``trace.record`` records through the engine, so it sits above the engine; the
+# root package ``ggmoe`` (its version, the lazy ``load``) is a facade any module may import.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "registry", "units", "tomlfile", "npzfile", "outputs", "models"),
+    ("inspect",),
+    ("hook",),
+    ("trace",),
+    ("cache",),
+    ("predict",),
+    ("control",),
+    ("engine",),
+    ("trace.record",),
+    ("simulate",),
+    ("serve",),
+    ("cli", "__main__"),
+)
+
+
+def _layer_of(module: str) -> int | None:
+    """Index in LAYERS of a ggmoe module's package (None: the root facade)."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return None
+    key = "trace.record" if parts[:2] == ["trace", "record"] else parts[0]
+    for i, names in enumerate(LAYERS):
+        if key in names:
+            return i
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS (and docs/architecture.md)")
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for m, deps in graph.items():
+        lm = _layer_of(m)
+        for d in deps:
+            ld = _layer_of(d)
+            if lm is not None and ld is not None and ld > lm:
+                bad.append(f"{m} imports {d} (layer {LAYERS[ld][0]} is above {LAYERS[lm][0]})")
+    return sorted(bad)
+
+
+def test_packages_import_only_downward():
+    assert _upward(_graph()) == []
+
+
+def test_upward_finder_finds_a_planted_upward_import():
+    graph = {"ggmoe.cache.cache": {"ggmoe.predict.base", "ggmoe.errors"}, "ggmoe.predict.base": {"ggmoe.cache"},
+             "ggmoe.errors": set(), "ggmoe.cache": set()}
+    assert _upward(graph) == ["ggmoe.cache.cache imports ggmoe.predict.base (layer predict is above cache)"]

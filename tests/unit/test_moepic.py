@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ggmoe.simulate.hardware import load_profile
+from ggmoe.cache.hardware import load_profile
 from ggmoe.simulate.moepic import Curves, configure, layer_cost
 
 P = dataclasses.replace(load_profile("pcie4"), copy_bytes_per_s=1e9, copy_latency_s=0.0)

@@ -10,9 +10,9 @@ import pytest
 
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.copy import Priority
+from ggmoe.cache.hardware import load_profile
 from ggmoe.errors import UsageError
 from ggmoe.simulate.des import SimConfig, simulate
-from ggmoe.simulate.hardware import load_profile
 from ggmoe.simulate.replay import replay
 from ggmoe.simulate.timeline import LinkCopyBackend
 from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, Trace, TraceMeta

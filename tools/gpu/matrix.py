@@ -63,7 +63,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tools/: random_p
 from trace_routing import ROUTING_NAME, TraceRouting, split_tiled  # noqa: E402
 
 from ggmoe.cache import CacheConfig  # noqa: E402
-from ggmoe.cache.prefetch import PrefetchConfig  # noqa: E402
+from ggmoe.control.prefetch import PrefetchConfig  # noqa: E402
 from ggmoe.inspect import inspect_model  # noqa: E402
 from ggmoe.inspect.fingerprint import model_fingerprint  # noqa: E402
 from ggmoe.trace import load_trace  # noqa: E402
@@ -540,9 +540,9 @@ def estimate(a, facts, cells: list[Cell], result: dict, work: Path, held: Path |
     """Calibrate on the model, make its hardware profile, and fill every cell's simulated TPOT."""
     from dataclasses import replace
 
+    from ggmoe.cache.hardware import load_profile
     from ggmoe.engine.calibrate import Calibration, calibrate
     from ggmoe.simulate.calibration import profile_from, render
-    from ggmoe.simulate.hardware import load_profile
 
     t0 = time.monotonic()
     prev = result.get("calibration")

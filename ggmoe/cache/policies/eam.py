@@ -22,16 +22,29 @@ used, then lowest id.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ggmoe.cache.policies.base import POLICIES, Policy
 from ggmoe.cache.policies.usage import LayerUsage
-from ggmoe.predict.eam import row_normalise
 
-if TYPE_CHECKING:
-    from ggmoe.predict.eam import EAM
+
+class EAMMatcher(Protocol):
+    """What the policy uses of a fitted ``ggmoe.predict.eam.EAM`` (the predictor lives above the cache)."""
+
+    def begin_request(self) -> None: ...
+
+    def observe(self, il: int, experts: np.ndarray, probs: object, hidden: object) -> None: ...
+
+    def predict(self, il: int) -> np.ndarray | None: ...
+
+
+def row_normalise(counts: np.ndarray) -> np.ndarray:
+    """counts [..., n_layer, n_expert] -> each layer's row divided by its sum (zero rows stay zero)."""
+    s = counts.sum(axis=-1, keepdims=True)
+    return np.divide(counts, s, out=np.zeros_like(counts, dtype=np.float32), where=s > 0)
+
 
 EPS = 1e-3  # added to p so that experts the EAM never saw still rank by layer (MoE-Infinity's epsilon)
 
@@ -40,7 +53,7 @@ EPS = 1e-3  # added to p so that experts the EAM never saw still rank by layer (
 class EAMPolicy(Policy):
     """MoE-Infinity: evict the lowest (p + eps) * (1 - j/L), p from the request's (matched) expert activation matrix."""
 
-    def __init__(self, n_expert: int, layers: list[int], predictor: EAM | None = None, eps: float = EPS) -> None:
+    def __init__(self, n_expert: int, layers: list[int], predictor: EAMMatcher | None = None, eps: float = EPS) -> None:
         super().__init__(n_expert, layers)
         self.eps = eps
         self.pos = {il: j for j, il in enumerate(sorted(layers))}

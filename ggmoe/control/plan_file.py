@@ -37,7 +37,7 @@ def read_plan(path: str | Path) -> CacheConfig:
     """The ``CacheConfig`` a plan file describes; UsageError naming the file and the field otherwise."""
     from ggmoe.cache.miss import check_miss_policy
     from ggmoe.cache.policies import POLICIES
-    from ggmoe.cache.prefetch import PrefetchConfig
+    from ggmoe.control.prefetch import PrefetchConfig
 
     p = Path(path)
     if not p.is_file():

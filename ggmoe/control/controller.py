@@ -1,0 +1,53 @@
+"""The async decode's cache controller: runs on the host between tokens.
+
+After a decode whose micro-batch read its experts through the expert tables,
+the engine hands the token's routing here (once per decode, not per layer).
+The controller feeds every cached layer's selected experts to the cache
+(``ExpertCache.after_token``: hits and host reads counted, landed copies made
+readable, misses admitted at low priority with their victims' entries pointed
+back at host memory first) and then gives the observers (statistics,
+recorder, user hooks) one ``RouteEvent`` per layer. Python decides here; the
+engine's copy backend and expert tables execute.
+
+The invariants the engine relies on hold because this runs while no graph
+runs (after the decode's logits were read): an entry points back at host
+memory before a copy may overwrite its slot, and at a slot only after the
+copy into it landed (``SlotTable`` tells the table through its listener).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from ggmoe.cache.cache import ExpertCache
+from ggmoe.hook import RouteEvent, RouteObserver
+
+
+class TokenController:
+    """Per decoded micro-batch: the routing to the cache, then to the observers."""
+
+    def __init__(self, cache: ExpertCache | None, observers: Iterable[RouteObserver] | None = None) -> None:
+        self.cache = cache
+        self.observers = observers  # an iterable read on every call (the engine's live list)
+        self.tokens = 0  # table-mode micro-batches handled
+        self.calls = 0  # layer routings handled (one per MoE layer per micro-batch)
+
+    def on_routing(self, layers: Iterable[int], routing: np.ndarray) -> None:
+        """``routing`` I32 [n_layer, n_tokens, n_expert_used]: the selected experts of ``layers`` (the MoE
+        layers that read through tables) in the micro-batch just decoded."""
+        cache = self.cache
+        self.tokens += 1
+        if cache is not None:
+            cache.token += 1
+        observers = tuple(self.observers) if self.observers is not None else ()
+        for il in layers:
+            ids = routing[il]
+            self.calls += 1
+            if cache is not None and il in cache.tables:
+                cache.after_token(il, ids.ravel().tolist())
+            if observers:
+                event = RouteEvent(il=il, ids=np.array(ids, dtype=np.int32), probs=None, hidden=None)
+                for obs in observers:
+                    obs.on_route(event)

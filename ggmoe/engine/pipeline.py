@@ -1,0 +1,234 @@
+"""The one pipeline: route hook, cache runtime, expert tables, controller, prefetcher and observers on a context.
+
+Engine layer (ctypes allowed). ``Engine`` and ``ggmoe.load()`` (through
+``GgmoeLlama``) build exactly this object on their ``llama_context *`` and call
+it around every ``llama_decode``:
+
+- ``begin_step(tokens)`` before: the prefetcher's token-based predictors read the batch;
+- ``after_decode(n_tokens)`` after the logits were read (the device is idle): in the async decode the
+  routing output goes to the ``TokenController`` (cache admissions, then the observers);
+- ``take_error()``: what the route callback, the route op or the prefetch worker stored (a callback never
+  raises into C); the caller raises it from the call that ran the decode.
+
+Decode modes (``ggmoe.cache.decode_mode``): in ``async``, micro-batches of at most ``max_tokens`` tokens
+read their experts through the expert tables with no route op (no Python per MoE layer); larger ones
+(prefill) take the route op on the same cache, whose slot changes the tables follow. While an observer
+reads router probabilities or hidden states, or a benchmark overrides the routing, table mode is off and
+every micro-batch takes the route op (the sync path), with the tables kept current for when it comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ggmoe.cache import CacheConfig, CacheStats
+from ggmoe.cache.decode_mode import DecodeMode, choose_decode_mode, sync_reasons
+from ggmoe.control import TokenController
+from ggmoe.engine import ggml as B
+from ggmoe.engine import patch as _patched
+from ggmoe.engine.graph_predictor import attach_graph_predictor
+from ggmoe.engine.hooks import Observers, RouteOpHook
+from ggmoe.engine.slots import CacheRuntime
+from ggmoe.engine.tables import ExpertTables
+from ggmoe.hook import HookRequest, RouteObserver
+from ggmoe.inspect.facts import ModelFacts
+
+
+def table_max_tokens(n_batch: int, n_ubatch: int) -> int:
+    """The largest micro-batch that reads through the tables (0: none), such that it is always the last
+    micro-batch of its ``llama_decode`` call (the routing output holds one micro-batch): any size up to
+    ``TABLE_MAX_TOKENS`` when a call is one micro-batch, else only a final one smaller than ``n_ubatch``."""
+    if n_ubatch >= n_batch:
+        return _patched.TABLE_MAX_TOKENS
+    return max(0, min(_patched.TABLE_MAX_TOKENS, n_ubatch - 1))
+
+
+def last_ubatch(n_tokens: int, n_ubatch: int) -> int:
+    """Tokens in the last micro-batch llama.cpp makes of a ``llama_decode`` call of ``n_tokens`` tokens."""
+    return n_tokens - n_ubatch * ((n_tokens - 1) // n_ubatch)
+
+
+def backend_note(facts: ModelFacts, on_gpu: bool) -> str | None:
+    """Why the device cannot read experts through tables (None: it can). ggml-cpu reads every type through
+    them; ggml-cuda only quantized types (MMVQ); other GPU backends have no ``mul_mat_id_table``."""
+    if not on_gpu:
+        return None
+    dev = B.libggml.ggml_backend_dev_by_type(B.GGML_BACKEND_DEVICE_TYPE_GPU)
+    name = B.libggml.ggml_backend_dev_name(dev).decode() if dev else ""
+    if not name.upper().startswith("CUDA"):
+        return f"the {name or 'GPU'} backend has no expert-table matmul (ggml-cpu and ggml-cuda do)"
+    if not facts.experts_quantized:
+        return "ggml-cuda reads expert tables in its quantized kernels only; these experts are not quantized"
+    return None
+
+
+class CachePipeline:
+    """Route hook + observers, and with a cache config: cache runtime, decode mode, expert tables, token
+    controller, prefetcher and in-graph predictor, on one ``llama_context``."""
+
+    def __init__(self, model_ptr: int, ctx_ptr: int, facts: ModelFacts, model_path: Path,
+                 cache: CacheConfig | None, observers: Observers | Sequence[RouteObserver] = (),
+                 n_threads: int | None = None, n_batch: int = 512, n_ubatch: int = 512) -> None:
+        _patched.load()  # EngineNotPatchedError names the fix when the engine lacks the patch
+        self._ctx_ptr = ctx_ptr
+        self.facts = facts
+        self.hook = RouteOpHook(observers if isinstance(observers, Observers) else None)
+        self.observers = self.hook.observers
+        self.runtime: CacheRuntime | None = None
+        self.prefetcher = None  # ggmoe.control.prefetch.Prefetcher when the cache prefetches
+        self.graph_predictor = None  # its nets in the graph (ggmoe.engine.graph_predictor), when it has any
+        self.tables: ExpertTables | None = None
+        self.controller: TokenController | None = None
+        self.decode_mode: DecodeMode | None = None  # None without a cache
+        self.n_ubatch = n_ubatch
+        self.hook.install(ctx_ptr)
+        route_inputs = self.observers.on_change
+        try:
+            if not isinstance(observers, Observers):
+                for obs in observers:
+                    self.observers.add(obs)
+            if cache is None:
+                return
+            self.runtime = CacheRuntime.for_model(model_ptr, ctx_ptr, cache, facts, n_threads)
+            self.hook.cache = self.runtime.cache
+            if cache.prefetch is not None:
+                from ggmoe.control.prefetch import make_prefetcher
+
+                self.prefetcher = make_prefetcher(self.runtime.cache, cache.prefetch, facts, str(model_path))
+                if cache.prefetch.in_graph:
+                    self.graph_predictor = attach_graph_predictor(ctx_ptr, self.prefetcher.predictor,
+                                                                  facts.moe_layers)
+                    if self.graph_predictor is not None:
+                        self.prefetcher.scores_from_graph()
+                self.observers.add(self.prefetcher)
+            on_gpu = bool(self.runtime.stream.backend)
+            reasons = sync_reasons(self.runtime.miss_policy, cache.prefetch is not None, backend_note(facts, on_gpu))
+            max_tokens = table_max_tokens(n_batch, n_ubatch)
+            if not max_tokens:
+                reasons.append(f"micro-batches of {n_ubatch} tokens are too small for the routing output")
+            self.decode_mode = choose_decode_mode(cache.decode_mode, reasons)
+            if self.decode_mode.mode == "async":
+                self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
+                                           facts.n_layer, max_tokens)
+                self.tables.attach(self.runtime.cache)
+                self.controller = TokenController(self.runtime.cache, self.observers)
+
+                def on_change(request: HookRequest) -> None:
+                    route_inputs(request)
+                    self._update_table_mode()
+
+                self.observers.on_change = on_change
+                self._update_table_mode()
+        except BaseException:
+            self.detach()
+            self.close()
+            raise
+
+    # -- decode mode
+    def _table_mode_wanted(self) -> bool:
+        req = self.observers.request
+        return self.tables is not None and not (req.probs or req.hidden) and self.hook.routing_override is None
+
+    def _update_table_mode(self) -> None:
+        """Table mode on while nothing needs the route op's per-layer answer (see the module's doc)."""
+        if self.tables is None or not self._ctx_ptr:
+            return
+        want = self._table_mode_wanted()
+        if want and not self.tables.enabled:
+            self.tables.enable()
+        elif not want and self.tables.enabled:
+            self.tables.disable()
+
+    def set_routing_override(self, override: Callable[[int, int], list[int]] | None) -> None:
+        """Benchmarks only (trace-replay routing): the route op's experts replaced; sync path while set."""
+        self.hook.routing_override = override
+        self._update_table_mode()
+
+    @property
+    def mode_in_effect(self) -> str | None:
+        """async or sync as the next decode runs (None without a cache)."""
+        if self.decode_mode is None:
+            return None
+        return "async" if self.tables is not None and self.tables.enabled else "sync"
+
+    # -- around each llama_decode
+    def begin_step(self, tokens: Sequence[int]) -> None:
+        """Before each ``llama_decode``: the tokens of the batch (the token-based predictors read them)."""
+        if self.prefetcher is not None:
+            self.prefetcher.begin_step(list(tokens))
+
+    def after_decode(self, n_tokens: int) -> None:
+        """After a ``llama_decode`` of ``n_tokens`` tokens whose logits were read: in table mode, the last
+        micro-batch's routing (when it read through the tables) goes to the controller, once per decode."""
+        tables = self.tables
+        if tables is None or not tables.enabled or self.hook.error is not None:
+            return
+        n = last_ubatch(n_tokens, self.n_ubatch)
+        if n > tables.max_tokens:
+            return  # it took the route op: the callback saw it layer by layer
+        B.llama_cpp.llama_synchronize(self._ctx_ptr)  # no-op after the logits read; the routing is complete
+        try:
+            self.controller.on_routing(self.facts.moe_layers, tables.read_routing(n))
+        except BaseException as e:  # noqa: BLE001 - raised by the caller, as the callback's errors are
+            self.hook.error = e
+
+    def take_error(self) -> BaseException | None:
+        """What the callback, the route op, the controller or the prefetch worker stored (cleared)."""
+        err = self.hook.take_error(self._ctx_ptr) if self._ctx_ptr else None
+        if err is None and self.prefetcher is not None:
+            err = self.prefetcher.take_error()
+        return err
+
+    # -- what it holds
+    @property
+    def stats(self) -> CacheStats | None:
+        return self.runtime.cache.stats if self.runtime is not None else None
+
+    @property
+    def n_slots(self) -> dict[int, int]:
+        return dict(self.runtime.cache.n_slots) if self.runtime is not None else {}
+
+    def occupancy(self) -> dict[int, int]:
+        """Resident experts per cached layer (0 .. n_slots)."""
+        if self.runtime is None:
+            return {}
+        return {il: len(t.resident()) for il, t in self.runtime.cache.tables.items()}
+
+    def describe(self) -> dict[str, object]:
+        """The decode mode and the miss policy, as the stats and /metrics report them."""
+        if self.runtime is None:
+            return {}
+        mode = self.decode_mode
+        return {"decode_mode": mode.asked, "decode_mode_in_effect": self.mode_in_effect,
+                "decode_mode_reason": mode.reason,
+                "table_writes": self.tables.writes if self.tables is not None else 0,
+                "controller_tokens": self.controller.tokens if self.controller is not None else 0}
+
+    # -- lifecycle
+    def detach(self) -> None:
+        """Stop the prefetch worker and take the callback, tables and predictor off the context (before it is
+        freed)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self._ctx_ptr:
+            self.hook.uninstall(self._ctx_ptr)
+            if self.tables is not None:
+                self.tables.detach()
+            if self.graph_predictor is not None:  # out of the context's graphs before its tensors go
+                self.graph_predictor.close(ctx_alive=True)
+                self.graph_predictor = None
+            self._ctx_ptr = 0
+
+    def close(self) -> None:
+        """Free the tables, the slot tensors and the copy stream (after the context that computed with them)."""
+        self.detach()
+        if self.graph_predictor is not None:
+            self.graph_predictor.close()
+            self.graph_predictor = None
+        if self.tables is not None:
+            self.tables.close()
+            self.tables = None
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None

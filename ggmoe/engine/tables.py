@@ -1,0 +1,157 @@
+"""The async decode's device-side expert tables and its per-token routing output.
+
+Engine layer (ctypes allowed). For every cached MoE layer and expert tensor
+kind, an I64 table ``[n_expert]`` at a fixed address on the layer's device:
+entry ``e`` is the address of expert ``e``'s matrix, either its cache slot
+(``slot_tensor.data + slot * nb2``) or the model's own expert tensor in host
+memory (``host.data + e * nb2``; on a GPU its pinned buffer, which kernels read
+through unified addressing). ``ggml_mul_mat_id_table`` (patch 0006) reads
+through it, so a hit needs no host and a miss is read over the link inside the
+same kernel. The tables follow the cache's slot tables through
+``SlotListener``: an entry points at a slot only once the copy into it has
+landed, and back at host memory before any copy may overwrite the slot.
+
+``routing`` is I32 ``[n_expert_used, max_tokens, n_layer]``: each table layer of
+a table-mode micro-batch copies its selected ids there in the graph, and the
+controller reads it once per decode (after the logits, so the device is done).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ggmoe.engine import ggml as B
+from ggmoe.engine import patch as _patched
+from ggmoe.engine.arena import TensorArena
+from ggmoe.errors import EngineError
+
+GGML_TYPE_I32 = 26
+GGML_TYPE_I64 = 27
+
+
+class _LayerTable:
+    """One layer's tables (one per expert tensor kind): the ``SlotListener`` of its slot table."""
+
+    def __init__(self, tensors: list[int], host_data: list[int], slot_data: list[int], nb2: list[int],
+                 n_expert: int) -> None:
+        self.tensors = tensors  # ggml_tensor * of each kind's table, I64 [n_expert]
+        self.host = [np.asarray([h + e * nb for e in range(n_expert)], dtype=np.int64)
+                     for h, nb in zip(host_data, nb2, strict=True)]  # [kind][expert] host address
+        self.slot_data = slot_data  # [kind] address of slot 0 of the kind's slot tensor
+        self.nb2 = nb2  # [kind] bytes of one expert matrix
+        self.entry = [h.copy() for h in self.host]  # [kind][expert] what the device table holds now
+        self.writes = 0  # entries written to the device (tests, statistics)
+        self._cell = ctypes.c_int64(0)
+        for t, e in zip(self.tensors, self.entry, strict=True):  # every expert starts in host memory
+            B.libggml_base.ggml_backend_tensor_set(ctypes.cast(t, B.ggml_tensor_p), e.ctypes.data, 0, e.nbytes)
+
+    def _write(self, k: int, expert: int, addr: int) -> None:
+        # One aligned 8-byte store into the device table (a memcpy on the CPU build): a kernel reading the
+        # entry meanwhile sees the old or the new address, and both hold the expert's weights.
+        if self.entry[k][expert] == addr:
+            return
+        self.entry[k][expert] = addr
+        self._cell.value = addr
+        B.libggml_base.ggml_backend_tensor_set(ctypes.cast(self.tensors[k], B.ggml_tensor_p),
+                                               ctypes.addressof(self._cell), expert * 8, 8)
+        self.writes += 1
+
+    def mapped(self, expert: int, slot: int) -> None:
+        for k in range(len(self.tensors)):
+            self._write(k, expert, self.slot_data[k] + slot * self.nb2[k])
+
+    def unmapped(self, expert: int) -> None:
+        for k in range(len(self.tensors)):
+            self._write(k, expert, int(self.host[k][expert]))
+
+
+class ExpertTables:
+    """Every cached layer's expert tables and the routing output, on the slots' device, registered with the
+    context. ``attach`` hooks them to the cache's slot tables; ``enable``/``disable`` switch table mode."""
+
+    def __init__(self, ctx_ptr: int, slots: object, n_expert: int, n_expert_used: int, n_layer: int,
+                 max_tokens: int) -> None:
+        """``slots``: the runtime's ``SlotTensors`` (its pairs give host and slot addresses per kind)."""
+        from ggmoe.inspect.names import CACHED_KINDS
+
+        self.ctx_ptr = ctx_ptr
+        self.n_expert_used = n_expert_used
+        self.n_layer = n_layer
+        self.max_tokens = max_tokens
+        self.enabled = False
+        pairs = slots.pairs  # il -> [_Pair] in the order of slots.tensors[il]'s kinds
+        n_tables = sum(len(p) for p in pairs.values())
+        self.arena = TensorArena(n_tables + 1, "the expert tables")
+        self.layers: dict[int, _LayerTable] = {}
+        try:
+            kinds = {il: list(slots.tensors[il]) for il in pairs}  # the kinds, in the pairs' order
+            made = {il: [self.arena.new_tensor(GGML_TYPE_I64, n_expert, 1, 1, f"ggmoe_table.{il}.{k}")
+                         for k in kinds[il]] for il in pairs}
+            self.routing = self.arena.new_tensor(GGML_TYPE_I32, n_expert_used, max_tokens, n_layer,
+                                                 "ggmoe_routing")
+            self.arena.allocate(slots.buft)
+            for il, ps in pairs.items():
+                slot_data = [ctypes.cast(p.cache, B.ggml_tensor_p).contents.data for p in ps]
+                self.layers[il] = _LayerTable(made[il], [p.host_data for p in ps], slot_data,
+                                              [p.nb2 for p in ps], n_expert)
+            P = _patched.load()
+            for il, kind_list in kinds.items():
+                by_kind = dict(zip(kind_list, made[il], strict=True))
+                rc = P.llama_ggmoe_set_layer_table(ctx_ptr, il, *(by_kind.get(k) for k in CACHED_KINDS))
+                if rc != _patched.LLAMA_GGMOE_OK:
+                    raise EngineError(f"registering the expert tables of layer {il} failed: "
+                                      f"{_patched.ERROR_NAMES.get(rc, rc)}")
+        except BaseException:
+            self.close()
+            raise
+        self._buf = np.zeros((n_layer, max_tokens, n_expert_used), dtype=np.int32)  # routing, read back
+
+    def attach(self, cache: object) -> None:
+        """Make every cached layer's table follow the cache's slot table (entries of ready slots now)."""
+        for il, table in cache.tables.items():
+            lt = self.layers[il]
+            table.listener = lt
+            for slot, e in enumerate(table.expert_in_list):
+                if e >= 0 and table.copy[slot] is None:
+                    lt.mapped(e, slot)
+
+    def enable(self) -> None:
+        """Table mode on: micro-batches of at most ``max_tokens`` tokens read experts through the tables."""
+        self._mode(self.max_tokens, self.routing)
+        self.enabled = True
+
+    def disable(self) -> None:
+        """Table mode off (the route op serves every micro-batch); the tables stay current."""
+        self._mode(0, None)
+        self.enabled = False
+
+    def _mode(self, max_tokens: int, routing: int | None) -> None:
+        rc = _patched.load().llama_ggmoe_set_table_mode(self.ctx_ptr, max_tokens, routing)
+        if rc != _patched.LLAMA_GGMOE_OK:
+            raise EngineError(f"switching table mode failed: {_patched.ERROR_NAMES.get(rc, rc)}")
+
+    def read_routing(self, n_tokens: int) -> np.ndarray:
+        """The last table-mode micro-batch's selected experts, I32 [n_layer, n_tokens, n_expert_used] (a view
+        of a buffer reused by the next call). Call after the decode's logits were read (device idle)."""
+        B.libggml_base.ggml_backend_tensor_get(ctypes.cast(self.routing, B.ggml_tensor_p), self._buf.ctypes.data,
+                                               0, self._buf.nbytes)
+        return self._buf[:, :n_tokens, :]
+
+    @property
+    def writes(self) -> int:
+        """Table entries written to the device since load."""
+        return sum(lt.writes for lt in self.layers.values())
+
+    def detach(self) -> None:
+        """Take the tables out of the context (before it is freed or the slots change)."""
+        if self.ctx_ptr:
+            P = _patched.load()
+            P.llama_ggmoe_set_table_mode(self.ctx_ptr, 0, None)
+            for il in self.layers:
+                P.llama_ggmoe_set_layer_table(self.ctx_ptr, il, None, None, None, None)
+            self.ctx_ptr = 0
+
+    def close(self) -> None:
+        self.arena.close()

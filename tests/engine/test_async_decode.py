@@ -1,0 +1,240 @@
+"""The async decode on the CPU build: experts read through the expert tables, the cache managed between tokens.
+
+What the GPU relies on, proved here: logits bit-identical to stock for any table state (every fixture
+architecture, the embedded model, several policies); no slot is read while a racing copy writes it (copies
+delayed and reordered on worker threads, slots poisoned before every write, random plans over thousands of
+tokens); no Python call per MoE layer on the decode path; the tables really feed the matmuls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from test_cache_engine import EXACT, run_sequences
+
+from ggmoe.cache import CacheConfig
+from ggmoe.cache.copy import CopyHandle, Priority
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine import ggml as B
+from ggmoe.errors import UsageError
+from ggmoe.hook import HookRequest, RouteRecorder
+from ggmoe.inspect import inspect_model
+
+pytestmark = pytest.mark.engine
+
+
+def _engine(path, n_slots, policy="lru", mode="async", n_ubatch=4, **cache_kw) -> Engine:
+    # n_ubatch 4 (n_batch 64): prefills run the route op per micro-batch, their last partial micro-batch and
+    # every decode step read through the tables, so both paths share one cache
+    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=n_ubatch,
+                               cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode, **cache_kw)))
+
+
+@pytest.mark.parametrize("policy", ["lru", "test-random"])
+def test_async_logits_equal_stock_path(arch_model, stock_logits, policy):
+    arch, path = arch_model
+    facts = inspect_model(path)
+    ref = stock_logits(path)
+    for n_slots in sorted({facts.n_expert_used, facts.n_expert // 2, facts.n_expert}):
+        with _engine(path, n_slots, policy) as eng:
+            assert eng.decode_mode["decode_mode_in_effect"] == "async"
+            got = run_sequences(eng)
+            st = eng.cache_stats.total()
+            ctl = eng.pipeline.controller
+        for a, b in zip(got, ref, strict=True):
+            assert np.abs(a - b).max() <= EXACT, (arch, n_slots, policy)
+        assert ctl.tokens >= 2 * 6  # every decode step went through the controller
+        assert st.host_reads > 0 and st.admission_copies > 0 and st.hits > 0
+
+
+@pytest.mark.parametrize("n_ubatch", [4, 64])
+def test_async_embedded_model_logits_equal_stock_path(stock_logits, n_ubatch):
+    from ggmoe.models import default_model_path
+
+    path = default_model_path()
+    for n_slots, policy in ((4, "lru"), (16, "lfu"), (32, "lru")):
+        with _engine(path, n_slots, policy, n_ubatch=n_ubatch) as eng:
+            got = run_sequences(eng)
+            st = eng.cache_stats.total()
+        for a, b in zip(got, stock_logits(path), strict=True):
+            assert np.abs(a - b).max() <= EXACT, (n_slots, policy, n_ubatch)
+        if n_slots == 32:  # every expert fits: after the cold misses, only hits
+            assert st.evictions == 0
+
+
+def test_no_python_call_per_moe_layer_when_decoding(qwen3moe_model):
+    """A decode step is one llama_decode with no route callback; the controller runs once per token."""
+    facts = inspect_model(qwen3moe_model)
+    with _engine(qwen3moe_model, facts.n_expert_used + 1) as eng:
+        ids = eng.tokenize("The quick brown fox jumps")
+        eng.decode(ids)  # prefill: route op per micro-batch of 4
+        ctl = eng.pipeline.controller
+        tokens0, calls0 = ctl.tokens, ctl.calls
+        eng.record_hook_times()
+        for t in ids[:8]:
+            eng.decode([t])
+        assert len(eng.hook_times) == 0  # the route callback never ran
+        assert ctl.tokens - tokens0 == 8  # one controller step per decode
+        assert ctl.calls - calls0 == 8 * len(facts.moe_layers)  # each layer's routing, after the decode
+        # with an observer that reads hidden states, the same decode takes the route op again (sync path)
+        rec = RouteRecorder(HookRequest(probs=True, hidden=True))
+        with eng.observing(rec):
+            assert eng.decode_mode["decode_mode_in_effect"] == "sync"
+            eng.decode([ids[0]])
+            assert len(eng.hook_times) == len(facts.moe_layers)
+            assert all(ev.hidden is not None for ev in rec.take().values())
+        assert eng.decode_mode["decode_mode_in_effect"] == "async"
+
+
+def test_observers_get_the_routing_once_per_token(qwen3moe_model):
+    """The routing leaves the device once per token; observers see the same ids as in sync mode."""
+    facts = inspect_model(qwen3moe_model)
+    seen = {}
+    for mode in ("async", "sync"):
+        rec = RouteRecorder(HookRequest(probs=False, hidden=False))
+        with _engine(qwen3moe_model, facts.n_expert_used, mode=mode) as eng:
+            ids = eng.tokenize("hello world, hello")
+            eng.decode(ids)
+            rec_events = []
+            with eng.observing(rec):
+                for t in ids[:5]:
+                    eng.decode([t])
+                    rec_events.append({il: ev.ids.copy() for il, ev in rec.take().items()})
+        seen[mode] = rec_events
+    assert len(seen["async"]) == 5
+    for a, s in zip(seen["async"], seen["sync"], strict=True):
+        assert a.keys() == s.keys() == set(facts.moe_layers)
+        for il in a:
+            assert np.array_equal(a[il], s[il])
+
+
+def test_tables_really_feed_the_matmuls(qwen3moe_model):
+    """Zeroed slots change the logits once every entry points at a slot; pointing the entries back at host
+    memory restores the stock logits (the same bytes, read from the model's tensors)."""
+    facts = inspect_model(qwen3moe_model)
+    with _engine(qwen3moe_model, facts.n_expert) as eng:
+        ids = eng.tokenize("hello there, general")
+        eng.decode(ids)
+        for t in ids:  # warm: every selected expert admitted and landed
+            eng.decode([t])
+        eng.reset()
+        before = eng.decode(ids[:3])
+        for kinds in eng._runtime.slots.tensors.values():
+            for ptr in kinds.values():
+                t = ctypes.cast(ptr, B.ggml_tensor_p)
+                n = B.libggml_base.ggml_nbytes(t)
+                zeros = np.zeros(n, dtype=np.uint8)
+                B.libggml_base.ggml_backend_tensor_set(t, zeros.ctypes.data, 0, n)
+        eng.reset()
+        zeroed = eng.decode(ids[:3])  # 3 tokens: table mode; the resident experts read from zeroed slots
+        for table in eng._runtime.cache.tables.values():
+            table.clear()  # every entry back to host memory (the listener)
+        eng.reset()
+        restored = eng.decode(ids[:3])
+    assert np.abs(zeroed - before).max() > 1e-3
+    assert np.abs(restored - before).max() <= EXACT
+
+
+class RacingCopies:
+    """Copies on three worker threads with random delays (so they land out of order); each first fills its
+    slot with NaN poison, sleeps, then writes the expert. A graph that read a slot while it was being
+    written would see NaN or another expert's weights."""
+
+    def __init__(self, pairs, seed: int) -> None:
+        self.pairs = pairs
+        self.rng = random.Random(seed)
+        self.pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="racing-copy")
+        self.futures: dict[int, Future] = {}
+        self.lock = threading.Lock()
+        self.n = 0
+        self.poisoned = 0
+
+    def _copy(self, il: int, expert: int, slot: int, delays: tuple[float, float]) -> None:
+        for p in self.pairs[il]:
+            t = ctypes.cast(p.cache, B.ggml_tensor_p)
+            poison = np.full(p.nb2, 0xFF, dtype=np.uint8)  # NaN in every float format, garbage in quants
+            B.libggml_base.ggml_backend_tensor_set(t, poison.ctypes.data, slot * p.nb2, p.nb2)
+        with self.lock:
+            self.poisoned += 1
+        time.sleep(delays[0])
+        for p in self.pairs[il]:
+            B.libggml_base.ggml_backend_tensor_set(ctypes.cast(p.cache, B.ggml_tensor_p),
+                                                   p.host_data + expert * p.nb2, slot * p.nb2, p.nb2)
+        time.sleep(delays[1])  # landed, but not yet reported done
+
+    def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
+        with self.lock:
+            h = CopyHandle(self.n, il, expert, slot, Priority(priority))
+            self.n += 1
+            delays = (self.rng.uniform(0, 0.002), self.rng.uniform(0, 0.001))
+        self.futures[h.id] = self.pool.submit(self._copy, il, expert, slot, delays)
+        return h
+
+    def done(self, handle: CopyHandle) -> bool:
+        f = self.futures[handle.id]
+        if f.done():
+            f.result()
+            return True
+        return False
+
+    def wait(self, handles) -> None:
+        for h in handles:
+            self.futures[h.id].result()
+
+    def cancel(self, handle: CopyHandle) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def test_racing_copies_never_change_a_token(qwen3moe_model):
+    """Random plans (a random-victim policy, few slots) over 1200 tokens with copies racing the decodes on
+    worker threads: every logit equals the stock path's, while slots were poisoned under the tables."""
+    facts = inspect_model(qwen3moe_model)
+    rng = np.random.default_rng(7)
+    n_vocab = 0
+    seqs = []
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, gate_hook=False)) as stock:
+        n_vocab = stock.n_vocab
+        for _ in range(6):  # 6 sequences x 200 forced tokens
+            toks = rng.integers(0, n_vocab, size=200).tolist()
+            stock.reset()
+            seqs.append((toks, [stock.decode([t]) for t in toks]))
+    with _engine(qwen3moe_model, facts.n_expert_used + 1, "test-random") as eng:
+        cache = eng._runtime.cache
+        racing = RacingCopies(eng._runtime.slots.pairs, seed=3)
+        cache.copies = racing
+        try:
+            for toks, ref in seqs:
+                eng.reset()
+                for t, r in zip(toks, ref, strict=True):
+                    got = eng.decode([t])
+                    assert np.array_equal(got, r)
+        finally:
+            racing.close()
+        st = cache.stats.total()
+    assert racing.poisoned > 1000  # copies really raced the decodes
+    assert st.landed > 500 and st.lag_tokens > 0  # some copies landed a token or more later
+    assert st.host_reads > 1000
+
+
+def test_decode_mode_choice(qwen3moe_model):
+    facts = inspect_model(qwen3moe_model)
+    with _engine(qwen3moe_model, facts.n_expert_used, mode="auto") as eng:
+        assert eng.decode_mode["decode_mode_in_effect"] == "async"
+    with _engine(qwen3moe_model, facts.n_expert_used + 1, mode="auto", miss_policy="cpu") as eng:
+        assert eng.decode_mode["decode_mode_in_effect"] == "sync"
+        assert "host path" in eng.decode_mode["decode_mode_reason"]
+    with pytest.raises(UsageError, match="async cannot run here: the host path"):
+        _engine(qwen3moe_model, facts.n_expert_used + 1, mode="async", miss_policy="cpu")
+    with _engine(qwen3moe_model, facts.n_expert_used, mode="sync") as eng:
+        assert eng.decode_mode["decode_mode_in_effect"] == "sync" and eng.pipeline.tables is None
+    with pytest.raises(UsageError, match="unknown decode mode"):
+        _engine(qwen3moe_model, facts.n_expert_used, mode="fast")
