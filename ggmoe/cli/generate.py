@@ -84,7 +84,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 @edge
 def run(model: str | None, prompt: str | None, prompt_file: str | None, max_tokens: int, temp: float, seed: int,
         as_json: bool, trace_out: str | None, cache_slots: int | None, vram: str | None, policy: str | None,
-        stats_json: str | None, miss_policy: str | None, predictor: str | None, stride: int,
+        stats_json: str | None, decode_mode: str | None, miss_policy: str | None, predictor: str | None, stride: int,
         n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...],
         predict_background: bool, hw: str | None, config: str | None, stats_in: str | None, stats_out_path: str | None,
         n_ctx: int | None, threads: int | None, verbose: bool) -> None:
@@ -103,7 +103,7 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
     text = read_prompt(prompt, prompt_file)
     cache = cache_config(cache_slots, vram, policy, facts, miss_policy,
                          prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train,
-                                         predict_background), hw, config)
+                                         predict_background), hw, config, decode_mode)
     warm = read_stats_in(stats_in, facts, path)
     cache = warm_start(cache, warm)
     routing_out = stats_out(stats_out_path, warm, facts, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -78,12 +79,13 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
 
 def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: Any = None,
                  miss_policy: str | None = None, prefetch: Any = None, hw: str | None = None,
-                 config: str | None = None):
-    """A CacheConfig from the flags or from a plan file (--config), or None when neither was given."""
+                 config: str | None = None, decode_mode: str | None = None):
+    """A CacheConfig from the flags or from a plan file (--config), or None when neither was given;
+    --decode-mode applies to both."""
     from ggmoe.cache.config import build_cache_config
 
     if config is None:
-        return build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw)
+        return build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode)
     given = [f for f, v in (("--cache-slots", cache_slots), ("--vram", vram), ("--policy", policy),
                             ("--miss-policy", miss_policy), ("--predictor", prefetch), ("--hw", hw)) if v is not None]
     if given:
@@ -98,6 +100,8 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
         from ggmoe.cache.hardware import load_profile
 
         load_profile(cfg.hw_profile)
+    if decode_mode is not None:
+        cfg = dataclasses.replace(cfg, decode_mode=decode_mode)
     return cfg
 
 
@@ -140,6 +144,10 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--miss-policy", type=click.Choice(["wait", "cpu", "auto"]),
                       help="An expert not on the device: wait for its copy (default), compute it on the CPU "
                            "(the host path), or whichever is sooner by the measured cost model.")(fn)
+    fn = click.option("--decode-mode", type=click.Choice(["auto", "async", "sync"]),
+                      help="async: experts read through a device-side table, no sync per MoE layer, the cache "
+                           "managed between tokens; sync: the route op answers every layer (needed by the host "
+                           "path and prefetching); auto (default): async unless something needs sync.")(fn)
     fn = click.option("--stats-json", type=click.Path(),
                       help="Write cache statistics (hit rate per layer, bytes copied, copy waits) here.")(fn)
     fn = click.option("--policy", help="Cache eviction policy (default lru; see `ggmoe policies`).")(fn)
@@ -162,9 +170,12 @@ def stats_summary(eng: Any) -> str | None:
     pre = (f", prefetch {t.prefetch_hits}/{t.prefetch_issued} used, predictor {t.pred_accuracy:.1%} accurate"
            if t.prefetch_issued else "")
     note = (eng.miss_policy or (None, None))[1]
+    mode = eng.decode_mode
+    reads = f", {t.host_reads} read from host memory" if t.host_reads else ""
     return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.misses} expert uses), "
-            f"{format_bytes(t.bytes_copied)} copied{host}{pre}, {t.native_calls} native calls"
-            + (f"; {note}" if note else ""))
+            f"{format_bytes(t.bytes_copied)} copied{host}{reads}{pre}, {t.native_calls} native calls"
+            + (f"; {note}" if note else "")
+            + (f"\ndecode mode: {mode['decode_mode_in_effect']} ({mode['decode_mode_reason']})" if mode else ""))
 
 
 def write_stats(eng: Any, path: str | None, extra: dict) -> None:
@@ -174,7 +185,7 @@ def write_stats(eng: Any, path: str | None, extra: dict) -> None:
         raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
     in_effect, note = eng.miss_policy
     d = {"policy": eng.config.cache.policy, "miss_policy": eng.config.cache.miss_policy,
-         "miss_policy_in_effect": in_effect, "miss_policy_note": note,
+         "miss_policy_in_effect": in_effect, "miss_policy_note": note, **eng.decode_mode,
          "slots_per_layer": {str(k): v for k, v in eng.cache_slots.items()}, **extra, **eng.cache_stats.to_dict()}
     write_text_atomic(path, json.dumps(d, indent=2))
 

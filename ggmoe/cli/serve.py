@@ -66,7 +66,7 @@ def _load(opts: LoadOptions, **extra: Any) -> tuple[Any, StatsOut | None]:
     prefetch = prefetch_config(c["predictor"], c["stride"], c["n_prefetch"], c["prefetch_threshold"],
                                c["predictor_train"], c["predict_background"])
     cache = cache_config(c["cache_slots"], c["vram"], c["policy"], facts, c["miss_policy"], prefetch, c["hw"],
-                         c["config"])
+                         c["config"], c["decode_mode"])
     warm = read_stats_in(c["stats_in"], facts, path)
     cache = warm_start(cache, warm)
     out = stats_out(c["stats_out_path"], warm, facts, path)

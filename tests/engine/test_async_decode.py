@@ -50,7 +50,9 @@ def test_async_logits_equal_stock_path(arch_model, stock_logits, policy):
         for a, b in zip(got, ref, strict=True):
             assert np.abs(a - b).max() <= EXACT, (arch, n_slots, policy)
         assert ctl.tokens >= 2 * 6  # every decode step went through the controller
-        assert st.host_reads > 0 and st.admission_copies > 0 and st.hits > 0
+        assert st.hits > 0
+        if n_slots < facts.n_expert:  # prefills fill what fits; decode steps then miss and admit
+            assert st.host_reads > 0 and st.admission_copies > 0
 
 
 @pytest.mark.parametrize("n_ubatch", [4, 64])

@@ -1,0 +1,128 @@
+"""The async decode's controller and the slot listener, without llama.cpp: plans in the right order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggmoe.cache import ExpertCache
+from ggmoe.cache.copy import CopyHandle, Priority
+from ggmoe.cache.decode_mode import choose_decode_mode, sync_reasons
+from ggmoe.cache.policies import POLICIES
+from ggmoe.control import TokenController
+from ggmoe.errors import UsageError
+from ggmoe.hook import RouteEvent
+
+pytestmark = pytest.mark.unit
+
+N_EXPERT, K = 8, 2
+
+
+class Table:
+    """A fake expert table: expert -> "host" or a slot; the log of what was written, in order."""
+
+    def __init__(self) -> None:
+        self.entry: dict[int, object] = {}
+        self.log: list[tuple[str, int, int | None]] = []
+
+    def mapped(self, expert: int, slot: int) -> None:
+        self.entry[expert] = slot
+        self.log.append(("map", expert, slot))
+
+    def unmapped(self, expert: int) -> None:
+        self.entry[expert] = "host"
+        self.log.append(("unmap", expert, None))
+
+
+class ManualCopies:
+    """Copies that land only when the test says so; each submit checks that no entry points at its slot."""
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+        self.handles: list[CopyHandle] = []
+        self.landed: set[int] = set()
+
+    def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
+        assert slot not in self.table.entry.values(), f"slot {slot} still readable when its copy starts"
+        h = CopyHandle(len(self.handles), il, expert, slot, Priority(priority))
+        self.handles.append(h)
+        return h
+
+    def land_all(self) -> None:
+        self.landed |= {h.id for h in self.handles}
+
+    def done(self, h: CopyHandle) -> bool:
+        return h.id in self.landed
+
+    def wait(self, handles) -> None:
+        self.landed |= {h.id for h in handles}
+
+    def cancel(self, h: CopyHandle) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def _setup(n_slots: int = 3):
+    table = Table()
+    copies = ManualCopies(table)
+    cache = ExpertCache(N_EXPERT, K, {0: n_slots}, POLICIES.get("lru")(N_EXPERT, [0]), copies,
+                        bytes_per_expert={0: 100})
+    cache.tables[0].listener = table
+    events: list[RouteEvent] = []
+
+    class Obs:
+        request = None
+
+        def on_route(self, ev: RouteEvent) -> None:
+            events.append(ev)
+
+    return cache, copies, table, TokenController(cache, [Obs()]), events
+
+
+def _token(ctl: TokenController, experts: list[int]) -> None:
+    ctl.on_routing([0], np.asarray([[experts]], dtype=np.int32))
+
+
+def test_misses_are_read_from_host_then_admitted_and_mapped_only_once_landed():
+    cache, copies, table, ctl, events = _setup()
+    _token(ctl, [1, 2])
+    st = cache.stats.layers[0]
+    assert (st.hits, st.misses, st.host_reads, st.host_read_bytes) == (0, 2, 2, 200)
+    assert st.admission_copies == 2 and table.entry == {}  # copies in flight: entries still host
+    _token(ctl, [1, 2])  # not landed yet: still read from host, not admitted twice
+    assert (st.hits, st.host_reads, st.admission_copies) == (0, 4, 2)
+    copies.land_all()
+    _token(ctl, [1, 3])  # 1 and 2 land now (mapped), but this token was launched before: 1 counts as a miss
+    assert table.entry[1] is not None and table.entry[2] is not None
+    assert st.hits == 0 and st.landed == 2 and st.lag_tokens == 2 + 2  # landed 2 tokens after submission
+    copies.land_all()
+    _token(ctl, [1, 3])  # 3 landed meanwhile, but becomes readable only at this boundary: 1 hit
+    assert st.hits == 1 and table.entry[3] is not None
+    _token(ctl, [1, 3])
+    assert st.hits == 3
+    assert [ev.ids.tolist() for ev in events][-1] == [[1, 3]] and len(events) == 5
+
+
+def test_a_victims_entry_goes_back_to_host_before_its_slot_is_rewritten():
+    cache, copies, table, ctl, _ = _setup(n_slots=2)
+    _token(ctl, [1, 2])
+    copies.land_all()
+    _token(ctl, [1, 2])  # both mapped
+    _token(ctl, [3, 4])  # evicts both: ManualCopies.submit asserts their slots are no longer readable
+    assert cache.stats.layers[0].evictions == 2
+    unmaps = [i for i, (op, e, _) in enumerate(table.log) if op == "unmap" and e in (1, 2)]
+    assert len(unmaps) >= 2 and table.entry[1] == table.entry[2] == "host"
+
+
+def test_decode_mode_choice_is_explained():
+    assert choose_decode_mode("auto", []).mode == "async"
+    why = sync_reasons("cpu", False, None)
+    m = choose_decode_mode("auto", why)
+    assert m.mode == "sync" and "host path" in m.reason
+    assert choose_decode_mode("sync", []).mode == "sync"
+    with pytest.raises(UsageError, match="async cannot run here"):
+        choose_decode_mode("async", sync_reasons("wait", True, None))
+    with pytest.raises(UsageError, match="unknown decode mode"):
+        choose_decode_mode("fastest", [])
