@@ -166,6 +166,12 @@ class ExpertCache:
             if table.n_loading:
                 self._land_done(table)
             self.policy.on_access(il, need, self.clock)
+            if self._releases:  # a policy that keeps nothing (on-demand): nothing to admit, landed ones go
+                for e in self.policy.release(il, [x for x in table.resident() if copy[slot_of[x]] is None]):
+                    self.policy.on_evict(il, e)
+                    self._note_eviction(il, table, slot_of[e])
+                    table.drop(slot_of[e])
+                return
             admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
             if admit:
                 st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))

@@ -36,7 +36,8 @@ class TokenController:
 
     def on_routing(self, layers: Iterable[int], routing: np.ndarray) -> None:
         """``routing`` I32 [n_layer, n_tokens, n_expert_used]: the selected experts of ``layers`` (the MoE
-        layers that read through tables) in the micro-batch just decoded."""
+        layers that read through tables) in the micro-batch just decoded; rows of -1 are tokens a layer did
+        not compute (the last layer computes only the tokens whose logits are wanted)."""
         cache = self.cache
         self.tokens += 1
         if cache is not None:
@@ -44,6 +45,10 @@ class TokenController:
         observers = tuple(self.observers) if self.observers is not None else ()
         for il in layers:
             ids = routing[il]
+            if ids.size and ids[-1, 0] < 0:  # the layer computed fewer tokens (llama.cpp's output skipping)
+                ids = ids[ids[:, 0] >= 0]
+                if not ids.size:
+                    continue
             self.calls += 1
             if cache is not None and il in cache.tables:
                 cache.after_token(il, ids.ravel().tolist())

@@ -154,9 +154,13 @@ class CachePipeline:
 
     # -- around each llama_decode
     def begin_step(self, tokens: Sequence[int]) -> None:
-        """Before each ``llama_decode``: the tokens of the batch (the token-based predictors read them)."""
+        """Before each ``llama_decode``: the tokens of the batch (the token-based predictors read them); the
+        routing output cleared when its last micro-batch will read through the tables."""
         if self.prefetcher is not None:
             self.prefetcher.begin_step(list(tokens))
+        tables = self.tables
+        if tables is not None and tables.enabled and last_ubatch(len(tokens), self.n_ubatch) <= tables.max_tokens:
+            tables.clear_routing()
 
     def after_decode(self, n_tokens: int) -> None:
         """After a ``llama_decode`` of ``n_tokens`` tokens whose logits were read: in table mode, the last

@@ -132,9 +132,18 @@ class ExpertTables:
         if rc != _patched.LLAMA_GGMOE_OK:
             raise EngineError(f"switching table mode failed: {_patched.ERROR_NAMES.get(rc, rc)}")
 
+    def clear_routing(self) -> None:
+        """Fill the routing output with -1 before a table-mode decode: a layer that computes fewer tokens than
+        the micro-batch has (llama.cpp's last layer computes only the tokens whose logits are wanted) leaves
+        the rest of its columns -1, not a previous token's ids."""
+        self._buf.fill(-1)
+        B.libggml_base.ggml_backend_tensor_set(ctypes.cast(self.routing, B.ggml_tensor_p), self._buf.ctypes.data,
+                                               0, self._buf.nbytes)
+
     def read_routing(self, n_tokens: int) -> np.ndarray:
         """The last table-mode micro-batch's selected experts, I32 [n_layer, n_tokens, n_expert_used] (a view
-        of a buffer reused by the next call). Call after the decode's logits were read (device idle)."""
+        of a buffer reused by the next call; -1 for tokens a layer did not compute). Call after the decode's
+        logits were read (device idle)."""
         B.libggml_base.ggml_backend_tensor_get(ctypes.cast(self.routing, B.ggml_tensor_p), self._buf.ctypes.data,
                                                0, self._buf.nbytes)
         return self._buf[:, :n_tokens, :]

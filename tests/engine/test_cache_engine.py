@@ -182,7 +182,8 @@ def test_logits_equal_stock_path_with_copies_on_a_worker_thread(qwen3moe_model, 
     facts = inspect_model(qwen3moe_model)
     ref = stock_logits(qwen3moe_model)
     cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4,
-                       cache=CacheConfig(n_slots=facts.n_expert_used + 1, policy=policy, copy_delay_s=0.001))
+                       cache=CacheConfig(n_slots=facts.n_expert_used + 1, policy=policy, copy_delay_s=0.001,
+                                         decode_mode="sync"))
     with Engine(cfg) as eng:
         got = run_sequences(eng)
         st = eng.cache_stats.total()

@@ -107,18 +107,21 @@ def test_a_template_that_tries_to_escape_the_sandbox_is_refused(tmp_path, templa
         assert llm.create_completion("a", max_tokens=2)["choices"][0]["text"] is not None
 
 
-def test_a_route_callback_error_surfaces_from_the_llama_call():
-    with ggmoe.load(n_ctx=128, cache_slots=8) as llm:
+@pytest.mark.parametrize("mode, hot_path", [("sync", "route_flat"), ("async", "after_token")])
+def test_a_route_callback_error_surfaces_from_the_llama_call(mode, hot_path):
+    """An error in the cache's per-layer call (sync: inside the route callback; async: in the controller
+    between tokens) is raised by the Llama call that ran the decode."""
+    with ggmoe.load(n_ctx=128, cache_slots=8, decode_mode=mode) as llm:
         cache = llm.attachment.runtime.cache
 
         def broken(il, ids):
             raise EngineError(f"injected failure in layer {il}")
 
-        real = cache.route_flat
-        cache.route_flat = broken
+        real = getattr(cache, hot_path)
+        setattr(cache, hot_path, broken)
         with pytest.raises(EngineError, match="injected failure"):
             llm.create_completion("hello", max_tokens=4)
-        cache.route_flat = real
+        setattr(cache, hot_path, real)
         assert llm.create_completion("hello", max_tokens=4)["usage"]["completion_tokens"] > 0
 
 

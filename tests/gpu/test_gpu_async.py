@@ -1,0 +1,73 @@
+"""GPU tier: the async decode on a CUDA device (skipped without one, never faked).
+
+Experts are read through the device-side expert table: cached ones from their slots in VRAM, the others
+from pinned host memory by the GPU itself. Logits match stock all-in-VRAM within float tolerance (MMVQ
+with a table runs the same arithmetic), greedy tokens are identical, and the decode graph has no more
+splits than stock's: nothing leaves the device inside it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from make_fixtures import ARCHES, fixture_path
+
+from ggmoe.cache import CacheConfig
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine.log import llama_log
+from ggmoe.inspect import inspect_model
+from ggmoe.models import default_model_path
+
+pytestmark = pytest.mark.gpu
+
+_SPLITS = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = [\d /]+, splits = (\d+)(?: / (\d+))?")
+
+
+def _tg_splits(since: int) -> int:
+    """Splits of the last reserved single-token graph, from llama.cpp's reserve log line."""
+    found = [m for _, line in llama_log().since(since) if (m := _SPLITS.search(line))]
+    assert found, "llama.cpp logged no graph reserve"
+    m = found[-1]
+    return int(m.group(2) or m.group(1))
+
+
+def _decode_all(eng: Engine, ids: list[int], n: int) -> tuple[list[np.ndarray], list[int]]:
+    """Greedy: the prefill's logits, then n decode steps' logits and tokens."""
+    eng.reset()
+    logits = [eng.decode(ids)]
+    toks = []
+    for _ in range(n):
+        tok = int(np.argmax(logits[-1]))
+        toks.append(tok)
+        logits.append(eng.decode([tok]))
+    return logits, toks
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", *ARCHES])
+def test_async_matches_all_in_vram(model):
+    # quantized experts: ggml-cuda reads expert tables in MMVQ, its quantized matvec
+    path = default_model_path() if model == "tiny-moe" else fixture_path(model, expert_type="q8_0")
+    facts = inspect_model(path)
+    ids = list(range(3, 40))
+    mark = llama_log().count
+    with Engine(EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1, experts_on_host=False,
+                             gate_hook=False)) as stock:
+        ref, ref_toks = _decode_all(stock, ids, 16)
+        stock.decode([ref_toks[-1]])
+    stock_splits = _tg_splits(mark)
+    for n_slots in sorted({facts.n_expert_used, facts.n_expert // 2, facts.n_expert}):
+        mark = llama_log().count
+        cfg = EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1,
+                           cache=CacheConfig(n_slots=n_slots, decode_mode="async"))
+        with Engine(cfg) as eng:
+            assert eng.decode_mode["decode_mode_in_effect"] == "async"
+            got, toks = _decode_all(eng, ids, 16)
+            st = eng.cache_stats.total()
+        assert toks == ref_toks, n_slots
+        for a, b in zip(got, ref, strict=True):
+            assert np.abs(a - b).max() <= 2e-2 * max(1.0, float(np.abs(b).max())), n_slots
+        assert _tg_splits(mark) <= stock_splits  # the decode graph stays on the device
+        if n_slots < facts.n_expert:
+            assert st.host_reads > 0  # misses were read by the GPU from pinned host memory
