@@ -8,7 +8,11 @@ machine noise hits all alike; medians over rounds):
                 ids, router probabilities and MoE inputs as ``ggmoe trace`` does;
 - ``route``     the patched route op as the gate hook, recording the same;
 - ``cache-all`` the patched route op driving an LRU cache that holds every expert
-                (every step after warm-up is all hits: the pure cost of the mechanism).
+                (every step after warm-up is all hits: the pure cost of the mechanism), sync mode;
+- ``async-all`` the same cache in the async decode: experts read through the expert tables, no route
+                callback, the controller once per token (the cost of the table and the controller);
+- ``async-half`` the async decode with half the experts cached (LRU admissions between tokens; the
+                misses read from host memory, which on a CPU build is the same RAM).
 Also a histogram of the route callback's time per layer call (``cache-all``).
 
     python tools/bench_overhead.py [MODEL] [--rounds 7] [--tokens 64] [--threads N] [--json]
@@ -91,7 +95,13 @@ def main() -> int:
         "stock": (Engine(EngineConfig(**base, gate_hook=False)), None),
         "cb_eval": (Engine(EngineConfig(**base, hook_path="cb_eval"), observer=rec_cb), rec_cb),
         "route": (Engine(EngineConfig(**base, hook_path="route"), observer=rec_route), rec_route),
-        "cache-all": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=facts.n_expert))), None),
+        "cache-all": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=facts.n_expert,
+                                                                     decode_mode="sync"))), None),
+        "async-all": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=facts.n_expert,
+                                                                     decode_mode="async"))), None),
+        "async-half": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=max(facts.n_expert // 2,
+                                                                                  facts.n_expert_used),
+                                                                      decode_mode="async"))), None),
     }
     prompt = engines["stock"][0].tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")
     for eng, rec in engines.values():  # warm-up: caches filled, graphs built
@@ -113,15 +123,17 @@ def main() -> int:
         "route_callback_us": {"p50": float(np.percentile(hook_us, 50)), "p90": float(np.percentile(hook_us, 90)),
                               "p99": float(np.percentile(hook_us, 99)), "calls": int(hook_us.size)},
         "cache_all_hit_rate": stats.hit_rate,
+        "async_half_hit_rate": engines["async-half"][0].cache_stats.total().hit_rate,
     }
     if a.json:
         print(json.dumps(res, indent=2))
     else:
         print(f"model {res['model']} ({res['moe_layers']} MoE layers), {a.rounds} rounds x {a.tokens} decode steps")
         print(f"machine: {res['machine']}")
-        print(f"{'variant':<10}{'decode tok/s':>14}{'vs stock':>10}{'us/token':>10}")
+        print(f"{'variant':<11}{'decode tok/s':>14}{'vs stock':>10}{'us/token':>10}")
         for k in engines:
-            print(f"{k:<10}{med[k]:>14.1f}{res['ratio_vs_stock'][k]:>10.3f}{res['cost_us_per_token'][k]:>10.0f}")
+            print(f"{k:<11}{med[k]:>14.1f}{res['ratio_vs_stock'][k]:>10.3f}{res['cost_us_per_token'][k]:>10.0f}")
+        print(f"async-half hit rate {res['async_half_hit_rate']:.1%}")
         h = res["route_callback_us"]
         print(f"route callback per layer call (cache-all): p50 {h['p50']:.1f} us, p90 {h['p90']:.1f} us, "
               f"p99 {h['p99']:.1f} us over {h['calls']} calls")

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from ggmoe.errors import UsageError
 
 DECODE_MODES = ("auto", "async", "sync")
+# The largest micro-batch (tokens) that reads its experts through the tables. ggml-cuda runs
+# mul_mat_id_table on MMVQ, whose MoE micro-batch limit is 4 to 8 tokens by type and GPU
+# (get_mmvq_mmid_max_batch): 4 fits every type; decode is 1 token. Larger micro-batches take the route op.
+TABLE_MAX_TOKENS = 4
 
 
 def check_decode_mode(name: str) -> str:

@@ -34,10 +34,16 @@ class HardwareProfile:
     cpu_bytes_per_s: float  # expert weights a CPU matvec reads per second (bytes/s)
     cpu_latency_s: float  # fixed cost of one expert on the CPU (s)
     hook_s: float  # the route callback's fixed cost per MoE layer (s)
+    # bytes/s the GPU's SMs read from pinned host memory (the async decode's misses); None: the copy rate
+    zero_copy_bytes_per_s: float | None = None
 
     def copy_s(self, nbytes: int, n_copies: int = 1) -> float:
         """Seconds to copy ``nbytes`` of one expert issued as ``n_copies`` copies (one per tensor kind)."""
         return n_copies * self.copy_latency_s + nbytes / self.copy_bytes_per_s
+
+    def zero_copy_s(self, nbytes: int) -> float:
+        """Seconds for the GPU to read ``nbytes`` of expert weights from pinned host memory (no copy)."""
+        return nbytes / (self.zero_copy_bytes_per_s or self.copy_bytes_per_s)
 
     def gpu_expert_s(self, nbytes: int) -> float:
         return self.gpu_launch_s + nbytes / self.gpu_bytes_per_s
@@ -80,6 +86,11 @@ def load_profile(spec: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < low:
             raise UsageError(f"{path}: [{table}] {key} must be a finite number >= {low:g}, not {v!r:.40}")
         values[attr] = float(v)
+    zc = data["copy"].get("zero_copy_bytes_per_s")  # optional: older profiles lack it
+    if zc is not None:
+        if isinstance(zc, bool) or not isinstance(zc, int | float) or not math.isfinite(zc) or zc < 1e3:
+            raise UsageError(f"{path}: [copy] zero_copy_bytes_per_s must be a finite number >= 1000, not {zc!r:.40}")
+        values["zero_copy_bytes_per_s"] = float(zc)
     name, desc = data.get("name", path.stem), data.get("description", "")
     if not isinstance(name, str) or not isinstance(desc, str):
         raise UsageError(f"{path}: name and description must be strings")
@@ -100,6 +111,9 @@ def render_profile(profile: HardwareProfile, sources: dict[str, str]) -> str:
             table = tbl
         lines.append(f"# {_comment(sources.get(attr, 'not stated'))}")
         lines.append(f"{key} = {_toml_float(getattr(profile, attr))}")
+        if attr == "copy_latency_s" and profile.zero_copy_bytes_per_s is not None:
+            lines.append(f"# {_comment(sources.get('zero_copy_bytes_per_s', 'not stated'))}")
+            lines.append(f"zero_copy_bytes_per_s = {_toml_float(profile.zero_copy_bytes_per_s)}")
     return "\n".join(lines) + "\n"
 
 

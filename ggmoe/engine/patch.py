@@ -39,10 +39,8 @@ LLAMA_GGMOE_ERR_HOST = -1010  # the host path cannot serve the layer (per-expert
 LLAMA_GGMOE_SLOT_HOST = -1
 # Micro-batches of at most this many tokens may use the host path (below the GPU backends' op offload).
 LLAMA_GGMOE_HOST_MAX_TOKENS = 16
-# Table mode (async decode): the largest micro-batch that reads experts through the tables. ggml-cuda runs
-# mul_mat_id_table on MMVQ, whose MoE micro-batch limit is 4 to 8 tokens by type and GPU
-# (get_mmvq_mmid_max_batch): 4 fits every type; decode is 1 token. Larger micro-batches take the route op.
-TABLE_MAX_TOKENS = 4
+# Table mode (async decode): the largest micro-batch that reads experts through the tables (the simulator
+# uses the same figure, so it lives with the decode modes)
 
 ERROR_NAMES: dict[int, str] = {
     LLAMA_GGMOE_ERR_LAYER: "LLAMA_GGMOE_ERR_LAYER",
@@ -111,6 +109,8 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
     # int32_t llama_ggmoe_set_table_mode(struct llama_context * ctx, int32_t max_tokens,
     #         struct ggml_tensor * routing);
     ("llama_ggmoe_set_table_mode", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p], ctypes.c_int32),
+    # int32_t llama_ggmoe_set_forced_routing(struct llama_context * ctx, struct ggml_tensor * forced);
+    ("llama_ggmoe_set_forced_routing", [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int32),
 )
 
 SYMBOLS: tuple[str, ...] = tuple(name for name, _, _ in _SIGNATURES)
@@ -129,6 +129,7 @@ class PatchedLib:
     llama_ggmoe_set_predictor: Any
     llama_ggmoe_set_layer_table: Any
     llama_ggmoe_set_table_mode: Any
+    llama_ggmoe_set_forced_routing: Any
     route_cb: Any = route_cb
 
 

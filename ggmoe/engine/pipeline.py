@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from ggmoe.cache import CacheConfig, CacheStats
 from ggmoe.cache.decode_mode import DecodeMode, choose_decode_mode, sync_reasons
 from ggmoe.control import TokenController
@@ -128,7 +130,7 @@ class CachePipeline:
     # -- decode mode
     def _table_mode_wanted(self) -> bool:
         req = self.observers.request
-        return self.tables is not None and not (req.probs or req.hidden) and self.hook.routing_override is None
+        return self.tables is not None and not (req.probs or req.hidden)
 
     def _update_table_mode(self) -> None:
         """Table mode on while nothing needs the route op's per-layer answer (see the module's doc)."""
@@ -141,9 +143,12 @@ class CachePipeline:
             self.tables.disable()
 
     def set_routing_override(self, override: Callable[[int, int], list[int]] | None) -> None:
-        """Benchmarks only (trace-replay routing): the route op's experts replaced; sync path while set."""
+        """Benchmarks only (trace-replay routing): the experts ``override(il, n_tokens)`` gives replace the
+        router's: in the route op's answers (sync path), and in table mode as the forced routing the device
+        reads (written before each table-mode decode)."""
         self.hook.routing_override = override
-        self._update_table_mode()
+        if self.tables is not None:
+            self.tables.force(override is not None)
 
     @property
     def mode_in_effect(self) -> str | None:
@@ -159,8 +164,15 @@ class CachePipeline:
         if self.prefetcher is not None:
             self.prefetcher.begin_step(list(tokens))
         tables = self.tables
-        if tables is not None and tables.enabled and last_ubatch(len(tokens), self.n_ubatch) <= tables.max_tokens:
+        n = last_ubatch(len(tokens), self.n_ubatch)
+        if tables is not None and tables.enabled and n <= tables.max_tokens:
             tables.clear_routing()
+            override = self.hook.routing_override
+            if override is not None and tables.forcing:
+                k = self.facts.n_expert_used
+                layers = list(self.facts.moe_layers)
+                tables.write_forced(layers, [np.asarray(override(il, n), dtype=np.int32).reshape(n, k)
+                                             for il in layers])
 
     def after_decode(self, n_tokens: int) -> None:
         """After a ``llama_decode`` of ``n_tokens`` tokens whose logits were read: in table mode, the last

@@ -83,7 +83,7 @@ class ExpertTables:
         self.enabled = False
         pairs = slots.pairs  # il -> [_Pair] in the order of slots.tensors[il]'s kinds
         n_tables = sum(len(p) for p in pairs.values())
-        self.arena = TensorArena(n_tables + 1, "the expert tables")
+        self.arena = TensorArena(n_tables + 2, "the expert tables")
         self.layers: dict[int, _LayerTable] = {}
         try:
             kinds = {il: list(slots.tensors[il]) for il in pairs}  # the kinds, in the pairs' order
@@ -91,6 +91,9 @@ class ExpertTables:
                          for k in kinds[il]] for il in pairs}
             self.routing = self.arena.new_tensor(GGML_TYPE_I32, n_expert_used, max_tokens, n_layer,
                                                  "ggmoe_routing")
+            # benchmarks only: trace-replay routing's ids for table-mode micro-batches (the routing's shape)
+            self.forced = self.arena.new_tensor(GGML_TYPE_I32, n_expert_used, max_tokens, n_layer,
+                                                "ggmoe_forced_routing")
             self.arena.allocate(slots.buft)
             for il, ps in pairs.items():
                 slot_data = [ctypes.cast(p.cache, B.ggml_tensor_p).contents.data for p in ps]
@@ -107,6 +110,8 @@ class ExpertTables:
             self.close()
             raise
         self._buf = np.zeros((n_layer, max_tokens, n_expert_used), dtype=np.int32)  # routing, read back
+        self._forced = np.zeros_like(self._buf)  # forced routing, written before a decode
+        self.forcing = False
 
     def attach(self, cache: object) -> None:
         """Make every cached layer's table follow the cache's slot table (entries of ready slots now)."""
@@ -119,18 +124,38 @@ class ExpertTables:
 
     def enable(self) -> None:
         """Table mode on: micro-batches of at most ``max_tokens`` tokens read experts through the tables."""
-        self._mode(self.max_tokens, self.routing)
         self.enabled = True
+        self._mode(self.max_tokens, self.routing)
 
     def disable(self) -> None:
         """Table mode off (the route op serves every micro-batch); the tables stay current."""
-        self._mode(0, None)
         self.enabled = False
+        self._mode(0, None)
 
     def _mode(self, max_tokens: int, routing: int | None) -> None:
         rc = _patched.load().llama_ggmoe_set_table_mode(self.ctx_ptr, max_tokens, routing)
         if rc != _patched.LLAMA_GGMOE_OK:
             raise EngineError(f"switching table mode failed: {_patched.ERROR_NAMES.get(rc, rc)}")
+        if routing is not None and self.forcing:  # table mode off dropped it: set it again
+            self.force(True)
+
+    def force(self, on: bool) -> None:
+        """Benchmarks only: table-mode micro-batches read the ids given to ``write_forced`` (on) or the
+        router's (off)."""
+        self.forcing = on
+        if not self.enabled:
+            return  # applied when table mode comes on (table mode off drops it)
+        rc = _patched.load().llama_ggmoe_set_forced_routing(self.ctx_ptr, self.forced if on else None)
+        if rc != _patched.LLAMA_GGMOE_OK:
+            raise EngineError(f"setting the forced routing failed: {_patched.ERROR_NAMES.get(rc, rc)}")
+
+    def write_forced(self, layers: list[int], ids: list[np.ndarray]) -> None:
+        """The next table-mode micro-batch's experts per layer: ``ids[j]`` [n_tokens, n_expert_used] for
+        layer ``layers[j]``."""
+        for il, a in zip(layers, ids, strict=True):
+            self._forced[il, : a.shape[0], :] = a
+        B.libggml_base.ggml_backend_tensor_set(ctypes.cast(self.forced, B.ggml_tensor_p),
+                                               self._forced.ctypes.data, 0, self._forced.nbytes)
 
     def clear_routing(self) -> None:
         """Fill the routing output with -1 before a table-mode decode: a layer that computes fewer tokens than
@@ -157,7 +182,7 @@ class ExpertTables:
         """Take the tables out of the context (before it is freed or the slots change)."""
         if self.ctx_ptr:
             P = _patched.load()
-            P.llama_ggmoe_set_table_mode(self.ctx_ptr, 0, None)
+            P.llama_ggmoe_set_table_mode(self.ctx_ptr, 0, None)  # also drops a forced routing
             for il in self.layers:
                 P.llama_ggmoe_set_layer_table(self.ctx_ptr, il, None, None, None, None)
             self.ctx_ptr = 0

@@ -14,6 +14,13 @@ Three resources share one virtual clock (seconds):
 A micro-batch too wide for the slots runs natively, as the engine does: llama.cpp's op offload uploads the
 layer's whole expert tensors for it (``n_expert`` experts over the link) and the GPU computes.
 
+The async decode (``SimConfig.decode_mode="async"``): micro-batches of at most ``TABLE_MAX_TOKENS`` tokens
+pay no route hook; each layer's experts that were readable when the token started come from VRAM, the others
+are read by the GPU over the link at the zero-copy rate (``zero_copy_bytes_per_s``), holding the link so
+that admissions wait; after the token the engine's own ``TokenController`` admits the misses, whose copies
+land on the link's timeline and become readable at the first token boundary after they land (epochs).
+Larger micro-batches (prefill) take the sync path, as in the engine.
+
 The cache, the policies, the miss policy and the prefetcher are the engine's own objects; only the copy
 backend and the clock are simulated. Without a hardware profile every cost is zero and copies land at once:
 the counts then equal the engine's on a CPU build exactly. What is not modelled: the output head and
@@ -33,9 +40,11 @@ import numpy as np
 
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.clock import ManualClock
+from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
 from ggmoe.cache.miss import SLOT_HOST, effective_miss_policy
 from ggmoe.cache.policies import POLICIES
+from ggmoe.control import TokenController
 from ggmoe.control.prefetch import Prefetcher
 from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
@@ -61,13 +70,17 @@ class SimConfig:
     miss_policy: str = "wait"
     predictor_s: float | None = None  # s per predictor call on the GPU's critical path; None: measured here
     predictor_state: Mapping[str, np.ndarray] | None = None  # a learnt state (--stats-in), as the engine loads it
+    # sync: the route op per layer (hook cost, demand copies); async: decode micro-batches read experts through
+    # the table (misses at the zero-copy rate, no hook), the controller admits between tokens
+    decode_mode: str = "sync"
 
     @property
     def label(self) -> str:
         sizes = sorted(set(self.n_slots.values()))
         size = str(sizes[0]) if len(sizes) == 1 else f"{min(sizes)}-{max(sizes)}"
         pred = f"{self.predictor}/s{self.stride}" if self.predictor else "-"
-        return f"{self.policy} {size} slots, predictor {pred}, miss {self.miss_policy}"
+        mode = ", async" if self.decode_mode == "async" else ""
+        return f"{self.policy} {size} slots, predictor {pred}, miss {self.miss_policy}{mode}"
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,10 @@ class _Costs:
     def cpu(self, il: int, n_experts: int) -> float:
         return n_experts * self.p.cpu_expert_s(self.bpe[il]) if self.p and n_experts else 0.0
 
+    def zero_copy(self, il: int, n_experts: int) -> float:
+        """``n_experts`` experts read by the GPU from pinned host memory (the async decode's misses)."""
+        return self.p.zero_copy_s(n_experts * self.bpe[il]) if self.p and n_experts else 0.0
+
     def native_upload(self, il: int) -> float:
         """llama.cpp's op offload: the layer's whole expert tensors over the link."""
         return self.p.copy_s(self.n_expert * self.bpe[il], COPIES_PER_EXPERT) if self.p else 0.0
@@ -168,6 +185,12 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
         n = config.n_prefetch if config.n_prefetch is not None else min(2 * m.n_expert_used, m.n_expert)
         prefetcher = Prefetcher(cache, pred, layers, n, config.threshold)
     costs = _Costs(profile, bytes_per_expert, m.n_expert)
+    if config.decode_mode not in ("sync", "async"):
+        raise UsageError(f"decode mode {config.decode_mode!r}: the simulator runs sync or async")
+    if config.decode_mode == "async" and (pred is not None or miss_policy != "wait"):
+        raise UsageError("the async decode runs without a predictor and with misses read from host memory "
+                         "(miss policy wait), as the engine's")
+    controller = TokenController(cache) if config.decode_mode == "async" else None
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
     batches = list(micro_batches(trace))
@@ -184,6 +207,18 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
                 pred.reveal(ids[rows.start])
             prefetcher.begin_step([int(t) for t in trace.token_ids[rows]])
         t0 = clock.now()
+        if controller is not None and n_tok <= TABLE_MAX_TOKENS:
+            _async_step(clock, cache, link, controller, costs, layers, ids[rows], pos)
+            dt = clock.now() - t0
+            if prefill:
+                prefill_s += dt
+                first_pending = (first_pending or 0.0) + dt
+            else:
+                decode_s += dt
+                if first_pending is not None:
+                    ttft.append(first_pending + dt)
+                    first_pending = None
+            continue
         for il in layers:
             clock.advance(costs.layer(n_tok) + costs.hook())  # attention and router, then the route op
             sel = ids[rows, pos[il]]  # [n_tok, k]
@@ -219,6 +254,25 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     if prefetcher is not None:
         prefetcher.close()
     return _result(config, trace, cache, link, profile, bytes_per_expert, decode_s, prefill_s, ttft)
+
+
+def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, controller: TokenController,
+                costs: _Costs, layers: list[int], sel: np.ndarray, pos: dict[int, int]) -> None:
+    """One micro-batch of the async decode: per layer, attention and router (no route op), the resident
+    experts from VRAM and the others read over the link at the zero-copy rate (holding the link); then the
+    controller between tokens, the engine's own (admissions land on the link's timeline)."""
+    routing = np.full((max(layers) + 1, sel.shape[0], sel.shape[2]), -1, dtype=np.int32)
+    for il in layers:
+        clock.advance(costs.layer(sel.shape[0]))
+        layer_ids = sel[:, pos[il], :]
+        routing[il] = layer_ids
+        table = cache.tables[il]
+        need = set(layer_ids.ravel().tolist())
+        ready = sum(1 for e in need if table.slot_of_list[e] >= 0 and table.copy[table.slot_of_list[e]] is None)
+        read_s = costs.zero_copy(il, len(need) - ready)
+        link.occupy(read_s)
+        clock.advance(costs.experts(il, ready) + read_s)
+    controller.on_routing(layers, routing)
 
 
 def _future(trace: Trace, cache: ExpertCache, layers: list[int], batches: Sequence[slice], ids: np.ndarray,

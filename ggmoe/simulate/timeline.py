@@ -149,5 +149,14 @@ class LinkCopyBackend:
                 return j.chunks_left * self._chunk_s(handle.il) + max(0.0, self._busy_until - self.clock.now())
         return None
 
+    def occupy(self, seconds: float) -> None:
+        """The GPU reads expert weights from pinned host memory for ``seconds`` from now (the async decode's
+        misses): the link is theirs meanwhile, so queued copies start after (a running chunk finishes)."""
+        if self.profile is None or seconds <= 0:
+            return
+        self._advance()
+        self._busy_until = max(self._busy_until, self.clock.now()) + seconds
+        self.busy_s += seconds
+
     def close(self) -> None:
         self._queue.clear()

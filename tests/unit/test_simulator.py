@@ -303,3 +303,35 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     with pytest.raises(UsageError, match="pip install"):
         pyplot()
+
+
+def test_the_async_decode_reads_misses_over_the_link_and_admits_between_tokens():
+    """One layer, top-1, 2 slots; a layer takes 10 ms, a zero-copy read of an expert 2 ms (0.5 GB/s), a copy
+    4 ms (3 chunks). Every token is an async step (one token each)."""
+    profile = dataclasses.replace(PROFILE, zero_copy_bytes_per_s=5e8, gpu_layer_s=10e-3)
+    tr = trace([[[0]], [[1]], [[0]], [[0]]])
+    r = simulate(tr, SimConfig({0: 2}, decode_mode="async"), {0: BPE}, profile)
+    layer, gpu, zc = 10e-3, BPE / 1e12, BPE / 5e8
+    # token 0 (0-12 ms): 0 missed, read over the link; admitted after, its copy lands at 16 ms
+    # token 1 (12-24 ms): 1 missed; 0 landed but becomes readable only at the boundary after token 1
+    # tokens 2 and 3: 0 read from its slot
+    st = r.stats["total"]
+    assert (st["hits"], st["misses"], st["host_reads"], st["admission_copies"]) == (2, 2, 2, 2)
+    assert st["host_read_bytes"] == 2 * BPE and st["landed"] == 2
+    assert r.ttft_s == pytest.approx(2 * (layer + zc))
+    assert r.tpot_s == pytest.approx((layer + zc + 2 * (layer + gpu)) / 3)
+    # the reads hold the link: with 1 ms layers the copies fall behind and nothing is ever admitted in time
+    fast = simulate(tr, SimConfig({0: 2}, decode_mode="async"), {0: BPE},
+                    dataclasses.replace(profile, gpu_layer_s=1e-3))
+    assert fast.stats["total"]["hits"] == 0
+    # the sync mode on the same trace waits for each miss's copy instead
+    s = simulate(tr, SimConfig({0: 2}), {0: BPE}, profile)
+    assert s.stats["total"]["misses"] == 2 and s.exposed_copy_s == pytest.approx(2 * 3 * CHUNK)
+
+
+def test_the_async_decode_refuses_what_needs_the_sync_mode():
+    tr = trace([[[0]], [[1]]])
+    with pytest.raises(UsageError, match="async decode"):
+        simulate(tr, SimConfig({0: 2}, decode_mode="async", miss_policy="cpu"), {0: BPE}, PROFILE)
+    with pytest.raises(UsageError, match="decode mode"):
+        simulate(tr, SimConfig({0: 2}, decode_mode="fast"), {0: BPE}, PROFILE)

@@ -13,6 +13,8 @@ Steps, in order of what matters most (a loan cut short still returns the first o
     build            tools/gpu/build.py (CUDA, sm_90; skipped when a build of this pack is ready), with the
                      first model written beside it
     model M          tools/gpu/realshape.py --preset M
+    probe            tools/gpu/zero_copy_probe.cu built with nvcc and run (GPU only): the SMs' read rate of pinned
+                     host memory against the copy engine's, for the matrix's bounds (RESULTS/probe.json)
     engine check     the first model loaded through ggmoe's Engine in a fresh process; if that dies by a
                      signal, again with libstdc++ preloaded, kept for the matrix runs (the first loan's
                      segfault: numpy loaded before libllama)
@@ -21,8 +23,8 @@ Steps, in order of what matters most (a loan cut short still returns the first o
 
 for each model of --models (default gpt-oss-20b, then qwen3-30b-a3b). Results go to --results (default
 /tmp/ggmoe-results): RESULTS/M/matrix.{json,md}, steps.json (each step's seconds and exit status) and
-pipeline.log; --out copies them flat as M.json, M.md, steps.json, pipeline.log and build-tail.log (the
-device tool brings back at most 8 files). Exit status of --wait: 0 finished, 3 still running, 2 a step
+pipeline.log; --out copies them flat as M.json, M.md, steps.json, pipeline.log, probe.json and
+build-tail.log (the device tool brings back at most 8 files). Exit status of --wait: 0 finished, 3 still running, 2 a step
 failed, 4 never started.
 
 ``--cpu --models toy --matrix-args ...`` runs the same pipeline on a machine without a GPU (the smoke run).
@@ -102,6 +104,22 @@ class Pipeline:
             env["LD_PRELOAD"] = self.preload
         return env
 
+    def zero_copy_probe(self) -> Path | None:
+        """Build and run the zero-copy probe; its JSON (RESULTS/probe.json), or None if it failed."""
+        exe = self.prefix / "zero_copy_probe"
+        if self.run("probe build", ["nvcc", "-O2", "-arch=sm_90", "-o", str(exe),
+                                    str(HERE / "zero_copy_probe.cu")]) != 0:
+            return None
+        t0 = time.monotonic()
+        r = subprocess.run([str(exe), "256", "9"], capture_output=True, text=True, cwd=ROOT)
+        self.record("probe", t0, r.returncode)
+        self.say(f"probe: {r.stdout.strip()} {r.stderr.strip()}")
+        if r.returncode != 0:
+            return None
+        out = self.results / "probe.json"
+        out.write_text(r.stdout)
+        return out
+
     def engine_check(self, model: Path) -> int:
         """Load ``model`` through ggmoe's Engine (as the matrix does) in a fresh process; if that dies by a
         signal, try again with libstdc++ preloaded and keep the preload for the matrix runs.
@@ -156,6 +174,7 @@ class Pipeline:
             writer.join()
         if rc != 0 or code != gpu_build.READY:
             return FAILED
+        probe = None if self.cpu else self.zero_copy_probe()
         failed = False
         checked = False
         for preset in self.models:
@@ -172,7 +191,7 @@ class Pipeline:
             for routing in ("random", "trace"):
                 cmd = [sys.executable, str(HERE / "matrix.py"), "--model", str(path), "--trace", str(self.trace),
                        "--routing", routing, "--out", str(out), *(["--append"] if routing == "trace" else []),
-                       *self.matrix_args]
+                       *(["--probe", str(probe)] if probe is not None else []), *self.matrix_args]
                 failed |= self.run(f"matrix {preset} {routing}", cmd, env=self.engine_env()) != 0
         self.say("pipeline: done" + (" (a step failed)" if failed else ""))
         return FAILED if failed else FINISHED
@@ -216,7 +235,7 @@ def collect(results: Path, prefix: Path, out: Path) -> list[str]:
             if src.is_file():
                 shutil.copy(src, out / f"{d.name}.{ext}")
                 copied.append(f"{d.name}.{ext}")
-    for name in ("steps.json", "pipeline.log"):
+    for name in ("steps.json", "pipeline.log", "probe.json"):
         if (results / name).is_file():
             shutil.copy(results / name, out / name)
             copied.append(name)
