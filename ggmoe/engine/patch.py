@@ -39,9 +39,6 @@ LLAMA_GGMOE_ERR_HOST = -1010  # the host path cannot serve the layer (per-expert
 LLAMA_GGMOE_SLOT_HOST = -1
 # Micro-batches of at most this many tokens may use the host path (below the GPU backends' op offload).
 LLAMA_GGMOE_HOST_MAX_TOKENS = 16
-# Table mode (async decode): the largest micro-batch that reads experts through the tables (the simulator
-# uses the same figure, so it lives with the decode modes)
-
 ERROR_NAMES: dict[int, str] = {
     LLAMA_GGMOE_ERR_LAYER: "LLAMA_GGMOE_ERR_LAYER",
     LLAMA_GGMOE_ERR_NOT_MOE: "LLAMA_GGMOE_ERR_NOT_MOE",

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.cache import CacheConfig, CacheStats
-from ggmoe.cache.decode_mode import DecodeMode, choose_decode_mode, sync_reasons
+from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS, DecodeMode, choose_decode_mode, sync_reasons
 from ggmoe.control import TokenController
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -42,8 +42,8 @@ def table_max_tokens(n_batch: int, n_ubatch: int) -> int:
     micro-batch of its ``llama_decode`` call (the routing output holds one micro-batch): any size up to
     ``TABLE_MAX_TOKENS`` when a call is one micro-batch, else only a final one smaller than ``n_ubatch``."""
     if n_ubatch >= n_batch:
-        return _patched.TABLE_MAX_TOKENS
-    return max(0, min(_patched.TABLE_MAX_TOKENS, n_ubatch - 1))
+        return TABLE_MAX_TOKENS
+    return max(0, min(TABLE_MAX_TOKENS, n_ubatch - 1))
 
 
 def last_ubatch(n_tokens: int, n_ubatch: int) -> int:

@@ -10,10 +10,14 @@ from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteRecorder
 
 
-def test_the_cache_and_the_observers_see_the_override(qwen3moe_model):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_cache_and_the_observers_see_the_override(qwen3moe_model, mode):
+    """sync: the route op hands the override's experts to the cache; async: the device reads the forced
+    routing through the tables and the controller sees it after each token."""
     rec = RouteRecorder(HookRequest(probs=False, hidden=False))
-    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64, cache=CacheConfig(n_slots=4)),
-                observer=rec) as eng:
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64,
+                             cache=CacheConfig(n_slots=4, decode_mode=mode)), observer=rec) as eng:
+        assert eng.decode_mode["decode_mode_in_effect"] == mode
         k = eng.facts.n_expert_used
         calls = []
 

@@ -65,8 +65,14 @@ def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, polic
     cfg = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, 3), policy=policy, decode_mode="async")
     sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None)
     fields = (*FIELDS, "host_reads", "host_read_bytes", "evictions")
+    last = str(max(facts.moe_layers))
     for il, s in sim.stats["layers"].items():
-        assert {f: s[f] for f in fields} == {f: d["layers"][il][f] for f in fields}, il
+        # the trace routes every prompt token at the last layer (recorded with all logits); the run computes
+        # only the token whose logits it samples there, so that layer's prefill call differs (native in the
+        # replay, none on the cache): its call counts are not compared, everything that touches the cache is
+        skip = ("calls", "native_calls") if il == last else ()
+        assert {f: s[f] for f in fields if f not in skip} == {f: d["layers"][il][f] for f in fields
+                                                             if f not in skip}, il
 
 
 def test_simulate_command(tmp_path):
