@@ -8,21 +8,11 @@ from pathlib import Path
 import click
 
 from ggmoe.cli.edge import edge
+from ggmoe.cli.options import model_path
+from ggmoe.cli.simulate import PLOT_SUFFIXES, pyplot
 from ggmoe.errors import UsageError
-
-
-def _options(pairs: tuple[str, ...]) -> dict[str, object]:
-    """KEY=VALUE pairs; values parsed as JSON where they can be (numbers, true/false), else strings."""
-    out: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--opt {pair!r}: expected KEY=VALUE, e.g. capacity=512")
-        try:
-            out[key.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.replace("-", "_")] = value
-    return out
+from ggmoe.outputs import check_output
+from ggmoe.params import parse_pairs
 
 
 _traces_arg = click.argument("traces", nargs=-1, required=True, type=click.Path())
@@ -77,10 +67,13 @@ def eval_predictor(traces: tuple[str, ...], specs: tuple[str, ...], train_paths:
     )
     from ggmoe.trace.data import load_traces, select_prompts, split_prompts
 
-    options = _options(opts)
-    check_options(list(specs), options)
+    # Everything a user can get wrong fails here, before any trace is read: options, the model, the plot.
+    options = check_options(list(specs), parse_pairs(opts))
     if model is not None:
-        options["model"] = model
+        options["model"] = str(model_path(model))
+    if plot is not None:
+        check_output(plot, "--plot", suffixes=PLOT_SUFFIXES)
+        pyplot()  # matplotlib missing: say so before scoring
     test = load_traces(list(traces))
     if train_paths:
         train = load_traces(list(train_paths))

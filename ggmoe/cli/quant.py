@@ -72,7 +72,7 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
       ggmoe compare-quants q4.gguf ggmoe/models/tiny-moe.gguf f16.gguf --traces traces/trace.npz --vram 4MiB
     """
     from ggmoe.cache.config import slots_for_budget
-    from ggmoe.cli.simulate import plot, pyplot, render_table
+    from ggmoe.cli.simulate import PLOT_SUFFIXES, plot, pyplot, render_table
     from ggmoe.inspect import inspect_model
     from ggmoe.simulate.des import SimConfig, simulate
     from ggmoe.simulate.hardware import load_profile
@@ -80,7 +80,7 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
     from ggmoe.units import parse_bytes
 
     if plot_path is not None:
-        check_output(plot_path, "--plot", suffixes=(".png",))
+        check_output(plot_path, "--plot", suffixes=PLOT_SUFFIXES)
         pyplot()  # matplotlib missing: say so before simulating
     trace = load_traces(list(traces))
     profile = load_profile(hw)

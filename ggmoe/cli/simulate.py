@@ -17,6 +17,9 @@ from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output
 
 
+PLOT_SUFFIXES = (".png",)  # what every --plot writes
+
+
 def _split(values: tuple[str, ...]) -> list[str]:
     """Repeated flags and comma lists alike: ("lru,lfu", "fmoe") -> ["lru", "lfu", "fmoe"]."""
     return [v.strip() for value in values for v in value.split(",") if v.strip()]
@@ -161,7 +164,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     from ggmoe.trace import load_traces
 
     if plot_path is not None:
-        check_output(plot_path, "--plot", suffixes=(".png",))
+        check_output(plot_path, "--plot", suffixes=PLOT_SUFFIXES)
     path = model_path(model)
     facts = inspect_model(path)
     trace = load_traces(list(traces))
