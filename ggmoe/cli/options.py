@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from ggmoe.errors import UsageError
+from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.outputs import check_output, write_text_atomic
 
 MAX_THREADS = max(512, 4 * (os.cpu_count() or 1))  # more threads than this only hangs OpenMP or fails
@@ -37,9 +37,21 @@ class FiniteFloat(click.ParamType):
         return f
 
 
-def model_path(model: str | None) -> Path:
-    if model:
-        return Path(model)
+def model_path(model: str | None, what: str = "MODEL") -> Path:
+    """The GGUF a command runs on: ``model``, which must be an existing file, or the embedded model if None.
+
+    An empty string is an error, not the embedded model: a variable that expanded to nothing is a mistake.
+    """
+    if model is not None:
+        if not model.strip():
+            raise UsageError(f"{what} is empty: give a GGUF file (or leave it out for the embedded model)")
+        path = Path(model)
+        if not path.exists():
+            raise ModelFileError(f"{path}: no such file (model file not found)")
+        if not path.is_file():
+            raise ModelFileError(f"{path}: {'is a directory' if path.is_dir() else 'not a regular file'}, "
+                                 "not a GGUF file")
+        return path
     from ggmoe.models import default_model_path
 
     path = default_model_path()
@@ -103,9 +115,14 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
 
 def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, threshold: float | None,
                     train: tuple[str, ...], background: bool = False):
-    """A PrefetchConfig from the flags, or None without --predictor (``build_prefetch_config``)."""
+    """A PrefetchConfig from the flags, or None without --predictor (``build_prefetch_config``); the predictor
+    checked against the registry (or as a file) before any model loads."""
     from ggmoe.cache.prefetch import build_prefetch_config
 
+    if predictor is not None:
+        from ggmoe.predict.base import check_predictor
+
+        check_predictor(predictor)
     return build_prefetch_config(predictor, stride, n_prefetch, threshold, train, background)
 
 

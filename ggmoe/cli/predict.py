@@ -70,7 +70,7 @@ def eval_predictor(traces: tuple[str, ...], specs: tuple[str, ...], train_paths:
     # Everything a user can get wrong fails here, before any trace is read: options, the model, the plot.
     options = check_options(list(specs), parse_pairs(opts))
     if model is not None:
-        options["model"] = str(model_path(model))
+        options["model"] = str(model_path(model, "--model"))
     if plot is not None:
         check_output(plot, "--plot", suffixes=PLOT_SUFFIXES)
         pyplot()  # matplotlib missing: say so before scoring
