@@ -141,18 +141,20 @@ def check_state_bytes(owner: str, nbytes: int, hint: str) -> None:
 
 
 def check_params(owner: str, params: Iterable[Param], given: Mapping[str, Any] | None,
-                 from_text: bool = False) -> dict[str, Any]:
+                 from_text: bool = False, external: bool | None = None) -> dict[str, Any]:
     """The options ``given`` checked against the declared ``params``: converted (text) and validated.
 
     ``owner`` names who takes them in messages (``predictor 'eam'``). Unknown names are refused with the
-    list of known ones; with ``from_text`` every value is text and internal options are refused.
+    list of known ones; with ``from_text`` every value is text. ``external`` (default: ``from_text``)
+    refuses internal options: what a user wrote (``--opt``, a plan file) cannot set them.
     """
+    external = from_text if external is None else external
     declared = {p.name: p for p in params}
     out: dict[str, Any] = {}
     for key, value in (given or {}).items():
-        p = declared.get(key)
-        if p is None or (from_text and p.internal):
-            known = [q.describe() for q in declared.values() if not (from_text and q.internal)]
+        p = declared.get(key) if isinstance(key, str) else None
+        if p is None or (external and p.internal):
+            known = [q.describe() for q in declared.values() if not (external and q.internal)]
             raise UsageError(f"{owner}: unknown option {key!r}; "
                              + (f"it takes {', '.join(known)}" if known else "it takes no options"))
         if from_text:

@@ -40,8 +40,12 @@ def policies() -> None:
     from ggmoe.cache.policies import POLICIES
 
     for name in POLICIES.names():
-        doc = (POLICIES.get(name).__doc__ or "").strip().splitlines()
+        cls = POLICIES.get(name)
+        doc = (cls.__doc__ or "").strip().splitlines()
         click.echo(f"{name:<12} {doc[0] if doc else ''}")
+        options = [p.describe() for p in cls.PARAMS if not p.internal]
+        if options:
+            click.echo(f"{'':<12} options ([cache.policy_options] of a plan file): {', '.join(options)}")
 
 
 @click.command("verify-hook")
