@@ -77,11 +77,24 @@ def toy_notice(path: Path) -> None:
                    "its text is not meant to be good. Give a GGUF MoE model as MODEL for real output.", err=True)
 
 
+def training_context(path: Path) -> int | None:
+    """The model's training context (``{arch}.context_length``) from the GGUF header, or None."""
+    from ggmoe.inspect.reader import read_header
+
+    kv = read_header(path).kv
+    n = kv.get(f"{kv.get('general.architecture')}.context_length")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bool, cache=None):
+    """The engine, fed in batches llama.cpp takes for the context asked for (``ggmoe.context``)."""
+    from ggmoe.context import DEFAULT_N_BATCH, decode_batch
     from ggmoe.engine import Engine, EngineConfig
 
     kw = {"n_threads": threads} if threads else {}
-    eng = Engine(EngineConfig(model_path=model, n_ctx=n_ctx, verbose=verbose, cache=cache, **kw))
+    n_batch = decode_batch(n_ctx if n_ctx is not None else training_context(model), DEFAULT_N_BATCH)
+    eng = Engine(EngineConfig(model_path=model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, verbose=verbose,
+                              cache=cache, **kw))
     if n_ctx is not None and n_ctx > eng.n_ctx_train:
         click.echo(f"warning: --n-ctx {n_ctx} is above the {eng.n_ctx_train} tokens the model was trained "
                    "on; quality past that is not to be trusted", err=True)

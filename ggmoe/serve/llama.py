@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import llama_cpp
 
 from ggmoe.cache import CacheConfig
+from ggmoe.context import check_prompt
 from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.hook import RouteObserver
 
@@ -146,6 +147,7 @@ class GgmoeLlama(llama_cpp.Llama):
         watch = self.watch
         if watch is not None:
             watch.on_prompt(len(tokens))
+        check_prompt(len(tokens), self.n_ctx(), hint="a longer n_ctx or a shorter prompt")  # ggmoe.context
         inner = super().generate(tokens, *args, **kwargs)
         try:
             sent = None
