@@ -14,7 +14,6 @@ from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output
 from ggmoe.params import parse_pairs
 
-
 _traces_arg = click.argument("traces", nargs=-1, required=True, type=click.Path())
 
 

@@ -16,7 +16,6 @@ from ggmoe.cli.options import FiniteFloat, model_path
 from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output
 
-
 PLOT_SUFFIXES = (".png",)  # what every --plot writes
 
 

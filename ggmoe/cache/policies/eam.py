@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ggmoe.cache.policies.base import POLICIES, Policy
-from ggmoe.params import Param
 from ggmoe.cache.policies.usage import LayerUsage
+from ggmoe.params import Param
 from ggmoe.predict.eam import row_normalise
 
 if TYPE_CHECKING:
