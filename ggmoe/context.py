@@ -20,6 +20,16 @@ from __future__ import annotations
 from .errors import ContextLengthError, UsageError
 
 DEFAULT_N_BATCH = 512  # tokens per llama_decode when the context is at least this large
+N_CTX_PAD = 256  # llama.cpp pads every context up to a multiple of this (llama-context.cpp, GGML_PAD)
+
+
+def context_tokens(n_ctx: int) -> int:
+    """The context llama.cpp makes when asked for ``n_ctx`` tokens (0: the model's own, left to it).
+
+    ``llama_cpp.Llama`` sizes its token and logit buffers by what it asked for, llama.cpp its KV cache by
+    the padded size; asking for the padded size keeps the two the same (a prompt over the smaller one
+    fails in numpy, past llama-cpp-python's own length check, otherwise)."""
+    return n_ctx if n_ctx <= 0 else -(-n_ctx // N_CTX_PAD) * N_CTX_PAD
 
 
 def decode_batch(n_ctx: int | None, n_batch: int = DEFAULT_N_BATCH) -> int:

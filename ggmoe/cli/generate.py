@@ -113,9 +113,9 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
         check_output_dir(trace_out, "--trace-out", members=("trace.npz",))
     if not as_json:
         toy_notice(path)
-    stream = None if as_json else _echo_stream(text)
     with make_engine(path, n_ctx, threads, verbose, cache) as eng:
         check_prompt(len(eng.tokenize(text)), eng.n_ctx)  # before llama.cpp sees it
+        stream = None if as_json else _echo_stream(text)
         if routing_out is not None:
             eng.add_observer(routing_out.collector)
         if trace_out:

@@ -26,7 +26,7 @@ from ggmoe.cli.options import (
     verbose_opt,
 )
 from ggmoe.cli.warm import StatsOut, read_stats_in, stats_options, stats_out, warm_start
-from ggmoe.errors import UsageError
+from ggmoe.errors import ContextLengthError, UsageError
 from ggmoe.outputs import write_text_atomic
 
 MAX_DEFAULT_CTX = 4096  # tokens: the default context is the model's training context, at most this
@@ -233,6 +233,13 @@ def chat(model: str | None, max_tokens: int, temp: float, seed: int | None, syst
     opts = LoadOptions(model, n_ctx, threads, verbose, cache)
     llama, out = _load(opts)
     with llama:
-        run_chat(llama, ChatOptions(max_tokens=max_tokens, temperature=temp, seed=seed, system=system), input,
-                 write)
+        try:
+            run_chat(llama, ChatOptions(max_tokens=max_tokens, temperature=temp, seed=seed, system=system), input,
+                     write)
+        except ValueError as e:  # llama-cpp-python's own length check runs before ggmoe.context's
+            if not str(e).startswith("Requested tokens"):
+                raise
+            _write_stats(llama, opts, out)
+            raise ContextLengthError(f"the conversation does not fit the context: {e} (raise --n-ctx, or "
+                                     "/reset before it fills)") from None
         _write_stats(llama, opts, out)
