@@ -62,7 +62,8 @@ def read_plan(path: str | Path) -> CacheConfig:
     layer_slots: dict[int, int] = {}
     for k, v in slots.items():
         if not k.isdigit() or len(k) > 9 or isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SLOTS:
-            raise fail(f"[cache.slots] {k!r} = {v!r}: layers are numbers, slots integers in [1, {MAX_SLOTS}]")
+            raise fail(f"[cache.slots] {k!r} = {v!r}: layers are numbers, slots positive integers "
+                       f"(at most {MAX_SLOTS})")
         layer_slots[int(k)] = v
     policy = cache.get("policy", "lru")
     if not isinstance(policy, str):

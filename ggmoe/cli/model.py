@@ -42,10 +42,9 @@ def policies() -> None:
     for name in POLICIES.names():
         cls = POLICIES.get(name)
         doc = (cls.__doc__ or "").strip().splitlines()
-        click.echo(f"{name:<12} {doc[0] if doc else ''}")
         options = [p.describe() for p in cls.PARAMS if not p.internal]
-        if options:
-            click.echo(f"{'':<12} options ([cache.policy_options] of a plan file): {', '.join(options)}")
+        more = f" (options: {', '.join(options)})" if options else ""
+        click.echo(f"{name:<12} {doc[0] if doc else ''}{more}")
 
 
 @click.command("verify-hook")

@@ -185,7 +185,7 @@ def check_options(specs: list[str], options: Mapping[str, str]) -> dict[str, obj
                   if any(p.name == key and not p.internal for p in cls.PARAMS)]
         if not takers:
             known = sorted({p.describe() for cls in classes.values() for p in cls.PARAMS if not p.internal})
-            raise UsageError(f"--opt {key}: no predictor of {', '.join(specs)} takes it; "
+            raise UsageError(f"--opt {key} is not accepted by {', '.join(specs)}; "
                              + (f"they take {', '.join(known)}" if known else "they take no options"))
         for spec, cls in takers:
             out[key] = check_params(f"--opt for predictor {spec!r}", cls.PARAMS, {key: text}, from_text=True)[key]
