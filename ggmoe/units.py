@@ -9,12 +9,13 @@ from .errors import UsageError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]{1,4})?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 MAX_BYTES = 1 << 60  # 1 EiB: a larger size is a typo, not a machine
 
 
 def parse_bytes(text: str) -> int:
-    """A byte count from ``4GiB``, ``1.5GB``, ``2e9`` or ``123456``; at most MAX_BYTES (no float overflows)."""
+    """A byte count from ``4GiB``, ``1.5GB`` or ``123456``; at most MAX_BYTES, computed exactly (no float to
+    overflow: ``1`` and 400 zeros is an error line, not an OverflowError)."""
     m = _SIZE.match(text) if isinstance(text, str) else None
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
