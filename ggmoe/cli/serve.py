@@ -171,12 +171,12 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty")
+    path = model_path(model)
     check_listen(host, port)
     loopback = is_loopback(host)
     if not loopback and api_key is None:
         click.echo(f"warning: serving on {host} (not loopback) without an API key: anyone who can reach this "
                    "port can use the model; set --api-key or GGMOE_API_KEY", err=True)
-    path = model_path(model)
     settings = ServeSettings(model_id=model_name or Path(path).stem, api_key=api_key, max_queue=max_queue,
                              max_body_bytes=parse_bytes(max_body), loopback_only=loopback,
                              cors_origins=cors_origin)

@@ -232,21 +232,15 @@ def test_bad_output_path_fails_before_any_work(case, traced, model, tmp_path):
     assert _files(tmp_path) == before
 
 
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 # every command with a MODEL argument (or --model), with MODEL standing for the value under test
 MODEL_COMMANDS = {
     "inspect": ["inspect", "MODEL"],
-    "run": ["run", "MODEL", "-p", "hi"],
-    "trace": ["trace", "MODEL", "--prompts", "PROMPTS", "-o", "TMP/o"],
+    "run": ["run", "MODEL", "-p", "hi", "-n", "2"],
+    "trace": ["trace", "MODEL", "--prompts", "PROMPTS", "-o", "TMP/o", "--max-tokens", "2"],
     "verify-hook": ["verify-hook", "MODEL"],
-    "calibrate": ["calibrate", "MODEL", "-o", "TMP/c.toml"],
+    "calibrate": ["calibrate", "MODEL", "-o", "TMP/c.toml", "--tokens", "4", "--repeat", "1"],
     "plan": ["plan", "MODEL", "--vram", "1MiB", "--traces", "TRACES", "-o", "TMP/p.toml"],
-    "serve": ["serve", "MODEL", "--port", "PORT"],
+    "serve": ["serve", "MODEL", "--port", "BUSY"],  # a port in use: a server never starts in the test process
     "chat": ["chat", "MODEL"],
     "quantize": ["quantize", "MODEL", "-o", "TMP/q.gguf", "--type", "Q8_0"],
     "compare-quants": ["compare-quants", "MODEL", "--traces", "TRACES", "--vram", "1MiB"],
@@ -263,11 +257,14 @@ def test_model_argument_must_be_an_existing_file(cmd, value, traced, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
     given, match = MODEL_VALUES[value]
-    subst = {"MODEL": given.replace("TMP", str(tmp_path)), "PROMPTS": str(prompts), "TRACES": str(traced),
-             "PORT": _port()}
-    args = [subst.get(a, a.replace("TMP", str(tmp_path))) for a in MODEL_COMMANDS[cmd]]
-    before = _files(tmp_path)
-    assert_clean_error(_in_process(args, stdin=""), match)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        subst = {"MODEL": given.replace("TMP", str(tmp_path)), "PROMPTS": str(prompts), "TRACES": str(traced),
+                 "BUSY": str(busy.getsockname()[1])}
+        args = [subst.get(a, a.replace("TMP", str(tmp_path))) for a in MODEL_COMMANDS[cmd]]
+        before = _files(tmp_path)
+        assert_clean_error(_in_process(args, stdin=""), match)
     assert _files(tmp_path) == before
 
 
@@ -290,8 +287,8 @@ NAME_CASES = {
     "compare-quants --miss-policy ''": ["compare-quants", "MODEL", "--traces", "TRACES", "--vram", "1MiB",
                                         "--miss-policy", ""],
     "eval-predictor -p ''": ["eval-predictor", "TRACES", "-p", ""],
-    "calibrate --base ''": ["calibrate", "MODEL", "--base", ""],
-    "calibrate --name ''": ["calibrate", "MODEL", "--name", ""],
+    "calibrate --base ''": ["calibrate", "MODEL", "--base", "", "--tokens", "4", "--repeat", "1"],
+    "calibrate --name ''": ["calibrate", "MODEL", "--name", "", "--tokens", "4", "--repeat", "1"],
     "run --vram 1 and 400 zeros": ["run", "MODEL", "-p", "hi", "--vram", "1" + "0" * 400],
     "simulate --vram 1e36": ["simulate", "TRACES", "--model", "MODEL", "--vram", "1" + "0" * 36],
     "plan --vram 1 and 400 zeros": ["plan", "MODEL", "--vram", "1" + "0" * 400, "--traces", "TRACES", "-o",
