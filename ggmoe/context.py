@@ -47,6 +47,5 @@ def check_prompt(n_tokens: int, n_ctx: int, what: str = "the prompt", room: int 
     if n_tokens < 1:
         raise UsageError(f"{what} is empty after tokenization")
     if n_tokens + room > n_ctx:
-        answer = " with room for an answer" if room else ""
-        raise ContextLengthError(f"{what} has {n_tokens} tokens; the context holds {n_ctx}, so at most "
-                                 f"{max(n_ctx - room, 0)} fit{answer} ({hint})")
+        answer = f" with room for {room} more" if room else ""
+        raise ContextLengthError(f"{what}: {n_tokens} tokens do not fit n_ctx {n_ctx}{answer} ({hint})")
