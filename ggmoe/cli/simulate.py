@@ -14,7 +14,7 @@ import click
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import FiniteFloat, model_path
 from ggmoe.errors import UsageError
-from ggmoe.outputs import check_output
+from ggmoe.outputs import atomic_write, check_output
 
 PLOT_SUFFIXES = (".png",)  # what every --plot writes
 
@@ -108,7 +108,9 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
     for a in ax:
         a.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_write(path) as f:  # a crash or Ctrl-C leaves no half-written image
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
 
 
 @click.command()

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.errors import UsageError
+from ggmoe.outputs import atomic_write
 from ggmoe.params import check_params
 from ggmoe.predict.base import ModelShape, Predictor, make_predictor, predictor_class
 from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, Trace
@@ -277,8 +278,8 @@ def plot_accuracy(results: list[EvalResult], path: str | Path) -> Path:
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_write(path) as f:  # a crash or Ctrl-C leaves no half-written image
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return path
 

@@ -327,3 +327,14 @@ def test_every_trace_reader_takes_what_trace_wrote(cmd, form, traced, model, tmp
     args = [subst.get(a, a.replace("TMP", str(tmp_path))) for a in READERS[cmd]]
     out = _in_process(args)
     assert out.code == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cmd", ["eval-predictor", "simulate"])
+def test_a_good_plot_is_written_whole(cmd, traced, model, tmp_path):
+    png = tmp_path / "sub" / "plot.png"
+    args = (["eval-predictor", str(traced), "-p", "reuse"] if cmd == "eval-predictor"
+            else ["simulate", str(traced), "--model", model, "--cache-slots", "4"]) + ["--plot", str(png)]
+    out = _in_process(args)
+    assert out.code == 0, out.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in png.parent.iterdir()] == ["plot.png"]  # no temporary left beside it
