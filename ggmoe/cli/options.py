@@ -18,12 +18,14 @@ MAX_THREADS = max(512, 4 * (os.cpu_count() or 1))  # more threads than this only
 
 
 class FiniteFloat(click.ParamType):
-    """A float that is finite and at least ``min`` (click's FloatRange lets nan through)."""
+    """A float that is finite and within [min, max] (open ends with ``min_open``/``max_open``): click's
+    FloatRange lets nan through, and inf where a bound is open-ended."""
 
     name = "float"
 
-    def __init__(self, min: float | None = None) -> None:  # noqa: A002 - click's own naming
-        self.min = min
+    def __init__(self, min: float | None = None, max: float | None = None,  # noqa: A002 - click's own naming
+                 min_open: bool = False, max_open: bool = False) -> None:
+        self.min, self.max, self.min_open, self.max_open = min, max, min_open, max_open
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         try:
@@ -32,9 +34,14 @@ class FiniteFloat(click.ParamType):
             self.fail(f"{value!r} is not a number", param, ctx)
         if not math.isfinite(f):
             self.fail(f"{value!r} is not a finite number", param, ctx)
-        if self.min is not None and f < self.min:
-            self.fail(f"{value!r} is below {self.min}", param, ctx)
+        if self.min is not None and (f <= self.min if self.min_open else f < self.min):
+            self.fail(f"{value!r} is {'at or ' if self.min_open else ''}below {self.min}", param, ctx)
+        if self.max is not None and (f >= self.max if self.max_open else f > self.max):
+            self.fail(f"{value!r} is {'at or ' if self.max_open else ''}above {self.max}", param, ctx)
         return f
+
+
+SEED = click.IntRange(min=0, max=2**32 - 1)  # what every seed flag takes (numpy and llama.cpp seeds alike)
 
 
 def model_path(model: str | None, what: str = "MODEL") -> Path:

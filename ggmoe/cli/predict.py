@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ggmoe.cli.edge import edge
-from ggmoe.cli.options import model_path
+from ggmoe.cli.options import SEED, FiniteFloat, model_path
 from ggmoe.cli.simulate import PLOT_SUFFIXES, pyplot
 from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output
@@ -35,9 +35,9 @@ _traces_arg = click.argument("traces", nargs=-1, required=True, type=click.Path(
               help="The GGUF (skip-gate reads its routers); default: the embedded model if the traces are its.")
 @click.option("--opt", "opts", multiple=True, metavar="KEY=VALUE",
               help="Predictor option, e.g. capacity=512 (eam, expert-map), n_match=3, decay=0.5.")
-@click.option("--val-frac", default=0.1, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True,
+@click.option("--val-frac", default=0.1, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True,
               max_open=True), help="Held-out share of the prompts when --train is not given.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split by prompt.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the split by prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write accuracy per layer, predictors side by side.")
 @edge

@@ -15,6 +15,8 @@ import click
 
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
+    SEED,
+    FiniteFloat,
     cache_config,
     cache_options,
     check_stats_json,
@@ -201,9 +203,9 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 @model_arg
 @click.option("-n", "--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
               help="Tokens per answer at most.")
-@click.option("--temp", default=0.7, show_default=True, type=click.FloatRange(min=0.0),
+@click.option("--temp", default=0.7, show_default=True, type=FiniteFloat(min=0.0),
               help="Sampling temperature (0: greedy).")
-@click.option("--seed", type=int, help="Sampling seed (default: a new one per answer).")
+@click.option("--seed", type=SEED, help="Sampling seed (default: a new one per answer).")
 @click.option("--system", help="A system message opening the conversation.")
 @_model_options
 @edge

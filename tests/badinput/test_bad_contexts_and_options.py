@@ -338,3 +338,29 @@ def test_a_good_plot_is_written_whole(cmd, traced, model, tmp_path):
     assert out.code == 0, out.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in png.parent.iterdir()] == ["plot.png"]  # no temporary left beside it
+
+
+# flags that took nan, inf or a negative seed without a word (chat, eval-predictor, train-predictor)
+NUMBER_CASES = {
+    "chat --temp nan": ["chat", "MODEL", "--temp", "nan"],
+    "chat --temp inf": ["chat", "MODEL", "--temp", "inf"],
+    "chat --seed -1": ["chat", "MODEL", "--seed", "-1"],
+    "chat --seed 2**70": ["chat", "MODEL", "--seed", str(2**70)],
+    "eval-predictor --seed -1": ["eval-predictor", "TRACES", "-p", "reuse", "--seed", "-1"],
+    "eval-predictor --val-frac nan": ["eval-predictor", "TRACES", "-p", "reuse", "--val-frac", "nan"],
+    "train-predictor --lr nan": ["train-predictor", "TRACES", "-o", "TMP/p.npz", "--lr", "nan"],
+    "train-predictor --lr inf": ["train-predictor", "TRACES", "-o", "TMP/p.npz", "--lr", "inf"],
+    "train-predictor --alpha inf": ["train-predictor", "TRACES", "-o", "TMP/p.npz", "--alpha", "inf"],
+    "train-predictor --dropout nan": ["train-predictor", "TRACES", "-o", "TMP/p.npz", "--dropout", "nan"],
+    "train-predictor --val-frac nan": ["train-predictor", "TRACES", "-o", "TMP/p.npz", "--val-frac", "nan"],
+    "train-predictor --seed -1": ["train-predictor", "TRACES", "-o", "TMP/p.npz", "--seed", "-1"],
+}
+
+
+@pytest.mark.parametrize("case", list(NUMBER_CASES))
+def test_non_finite_numbers_and_negative_seeds(case, traced, model, tmp_path):
+    subst = {"MODEL": model, "TRACES": str(traced)}
+    args = [subst.get(a, a.replace("TMP", str(tmp_path))) for a in NUMBER_CASES[case]]
+    before = _files(tmp_path)
+    assert_clean_error(_in_process(args, stdin=""))
+    assert _files(tmp_path) == before
