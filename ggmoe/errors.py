@@ -31,3 +31,8 @@ class UsageError(GgmoeError):
 
 class PredictorFileError(GgmoeError):
     """A predictor file that is missing, malformed, or made for another model."""
+
+
+class ContextLengthError(UsageError, ValueError):
+    """A prompt that does not fit the context (``ggmoe.context``). Also a ValueError: ``llama_cpp.Llama``
+    raises one for a prompt over its context, and ``ggmoe.load()``'s callers may catch that."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from ggmoe.cli.edge import edge
+from ggmoe.cli.options import SEED, FiniteFloat
 from ggmoe.errors import UsageError
 
 
@@ -50,21 +51,21 @@ def _check_dependencies(kind: str) -> None:
 @click.option("--layers", help="Source MoE layers il, comma-separated (default: all).")
 @click.option("--hidden", default=1024, show_default=True, type=click.IntRange(min=1, max=65536),
               help="Hidden units (mlp).")
-@click.option("--dropout", default=0.5, show_default=True, type=click.FloatRange(0.0, 1.0, max_open=True),
+@click.option("--dropout", default=0.5, show_default=True, type=FiniteFloat(0.0, 1.0, max_open=True),
               help="Dropout after the hidden layer (mlp).")
 @click.option("--epochs", default=20, show_default=True, type=click.IntRange(min=1),
               help="Most epochs per net (early stopping usually ends sooner).")
 @click.option("--patience", default=3, show_default=True, type=click.IntRange(min=1),
               help="Epochs without a better validation loss before stopping.")
 @click.option("--batch-size", default=256, show_default=True, type=click.IntRange(min=1), help="Tokens per step.")
-@click.option("--lr", default=1e-3, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
+@click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(min=0.0, min_open=True),
               help="Adam learning rate.")
-@click.option("--val-frac", default=0.1, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True,
+@click.option("--val-frac", default=0.1, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True,
               max_open=True), help="Share of the prompts held out for early stopping (split by prompt).")
-@click.option("--alpha", "alphas", multiple=True, type=click.FloatRange(min=0.0, min_open=True),
+@click.option("--alpha", "alphas", multiple=True, type=FiniteFloat(min=0.0, min_open=True),
               help="linear: L2 penalty; repeat to let grouped K-fold over the training prompts choose "
                    "[default: 0.1 1 10 100 1000].")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split and the training.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the split and the training.")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="Stored weight type.")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),

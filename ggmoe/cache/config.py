@@ -33,7 +33,16 @@ class CacheConfig:
     # (ggmoe.cache.decode_mode)
     decode_mode: str = "auto"
 
+    def __post_init__(self) -> None:
+        """The policy's options checked against what it declares (ggmoe.params), before anything is built."""
+        if self.policy_options:
+            from ggmoe.cache.policies import POLICIES
+            from ggmoe.params import check_params
+
+            check_params(f"policy {self.policy!r}", POLICIES.get(self.policy).PARAMS, self.policy_options)
+
     def slots(self, bytes_per_expert: dict[int, int], n_expert: int, n_expert_used: int) -> dict[int, int]:
+        """Slots of each MoE layer, each in [n_expert_used, n_expert]: checked before any slot is allocated."""
         given = [x is not None for x in (self.n_slots, self.vram_bytes, self.layer_slots)]
         if sum(given) != 1:
             raise UsageError("give the cache size as slots per layer, per-layer slots or a VRAM budget: one of them")
@@ -43,10 +52,16 @@ class CacheConfig:
             if missing or extra:
                 raise UsageError(f"the per-layer slots name MoE layers {sorted(self.layer_slots)}; the model's are "
                                  f"{sorted(bytes_per_expert)}")
-            return {il: int(self.layer_slots[il]) for il in bytes_per_expert}
-        if self.n_slots is not None:
-            return {il: self.n_slots for il in bytes_per_expert}
-        return slots_for_budget(self.vram_bytes, bytes_per_expert, n_expert, n_expert_used)
+            out = {il: self.layer_slots[il] for il in bytes_per_expert}
+        elif self.n_slots is not None:
+            out = dict.fromkeys(bytes_per_expert, self.n_slots)
+        else:
+            return slots_for_budget(self.vram_bytes, bytes_per_expert, n_expert, n_expert_used)
+        for il, n in out.items():
+            if isinstance(n, bool) or not isinstance(n, int) or not n_expert_used <= n <= n_expert:
+                raise UsageError(f"layer {il}: {n!r} cache slots; the model needs an integer from n_expert_used = "
+                                 f"{n_expert_used} to n_expert = {n_expert}")
+        return out
 
 
 def slots_for_budget(budget: int, bytes_per_expert: dict[int, int], n_expert: int,
@@ -76,12 +91,14 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
         if given is not None:
             raise UsageError(f"{given} needs a cache size: --cache-slots N or --vram BYTES")
         return None
+    from ggmoe.cache.miss import check_miss_policy
     from ggmoe.cache.policies import POLICIES
 
     if cache_slots is not None and vram is not None:
         raise UsageError("give either --cache-slots or --vram, not both")
-    POLICIES.get(policy or "lru")  # an unknown name fails here, listing the choices
-    miss = miss_policy or "wait"
+    policy = "lru" if policy is None else policy
+    POLICIES.get(policy)  # an unknown (or empty) name fails here, listing the choices
+    miss = check_miss_policy("wait" if miss_policy is None else miss_policy)
     if hw is not None:
         if miss != "auto":
             raise UsageError("--hw gives the cost model of --miss-policy auto")
@@ -95,7 +112,7 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
 
     mode = check_decode_mode(decode_mode or "auto")
     return CacheConfig(n_slots=cache_slots, vram_bytes=_bytes(vram) if vram is not None else None,
-                       policy=policy or "lru", miss_policy=miss, prefetch=prefetch, hw_profile=hw,
+                       policy=policy, miss_policy=miss, prefetch=prefetch, hw_profile=hw,
                        decode_mode=mode)
 
 

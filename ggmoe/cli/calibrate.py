@@ -9,6 +9,7 @@ import click
 
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import model_arg, model_path, threads_opt, verbose_opt
+from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output, write_text_atomic
 
 
@@ -46,6 +47,8 @@ def calibrate(model: str | None, out: str | None, name: str, base: str, tokens: 
     from ggmoe.engine.calibrate import calibrate as measure
     from ggmoe.simulate.calibration import profile_from, render
 
+    if not name.strip():
+        raise UsageError("--name is empty: give the profile a name")
     path = model_path(model)
     base_profile = load_profile(base)
     if out is not None:

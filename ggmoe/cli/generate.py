@@ -27,6 +27,7 @@ from ggmoe.cli.options import (
     write_stats,
 )
 from ggmoe.cli.warm import read_stats_in, stats_options, stats_out, warm_start
+from ggmoe.context import check_prompt
 from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output_dir
 
@@ -112,8 +113,9 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
         check_output_dir(trace_out, "--trace-out", members=("trace.npz",))
     if not as_json:
         toy_notice(path)
-    stream = None if as_json else _echo_stream(text)
     with make_engine(path, n_ctx, threads, verbose, cache) as eng:
+        check_prompt(len(eng.tokenize(text)), eng.n_ctx)  # before llama.cpp sees it
+        stream = None if as_json else _echo_stream(text)
         if routing_out is not None:
             eng.add_observer(routing_out.collector)
         if trace_out:

@@ -40,8 +40,11 @@ def policies() -> None:
     from ggmoe.cache.policies import POLICIES
 
     for name in POLICIES.names():
-        doc = (POLICIES.get(name).__doc__ or "").strip().splitlines()
-        click.echo(f"{name:<12} {doc[0] if doc else ''}")
+        cls = POLICIES.get(name)
+        doc = (cls.__doc__ or "").strip().splitlines()
+        options = [p.describe() for p in cls.PARAMS if not p.internal]
+        more = f" (options: {', '.join(options)})" if options else ""
+        click.echo(f"{name:<12} {doc[0] if doc else ''}{more}")
 
 
 @click.command("verify-hook")
@@ -60,6 +63,7 @@ def verify_hook(model: str | None, prompt: str, as_json: bool, verbose: bool) ->
     """
     from dataclasses import asdict
 
+    from ggmoe.context import check_prompt
     from ggmoe.engine.verify import check_hook
     from ggmoe.inspect import inspect_model
     from ggmoe.inspect.router import load_routers
@@ -68,7 +72,9 @@ def verify_hook(model: str | None, prompt: str, as_json: bool, verbose: bool) ->
     facts = inspect_model(path)
     routers = load_routers(path)
     with make_engine(path, 512, None, verbose) as eng:
-        res = check_hook(eng, routers, eng.tokenize(prompt), facts.n_expert_used)
+        ids = eng.tokenize(prompt)
+        check_prompt(len(ids), eng.n_ctx, "-p", room=0, hint="shorten it")  # before llama.cpp sees it
+        res = check_hook(eng, routers, ids, facts.n_expert_used)
     if as_json:
         click.echo(json.dumps({**asdict(res), "ok": res.ok}, indent=2))
     else:

@@ -12,19 +12,21 @@ from typing import Any
 
 import click
 
-from ggmoe.errors import UsageError
+from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.outputs import check_output, write_text_atomic
 
 MAX_THREADS = max(512, 4 * (os.cpu_count() or 1))  # more threads than this only hangs OpenMP or fails
 
 
 class FiniteFloat(click.ParamType):
-    """A float that is finite and at least ``min`` (click's FloatRange lets nan through)."""
+    """A float that is finite and within [min, max] (open ends with ``min_open``/``max_open``): click's
+    FloatRange lets nan through, and inf where a bound is open-ended."""
 
     name = "float"
 
-    def __init__(self, min: float | None = None) -> None:  # noqa: A002 - click's own naming
-        self.min = min
+    def __init__(self, min: float | None = None, max: float | None = None,  # noqa: A002 - click's own naming
+                 min_open: bool = False, max_open: bool = False) -> None:
+        self.min, self.max, self.min_open, self.max_open = min, max, min_open, max_open
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         try:
@@ -33,14 +35,31 @@ class FiniteFloat(click.ParamType):
             self.fail(f"{value!r} is not a number", param, ctx)
         if not math.isfinite(f):
             self.fail(f"{value!r} is not a finite number", param, ctx)
-        if self.min is not None and f < self.min:
-            self.fail(f"{value!r} is below {self.min}", param, ctx)
+        if self.min is not None and (f <= self.min if self.min_open else f < self.min):
+            self.fail(f"{value!r} is {'at or ' if self.min_open else ''}below {self.min}", param, ctx)
+        if self.max is not None and (f >= self.max if self.max_open else f > self.max):
+            self.fail(f"{value!r} is {'at or ' if self.max_open else ''}above {self.max}", param, ctx)
         return f
 
 
-def model_path(model: str | None) -> Path:
-    if model:
-        return Path(model)
+SEED = click.IntRange(min=0, max=2**32 - 1)  # what every seed flag takes (numpy and llama.cpp seeds alike)
+
+
+def model_path(model: str | None, what: str = "MODEL") -> Path:
+    """The GGUF a command runs on: ``model``, which must be an existing file, or the embedded model if None.
+
+    An empty string is an error, not the embedded model: a variable that expanded to nothing is a mistake.
+    """
+    if model is not None:
+        if not model.strip():
+            raise UsageError(f"{what} is empty: give a GGUF file (or leave it out for the embedded model)")
+        path = Path(model)
+        if not path.exists():
+            raise ModelFileError(f"{path}: no such file (model file not found)")
+        if not path.is_file():
+            raise ModelFileError(f"{path}: {'is a directory' if path.is_dir() else 'not a regular file'}, "
+                                 "not a GGUF file")
+        return path
     from ggmoe.models import default_model_path
 
     path = default_model_path()
@@ -66,11 +85,24 @@ def toy_notice(path: Path) -> None:
                    "its text is not meant to be good. Give a GGUF MoE model as MODEL for real output.", err=True)
 
 
+def training_context(path: Path) -> int | None:
+    """The model's training context (``{arch}.context_length``) from the GGUF header, or None."""
+    from ggmoe.inspect.reader import read_header
+
+    kv = read_header(path).kv
+    n = kv.get(f"{kv.get('general.architecture')}.context_length")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bool, cache=None):
+    """The engine, fed in batches llama.cpp takes for the context asked for (``ggmoe.context``)."""
+    from ggmoe.context import DEFAULT_N_BATCH, decode_batch
     from ggmoe.engine import Engine, EngineConfig
 
     kw = {"n_threads": threads} if threads else {}
-    eng = Engine(EngineConfig(model_path=model, n_ctx=n_ctx, verbose=verbose, cache=cache, **kw))
+    n_batch = decode_batch(n_ctx if n_ctx is not None else training_context(model), DEFAULT_N_BATCH)
+    eng = Engine(EngineConfig(model_path=model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, verbose=verbose,
+                              cache=cache, **kw))
     if n_ctx is not None and n_ctx > eng.n_ctx_train:
         click.echo(f"warning: --n-ctx {n_ctx} is above the {eng.n_ctx_train} tokens the model was trained "
                    "on; quality past that is not to be trusted", err=True)
@@ -107,9 +139,14 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
 
 def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, threshold: float | None,
                     train: tuple[str, ...], background: bool = False):
-    """A PrefetchConfig from the flags, or None without --predictor (``build_prefetch_config``)."""
+    """A PrefetchConfig from the flags, or None without --predictor (``build_prefetch_config``); the predictor
+    checked against the registry (or as a file) before any model loads."""
     from ggmoe.control.prefetch import build_prefetch_config
 
+    if predictor is not None:
+        from ggmoe.predict.base import check_predictor
+
+        check_predictor(predictor)
     return build_prefetch_config(predictor, stride, n_prefetch, threshold, train, background)
 
 

@@ -17,8 +17,9 @@ from ggmoe.outputs import check_output
 @model_arg
 @click.option("--vram", required=True, help="Budget for cached experts over all layers, e.g. 4GiB.")
 @click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, a .toml).")
-@click.option("--traces", multiple=True, type=click.Path(dir_okay=False),
-              help="Traces of the model (ggmoe trace): candidates are simulated on them.")
+@click.option("--traces", multiple=True, type=click.Path(),
+              help="Traces of the model (what ggmoe trace -o wrote: the directory or its trace.npz): "
+                   "candidates are simulated on them.")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False),
               help="Routing statistics (--stats-out) instead of traces: a static plan, estimated analytically.")
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="The plan file (.toml).")

@@ -8,22 +8,11 @@ from pathlib import Path
 import click
 
 from ggmoe.cli.edge import edge
+from ggmoe.cli.options import SEED, FiniteFloat, model_path
+from ggmoe.cli.simulate import PLOT_SUFFIXES, pyplot
 from ggmoe.errors import UsageError
-
-
-def _options(pairs: tuple[str, ...]) -> dict[str, object]:
-    """KEY=VALUE pairs; values parsed as JSON where they can be (numbers, true/false), else strings."""
-    out: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--opt {pair!r}: expected KEY=VALUE, e.g. capacity=512")
-        try:
-            out[key.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.replace("-", "_")] = value
-    return out
-
+from ggmoe.outputs import check_output
+from ggmoe.params import parse_pairs
 
 _traces_arg = click.argument("traces", nargs=-1, required=True, type=click.Path())
 
@@ -46,9 +35,9 @@ _traces_arg = click.argument("traces", nargs=-1, required=True, type=click.Path(
               help="The GGUF (skip-gate reads its routers); default: the embedded model if the traces are its.")
 @click.option("--opt", "opts", multiple=True, metavar="KEY=VALUE",
               help="Predictor option, e.g. capacity=512 (eam, expert-map), n_match=3, decay=0.5.")
-@click.option("--val-frac", default=0.1, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True,
+@click.option("--val-frac", default=0.1, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True,
               max_open=True), help="Held-out share of the prompts when --train is not given.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split by prompt.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the split by prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write accuracy per layer, predictors side by side.")
 @edge
@@ -77,10 +66,13 @@ def eval_predictor(traces: tuple[str, ...], specs: tuple[str, ...], train_paths:
     )
     from ggmoe.trace.data import load_traces, select_prompts, split_prompts
 
-    options = _options(opts)
-    check_options(list(specs), options)
+    # Everything a user can get wrong fails here, before any trace is read: options, the model, the plot.
+    options = check_options(list(specs), parse_pairs(opts))
     if model is not None:
-        options["model"] = model
+        options["model"] = str(model_path(model, "--model"))
+    if plot is not None:
+        check_output(plot, "--plot", suffixes=PLOT_SUFFIXES)
+        pyplot()  # matplotlib missing: say so before scoring
     test = load_traces(list(traces))
     if train_paths:
         train = load_traces(list(train_paths))

@@ -31,7 +31,7 @@ def quantize(src: str, out: str, type_name: str, threads: int | None) -> None:
     from ggmoe.engine.quantize import quantize as run
     from ggmoe.inspect import inspect_model
 
-    path = model_path(src)
+    path = model_path(src, "SRC")
     inspect_model(path)  # a bad file fails here, with ggmoe's message
     check_output(out, "-o", suffixes=(".gguf",))
     if Path(out).resolve() == path.resolve():
@@ -47,7 +47,7 @@ def _types(facts: Any) -> str:
 
 @click.command("compare-quants")
 @click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--traces", multiple=True, required=True, type=click.Path(dir_okay=False),
+@click.option("--traces", multiple=True, required=True, type=click.Path(),
               help="Traces of one of the models (routing is taken as shared by the quantization levels).")
 @click.option("--vram", required=True, help="Budget for cached experts over all layers, e.g. 4GiB.")
 @click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, a .toml).")
@@ -73,21 +73,25 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
     """
     from ggmoe.cache.config import slots_for_budget
     from ggmoe.cache.hardware import load_profile
-    from ggmoe.cli.simulate import plot, pyplot, render_table
+    from ggmoe.cache.miss import check_miss_policy
+    from ggmoe.cache.policies import POLICIES
+    from ggmoe.cli.simulate import PLOT_SUFFIXES, plot, pyplot, render_table
     from ggmoe.inspect import inspect_model
     from ggmoe.simulate.des import SimConfig, simulate
     from ggmoe.trace import load_traces
     from ggmoe.units import parse_bytes
 
     if plot_path is not None:
-        check_output(plot_path, "--plot", suffixes=(".png",))
+        check_output(plot_path, "--plot", suffixes=PLOT_SUFFIXES)
         pyplot()  # matplotlib missing: say so before simulating
-    trace = load_traces(list(traces))
+    POLICIES.get(policy)  # names against their registries, before any file is read
+    check_miss_policy(miss_policy)
     profile = load_profile(hw)
     budget = parse_bytes(vram)
+    paths = [model_path(m, "MODELS") for m in models]
+    trace = load_traces(list(traces))
     rows, results, out = [], [], []
-    for m in models:
-        path = model_path(m)
+    for path in paths:
         facts = inspect_model(path)
         shape = (tuple(facts.moe_layers), facts.n_expert, facts.n_expert_used)
         if shape != (tuple(int(il) for il in trace.layers), trace.meta.n_expert, trace.meta.n_expert_used):

@@ -15,6 +15,8 @@ import click
 
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
+    SEED,
+    FiniteFloat,
     cache_config,
     cache_options,
     check_stats_json,
@@ -26,7 +28,7 @@ from ggmoe.cli.options import (
     verbose_opt,
 )
 from ggmoe.cli.warm import StatsOut, read_stats_in, stats_options, stats_out, warm_start
-from ggmoe.errors import UsageError
+from ggmoe.errors import ContextLengthError, UsageError
 from ggmoe.outputs import write_text_atomic
 
 MAX_DEFAULT_CTX = 4096  # tokens: the default context is the model's training context, at most this
@@ -171,12 +173,12 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty")
+    path = model_path(model)
     check_listen(host, port)
     loopback = is_loopback(host)
     if not loopback and api_key is None:
         click.echo(f"warning: serving on {host} (not loopback) without an API key: anyone who can reach this "
                    "port can use the model; set --api-key or GGMOE_API_KEY", err=True)
-    path = model_path(model)
     settings = ServeSettings(model_id=model_name or Path(path).stem, api_key=api_key, max_queue=max_queue,
                              max_body_bytes=parse_bytes(max_body), loopback_only=loopback,
                              cors_origins=cors_origin)
@@ -201,9 +203,9 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 @model_arg
 @click.option("-n", "--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
               help="Tokens per answer at most.")
-@click.option("--temp", default=0.7, show_default=True, type=click.FloatRange(min=0.0),
+@click.option("--temp", default=0.7, show_default=True, type=FiniteFloat(min=0.0),
               help="Sampling temperature (0: greedy).")
-@click.option("--seed", type=int, help="Sampling seed (default: a new one per answer).")
+@click.option("--seed", type=SEED, help="Sampling seed (default: a new one per answer).")
 @click.option("--system", help="A system message opening the conversation.")
 @_model_options
 @edge
@@ -233,6 +235,13 @@ def chat(model: str | None, max_tokens: int, temp: float, seed: int | None, syst
     opts = LoadOptions(model, n_ctx, threads, verbose, cache)
     llama, out = _load(opts)
     with llama:
-        run_chat(llama, ChatOptions(max_tokens=max_tokens, temperature=temp, seed=seed, system=system), input,
-                 write)
+        try:
+            run_chat(llama, ChatOptions(max_tokens=max_tokens, temperature=temp, seed=seed, system=system), input,
+                     write)
+        except ValueError as e:  # llama-cpp-python's own length check runs before ggmoe.context's
+            if not str(e).startswith("Requested tokens"):
+                raise
+            _write_stats(llama, opts, out)
+            raise ContextLengthError(f"the conversation does not fit the context: {e} (raise --n-ctx, or "
+                                     "/reset before it fills)") from None
         _write_stats(llama, opts, out)

@@ -14,17 +14,23 @@ import click
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import FiniteFloat, model_path
 from ggmoe.errors import UsageError
-from ggmoe.outputs import check_output
+from ggmoe.outputs import atomic_write, check_output
+
+PLOT_SUFFIXES = (".png",)  # what every --plot writes
 
 
-def _split(values: tuple[str, ...]) -> list[str]:
-    """Repeated flags and comma lists alike: ("lru,lfu", "fmoe") -> ["lru", "lfu", "fmoe"]."""
-    return [v.strip() for value in values for v in value.split(",") if v.strip()]
+def _split(values: tuple[str, ...], flag: str = "") -> list[str]:
+    """Repeated flags and comma lists alike: ("lru,lfu", "fmoe") -> ["lru", "lfu", "fmoe"]; an empty item
+    (``--policy ''``, ``lru,,lfu``) is an error, never a silent default."""
+    out = [v.strip() for value in values for v in value.split(",")]
+    if "" in out:
+        raise UsageError(f"{flag or 'a list flag'}: an empty value in {','.join(values)!r}")
+    return out
 
 
 def _numbers(values: tuple[str, ...], kind: type, flag: str) -> list:
     out = []
-    for v in _split(values):
+    for v in _split(values, flag):
         try:
             x = kind(v)
         except ValueError:
@@ -50,7 +56,7 @@ def sizes(facts: Any, cache_slots: tuple[str, ...], fractions: tuple[str, ...],
     for f in _numbers(fractions, float, "--cache-fraction"):
         n = max(facts.n_expert_used, min(facts.n_expert, round(f * facts.n_expert)))
         out.append((f"{f:.0%} ({n} slots)", dict.fromkeys(bpe, n)))
-    for v in _split(vram):
+    for v in _split(vram, "--vram"):
         slots = slots_for_budget(parse_bytes(v), bpe, facts.n_expert, facts.n_expert_used)
         out.append((f"{v} ({next(iter(slots.values()))} slots)", slots))
     if not out:
@@ -102,11 +108,13 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
     for a in ax:
         a.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_write(path) as f:  # a crash or Ctrl-C leaves no half-written image
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
 
 
 @click.command()
-@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("traces", nargs=-1, required=True, type=click.Path())
 @click.option("--model", "model", help="The GGUF the traces come from (bytes per expert); default: the "
                                        "embedded model.")
 @click.option("--cache-slots", multiple=True, help="Slots per layer (repeat or comma list).")
@@ -122,7 +130,7 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
 @click.option("--miss-policy", multiple=True, help="wait, cpu, auto (repeat or comma list; default wait).")
 @click.option("--hw", default="pcie4", show_default=True,
               help="Hardware profile (pcie4, h100, egpu, a .toml from ggmoe calibrate), or none: counts only.")
-@click.option("--predictor-train", multiple=True, type=click.Path(dir_okay=False),
+@click.option("--predictor-train", multiple=True, type=click.Path(),
               help="Training traces for predictors that learn (eam, expert-map, token).")
 @click.option("--predictor-s", type=FiniteFloat(min=0.0),
               help="Seconds per predictor call on the critical path (default: measured on this machine).")
@@ -156,22 +164,31 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     from ggmoe.cli.warm import read_stats_in
     from ggmoe.inspect import inspect_model
     from ggmoe.inspect.fingerprint import model_fingerprint
+    from ggmoe.predict.base import check_predictor
     from ggmoe.simulate.des import SimConfig, build_predictor
     from ggmoe.simulate.des import simulate as run
     from ggmoe.trace import load_traces
 
     if plot_path is not None:
-        check_output(plot_path, "--plot", suffixes=(".png",))
-    path = model_path(model)
+        check_output(plot_path, "--plot", suffixes=PLOT_SUFFIXES)
+    # names first, against their registries: a typo fails before any file is read
+    policies = _split(policy, "--policy") or ["lru"]
+    predictors = [None if p == "none" else p for p in (_split(predictor, "--predictor") or ["none"])]
+    misses = _split(miss_policy, "--miss-policy") or ["wait"]
+    for pol in policies:
+        POLICIES.get(pol)
+    for pred in predictors:
+        if pred is not None:
+            check_predictor(pred)
+    for miss in misses:
+        check_miss_policy(miss)
+    profile = None if hw == "none" else load_profile(hw)
+    path = model_path(model, "--model")
     facts = inspect_model(path)
     trace = load_traces(list(traces))
     if trace.meta.model_fingerprint != model_fingerprint(path):
         raise UsageError(f"the traces come from another model than {Path(path).name}: give it with --model")
     train = load_traces(list(predictor_train)) if predictor_train else None
-    profile = None if hw == "none" else load_profile(hw)
-    policies = _split(policy) or ["lru"]
-    predictors = [None if p == "none" else p for p in (_split(predictor) or ["none"])]
-    misses = _split(miss_policy) or ["wait"]
     options: dict[str, dict] = {}
     warm = read_stats_in(stats_in, facts, Path(path))
     if "static" in policies:
@@ -181,16 +198,12 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
     results, rows = [], []
     combos = list(itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors, misses))
-    for miss in misses:  # refuse what cannot run before simulating any
-        check_miss_policy(miss)
 
     def state(pred: str | None) -> Any:
         """What the predictor saved in --stats-in learnt, for that predictor."""
         return (warm.predictor_state or None) if warm is not None and pred and warm.predictor == pred else None
 
-    for pol in policies:
-        POLICIES.get(pol)
-    for pred in predictors:
+    for pred in predictors:  # refuse what cannot run before simulating any
         if pred is not None:
             check = SimConfig(n_slots=combos[0][0][1], predictor=pred, stride=stride, predictor_state=state(pred))
             build_predictor(check, trace, train, str(path), fit=False)

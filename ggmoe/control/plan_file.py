@@ -7,6 +7,8 @@
     [cache.slots]                # slots per MoE layer: "il" = n
     "0" = 8
     "1" = 12
+    [cache.policy_options]       # optional: the policy's declared options (``ggmoe policies``), e.g.
+    window = 16                  # fmoe's; checked against the policy's PARAMS (ggmoe.params)
     [prefetch]                   # optional: stride prefetching
     predictor = "reuse"
     stride = 1
@@ -27,9 +29,11 @@ from typing import Any
 from ggmoe.cache.config import CacheConfig
 from ggmoe.errors import UsageError
 from ggmoe.outputs import write_text_atomic
+from ggmoe.params import check_params
 from ggmoe.tomlfile import read_toml
 
 MAX_PLAN_BYTES = 1 << 20
+MAX_SLOTS, MAX_STRIDE, MAX_PREFETCH = 1 << 16, 1024, 4096  # the bounds of --cache-slots, --stride, --prefetch
 PLAN_VERSION = 1
 
 
@@ -57,13 +61,18 @@ def read_plan(path: str | Path) -> CacheConfig:
         raise fail("[cache.slots] must map MoE layers to slot counts, e.g. \"0\" = 8")
     layer_slots: dict[int, int] = {}
     for k, v in slots.items():
-        if not k.isdigit() or isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise fail(f"[cache.slots] {k!r} = {v!r}: layers are numbers, slots positive integers")
+        if not k.isdigit() or len(k) > 9 or isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SLOTS:
+            raise fail(f"[cache.slots] {k!r} = {v!r}: layers are numbers, slots positive integers "
+                       f"(at most {MAX_SLOTS})")
         layer_slots[int(k)] = v
     policy = cache.get("policy", "lru")
     if not isinstance(policy, str):
         raise fail("[cache] policy must be a string")
-    POLICIES.get(policy)
+    options = cache.get("policy_options", {})
+    if not isinstance(options, dict):
+        raise fail("[cache.policy_options] must be a table of the policy's options")
+    options = check_params(f"--config {p}: [cache.policy_options] of policy {policy!r}",
+                           POLICIES.get(policy).PARAMS, options, external=True)
     miss = cache.get("miss_policy", "wait")
     if not isinstance(miss, str):
         raise fail("[cache] miss_policy must be a string")
@@ -77,16 +86,30 @@ def read_plan(path: str | Path) -> CacheConfig:
         if not isinstance(pre, dict) or not isinstance(pre.get("predictor"), str):
             raise fail("[prefetch] needs predictor = \"NAME\"")
         stride, n = pre.get("stride", 2), pre.get("n_prefetch")
-        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-            raise fail("[prefetch] stride must be a positive integer")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise fail("[prefetch] n_prefetch must be a positive integer")
+        if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= MAX_STRIDE:
+            raise fail(f"[prefetch] stride must be an integer in [1, {MAX_STRIDE}]")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PREFETCH):
+            raise fail(f"[prefetch] n_prefetch must be an integer in [1, {MAX_PREFETCH}]")
+        if not pre["predictor"].strip():
+            raise fail("[prefetch] predictor is empty")
         prefetch = PrefetchConfig(predictor=pre["predictor"], stride=stride, n_prefetch=n)
-    return CacheConfig(layer_slots=layer_slots, policy=policy, miss_policy=miss, hw_profile=hw, prefetch=prefetch)
+    return CacheConfig(layer_slots=layer_slots, policy=policy, miss_policy=miss, hw_profile=hw, prefetch=prefetch,
+                       policy_options=options or None)
 
 
 def _q(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _value(v: object) -> str:
+    """A policy option as TOML: a bool, int, finite float or string (what a plan file can hold)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return _num(v)
+    return _q(str(v))
 
 
 def _num(x: float) -> str:
@@ -100,6 +123,8 @@ def render_plan(config: CacheConfig, estimate: Mapping[str, float], comment: str
     if config.hw_profile is not None:
         lines.append(f"hw = {_q(str(config.hw_profile))}")
     lines += ["", "[cache.slots]", *(f'"{il}" = {n}' for il, n in sorted((config.layer_slots or {}).items()))]
+    if config.policy_options:
+        lines += ["", "[cache.policy_options]", *(f"{k} = {_value(v)}" for k, v in config.policy_options.items())]
     pre: Any = config.prefetch
     if pre is not None:
         lines += ["", "[prefetch]", f"predictor = {_q(pre.predictor)}", f"stride = {pre.stride}"]

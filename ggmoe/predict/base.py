@@ -35,6 +35,7 @@ from typing import ClassVar
 import numpy as np
 
 from ggmoe.errors import UsageError
+from ggmoe.params import Param, check_params
 from ggmoe.registry import Registry
 from ggmoe.trace.format import Trace, TraceMeta
 
@@ -94,6 +95,9 @@ class Predictor:
     needs_hidden: ClassVar[bool] = False  # observe() must get hidden states
     needs_probs: ClassVar[bool] = False  # observe() must get router probabilities
     needs_truth: ClassVar[bool] = False  # offline only: reveal() gets the token's true ids
+    # the keyword options of __init__ after (shape, stride), with types and bounds (ggmoe.params): --opt and
+    # the library's options are checked against them before any predictor is built
+    PARAMS: ClassVar[tuple[Param, ...]] = ()
 
     def __init__(self, shape: ModelShape, stride: int = 1) -> None:
         if not 1 <= stride < shape.n_layer:
@@ -151,8 +155,31 @@ class Predictor:
 PREDICTORS: Registry[Predictor] = Registry("predictor")
 
 
+def is_predictor_file(spec: str) -> bool:
+    """Whether ``spec`` names a predictor file (the ``mlp``) rather than a registered predictor."""
+    return bool(spec) and (spec.endswith(".npz") or Path(spec).is_file())
+
+
+def predictor_class(spec: str) -> type[Predictor]:
+    """The class ``spec`` (a registered name or a PRED.npz path) builds; UsageError for an unknown name."""
+    if not isinstance(spec, str):
+        raise UsageError(f"a predictor is a name or a PRED.npz file, not {spec!r}")
+    return PREDICTORS.get("mlp") if is_predictor_file(spec) else PREDICTORS.get(spec)
+
+
+def check_predictor(spec: str) -> None:
+    """A predictor name or file checked before a model loads: a known name, or a file that exists."""
+    if isinstance(spec, str) and spec.endswith(".npz") and not Path(spec).is_file():
+        raise UsageError(f"predictor file not found (or not a regular file): {spec}")
+    predictor_class(spec)
+
+
 def make_predictor(spec: str, shape: ModelShape, stride: int = 1, **options: object) -> Predictor:
-    """A predictor from a registered name or a path to an ``.npz`` predictor file (the ``mlp``)."""
-    if spec.endswith(".npz") or Path(spec).is_file():
-        return PREDICTORS.get("mlp")(shape, stride, path=spec, **options)  # type: ignore[call-arg]
-    return PREDICTORS.get(spec)(shape, stride, **options)  # type: ignore[call-arg]
+    """A predictor from a registered name or a path to an ``.npz`` predictor file (the ``mlp``).
+
+    ``options`` are checked against the class's declared ``PARAMS`` (type and bounds) before it is built."""
+    cls = predictor_class(spec)
+    kwargs = check_params(f"predictor {spec!r}", cls.PARAMS, options)
+    if is_predictor_file(spec):
+        kwargs["path"] = spec
+    return cls(shape, stride, **kwargs)  # type: ignore[call-arg]

@@ -26,6 +26,7 @@ import numpy as np
 
 from ggmoe.cache.policies.eam import row_normalise
 from ggmoe.errors import UsageError
+from ggmoe.params import MAX_COLLECTION, Param, check_state_bytes
 from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
 from ggmoe.trace.format import Trace
 
@@ -36,6 +37,7 @@ class EAMCollection:
     def __init__(self, capacity: int, n_layer: int, n_expert: int) -> None:
         if capacity < 1:
             raise UsageError(f"eam: capacity {capacity} must be at least 1")
+        check_state_bytes("eam", 3 * 4 * capacity * n_layer * n_expert, "lower its capacity")
         self.capacity = capacity
         self.ratio = np.zeros((capacity, n_layer, n_expert), dtype=np.float32)  # row-normalised EAMs
         self.unit = np.zeros_like(self.ratio)  # [C, L, E] ratio / ||ratio|| (flattened norm)
@@ -91,6 +93,9 @@ class EAM(Predictor):
     """MoE-Infinity's activation-aware prediction (see the module docstring)."""
 
     needs_fit = True
+    PARAMS = (Param("capacity", int, low=1, high=MAX_COLLECTION, help="request EAMs kept"),
+              Param("n_match", int, low=1, high=MAX_COLLECTION, help="stored EAMs averaged per prediction"),
+              Param("online", bool, help="add each finished request to the collection"))
 
     def __init__(self, shape: ModelShape, stride: int = 1, capacity: int = 256, n_match: int = 3,
                  online: bool = True) -> None:

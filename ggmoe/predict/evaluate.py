@@ -22,15 +22,17 @@ on the same rows.
 
 from __future__ import annotations
 
-import inspect
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ggmoe.errors import UsageError
-from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
+from ggmoe.outputs import atomic_write
+from ggmoe.params import check_params
+from ggmoe.predict.base import ModelShape, Predictor, make_predictor, predictor_class
 from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, Trace
 
 STAGES = {"all": None, "prefill": STAGE_PREFILL, "decode": STAGE_DECODE}
@@ -163,14 +165,10 @@ def _score(il: int, accs: list[_Acc], k: int, m: int, token_start: bool) -> Laye
 
 def build_predictor(spec: str, shape: ModelShape, stride: int, train: Trace | None,
                     options: dict[str, object]) -> Predictor:
-    """A predictor from a name or .npz path, given the ``options`` its constructor accepts, fitted if it must be."""
-    is_file = spec.endswith(".npz") or Path(spec).is_file()
-    cls = PREDICTORS.get("mlp") if is_file else PREDICTORS.get(spec)
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "shape", "stride"}
-    kwargs = {key: v for key, v in options.items() if key in accepted}
-    if is_file:
-        kwargs["path"] = spec
-    pred = cls(shape, stride, **kwargs)  # type: ignore[call-arg]
+    """A predictor from a name or .npz path, given the ``options`` it declares (others are for other
+    predictors), fitted if it must be."""
+    declared = {p.name for p in predictor_class(spec).PARAMS}
+    pred = make_predictor(spec, shape, stride, **{k: v for k, v in options.items() if k in declared})
     if pred.needs_fit:
         if train is None or train.n_prompts == 0:
             raise UsageError(f"predictor {spec!r} learns from training traces; none given")
@@ -178,15 +176,21 @@ def build_predictor(spec: str, shape: ModelShape, stride: int, train: Trace | No
     return pred
 
 
-def check_options(specs: list[str], options: dict[str, object]) -> None:
-    """Every option must be accepted by at least one of the predictors asked for."""
-    accepted: set[str] = set()
-    for spec in specs:
-        cls = PREDICTORS.get("mlp") if spec.endswith(".npz") or Path(spec).is_file() else PREDICTORS.get(spec)
-        accepted |= set(inspect.signature(cls.__init__).parameters) - {"self", "shape", "stride", "path"}
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise UsageError(f"option(s) {unknown} are not accepted by {specs}; they take {sorted(accepted)}")
+def check_options(specs: list[str], options: Mapping[str, str]) -> dict[str, object]:
+    """``--opt`` text for the predictors ``specs``: each option converted to the type a predictor declares
+    for it and checked against the bounds of every predictor that takes it; an option none takes fails."""
+    classes = {spec: predictor_class(spec) for spec in specs}
+    out: dict[str, object] = {}
+    for key, text in options.items():
+        takers = [(spec, cls) for spec, cls in classes.items()
+                  if any(p.name == key and not p.internal for p in cls.PARAMS)]
+        if not takers:
+            known = sorted({p.describe() for cls in classes.values() for p in cls.PARAMS if not p.internal})
+            raise UsageError(f"--opt {key} is not accepted by {', '.join(specs)}; "
+                             + (f"they take {', '.join(known)}" if known else "they take no options"))
+        for spec, cls in takers:
+            out[key] = check_params(f"--opt for predictor {spec!r}", cls.PARAMS, {key: text}, from_text=True)[key]
+    return out
 
 
 MIN_HELD_OUT_PROMPTS = 5  # fewer held-out prompts (or tokens) than this and the figures are noise
@@ -274,8 +278,8 @@ def plot_accuracy(results: list[EvalResult], path: str | Path) -> Path:
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_write(path) as f:  # a crash or Ctrl-C leaves no half-written image
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return path
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from ggmoe.errors import UsageError
+from ggmoe.params import MAX_COLLECTION, Param, check_state_bytes
 from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
 from ggmoe.trace.format import Trace
 
@@ -55,6 +56,8 @@ class MapStore:
     def __init__(self, capacity: int, n_layer: int, n_expert: int, n_embd: int, semantic_weight: float) -> None:
         if capacity < 1:
             raise UsageError(f"expert-map: capacity {capacity} must be at least 1")
+        check_state_bytes("expert-map", 4 * capacity * (n_embd + 3 * n_layer * n_expert + n_layer),
+                          "lower its capacity")
         self.capacity = capacity
         self.semantic_weight = semantic_weight  # w of the redundancy score
         self.keys = np.zeros((capacity, n_embd), dtype=np.float32)  # [C, n_embd] unit keys (0: none)
@@ -130,6 +133,8 @@ class ExpertMap(Predictor):
 
     needs_fit = True
     needs_probs = True
+    PARAMS = (Param("capacity", int, low=1, high=MAX_COLLECTION, help="expert maps kept"),
+              Param("online", bool, help="store each token's map while serving"))
 
     def __init__(self, shape: ModelShape, stride: int = 1, capacity: int = 1024, online: bool = True) -> None:
         super().__init__(shape, stride)

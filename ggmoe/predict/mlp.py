@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.errors import UsageError
+from ggmoe.params import Param
 from ggmoe.predict.base import PREDICTORS, FoldedNet, ModelShape, Predictor
 from ggmoe.predict.mlp_file import Net, load_mlp_file, read_predictor_file
 
@@ -27,6 +28,7 @@ class MLP(Predictor):
     """
 
     needs_hidden = True
+    PARAMS = (Param("path", Path, internal=True, help="the predictor file (PRED.npz)"),)
 
     def __init__(self, shape: ModelShape, stride: int = 1, path: str | Path | None = None) -> None:
         super().__init__(shape, stride)

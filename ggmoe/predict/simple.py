@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.errors import UsageError
+from ggmoe.params import Param
 from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
 from ggmoe.trace.format import Trace
 
@@ -41,6 +42,8 @@ class Reuse(Predictor):
     outrank older ones (1 > 0.5 + 0.25 + ...), and older tokens fill a prefetch
     set larger than n_expert_used.
     """
+
+    PARAMS = (Param("decay", float, low=0.0, high=1.0, high_open=True, help="score kept per token"),)
 
     def __init__(self, shape: ModelShape, stride: int = 1, decay: float = 0.5) -> None:
         super().__init__(shape, stride)
@@ -115,6 +118,8 @@ class SkipGate(Predictor):
     """
 
     needs_hidden = True
+    PARAMS = (Param("model", Path, help="the GGUF whose routers are used"),
+              Param("routers", dict, internal=True, help="il -> Router (tests)"))
 
     def __init__(self, shape: ModelShape, stride: int = 1, model: str | Path | None = None,
                  routers: dict | None = None) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import llama_cpp
 
 from ggmoe.cache import CacheConfig
+from ggmoe.context import check_prompt, context_tokens
 from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.hook import RouteObserver
 
@@ -79,6 +80,7 @@ class GgmoeLlama(llama_cpp.Llama):
         if experts_on_host:
             # llama.cpp recommends no mmap for overridden tensors: they are copied anyway.
             kwargs.setdefault("use_mmap", False)
+        kwargs["n_ctx"] = context_tokens(kwargs.get("n_ctx", 512))  # Llama's buffers as llama.cpp's context
         super().__init__(model_path, **kwargs)
         self._placement = None  # llama.cpp has read the override list
         self.cache_config = cache
@@ -148,6 +150,7 @@ class GgmoeLlama(llama_cpp.Llama):
         watch = self.watch
         if watch is not None:
             watch.on_prompt(len(tokens))
+        check_prompt(len(tokens), self.n_ctx(), hint="a longer n_ctx or a shorter prompt")  # ggmoe.context
         inner = super().generate(tokens, *args, **kwargs)
         try:
             sent = None

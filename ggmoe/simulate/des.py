@@ -43,7 +43,7 @@ from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
 from ggmoe.cache.miss import SLOT_HOST, effective_miss_policy
-from ggmoe.cache.policies import POLICIES
+from ggmoe.cache.policies import make_policy
 from ggmoe.control import TokenController
 from ggmoe.control.prefetch import Prefetcher
 from ggmoe.errors import UsageError
@@ -173,7 +173,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
         raise UsageError(f"no slot count for MoE layers {missing}")
     clock = ManualClock()
     link = LinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks)
-    policy = POLICIES.get(config.policy)(m.n_expert, layers, **dict(config.policy_options or {}))
+    policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
     miss_policy, _ = effective_miss_policy(config.miss_policy, miss_costs, bytes_per_expert)  # as the engine
     cache = ExpertCache(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,

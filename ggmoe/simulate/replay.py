@@ -22,7 +22,7 @@ import numpy as np
 
 from ggmoe.cache import CacheStats, CopyBackend, ExpertCache
 from ggmoe.cache.clock import ManualClock
-from ggmoe.cache.policies import POLICIES
+from ggmoe.cache.policies import make_policy
 from ggmoe.trace.format import STAGE_PREFILL, Trace
 
 
@@ -79,7 +79,7 @@ def replay(trace: Trace, n_slots: int | dict[int, int], policy: str = "lru", cop
     layers = [int(il) for il in trace.layers]
     slots = n_slots if isinstance(n_slots, dict) else {il: int(n_slots) for il in layers}
     m = trace.meta
-    pol = POLICIES.get(policy)(m.n_expert, layers, **dict(policy_options or {}))
+    pol = make_policy(policy, m.n_expert, layers, policy_options)
     cache = ExpertCache(m.n_expert, m.n_expert_used, slots, pol, copies=copies, bytes_per_expert=bytes_per_expert,
                         clock=ManualClock(), miss_policy=miss_policy)
     ids = trace.ids.astype(np.int32)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ggmoe import __version__
+from ggmoe.context import check_prompt
 from ggmoe.engine.engine import Engine, Generation, StepCallback
 from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteRecorder
@@ -138,8 +139,7 @@ def _plan(engine: Engine, n: int, text: str, cfg: RecordConfig) -> tuple[list[in
                              f"the text has {len(ids)}")
         forced = ids[cfg.prefill_tokens:]
         ids = ids[: cfg.prefill_tokens]
-    if len(ids) >= engine.n_ctx:
-        raise UsageError(f"prompt {n + 1}: {len(ids)} tokens do not fit n_ctx {engine.n_ctx} (raise --n-ctx)")
+    check_prompt(len(ids), engine.n_ctx, f"prompt {n + 1}" + (" (its prefill)" if forced is not None else ""))
     return ids, forced
 
 

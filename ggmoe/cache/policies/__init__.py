@@ -11,6 +11,6 @@ from ggmoe.cache.policies import (  # noqa: F401 - registration
     on_demand,
     static,
 )
-from ggmoe.cache.policies.base import POLICIES, Policy
+from ggmoe.cache.policies.base import POLICIES, Policy, make_policy
 
-__all__ = ["POLICIES", "Policy"]
+__all__ = ["POLICIES", "Policy", "make_policy"]

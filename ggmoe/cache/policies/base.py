@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar
 
+from ggmoe.params import Param, check_params
 from ggmoe.registry import Registry
 
 
@@ -24,6 +25,9 @@ class Policy(ABC):
     # True: the policy ranks by next use and needs ``set_future`` before each call (the simulator replaying a
     # trace gives it); a live engine cannot, and should refuse such a policy before it loads a model
     needs_future: ClassVar[bool] = False
+    # the keyword options of __init__ after (n_expert, layers), with types and bounds (ggmoe.params):
+    # policy_options and plan files are checked against them before any policy is built
+    PARAMS: ClassVar[tuple[Param, ...]] = ()
 
     def __init__(self, n_expert: int, layers: list[int]) -> None:
         self.n_expert = n_expert
@@ -51,3 +55,9 @@ class Policy(ABC):
 
 
 POLICIES: Registry[Policy] = Registry("policy")
+
+
+def make_policy(name: str, n_expert: int, layers: list[int], options: Mapping[str, object] | None = None) -> Policy:
+    """The policy ``name`` for these layers, its ``options`` checked against its ``PARAMS`` first."""
+    cls = POLICIES.get(name)
+    return cls(n_expert, layers, **check_params(f"policy {name!r}", cls.PARAMS, options))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from ggmoe.cache.policies.base import POLICIES, Policy
+from ggmoe.params import Param
 
 HALF_LIFE = 128.0  # calls of a layer after which an expert's count has halved
 N_CLASS = 8  # frequency classes 0..7
@@ -35,6 +36,9 @@ def frequency_class(count: float, n_class: int = N_CLASS) -> int:
 @POLICIES.register("classlru")
 class ClassLRU(Policy):
     """llama.cpp's ClassLRU: evict the largest age / 2^class (class: log2 of a count with a 128-call half-life)."""
+
+    PARAMS = (Param("half_life", float, low=0.0, high=1e12, low_open=True,
+                    help="calls of a layer after which a count has halved"),)
 
     def __init__(self, n_expert: int, layers: list[int], half_life: float = HALF_LIFE) -> None:
         super().__init__(n_expert, layers)

@@ -28,6 +28,7 @@ import numpy as np
 
 from ggmoe.cache.policies.base import POLICIES, Policy
 from ggmoe.cache.policies.usage import LayerUsage
+from ggmoe.params import Param
 
 
 class EAMMatcher(Protocol):
@@ -52,6 +53,9 @@ EPS = 1e-3  # added to p so that experts the EAM never saw still rank by layer (
 @POLICIES.register("eam")
 class EAMPolicy(Policy):
     """MoE-Infinity: evict the lowest (p + eps) * (1 - j/L), p from the request's (matched) expert activation matrix."""
+
+    PARAMS = (Param("predictor", object, internal=True, help="a fitted ggmoe.predict.eam.EAM"),
+              Param("eps", float, low=0.0, high=1.0, help="added to p so that unseen experts still rank"))
 
     def __init__(self, n_expert: int, layers: list[int], predictor: EAMMatcher | None = None, eps: float = EPS) -> None:
         super().__init__(n_expert, layers)

@@ -21,6 +21,7 @@ from collections import deque
 from ggmoe.cache.policies.base import POLICIES, Policy
 from ggmoe.cache.policies.usage import LayerUsage
 from ggmoe.errors import UsageError
+from ggmoe.params import MAX_WINDOW, Param
 
 WINDOW = 8  # calls of a layer that make up "recent routing"
 
@@ -28,6 +29,8 @@ WINDOW = 8  # calls of a layer that make up "recent routing"
 @POLICIES.register("fmoe")
 class FMoE(Policy):
     """fMoE: evict the lowest p * freq (p: share of the layer's recent calls using it, freq: use count)."""
+
+    PARAMS = (Param("window", int, low=1, high=MAX_WINDOW, help="calls of a layer that make up recent routing"),)
 
     def __init__(self, n_expert: int, layers: list[int], window: int = WINDOW) -> None:
         super().__init__(n_expert, layers)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from ggmoe.cache.policies.base import POLICIES, Policy
 from ggmoe.cache.policies.usage import LayerUsage
 from ggmoe.errors import UsageError
+from ggmoe.params import Param
 
 RHO = 0.25  # decay base
 OMEGA = 128.0  # calls of a layer over which the priority decays by RHO
@@ -27,6 +28,10 @@ OMEGA = 128.0  # calls of a layer over which the priority decays by RHO
 @POLICIES.register("lcp")
 class LCP(Policy):
     """MoEpic's LCP: evict the lowest mu * rho^(nu/omega) (mu use frequency, nu calls since last use)."""
+
+    PARAMS = (Param("rho", float, low=0.0, high=1.0, low_open=True, high_open=True, help="decay base"),
+              Param("omega", float, low=0.0, high=1e12, low_open=True,
+                    help="calls of a layer over which the priority decays by rho"))
 
     def __init__(self, n_expert: int, layers: list[int], rho: float = RHO, omega: float = OMEGA) -> None:
         super().__init__(n_expert, layers)

@@ -19,6 +19,7 @@ import numpy as np
 from ggmoe.cache.policies.base import POLICIES, Policy
 from ggmoe.cache.policies.usage import LayerUsage
 from ggmoe.errors import UsageError
+from ggmoe.params import Param
 from ggmoe.trace.format import Trace
 
 
@@ -44,6 +45,10 @@ def load_counts(paths: str | Path | Sequence[str | Path]) -> dict[int, np.ndarra
 @POLICIES.register("static")
 class Static(Policy):
     """Pinned hottest experts per layer from trace counts (counts= or counts_path=): evict the coldest."""
+
+    PARAMS = (Param("counts", Mapping, internal=True, help="il -> [n_expert] counts"),
+              Param("counts_path", object, internal=True, help="trace file(s) whose counts are summed"),
+              Param("n_pinned", int, low=0, high=1 << 16, help="experts pinned per layer (the rest: LRU)"))
 
     def __init__(self, n_expert: int, layers: list[int], counts: Mapping[int, Sequence[float]] | None = None,
                  counts_path: str | Path | Sequence[str | Path] | None = None, n_pinned: int | None = None) -> None:
