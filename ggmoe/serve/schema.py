@@ -211,9 +211,9 @@ class ChatRequest(_Sampling, CreateChatCompletionRequest):
     @model_validator(mode="before")
     @classmethod
     def _messages_given(cls, data: Any) -> Any:
-        # llama-cpp-python's type defaults messages to []; OpenAI requires them.
-        if isinstance(data, dict) and not isinstance(data.get("messages"), list):
-            raise ValueError("messages must be a non-empty list of {role, content} objects")
+        # llama-cpp-python's type defaults messages to []; OpenAI requires them: check them as given.
+        if isinstance(data, dict) and "messages" not in data:
+            return {**data, "messages": None}
         return data
 
     @model_validator(mode="after")
