@@ -107,3 +107,12 @@ def test_aliases_and_strict_openai(tools_server):
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         r = c.post("/v1/completions", json={"prompt": [65] * (N_CTX - 4), "max_tokens": 8})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_langchain_tool_calls(tools_server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(base_url=tools_server.url + "/v1", api_key="none", model="gpt-4o-mini",
+                                      max_tokens=120, max_retries=0, seed=1)
+    msg = llm.bind_tools([WEATHER], tool_choice="any").invoke("What is the weather in Oslo?")
+    assert [c["name"] for c in msg.tool_calls] == ["get_weather"]
+    assert msg.tool_calls[0]["args"]["city"] in ("Oslo", "Paris")
