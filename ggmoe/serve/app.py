@@ -124,6 +124,8 @@ class _Server:
         n_batch = self.llama.n_batch
         for i, t in enumerate(texts):
             n = len(self.llama.tokenize(t.encode("utf-8")))
+            if n == 0:  # llama.cpp cannot decode an empty batch (and llama-cpp-python then corrupts its heap)
+                raise APIError(400, f"input {i} has no tokens", param="input", code="invalid_value")
             if n > n_batch:
                 raise APIError(400, f"input {i} has {n} tokens; at most {n_batch} per input", param="input",
                                code="context_length_exceeded")

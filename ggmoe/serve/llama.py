@@ -186,6 +186,9 @@ class GgmoeLlama(llama_cpp.Llama):
         The generation context is switched to embeddings output for this call only; ``Llama.embed`` clears
         the KV cache and resets the sequence, so the next generation starts from an empty context.
         """
+        for i, text in enumerate(texts):
+            if not self.tokenize(text.encode("utf-8")):  # an empty batch fails in llama_decode and then
+                raise ValueError(f"input {i} has no tokens")  # corrupts llama-cpp-python's batch
         llama_cpp.llama_set_embeddings(self._ctx.ctx, True)
         self.context_params.embeddings = True
         try:

@@ -73,6 +73,8 @@ CASES = [
      "invalid_value", "tokens"),
     ("embeddings-empty", "/v1/embeddings", {"input": ""}, 400, "invalid_request_error", "invalid_value",
      "input"),
+    ("embeddings-no-tokens", "/v1/embeddings", {"input": [[0], [0]]}, 400, "invalid_request_error",
+     "invalid_value", "input"),
     ("bad-grammar", COMPL, {"prompt": "a", "grammar": "root ::= ("}, 400, "invalid_request_error",
      "invalid_value", "grammar"),
     ("oversized-body", COMPL, {"prompt": "x" * (2 << 20)}, 413, "invalid_request_error", None, None),

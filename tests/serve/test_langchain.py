@@ -30,6 +30,8 @@ def test_invoke_and_stream(llm):
     assert "".join(pieces)
 
 
-def test_structured_output(llm):
+def test_structured_output(server):
+    llm = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key=API_KEY, model="gpt-4o-mini",
+                                      max_tokens=200, temperature=0.8, seed=3, max_retries=0)
     out = llm.with_structured_output(Mood, method="json_schema", strict=True).invoke("How do you feel?")
     assert isinstance(out, Mood)
