@@ -143,6 +143,8 @@ class Plan:
     seed: int | None = None
     top_logprobs: int | None = None  # None: no logprobs; else alternatives per token
     echo_logprobs: bool = False  # completions with echo: llama-cpp-python's logprobs (needs logits_all)
+    echo: str | None = None  # completions: the prompt text put before the answer (echo without logprobs)
+    prompt_text: str | None = None  # given to llama-cpp-python instead of the tokens (its echo with logprobs)
     family: str | None = None  # tool-call format, when tools may be called
     tool_names: set[str] = field(default_factory=set)
     forced_tool: bool = False  # a grammar forces a call
@@ -213,16 +215,24 @@ def plan_completion(body: CompletionRequest, llama: Any, n_ctx: int, strict: boo
                        code="invalid_value")
     kw = _sampling(body)
     kw["max_tokens"] = _fit(tokens, body, n_ctx, strict)
-    kw["echo"] = body.echo
     if body.suffix is not None:
         kw["suffix"] = body.suffix
     if body.grammar is not None:
         kw["grammar"] = _grammar(llama, body.grammar, "grammar")
     echo_lp = body.echo and body.logprobs is not None
+    echo = None
     if echo_lp:
-        kw["logprobs"] = body.logprobs
+        # The prompt's logprobs are llama-cpp-python's (every position's logits: --logprobs); its echo
+        # concatenates the prompt as given to the text, so it must be given as text.
+        if not isinstance(prompt, str):
+            raise APIError(400, "echo with logprobs needs the prompt as text, not token ids", param="echo",
+                           code="unsupported_value")
+        kw.update(echo=True, logprobs=body.logprobs)
+    elif body.echo:
+        echo = prompt if isinstance(prompt, str) else llama.detokenize(tokens).decode("utf-8", "replace")
     return Plan(chat=False, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
-                seed=body.seed, top_logprobs=None if echo_lp else body.logprobs, echo_logprobs=echo_lp)
+                seed=body.seed, top_logprobs=None if echo_lp else body.logprobs, echo_logprobs=echo_lp,
+                echo=echo, prompt_text=prompt if echo_lp else None)
 
 
 def plan_chat(body: ChatRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
@@ -310,7 +320,8 @@ class Run:
         self.watch.on_each = self.recorder.on_token if self.recorder is not None else None
         seed = None if p.seed is None else (p.seed + i) % (1 << 32)
         kw = dict(p.kwargs)
-        return self.llama.create_completion(prompt=p.prompt, stream=stream, seed=seed,
+        return self.llama.create_completion(prompt=p.prompt_text if p.prompt_text is not None else p.prompt,
+                                            stream=stream, seed=seed,
                                             logits_processor=llama_cpp.LogitsProcessorList(procs) if procs else None,
                                             model=self.model_id, **kw)
 
@@ -357,7 +368,8 @@ class Run:
             lp = completion_logprobs(self._entries(c["text"]), 0)
         else:
             lp = None
-        return {"index": i, "text": c["text"], "logprobs": lp, "finish_reason": c["finish_reason"]}
+        return {"index": i, "text": (self.plan.echo or "") + c["text"], "logprobs": lp,
+                "finish_reason": c["finish_reason"]}
 
     # -- a stream
     def chunks(self) -> Iterator[dict[str, Any]]:
@@ -368,6 +380,7 @@ class Run:
         sent = 0  # bytes of text sent
         covered = 0  # bytes of the recorder entries whose logprobs went out
         used = 0  # recorder entries sent
+        echo = self.plan.echo
         for chunk in self._call(i, stream=True):
             c = chunk["choices"][0]
             lp = None
@@ -376,7 +389,9 @@ class Run:
                 entries, used = self.recorder.covering(used, sent - covered)
                 covered += sum(len(e.text) for e in entries)
                 lp = completion_logprobs(entries, 0)
-            yield {**self._head(), "choices": [{"index": i, "text": c["text"], "logprobs": lp,
+            text = (echo or "") + c["text"]
+            echo = None
+            yield {**self._head(), "choices": [{"index": i, "text": text, "logprobs": lp,
                                                 "finish_reason": c["finish_reason"]}]}
 
     def _chat_chunk(self, i: int, delta: dict[str, Any], logprobs: Any = None,

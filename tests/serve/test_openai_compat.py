@@ -208,3 +208,19 @@ def test_embeddings_then_generation_is_unchanged(server, oai):
     assert vecs[0] != vecs[1]
     assert emb.usage.prompt_tokens > 0
     assert before.choices[0].text == after.choices[0].text  # the context was reset after embedding
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_before_the_answer(server, stream):
+    with server.client() as c:
+        toks = c.post("/tokenize", json={"content": "Once upon"}).json()["tokens"]
+        for prompt, want in (("Once upon", "Once upon"), (toks, "Once upon")):
+            body = {"prompt": prompt, "max_tokens": 3, "echo": True, "temperature": 0}
+            if stream:
+                text = "".join(e["choices"][0]["text"] for e in sse_events(c, "/v1/completions", body)
+                               if isinstance(e, dict))
+            else:
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                text = r.json()["choices"][0]["text"]
+            assert text.startswith(want) and len(text) > len(want)
