@@ -624,6 +624,38 @@ def fixture_path(arch: str, cache_dir: Path | None = None, expert_type: str = "f
     )
 
 
+# A ChatML chat template that renders tools and tool calls as Qwen 2.5 / Hermes do (<tools>, <tool_call>).
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n<tools>\n"
+    "{%- for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}{% continue %}{% endif %}"
+    "{%- if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{%- for call in message['tool_calls'] or [] %}\n<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n"
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tools_fixture_path(cache_dir: Path | None = None) -> Path:
+    """The qwen3moe fixture with ``TOOLS_CHAT_TEMPLATE`` as its chat template (tool calling in the server)."""
+    return _cached("qwen3moe-tools", cache_dir, ("qwen3moe-tools", 0), lambda p: rewrite_gguf(
+        fixture_path("qwen3moe", cache_dir), p,
+        {"tokenizer.chat_template": (TOOLS_CHAT_TEMPLATE, gguf.GGUFValueType.STRING, None)}))
+
+
 def dense_fixture_path(cache_dir: Path | None = None) -> Path:
     """Path of the cached non-MoE `llama` fixture, generating it if missing."""
     return _cached(DENSE_NAME, cache_dir, (DENSE_NAME, 0), write_dense_fixture)

@@ -28,6 +28,7 @@ def main() -> None:
 
 def _builtin_commands() -> list[click.Command]:
     from ggmoe.cli.calibrate import calibrate
+    from ggmoe.cli.engine import engine
     from ggmoe.cli.generate import run
     from ggmoe.cli.model import inspect, policies, verify_hook
     from ggmoe.cli.plan import plan
@@ -38,7 +39,7 @@ def _builtin_commands() -> list[click.Command]:
     from ggmoe.cli.trace_cmd import trace
 
     return [inspect, run, trace, policies, verify_hook, eval_predictor, serve, chat, calibrate, simulate, plan,
-            quantize, compare_quants]
+            quantize, compare_quants, engine]
 
 
 @click.command("train-predictor", context_settings={"ignore_unknown_options": True, "allow_extra_args": True},

@@ -140,24 +140,30 @@ def _run_until_stopped(run: Any) -> None:
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
 @click.option("--api-key", envvar="GGMOE_API_KEY", show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every route but /health.")
-@click.option("--model-name", help="Model id in /v1/models and requests (default: the file's stem).")
+@click.option("--model-name", help="Model id listed first in /v1/models (default: the file's stem); requests "
+                                   "may name any model.")
+@click.option("--alias", "aliases", multiple=True, help="Another name /v1/models lists for the model (repeatable).")
+@click.option("--strict-openai", is_flag=True, help="Refuse (400) a max_tokens beyond the context, as OpenAI "
+                                                    "does, instead of clamping it as llama-server does.")
 @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait while one generates; more get 429.")
 @click.option("--max-body", default="1MiB", show_default=True, help="Largest request body; larger gets 413.")
 @click.option("--cors-origin", multiple=True, help="Allow browser requests from this origin (repeatable; "
                                                    "CORS is off without it).")
-@click.option("--logprobs", is_flag=True, help="Keep every position's logits so requests may ask for "
-                                               "logprobs (n_ctx x n_vocab x 4 bytes of RAM).")
+@click.option("--logprobs", is_flag=True, help="Keep every position's logits so completions with echo may ask "
+                                               "for the prompt's logprobs (n_ctx x n_vocab x 4 bytes of RAM); "
+                                               "generated tokens' logprobs need no flag.")
 @_model_options
 @edge
 def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
-          max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool, n_ctx: int | None,
+          aliases: tuple[str, ...], strict_openai: bool, max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool, n_ctx: int | None,
           threads: int | None, verbose: bool, **cache: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (one generation at a time).
 
     \b
-    Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-            GET /health (no key needed), GET /metrics (Prometheus).
+    Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings,
+            GET /v1/models (each also without /v1), POST /tokenize, POST /detokenize,
+            GET /props, GET /health (no key needed), GET /metrics (Prometheus).
     \b
     Examples:
       ggmoe serve                                  # the embedded model on 127.0.0.1:8080
@@ -181,7 +187,8 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
                    "port can use the model; set --api-key or GGMOE_API_KEY", err=True)
     settings = ServeSettings(model_id=model_name or Path(path).stem, api_key=api_key, max_queue=max_queue,
                              max_body_bytes=parse_bytes(max_body), loopback_only=loopback,
-                             cors_origins=cors_origin)
+                             cors_origins=cors_origin, aliases=aliases, strict_openai=strict_openai,
+                             model_path=str(path))
     opts = LoadOptions(str(path), n_ctx, threads, verbose, cache)
     llama, out = _load(opts, logits_all=logprobs)
     with llama:

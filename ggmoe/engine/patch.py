@@ -135,7 +135,8 @@ def _libllama() -> ctypes.CDLL:
         from llama_cpp import llama_cpp as lowlevel
     except ImportError as e:  # pragma: no cover - depends on the install
         raise EngineNotPatchedError(
-            "llama-cpp-python is not installed, so the ggmoe engine is missing: run `make engine`"
+            "llama-cpp-python is not installed, so the ggmoe engine is missing: run `ggmoe engine build "
+            "--install` (or `make engine` in a clone)"
         ) from e
     return lowlevel._lib
 
@@ -149,8 +150,8 @@ def bind(lib: ctypes.CDLL) -> PatchedLib:
         except AttributeError:
             raise EngineNotPatchedError(
                 f"the llama.cpp library {getattr(lib, '_name', lib)!s} lacks `{name}`: the ggmoe engine "
-                "is not patched; run `make engine` (tools/build_engine.py --install) to build and install "
-                "llama-cpp-python with patches/ applied"
+                "is not patched; run `ggmoe engine build --install` (or `make engine` in a clone) to build "
+                "and install llama-cpp-python with ggmoe's patches applied"
             ) from None
         fn.argtypes = argtypes
         fn.restype = restype

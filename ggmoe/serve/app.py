@@ -35,23 +35,34 @@ from ggmoe.serve import errors
 from ggmoe.serve.asgi import BodyLimit, LoopbackHostOnly, RequestCounter
 from ggmoe.serve.errors import APIError
 from ggmoe.serve.gate import Gate
-from ggmoe.serve.generation import Watch, api_error, check_model, check_request, llama_kwargs, max_tokens_of
+from ggmoe.serve.generation import Run, Watch, api_error, check_request, plan_chat, plan_completion
 from ggmoe.serve.llama import GgmoeLlama
 from ggmoe.serve.metrics import Metrics
-from ggmoe.serve.schema import ChatRequest, CompletionRequest
+from ggmoe.serve.schema import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 
-ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+                    "/chat/completions", "/completions", "/models", "/v1/health", "/healthz", "/props",
+                    "/tokenize", "/detokenize", "/v1/embeddings", "/embeddings", "/openapi.json"})
 _DISCONNECT_POLL_S = 0.1  # seconds between checks that a non-streaming client is still there
 
 
 @dataclass(frozen=True)
 class ServeSettings:
-    model_id: str  # the name /v1/models lists and requests may give
+    model_id: str  # the name /v1/models lists first; requests may name any model
     api_key: str | None = None  # every route but /health needs "Authorization: Bearer <key>"
     max_queue: int = 16  # requests that may wait while one generates; more get 429
     max_body_bytes: int = 1 << 20  # bytes; larger request bodies get 413
     loopback_only: bool = True  # refuse Host headers that are not loopback names (DNS rebinding)
     cors_origins: tuple[str, ...] = ()  # CORS stays off unless origins are given
+    aliases: tuple[str, ...] = ()  # more names /v1/models lists for the one model
+    strict_openai: bool = False  # max_tokens beyond the context: 400 (OpenAI) instead of clamped (llama-server)
+    model_path: str = ""  # the GGUF, for /props
 
 
 class _Server:
@@ -68,28 +79,75 @@ class _Server:
     # -- one request
     async def generate(self, request: Request, body: CompletionRequest | ChatRequest, chat: bool) -> Any:
         arrival = time.monotonic()
-        check_model(body.model, self.settings.model_id)
-        check_request(body, self.n_ctx, self.n_vocab)
-        kwargs = llama_kwargs(body, self.llama, self.settings.model_id)
-        call = self.llama.create_chat_completion if chat else self.llama.create_completion
-        watch = Watch(arrival, self.n_ctx, max_tokens_of(body), self.llama.is_eog)
+        strict = self.settings.strict_openai
+        check_request(body, self.n_ctx, self.n_vocab, strict)
+        try:
+            plan = (plan_chat if chat else plan_completion)(body, self.llama, self.n_ctx, strict)
+        except Exception as e:  # a template that fails to render, a grammar that does not parse
+            raise api_error(e) from e
+        watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
+        run = Run(plan, self.llama, watch, body.model or self.settings.model_id)
         await self.gate.enter()
         lease = _Lease(self)
         try:
             if body.stream:
                 # The first chunk is computed before the 200, so early errors keep their status.
-                chunks, first = await self._run(request, watch, lambda: _start(call, kwargs))
+                chunks, first = await self._run(request, watch, lambda: _start(run.chunks))
                 lease.chunks = chunks
                 usage = body.stream_options is not None and body.stream_options.include_usage
                 return EventSourceResponse(self._events(first, chunks, watch, usage, lease), sep="\n",
                                            background=BackgroundTask(lease.release))
-            result = await self._run(request, watch, lambda: call(**kwargs))
+            result = await self._run(request, watch, run.result)
         except BaseException:
             await lease.release()
             raise
         await lease.release()
         self._observe(watch)
         return result
+
+    async def embed(self, request: Request, body: EmbeddingRequest) -> dict[str, Any]:
+        """OpenAI's embeddings: each input's mean-pooled final hidden state (normalised)."""
+        inp = body.input
+        if isinstance(inp, str) or (isinstance(inp, list) and inp and isinstance(inp[0], int)):
+            inp = [inp]  # type: ignore[list-item]
+        if not inp or any(isinstance(x, str | list) and len(x) == 0 for x in inp):
+            raise APIError(400, "input must not be empty", param="input", code="invalid_value")
+        texts = []
+        for x in inp:
+            if isinstance(x, list):
+                bad = [t for t in x if not 0 <= t < self.n_vocab]
+                if bad:
+                    raise APIError(400, f"input token id {bad[0]} is outside the vocabulary [0, {self.n_vocab})",
+                                   param="input", code="invalid_value")
+                x = self.llama.detokenize(x).decode("utf-8", "replace")
+            texts.append(x)
+        n_batch = self.llama.n_batch
+        for i, t in enumerate(texts):
+            n = len(self.llama.tokenize(t.encode("utf-8")))
+            if n == 0:  # llama.cpp cannot decode an empty batch (and llama-cpp-python then corrupts its heap)
+                raise APIError(400, f"input {i} has no tokens", param="input", code="invalid_value")
+            if n > n_batch:
+                raise APIError(400, f"input {i} has {n} tokens; at most {n_batch} per input", param="input",
+                               code="context_length_exceeded")
+        watch = Watch(time.monotonic(), self.n_ctx, None, self.llama.is_eog)
+        await self.gate.enter()
+        lease = _Lease(self)
+        try:
+            vectors, n_tokens = await self._run(request, watch, lambda: self.llama.embed_mean(texts))
+        finally:
+            await lease.release()
+        data = []
+        for i, v in enumerate(vectors):
+            emb: Any = v
+            if body.encoding_format == "base64":
+                import base64
+
+                import numpy as np
+
+                emb = base64.b64encode(np.asarray(v, dtype=np.float32).tobytes()).decode("ascii")
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return {"object": "list", "data": data, "model": body.model or self.settings.model_id,
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
     async def _run(self, request: Request, watch: Watch, fn: Callable[[], Any]) -> Any:
         """``fn`` in a worker thread, with ``watch`` attached and the client watched for a disconnect."""
@@ -151,10 +209,10 @@ class _Server:
             m.tpot.observe(watch.tpot)
 
 
-def _start(call: Callable[..., Iterator[dict[str, Any]]], kwargs: dict[str, Any]
+def _start(chunks_of: Callable[[], Iterator[dict[str, Any]]]
            ) -> tuple[Iterator[dict[str, Any]], dict[str, Any] | None]:
-    """A streaming call and its first chunk (template rendering, prefill and first token)."""
-    chunks = call(**kwargs)
+    """A stream and its first chunk (prefill and first token)."""
+    chunks = chunks_of()
     return chunks, next(chunks, None)
 
 
@@ -199,27 +257,67 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
     """The app serving ``llama`` (which the caller owns and closes)."""
     server = _Server(llama, settings)
     auth = [Depends(_Authenticate(settings.api_key))]
-    app = FastAPI(title="ggmoe", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="ggmoe", version=_version(), docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = server
     errors.install(app)
+    created = int(time.time())
 
     @app.get("/health")
+    @app.get("/v1/health", include_in_schema=False)
+    @app.get("/healthz", include_in_schema=False)
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": settings.model_id, "queue_length": server.gate.waiting,
                 "running": server.gate.running}
 
     @app.get("/v1/models", dependencies=auth)
+    @app.get("/models", dependencies=auth, include_in_schema=False)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": settings.model_id, "object": "model", "owned_by": "ggmoe",
-                                            "permissions": []}]}
+        names = [settings.model_id, *(a for a in settings.aliases if a != settings.model_id)]
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "ggmoe", "permissions": [],
+             "meta": {"n_ctx": server.n_ctx, "n_vocab": server.n_vocab, "aliases": names}} for name in names]}
 
     @app.post("/v1/completions", dependencies=auth)
+    @app.post("/completions", dependencies=auth, include_in_schema=False)
     async def completions(request: Request, body: CompletionRequest) -> Any:
         return await server.generate(request, body, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/chat/completions", dependencies=auth, include_in_schema=False)
     async def chat_completions(request: Request, body: ChatRequest) -> Any:
         return await server.generate(request, body, chat=True)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        tokens = llama.tokenize(body.content.encode("utf-8"), add_bos=body.add_special, special=True)
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        return {"tokens": [{"id": t, "piece": llama.detokenize([t], special=True).decode("utf-8", "replace")}
+                           for t in tokens]}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        bad = [t for t in body.tokens if not 0 <= t < server.n_vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {server.n_vocab})",
+                           param="tokens", code="invalid_value")
+        return {"content": llama.detokenize(body.tokens, special=True).decode("utf-8", "replace")}
+
+    @app.post("/v1/embeddings", dependencies=auth)
+    @app.post("/embeddings", dependencies=auth, include_in_schema=False)
+    async def embeddings(request: Request, body: EmbeddingRequest) -> Any:
+        return await server.embed(request, body)
+
+    @app.get("/props", dependencies=auth)
+    async def props() -> dict[str, Any]:
+        formatter = llama.chat_formatter()
+        return {"model_path": settings.model_path, "model_alias": settings.model_id, "total_slots": 1,
+                "chat_template": formatter.template, "bos_token": formatter.bos_token,
+                "eos_token": formatter.eos_token, "build_info": f"ggmoe {_version()}",
+                "modalities": {"vision": False, "audio": False},
+                "default_generation_settings": {"n_ctx": server.n_ctx, "model": settings.model_id, "params": {
+                    "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.1,
+                    "n_predict": -1}}}
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:
@@ -236,3 +334,11 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
         route, str(status)).inc(), routes=ROUTES)
     return app
 
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ggmoe")
+    except PackageNotFoundError:
+        return "0"

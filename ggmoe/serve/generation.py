@@ -1,45 +1,41 @@
-"""One request on the model: checks against the model, llama-cpp-python's call, timings and usage.
+"""One request on the model: checks, the prompt, llama-cpp-python's ``create_completion``, OpenAI's shapes.
 
-``check_*`` refuse what the model cannot do before the request queues
-(unknown model name, n > 1, max_tokens, token ids and logit_bias keys out of
-the vocabulary). ``Watch`` is the ``GenerationWatch`` of one request: it
-refuses a prompt whose tokens plus max_tokens exceed the context, timestamps
-tokens (TTFT, TPOT), counts them for the usage of a stream and stops the
-generation when the client has gone. ``llama_kwargs`` turns a request body
-into the keyword arguments of ``Llama.create_completion`` /
-``create_chat_completion``.
+``check_request`` refuses what the model cannot do before the request queues. ``plan_chat`` /
+``plan_completion`` turn a body into a ``Plan``: the prompt's tokens (a chat rendered through the model's
+own template by llama-cpp-python's sandboxed Jinja2 formatter, tools included), ``max_tokens`` clamped to
+the context (llama-server's behaviour) unless strict, the grammar (GBNF, a JSON schema, a forced tool call)
+and the ``create_completion`` keyword arguments. ``Run`` executes a plan, streaming or not, ``n`` times,
+and shapes the answer: logprobs from a ``LogprobRecorder``, tool calls parsed back out of the text,
+``finish_reason`` ``tool_calls``, a first chunk with ``content: ""``. ``Watch`` is the
+``GenerationWatch`` of one request: timestamps tokens (TTFT, TPOT), counts them for the usage of a stream
+and stops the generation when the client has gone.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
 import llama_cpp
+import numpy as np
 
 from ggmoe.errors import GgmoeError
+from ggmoe.serve import structured
 from ggmoe.serve.errors import APIError
+from ggmoe.serve.logprobs import LogprobRecorder, chat_logprobs, completion_logprobs, plain
 from ggmoe.serve.schema import ChatRequest, CompletionRequest
 
 MAX_LOGPROBS = 20  # OpenAI's cap on (top_)logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
-# Fields of the request types that are not Llama keyword arguments (handled here or ignored).
-_NOT_KWARGS = {"n", "best_of", "logit_bias_type", "user", "min_tokens", "stream_options",
-               "max_completion_tokens", "grammar", "logit_bias", "model"}
 
-
-def context_error(message: str) -> APIError:
-    return APIError(400, message, param="messages", code="context_length_exceeded")
-
-
-def check_model(name: str | None, model_id: str) -> None:
-    if name is not None and name != model_id:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {model_id!r}",
-                       param="model", code="model_not_found")
+def context_error(message: str, param: str = "messages") -> APIError:
+    return APIError(400, message, param=param, code="context_length_exceeded")
 
 
 def max_tokens_of(body: CompletionRequest | ChatRequest) -> int | None:
@@ -48,27 +44,17 @@ def max_tokens_of(body: CompletionRequest | ChatRequest) -> int | None:
     return body.max_tokens
 
 
-def check_request(body: CompletionRequest | ChatRequest, n_ctx: int, n_vocab: int) -> None:
+def check_request(body: CompletionRequest | ChatRequest, n_ctx: int, n_vocab: int, strict: bool) -> None:
     """What a request asks that the model cannot give (400), before it waits for the model."""
-    if body.n is not None and body.n != 1:
-        raise APIError(400, f"n = {body.n} is not supported: this server generates one choice per request "
-                            "(send n = 1 or leave it out)", param="n", code="unsupported_value")
-    if isinstance(body, CompletionRequest) and body.best_of not in (None, 1):
-        raise APIError(400, "best_of > 1 is not supported", param="best_of", code="unsupported_value")
     mt = max_tokens_of(body)
-    if mt is not None and mt < 1:
-        raise APIError(400, f"max_tokens must be at least 1 (got {mt})", param="max_tokens",
-                       code="invalid_value")
-    if mt is not None and mt >= n_ctx:
+    if strict and mt is not None and mt >= n_ctx:
         raise APIError(400, f"max_tokens = {mt} does not fit the model's context of {n_ctx} tokens "
                             "(prompt included)", param="max_tokens", code="context_length_exceeded")
-    if body.temperature < 0:
-        raise APIError(400, "temperature must be >= 0", param="temperature", code="invalid_value")
-    lp = body.top_logprobs if isinstance(body, ChatRequest) else body.logprobs
-    if lp is not None and lp > MAX_LOGPROBS:
-        raise APIError(400, f"at most {MAX_LOGPROBS} logprobs per token", param="logprobs", code="invalid_value")
     if isinstance(body, CompletionRequest):
         _check_prompt(body.prompt, n_vocab)
+        if body.stream and body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported when streaming", param="echo",
+                           code="unsupported_value")
     if body.logit_bias and body.logit_bias_type != "tokens":
         for key, value in body.logit_bias.items():
             if not key.isdigit() or not 0 <= int(key) < n_vocab:
@@ -77,6 +63,10 @@ def check_request(body: CompletionRequest | ChatRequest, n_ctx: int, n_vocab: in
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise APIError(400, f"logit_bias values must lie in [-100, 100] (token {key}: {value})",
                                param="logit_bias", code="invalid_value")
+    if isinstance(body, ChatRequest) and body.grammar is not None and (
+            body.response_format is not None and body.response_format.type != "text"):
+        raise APIError(400, "give either grammar or response_format, not both", param="grammar",
+                       code="invalid_value")
 
 
 def _check_prompt(prompt: str | list[str] | list[int], n_vocab: int) -> None:
@@ -105,6 +95,7 @@ class Watch:
         self.n_tokens = 0  # generated tokens, end-of-generation tokens not counted (as in usage)
         self.t_first: float | None = None
         self.t_last: float | None = None
+        self.on_each: Callable[[int], None] | None = None  # also told every sampled token (logprobs)
 
     def on_prompt(self, n_prompt: int) -> None:
         self.n_prompt = n_prompt
@@ -119,6 +110,8 @@ class Watch:
         self.t_last = now
         if not self.is_eog(token):
             self.n_tokens += 1
+        if self.on_each is not None:
+            self.on_each(token)
         return not self.cancel.is_set()
 
     @property
@@ -137,30 +130,160 @@ class Watch:
                 "total_tokens": self.n_prompt + self.n_tokens}
 
 
-def llama_kwargs(body: CompletionRequest | ChatRequest, llama: llama_cpp.Llama, model_id: str) -> dict[str, Any]:
-    """The request as keyword arguments of ``create_completion`` / ``create_chat_completion``."""
-    kw = body.model_dump(exclude=_NOT_KWARGS)
-    kw["model"] = model_id
-    kw["max_tokens"] = max_tokens_of(body)
-    if isinstance(body, CompletionRequest) and isinstance(body.prompt, list) and isinstance(body.prompt[0], str):
-        kw["prompt"] = body.prompt[0]
+# -- plans
+@dataclass
+class Plan:
+    """One request made ready for ``create_completion``."""
+
+    chat: bool
+    prompt: list[int]  # tokens
+    kwargs: dict[str, Any]  # create_completion keyword arguments but prompt, stream and logits_processor
+    processors: list[Any]  # logits processors after the logprob recorder
+    n: int = 1
+    seed: int | None = None
+    top_logprobs: int | None = None  # None: no logprobs; else alternatives per token
+    echo_logprobs: bool = False  # completions with echo: llama-cpp-python's logprobs (needs logits_all)
+    echo: str | None = None  # completions: the prompt text put before the answer (echo without logprobs)
+    prompt_text: str | None = None  # given to llama-cpp-python instead of the tokens (its echo with logprobs)
+    family: str | None = None  # tool-call format, when tools may be called
+    tool_names: set[str] = field(default_factory=set)
+    forced_tool: bool = False  # a grammar forces a call
+
+
+def _sampling(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
+    stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
+    return {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+            "stop": stop, "presence_penalty": body.presence_penalty or 0.0,
+            "frequency_penalty": body.frequency_penalty or 0.0, "repeat_penalty": body.repeat_penalty,
+            "mirostat_mode": body.mirostat_mode, "mirostat_tau": body.mirostat_tau,
+            "mirostat_eta": body.mirostat_eta}
+
+
+def _fit(plan_prompt: list[int], body: CompletionRequest | ChatRequest, n_ctx: int, strict: bool) -> int:
+    """max_tokens for this prompt: clamped to what the context leaves (finish_reason "length"), or 400 when
+    strict; a prompt that leaves no room is 400 either way."""
+    n = len(plan_prompt)
+    if n >= n_ctx:
+        raise context_error(f"the prompt ({n} tokens) does not fit the model's context of {n_ctx} tokens",
+                            "prompt" if isinstance(body, CompletionRequest) else "messages")
+    mt = max_tokens_of(body)
+    if mt is None:
+        return n_ctx - n
+    if n + mt > n_ctx:
+        if strict:
+            raise context_error(f"the prompt ({n} tokens) plus max_tokens ({mt}) exceeds the model's context "
+                                f"of {n_ctx} tokens")
+        return n_ctx - n
+    return mt
+
+
+def _processors(body: CompletionRequest | ChatRequest, llama: Any) -> list[Any]:
+    out: list[Any] = []
     if body.logit_bias:
-        kw["logit_bias"] = _logit_bias(body, llama)
-    if body.grammar is not None:
-        if not llama.grammar_parses(body.grammar):
-            raise APIError(400, "grammar: llama.cpp could not parse this GBNF grammar (it needs a 'root' rule)",
-                           param="grammar", code="invalid_value")
-        try:
-            kw["grammar"] = llama_cpp.LlamaGrammar.from_string(body.grammar, verbose=False)
-        except (ValueError, RuntimeError) as e:
-            raise APIError(400, f"grammar: {e}", param="grammar", code="invalid_value") from e
+        bias = _logit_bias(body, llama)
+        ids = np.fromiter(bias.keys(), dtype=np.intc, count=len(bias))
+        vals = np.fromiter(bias.values(), dtype=np.single, count=len(bias))
+
+        def apply(input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+            scores[ids] += vals
+            return scores
+
+        out.append(apply)
     if body.min_tokens > 0:
-        kw["logits_processor"] = llama_cpp.LogitsProcessorList(
-            [llama_cpp.MinTokensLogitsProcessor(body.min_tokens, llama.token_eos())])
-    return kw
+        out.append(llama_cpp.MinTokensLogitsProcessor(body.min_tokens, llama.token_eos()))
+    return out
 
 
-def _logit_bias(body: CompletionRequest | ChatRequest, llama: llama_cpp.Llama) -> dict[int, float]:
+def _grammar(llama: Any, text: str, param: str) -> llama_cpp.LlamaGrammar:
+    if not llama.grammar_parses(text):
+        raise APIError(400, f"{param}: llama.cpp could not parse this GBNF grammar (it needs a 'root' rule)",
+                       param=param, code="invalid_value")
+    try:
+        return llama_cpp.LlamaGrammar.from_string(text, verbose=False)
+    except (ValueError, RuntimeError) as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from e
+
+
+def plan_completion(body: CompletionRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    tokens = (list(prompt) if isinstance(prompt, list)
+              else llama.tokenize(prompt.encode("utf-8"), add_bos=True, special=True))
+    if not tokens:
+        raise APIError(400, "the prompt is empty and the model adds no BOS token", param="prompt",
+                       code="invalid_value")
+    kw = _sampling(body)
+    kw["max_tokens"] = _fit(tokens, body, n_ctx, strict)
+    if body.suffix is not None:
+        kw["suffix"] = body.suffix
+    if body.grammar is not None:
+        kw["grammar"] = _grammar(llama, body.grammar, "grammar")
+    echo_lp = body.echo and body.logprobs is not None
+    echo = None
+    if echo_lp:
+        # The prompt's logprobs are llama-cpp-python's (every position's logits: --logprobs); its echo
+        # concatenates the prompt as given to the text, so it must be given as text.
+        if not isinstance(prompt, str):
+            raise APIError(400, "echo with logprobs needs the prompt as text, not token ids", param="echo",
+                           code="unsupported_value")
+        kw.update(echo=True, logprobs=body.logprobs)
+    elif body.echo:
+        echo = prompt if isinstance(prompt, str) else llama.detokenize(tokens).decode("utf-8", "replace")
+    return Plan(chat=False, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
+                seed=body.seed, top_logprobs=None if echo_lp else body.logprobs, echo_logprobs=echo_lp,
+                echo=echo, prompt_text=prompt if echo_lp else None)
+
+
+def plan_chat(body: ChatRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
+    formatter = llama.chat_formatter()
+    template = getattr(formatter, "template", None)
+    messages = [m.for_template() for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    use_tools = bool(tools) and choice != "none"
+    family = structured.family_of(template) if use_tools else None
+    render_kw: dict[str, Any] = {}
+    if use_tools:
+        if structured.template_renders_tools(template):
+            render_kw["tools"] = tools
+            render_kw["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
+        else:
+            text = structured.tools_system_text(tools)
+            if messages and messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
+            else:
+                messages.insert(0, {"role": "system", "content": text})
+    result = formatter(messages=messages, **render_kw)
+    tokens = llama.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
+    kw = _sampling(body)
+    kw["max_tokens"] = _fit(tokens, body, n_ctx, strict)
+    rstop = result.stop if isinstance(result.stop, list) else [result.stop] if result.stop else []
+    kw["stop"] = kw["stop"] + [s for s in rstop if s]
+    if result.stopping_criteria is not None:
+        kw["stopping_criteria"] = result.stopping_criteria
+    forced = use_tools and (choice == "required" or not isinstance(choice, str))
+    if forced:
+        chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice.function.name]
+        kw["grammar"] = _grammar(llama, structured.tool_grammar(family, chosen), "tools")
+    elif body.response_format is not None and body.response_format.type != "text":
+        rf = body.response_format
+        if rf.type == "json_schema":
+            text = structured.schema_grammar(rf.json_schema.schema_, rf.json_schema.strict)
+        elif rf.schema_ is not None:
+            text = structured.schema_grammar(rf.schema_, False)
+        else:
+            text = structured.json_object_grammar()
+        kw["grammar"] = _grammar(llama, text, "response_format")
+    elif body.grammar is not None:
+        kw["grammar"] = _grammar(llama, body.grammar, "grammar")
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return Plan(chat=True, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
+                seed=body.seed, top_logprobs=top, family=family,
+                tool_names={t["function"]["name"] for t in tools} if use_tools else set(), forced_tool=forced)
+
+
+def _logit_bias(body: CompletionRequest | ChatRequest, llama: Any) -> dict[int, float]:
     if body.logit_bias_type != "tokens":
         return {int(k): float(v) for k, v in body.logit_bias.items()}
     out: dict[int, float] = {}
@@ -168,6 +291,171 @@ def _logit_bias(body: CompletionRequest | ChatRequest, llama: llama_cpp.Llama) -
         for tok in llama.tokenize(text.encode("utf-8"), add_bos=False, special=True):
             out[tok] = float(value)
     return out
+
+
+# -- running a plan
+class Run:
+    """A plan on the model: ``result()`` (one response) or ``chunks()`` (the stream's chunk objects)."""
+
+    def __init__(self, plan: Plan, llama: Any, watch: Watch, model_id: str) -> None:
+        self.plan = plan
+        self.llama = llama
+        self.watch = watch
+        self.model_id = model_id
+        self.id = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if plan.chat else "text_completion"
+        self.recorder: LogprobRecorder | None = None
+
+    def _piece(self, token: int) -> bytes:
+        return self.llama.detokenize([token])
+
+    def _call(self, i: int, stream: bool) -> Any:
+        p = self.plan
+        procs = list(p.processors)
+        self.recorder = None
+        if p.top_logprobs is not None:
+            self.recorder = LogprobRecorder(p.top_logprobs, self._piece, self.llama.is_eog)
+            procs.insert(0, self.recorder)
+        self.watch.on_each = self.recorder.on_token if self.recorder is not None else None
+        seed = None if p.seed is None else (p.seed + i) % (1 << 32)
+        kw = dict(p.kwargs)
+        return self.llama.create_completion(prompt=p.prompt_text if p.prompt_text is not None else p.prompt,
+                                            stream=stream, seed=seed,
+                                            logits_processor=llama_cpp.LogitsProcessorList(procs) if procs else None,
+                                            model=self.model_id, **kw)
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model_id}
+
+    # -- one response
+    def result(self) -> dict[str, Any]:
+        choices = []
+        completion_tokens = 0
+        prompt_tokens = len(self.plan.prompt)
+        for i in range(self.plan.n):
+            out = self._call(i, stream=False)
+            c = out["choices"][0]
+            completion_tokens += out["usage"]["completion_tokens"]
+            prompt_tokens = out["usage"]["prompt_tokens"]
+            choices.append(self._chat_choice(i, c) if self.plan.chat else self._completion_choice(i, c))
+        return {**self._head(), "choices": choices, "system_fingerprint": None,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    def _entries(self, text: str) -> list[Any]:
+        if self.recorder is None:
+            return []
+        return self.recorder.covering(0, len(text.encode("utf-8")))[0]
+
+    def _chat_choice(self, i: int, c: dict[str, Any]) -> dict[str, Any]:
+        text = c["text"]
+        finish = c["finish_reason"]
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if self.plan.family is not None:
+            parsed = structured.parse_tool_calls(self.plan.family, text, self.plan.tool_names)
+            if parsed.tool_calls:
+                message = {"role": "assistant", "content": parsed.content, "refusal": None,
+                           "tool_calls": parsed.tool_calls}
+                finish = "tool_calls"
+        lp = chat_logprobs(self._entries(text)) if self.recorder is not None else None
+        return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
+
+    def _completion_choice(self, i: int, c: dict[str, Any]) -> dict[str, Any]:
+        if self.plan.echo_logprobs:
+            lp = _trim_top(plain(c["logprobs"]), self.plan.kwargs.get("logprobs") or 0)
+        elif self.recorder is not None:
+            lp = completion_logprobs(self._entries(c["text"]), 0)
+        else:
+            lp = None
+        return {"index": i, "text": (self.plan.echo or "") + c["text"], "logprobs": lp,
+                "finish_reason": c["finish_reason"]}
+
+    # -- a stream
+    def chunks(self) -> Iterator[dict[str, Any]]:
+        for i in range(self.plan.n):
+            yield from (self._chat_chunks(i) if self.plan.chat else self._completion_chunks(i))
+
+    def _completion_chunks(self, i: int) -> Iterator[dict[str, Any]]:
+        sent = 0  # bytes of text sent
+        covered = 0  # bytes of the recorder entries whose logprobs went out
+        used = 0  # recorder entries sent
+        echo = self.plan.echo
+        for chunk in self._call(i, stream=True):
+            c = chunk["choices"][0]
+            lp = None
+            if self.recorder is not None:
+                sent += len(c["text"].encode("utf-8"))
+                entries, used = self.recorder.covering(used, sent - covered)
+                covered += sum(len(e.text) for e in entries)
+                lp = completion_logprobs(entries, 0)
+            text = (echo or "") + c["text"]
+            echo = None
+            yield {**self._head(), "choices": [{"index": i, "text": text, "logprobs": lp,
+                                                "finish_reason": c["finish_reason"]}]}
+
+    def _chat_chunk(self, i: int, delta: dict[str, Any], logprobs: Any = None,
+                    finish: str | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
+                "system_fingerprint": None,
+                "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def _chat_chunks(self, i: int) -> Iterator[dict[str, Any]]:
+        stream = self._call(i, stream=True)
+        first = next(stream, None)  # the prefill and first token, before anything is sent
+        yield self._chat_chunk(i, {"role": "assistant", "content": ""})
+        family = self.plan.family
+        text = ""  # everything generated
+        emitted = 0  # characters of text sent as content
+        used = 0  # recorder entries sent
+        spare = 0  # bytes sent whose tokens' logprobs have not gone out yet
+        finish = "stop"
+
+        def content(upto: int) -> Iterator[dict[str, Any]]:
+            nonlocal emitted, used, spare
+            piece = text[emitted:upto]
+            emitted = upto
+            lp = None
+            if self.recorder is not None:
+                entries, used = self.recorder.covering(used, spare + len(piece.encode("utf-8")))
+                spare += len(piece.encode("utf-8")) - sum(len(e.text) for e in entries)
+                lp = chat_logprobs(entries)
+            yield self._chat_chunk(i, {"content": piece}, lp)
+
+        chunk = first
+        while chunk is not None:
+            c = chunk["choices"][0]
+            text += c["text"]
+            if c["finish_reason"] is not None:
+                finish = c["finish_reason"]
+            upto = len(text) if family is None else (0 if self.plan.forced_tool else
+                                                     structured.safe_prefix(family, text))
+            if upto > emitted:
+                yield from content(upto)
+            chunk = next(stream, None)
+        if family is not None:
+            parsed = structured.parse_tool_calls(family, text, self.plan.tool_names)
+            if parsed.tool_calls:
+                calls = [{"index": k, **call} for k, call in enumerate(parsed.tool_calls)]
+                yield self._chat_chunk(i, {"tool_calls": calls})
+                yield self._chat_chunk(i, {}, None, "tool_calls")
+                return
+            if len(text) > emitted:
+                yield from content(len(text))
+        yield self._chat_chunk(i, {}, None, finish)
+
+
+def _trim_top(lp: dict[str, Any] | None, n: int) -> dict[str, Any] | None:
+    """llama-cpp-python's top_logprobs maps hold the sampled token beside the top n: keep the n best."""
+    if lp is None:
+        return None
+    tops = []
+    for top in lp.get("top_logprobs") or []:
+        if top is None:
+            tops.append(None)
+        else:
+            tops.append(dict(sorted(top.items(), key=lambda kv: -kv[1])[:n]))
+    return {**lp, "top_logprobs": tops}
 
 
 def api_error(e: BaseException) -> APIError:
@@ -178,8 +466,9 @@ def api_error(e: BaseException) -> APIError:
         # llama-cpp-python: "Requested tokens (N) exceed context window of M"
         return context_error(f"the prompt does not fit the model's context: {e}")
     if isinstance(e, ValueError) and "logits_all=False" in str(e):
-        return APIError(400, "logprobs need the server started with --logprobs (it keeps every position's "
-                             "logits)", param="logprobs", code="unsupported_value")
+        return APIError(400, "logprobs with echo (the prompt's logprobs) need the server started with "
+                             "--logprobs (it keeps every position's logits)", param="logprobs",
+                        code="unsupported_value")
     if isinstance(e, jinja2.TemplateError):
         return APIError(500, f"the model's chat template failed to render: {type(e).__name__}",
                         type="server_error", code="chat_template_error")

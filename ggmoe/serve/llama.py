@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import llama_cpp
+import numpy as np
 
 from ggmoe.cache import CacheConfig
 from ggmoe.context import check_prompt, context_tokens
@@ -38,7 +39,11 @@ from ggmoe.hook import RouteObserver
 # model trained on plain text (such as the embedded one) continues sensibly.
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "<tool_call>{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "</tool_call>"
+    "{% endfor %}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
@@ -112,13 +117,22 @@ class GgmoeLlama(llama_cpp.Llama):
         self.__dict__["_ggmoe_model_params"] = params
 
     def _default_chat_handler(self) -> llama_cpp.llama_chat_format.LlamaChatCompletionHandler:
-        eos, bos = self.token_eos(), self.token_bos()
-        return _DefaultChatFormatter(
-            template=DEFAULT_CHAT_TEMPLATE,
-            eos_token=self._model.token_get_text(eos) if eos != -1 else "",
-            bos_token=self._model.token_get_text(bos) if bos != -1 else "",
-            stop_token_ids=[eos],
-        ).to_chat_handler()
+        return self.chat_formatter().to_chat_handler()
+
+    def chat_formatter(self) -> llama_cpp.llama_chat_format.Jinja2ChatFormatter:
+        """The formatter of this model's chat template (the GGUF's, else ggmoe's plain default), built as
+        ``Llama`` builds it for ``chat_template.default``; the server renders prompts (tools included) with it."""
+        formatter = self.__dict__.get("_ggmoe_formatter")
+        if formatter is None:
+            eos, bos = self.token_eos(), self.token_bos()
+            template = self.metadata.get("tokenizer.chat_template")
+            kind = llama_cpp.llama_chat_format.Jinja2ChatFormatter if template else _DefaultChatFormatter
+            formatter = kind(template=template or DEFAULT_CHAT_TEMPLATE,
+                             eos_token=self._model.token_get_text(eos) if eos != -1 else "",
+                             bos_token=self._model.token_get_text(bos) if bos != -1 else "",
+                             stop_token_ids=[eos])
+            self.__dict__["_ggmoe_formatter"] = formatter
+        return formatter
 
     # -- decode: re-raise the route callback's error
     def eval(self, tokens: Sequence[int]) -> None:
@@ -170,6 +184,32 @@ class GgmoeLlama(llama_cpp.Llama):
         from ggmoe.engine.llama_attach import grammar_parses
 
         return grammar_parses(self._model.vocab, grammar)
+
+    def embed_mean(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
+        """Mean-pooled, L2-normalised final hidden states of each text, and the tokens read.
+
+        The generation context is switched to embeddings output for this call only; ``Llama.embed`` clears
+        the KV cache and resets the sequence, so the next generation starts from an empty context.
+        """
+        for i, text in enumerate(texts):
+            if not self.tokenize(text.encode("utf-8")):  # an empty batch fails in llama_decode and then
+                raise ValueError(f"input {i} has no tokens")  # corrupts llama-cpp-python's batch
+        llama_cpp.llama_set_embeddings(self._ctx.ctx, True)
+        self.context_params.embeddings = True
+        try:
+            out, n = self.embed(list(texts), normalize=False, truncate=False, return_count=True)
+        finally:
+            llama_cpp.llama_set_embeddings(self._ctx.ctx, False)
+            self.context_params.embeddings = False
+        self._raise_route_error()
+        pooled = []
+        for e in out:
+            v = np.asarray(e, dtype=np.float64)
+            if v.ndim == 2:  # pooling NONE (a causal model): one vector per token
+                v = v.mean(axis=0)
+            norm = float(np.linalg.norm(v))
+            pooled.append((v / norm if norm > 0 else v).tolist())
+        return pooled, n
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation (EOS, EOT...), as ``_create_completion`` tests it."""

@@ -2,35 +2,211 @@
 
 ``CreateCompletionRequest`` and ``CreateChatCompletionRequest`` come from
 ``llama_cpp.server.types`` (pydantic models over llama-cpp-python's own
-TypedDicts); the subclasses add ``stream_options`` (usage at the end of a
-stream), token-id prompts and ``max_completion_tokens``, and give messages a
-clear error before the union of message types reports every alternative.
+TypedDicts). The subclasses add what OpenAI clients send today and those types
+refuse or lack: ``stream_options`` (usage at the end of a stream), token-id
+prompts, ``max_completion_tokens``, messages with content-part arrays, the
+``developer`` role, assistant turns with ``tool_calls`` and ``content: null``,
+``tool`` turns, ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and
+``response_format`` with a JSON schema. The models also give the OpenAPI
+schema the fuzz tests drive the server with.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Literal
 
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# The roles llama-cpp-python's message types accept.
-ROLES = ("system", "user", "assistant", "tool", "function")
+# The roles a message may have ("developer" is OpenAI's newer name for "system").
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+MAX_N = 8  # choices per request at most (they are generated one after another)
+MAX_STOP = 4  # OpenAI's cap on stop sequences
+# Content-part types a text model cannot read: refused with a clear 400, never silently dropped.
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file", "video_url")
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(CreateCompletionRequest):
+class ContentPart(BaseModel):
+    """One element of a content array; only text parts reach a text model."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; some clients an object
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    """A chat message as OpenAI clients send it."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> Message:
+        if self.role == "assistant":
+            if self.content is None and not self.tool_calls:
+                raise ValueError("an assistant message needs content or tool_calls")
+        elif self.content is None:
+            raise ValueError(f"a {self.role} message needs content (a string or a list of parts)")
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type in MEDIA_PARTS:
+                    raise ValueError(f"content parts of type {part.type!r} are not supported: this server "
+                                     "runs a text-only model (send text parts)")
+                if part.type not in ("text", "refusal"):
+                    raise ValueError(f"unknown content part type {part.type!r} (text parts only)")
+                if part.type == "text" and part.text is None:
+                    raise ValueError("a text content part needs 'text'")
+        return self
+
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines, null as ""."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text if p.type == "text" else (p.refusal or "") for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template expects it: string content, ``developer`` as ``system``,
+        tool-call arguments as objects (what Hugging Face templates render with ``tojson``)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                args: Any = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except ValueError:
+                        pass
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                           "arguments": args}})
+            out["tool_calls"] = calls
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama-cpp-python's json_object form
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+def _check_stop(value: Any) -> Any:
+    if isinstance(value, list) and len(value) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop sequences")
+    if isinstance(value, list) and any(s == "" for s in value) or value == "":
+        raise ValueError("a stop sequence must not be empty")
+    return value
+
+
+class _Sampling(BaseModel):
+    """Bounds on the sampling fields llama-cpp-python's types leave open (each would reach llama.cpp)."""
+
+    temperature: float = Field(default=0.8, ge=0.0, le=100.0)
+    top_p: float = Field(default=0.95, ge=0.0, le=1.0)
+    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
+    top_k: int = Field(default=40, ge=0)
+    repeat_penalty: float = Field(default=1.1, ge=0.0, le=100.0)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    mirostat_mode: int = Field(default=0, ge=0, le=2)
+    mirostat_tau: float = Field(default=5.0, ge=0.0, le=100.0)
+    mirostat_eta: float = Field(default=0.1, ge=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 64 - 1)
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before", check_fields=False)
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        return _check_stop(value)
+
+
+class CompletionRequest(_Sampling, CreateCompletionRequest):
     # A string, one string in a list, or token ids (OpenAI's forms for one prompt).
     prompt: str | list[str] | list[int] = Field(default="", description="The prompt, as text or token ids.")
-    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = Field(default=1, ge=1, le=1)
 
 
-class ChatRequest(CreateChatCompletionRequest):
-    stream_options: StreamOptions | None = None
-    max_completion_tokens: int | None = Field(default=None, description="OpenAI's newer name for max_tokens.")
+class ChatRequest(_Sampling, CreateChatCompletionRequest):
+    messages: list[Message] = Field(min_length=1, description="The conversation, oldest first.")
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="OpenAI's newer name for max_tokens.")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    functions: list[FunctionDef] | None = None  # deprecated: read as tools
+    function_call: Literal["none", "auto"] | NamedFunction | None = None  # deprecated: read as tool_choice
 
     @model_validator(mode="before")
     @classmethod
@@ -40,17 +216,39 @@ class ChatRequest(CreateChatCompletionRequest):
             return {**data, "messages": None}
         return data
 
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _messages(cls, value: Any) -> Any:
-        if not isinstance(value, list) or not value:
-            raise ValueError("messages must be a non-empty list of {role, content} objects")
-        for i, m in enumerate(value):
-            if not isinstance(m, dict):
-                raise ValueError(f"message {i} is not an object")
-            role = m.get("role")
-            if role not in ROLES:
-                raise ValueError(f"message {i} has role {role!r}; roles are {', '.join(ROLES)}")
-            if role in ("system", "user") and not isinstance(m.get("content"), str | list):
-                raise ValueError(f"message {i} ({role}) needs content (a string or a list of parts)")
-        return value
+    @model_validator(mode="after")
+    def _legacy_functions(self) -> ChatRequest:
+        if self.functions and not self.tools:
+            self.tools = [Tool(function=f) for f in self.functions]
+        if self.function_call is not None and self.tool_choice is None:
+            fc = self.function_call
+            self.tool_choice = fc if isinstance(fc, str) else NamedToolChoice(function=fc)
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among "
+                                 f"the tools ({', '.join(names) or 'none given'})")
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+
+class TokenizeRequest(BaseModel):
+    """llama-server's ``/tokenize``."""
+
+    content: str = Field(max_length=1 << 20)
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """llama-server's ``/detokenize``."""
+
+    tokens: list[int]
+
+
+class EmbeddingRequest(BaseModel):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None

@@ -57,7 +57,7 @@ def _slot_counts(facts) -> list[int]:
 
 
 def test_engine_is_patched():
-    assert _patched.is_patched(), "the installed engine lacks the ggmoe patches: run `make engine`"
+    assert _patched.is_patched(), "the installed engine lacks the ggmoe patches: run `ggmoe engine build --install`"
 
 
 @pytest.mark.parametrize("policy", ["lru", "on-demand", "test-random"])

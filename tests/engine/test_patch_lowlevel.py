@@ -501,7 +501,7 @@ def test_callback_errors_are_kept_and_cleared(P, session):
 
 def test_unpatched_library_raises_engine_not_patched(P):
     unpatched = ctypes.CDLL(str(B.LIB_DIR / "libggml-base.so"))  # a real library without the symbols
-    with pytest.raises(EngineNotPatchedError, match=r"not patched.*make engine"):
+    with pytest.raises(EngineNotPatchedError, match=r"not patched.*ggmoe engine build --install"):
         _patched.bind(unpatched)
     assert _patched.is_patched()
     assert set(_patched.SYMBOLS) == {

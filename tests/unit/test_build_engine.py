@@ -50,3 +50,25 @@ def test_cuda_flags(monkeypatch):
     assert "-DGGML_CUDA=ON" in args and "-DCMAKE_CUDA_ARCHITECTURES=90" in args
     monkeypatch.setenv("GGMOE_CUDA", "0")
     assert "-DGGML_CUDA=ON" not in be.cmake_args()
+
+
+def test_cmake_args_from_the_environment_come_last_and_change_the_key(monkeypatch):
+    monkeypatch.delenv("GGMOE_CUDA", raising=False)
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    plain = be.cmake_args()
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_AVX512=OFF -DGGML_BLAS=ON")
+    args = be.cmake_args()
+    assert args[-2:] == ["-DGGML_AVX512=OFF", "-DGGML_BLAS=ON"] and args[:-2] == plain
+    assert be.build_key(args) != be.build_key(plain)
+    assert "-DGGML_CUDA=ON" in be.cmake_args(cuda=True)
+
+
+def test_the_patch_series_is_found_in_a_clone_and_named_when_missing(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    clone = Path(be.__file__).resolve().parent.parent / "patches"
+    assert be.find_patch_dir() == clone and be.patch_files()[0].name.startswith("0001-")
+    monkeypatch.setattr(be, "PATCH_DIR", tmp_path)
+    with pytest.raises(be.BuildError, match="no patch series found"):
+        be.patch_files()
+

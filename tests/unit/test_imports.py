@@ -98,7 +98,7 @@ def test_ctypes_only_in_the_engine():
 # below it, never one above. ``trace.record`` records through the engine, so it sits above the engine; the
 # root package ``ggmoe`` (its version, the lazy ``load``) is a facade any module may import.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "registry", "units", "tomlfile", "npzfile", "outputs", "models", "params", "context"),
+    ("errors", "registry", "units", "tomlfile", "npzfile", "outputs", "models", "params", "context", "engine_build"),
     ("inspect",),
     ("hook",),
     ("trace",),
