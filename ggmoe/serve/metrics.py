@@ -43,6 +43,15 @@ class CacheCollector(Collector):
                                      labels=["il"])
         precision = GaugeMetricFamily("ggmoe_prefetch_precision", "Prefetched experts later used / prefetched, "
                                       "per MoE layer (0 before any prefetch)", labels=["il"])
+        reads = CounterMetricFamily("ggmoe_cache_host_read_bytes", "Bytes of missed experts the device read from "
+                                    "host memory (async decode), per MoE layer", labels=["il"])
+        lag = GaugeMetricFamily("ggmoe_cache_admission_lag_tokens", "Mean tokens from an admission's copy to its "
+                                "slot being readable (async decode's epoch lag), per MoE layer", labels=["il"])
+        mode = GaugeMetricFamily("ggmoe_decode_mode", "1 for the decode mode in effect (async: expert table, no "
+                                 "sync per MoE layer; sync: the route op per layer), with the reason",
+                                 labels=["mode", "asked", "reason"])
+        if cache.get("decode_mode_in_effect"):
+            mode.add_metric([cache["decode_mode_in_effect"], cache["decode_mode"], cache["decode_mode_reason"]], 1)
         occ = GaugeMetricFamily("ggmoe_cache_occupancy", "Experts resident in the layer's slots", labels=["il"])
         slots = GaugeMetricFamily("ggmoe_cache_slots", "Cache slots of the layer", labels=["il"])
         for il, s in cache["layers"].items():
@@ -53,9 +62,11 @@ class CacheCollector(Collector):
             host.add_metric([il], s["host_computed"])
             issued.add_metric([il], s["prefetch_issued"])
             precision.add_metric([il], s["prefetch_hits"] / s["prefetch_issued"] if s["prefetch_issued"] else 0.0)
+            reads.add_metric([il], s["host_read_bytes"])
+            lag.add_metric([il], s["mean_lag_tokens"])
             occ.add_metric([il], cache["occupancy"].get(il, 0))
             slots.add_metric([il], cache["slots_per_layer"].get(il, 0))
-        yield from (hits, misses, copied, rate, host, issued, precision, occ, slots)
+        yield from (hits, misses, copied, rate, host, issued, precision, reads, lag, occ, slots, mode)
 
 
 class Metrics:

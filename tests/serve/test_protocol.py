@@ -8,6 +8,7 @@ every chunk the same id, the last a finish_reason; usage when stream_options ask
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -170,5 +171,7 @@ def test_metrics_are_prometheus_text(server):
     for name in ("ggmoe_requests_total", "ggmoe_completion_tokens_total", "ggmoe_time_to_first_token_seconds_bucket",
                  "ggmoe_time_per_output_token_seconds_bucket", "ggmoe_queue_length", "ggmoe_cache_hit_rate",
                  "ggmoe_prefetch_precision", "ggmoe_cache_copied_bytes_total", "ggmoe_cache_host_computed_total",
-                 "ggmoe_cache_occupancy"):
+                 "ggmoe_cache_occupancy", "ggmoe_cache_host_read_bytes_total", "ggmoe_cache_admission_lag_tokens"):
         assert name in text, name
+    # the decode mode in effect, as a labelled gauge (the server's cache runs the async decode on a CPU build)
+    assert re.search(r'^ggmoe_decode_mode\{[^}]*mode="async"[^}]*\} 1\.0$', text, re.M), text
