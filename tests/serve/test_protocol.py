@@ -173,5 +173,8 @@ def test_metrics_are_prometheus_text(server):
                  "ggmoe_prefetch_precision", "ggmoe_cache_copied_bytes_total", "ggmoe_cache_host_computed_total",
                  "ggmoe_cache_occupancy", "ggmoe_cache_host_read_bytes_total", "ggmoe_cache_admission_lag_tokens"):
         assert name in text, name
-    # the decode mode in effect, as a labelled gauge (the server's cache runs the async decode on a CPU build)
-    assert re.search(r'^ggmoe_decode_mode\{[^}]*mode="async"[^}]*\} 1\.0$', text, re.M), text
+    # the decode mode in effect, as a labelled gauge: this server prefetches with a predictor, which runs inside
+    # the layers, so auto chose the sync mode and says why
+    line = re.search(r'^ggmoe_decode_mode\{(.*)\} 1\.0$', text, re.M)
+    assert line and 'mode="sync"' in line.group(1) and 'asked="auto"' in line.group(1), text
+    assert "prefetching" in line.group(1)
