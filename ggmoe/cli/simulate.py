@@ -66,7 +66,8 @@ def sizes(facts: Any, cache_slots: tuple[str, ...], fractions: tuple[str, ...],
 
 def _row(size: str, r: Any) -> dict[str, Any]:
     est = r.tpot_s is not None
-    return {"size": size, "policy": r.policy, "predictor": r.predictor or "-", "miss": r.miss_policy,
+    return {"size": size, "mode": r.decode_mode, "policy": r.policy, "predictor": r.predictor or "-",
+            "miss": r.miss_policy,
             "hit rate": f"{r.hit_rate:.1%}", "pred acc": f"{r.pred_accuracy:.1%}" if r.predictor else "-",
             "GoodPred": f"{r.goodpred:.1%}" if r.predictor else "-",
             "exposed copy ms (est., total)": f"{r.exposed_copy_s * 1e3:.1f}" if est else "-",
@@ -128,6 +129,9 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
 @click.option("--prefetch", "n_prefetch", type=click.IntRange(1, 4096),
               help="Experts prefetched per layer (default 2 x top-k).")
 @click.option("--miss-policy", multiple=True, help="wait, cpu, auto (repeat or comma list; default wait).")
+@click.option("--decode-mode", multiple=True,
+              help="sync, async (repeat or comma list; default sync): async reads misses over the link with no "
+                   "route hook and admits between tokens; its rows need predictor none and miss policy wait.")
 @click.option("--hw", default="pcie4", show_default=True,
               help="Hardware profile (pcie4, h100, egpu, a .toml from ggmoe calibrate), or none: counts only.")
 @click.option("--predictor-train", multiple=True, type=click.Path(),
@@ -142,7 +146,8 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
 @edge
 def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str, ...],
              cache_fraction: tuple[str, ...], vram: tuple[str, ...], policy: tuple[str, ...],
-             predictor: tuple[str, ...], stride: int, n_prefetch: int | None, miss_policy: tuple[str, ...], hw: str,
+             predictor: tuple[str, ...], stride: int, n_prefetch: int | None, miss_policy: tuple[str, ...],
+             decode_mode: tuple[str, ...], hw: str,
              predictor_train: tuple[str, ...], predictor_s: float | None, stats_in: str | None, as_json: bool,
              plot_path: str | None) -> None:
     """Replay traces through the cache, copy queue and prefetcher on a hardware cost model.
@@ -157,6 +162,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe simulate traces/trace.npz --cache-fraction 0.25,0.5 --policy lru,lfu,lcp
       ggmoe simulate traces/trace.npz --cache-slots 16 --predictor none,reuse,oracle --stride 1 --hw egpu
       ggmoe simulate traces/trace.npz --vram 4MiB --miss-policy wait,auto --json
+      ggmoe simulate traces/trace.npz --cache-fraction 0.5 --decode-mode sync,async --hw h100
     """
     from ggmoe.cache.hardware import load_profile
     from ggmoe.cache.miss import check_miss_policy
@@ -182,6 +188,10 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
             check_predictor(pred)
     for miss in misses:
         check_miss_policy(miss)
+    modes = _split(decode_mode, "--decode-mode") or ["sync"]
+    for mode in modes:
+        if mode not in ("sync", "async"):
+            raise UsageError(f"unknown decode mode {mode!r} for the simulator; choose sync or async")
     profile = None if hw == "none" else load_profile(hw)
     path = model_path(model, "--model")
     facts = inspect_model(path)
@@ -197,7 +207,11 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
         options["static"] = {"counts": warm.counts_by_layer()}
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
     results, rows = [], []
-    combos = list(itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors, misses))
+    # async runs without a predictor and with misses read from host memory (miss policy wait), as the engine's
+    combos = [c for c in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors,
+                                           misses, modes) if c[4] == "sync" or (c[2] is None and c[3] == "wait")]
+    if "async" in modes and not any(c[4] == "async" for c in combos):
+        raise UsageError("--decode-mode async needs --predictor none and --miss-policy wait among the choices")
 
     def state(pred: str | None) -> Any:
         """What the predictor saved in --stats-in learnt, for that predictor."""
@@ -210,10 +224,10 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     if plot_path is not None:
         pyplot()
     with click.progressbar(combos, label="simulating", file=sys.stderr) as bar:
-        for (label, slots), pol, pred, miss in bar:
+        for (label, slots), pol, pred, miss, mode in bar:
             cfg = SimConfig(n_slots=slots, policy=pol, policy_options=options.get(pol), predictor=pred,
                             stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
-                            predictor_state=state(pred))
+                            predictor_state=state(pred), decode_mode=mode)
             r = run(trace, cfg, bpe, profile, train, model_path=str(path))
             results.append(r)
             rows.append(_row(label, r))

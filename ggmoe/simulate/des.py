@@ -104,8 +104,9 @@ class SimResult:
     prefill_tokens: int
     tpot_s: float | None  # estimate: s per decoded token; None without a profile
     ttft_s: float | None  # estimate: mean s from a prompt to its first token; None without a profile
-    link_busy_s: float  # s the simulated link copied
+    link_busy_s: float  # s the simulated link copied (and, async, held by zero-copy reads)
     stats: dict = field(default_factory=dict)  # CacheStats.to_dict()
+    decode_mode: str = "sync"  # sync or async
 
 
 def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
@@ -298,7 +299,7 @@ def _result(config: SimConfig, trace: Trace, cache: ExpertCache, link: LinkCopyB
         native_calls=t.native_calls, decode_tokens=n_decode, prefill_tokens=n_prefill,
         tpot_s=decode_s / n_decode if profile is not None and n_decode else None,
         ttft_s=float(np.mean(ttft)) if profile is not None and ttft else None,
-        link_busy_s=link.busy_s, stats=cache.stats.to_dict())
+        link_busy_s=link.busy_s, stats=cache.stats.to_dict(), decode_mode=config.decode_mode)
 
 
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")

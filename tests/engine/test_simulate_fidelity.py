@@ -175,3 +175,23 @@ def test_a_learning_predictor_counts_equal_the_engine(qwen3moe_model, tmp_path, 
     assert sum(s["prefetch_issued"] for s in sim.values()) > 0
     for il, s in sim.items():
         assert {f: s[f] for f in FIELDS} == {f: live[il][f] for f in FIELDS}, il
+
+
+def test_simulate_both_decode_modes(tmp_path):
+    """`ggmoe simulate --decode-mode sync,async`: both rows side by side; async refuses a predictor-only choice."""
+    tr = tmp_path / "t"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def main():"}\n')
+    assert CliRunner().invoke(main, ["trace", "--prompts", str(prompts), "-o", str(tr), "--max-tokens", "12"]) \
+        .exit_code == 0
+    r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.5", "--decode-mode", "sync,async",
+                                  "--predictor", "none,reuse", "--hw", "h100", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output[r.output.index("{"):])["results"]
+    modes = sorted((x["decode_mode"], x["predictor"] or "none") for x in res)
+    assert modes == [("async", "none"), ("sync", "none"), ("sync", "reuse")]
+    by = {(x["decode_mode"], x["predictor"]): x for x in res}
+    assert by[("async", None)]["stats"]["total"]["host_reads"] > 0 and by[("async", None)]["tpot_s"] > 0
+    r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.5", "--decode-mode", "async",
+                                  "--predictor", "reuse"])
+    assert r.exit_code == 2 and "needs --predictor none" in r.output
