@@ -43,10 +43,14 @@ def test_gpu_smoke(tmp_path):
     result = json.loads((tmp_path / "matrix" / "matrix.json").read_text())
     cells = result["cells"]
     configs = {(c["routing"] == "random", c["config"]) for c in cells}
-    assert {(True, "stock-vram"), (True, "stock-cpu"), (True, "n-cpu-moe"), (True, "lru"), (True, "prefetch"),
-            (True, "prefetch-mlp"), (False, "lru"), (False, "prefetch"), (False, "prefetch-eam"),
-            (False, "prefetch-mlp")} <= configs
-    assert len(cells) == 2 + 3 * 4 + 3 * 4  # 3 fractions
+    assert {(True, "stock-vram"), (True, "stock-cpu"), (True, "n-cpu-moe"), (True, "lru"), (True, "async"),
+            (True, "prefetch"), (True, "prefetch-mlp"), (False, "lru"), (False, "async"), (False, "prefetch"),
+            (False, "prefetch-eam"), (False, "prefetch-mlp")} <= configs
+    assert len(cells) == 2 + 3 * 5 + 3 * 5  # 3 fractions
+    # the async rows ran the async decode (trace rows through the forced routing), the lru rows the sync one
+    assert all(c["decode_mode"] == "async" for c in cells if c["config"] == "async")
+    assert all(c["decode_mode"] == "sync" for c in cells if c["config"] == "lru")
+    assert all(c["host_read_bytes_per_token"] > 0 for c in cells if c["config"] == "async" and c["fraction"] < 1)
     assert all(c["decode_tps"] > 0 and c["prefill_tps"] > 0 and c["error"] is None for c in cells)
     # trace-replay rows say so; every cell has the simulator's estimate beside it; the goals are checked
     trace_rows = [c for c in cells if c["routing"] != "random"]
