@@ -32,6 +32,13 @@ class TensorArena:
         B.libggml_base.ggml_set_name(t, name.encode())
         return ctypes.cast(t, ctypes.c_void_p).value
 
+    def new_view_1d(self, src: int, ne0: int, offset: int, name: str) -> int:
+        """A 1-D view of ``ne0`` elements of tensor ``src`` from ``offset`` bytes (its address); it gets its
+        memory with ``src`` in ``allocate``."""
+        t = B.libggml_base.ggml_view_1d(self.ctx, ctypes.cast(src, B.ggml_tensor_p), ne0, offset)
+        B.libggml_base.ggml_set_name(t, name.encode())
+        return ctypes.cast(t, ctypes.c_void_p).value
+
     def allocate(self, buft: int) -> int:
         """Memory for every declared tensor on buffer type ``buft``; returns its size in bytes."""
         self.buffer = B.libggml_base.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buft)

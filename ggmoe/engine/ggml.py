@@ -180,6 +180,10 @@ libggml_base.ggml_new_tensor_3d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctype
                                             ctypes.c_int64]
 libggml_base.ggml_new_tensor_3d.restype = ggml_tensor_p
 
+# struct ggml_tensor * ggml_view_1d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, size_t offset);
+libggml_base.ggml_view_1d.argtypes = [ctypes.c_void_p, ggml_tensor_p, ctypes.c_int64, ctypes.c_size_t]
+libggml_base.ggml_view_1d.restype = ggml_tensor_p
+
 # struct ggml_tensor * ggml_set_name(struct ggml_tensor * tensor, const char * name);
 libggml_base.ggml_set_name.argtypes = [ggml_tensor_p, ctypes.c_char_p]
 libggml_base.ggml_set_name.restype = ggml_tensor_p

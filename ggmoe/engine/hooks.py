@@ -98,6 +98,9 @@ class RouteOpHook:
         # use instead of the router's, flat [n_tokens * n_expert_used]; the cache and the observers see
         # these. Never set by ggmoe itself.
         self.routing_override: Callable[[int, int], list[int]] | None = None
+        # called after the cache answered a layer (the async decode's tables: a later micro-batch of the same
+        # llama_decode may read through them, so slot changes go to the device now, while it is synchronized)
+        self.after_route: Callable[[], None] | None = None
         self.c_callback = _patched.route_cb(self._route)  # kept alive as long as the context
 
     def install(self, ctx_ptr: int) -> None:
@@ -142,6 +145,8 @@ class RouteOpHook:
             if cache is not None and il in cache.tables:
                 if slots_p:
                     (ctypes.c_int32 * n).from_address(slots_p)[:] = cache.route_flat(il, ids[:])
+                    if self.after_route is not None:
+                        self.after_route()
                 else:
                     cache.observe(il, ids[:])
             elif slots_p:

@@ -114,6 +114,7 @@ class CachePipeline:
                 self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
                                            facts.n_layer, max_tokens)
                 self.tables.attach(self.runtime.cache)
+                self.hook.after_route = self.tables.flush  # sync-path slot changes reach the tables at once
                 self.controller = TokenController(self.runtime.cache, self.observers)
 
                 def on_change(request: HookRequest) -> None:
@@ -164,6 +165,8 @@ class CachePipeline:
         if self.prefetcher is not None:
             self.prefetcher.begin_step(list(tokens))
         tables = self.tables
+        if tables is not None:
+            tables.flush()  # what the controller (or anyone) changed since the last decode, before it runs
         n = last_ubatch(len(tokens), self.n_ubatch)
         if tables is not None and tables.enabled and n <= tables.max_tokens:
             tables.clear_routing()
@@ -186,6 +189,7 @@ class CachePipeline:
         B.llama_cpp.llama_synchronize(self._ctx_ptr)  # no-op after the logits read; the routing is complete
         try:
             self.controller.on_routing(self.facts.moe_layers, tables.read_routing(n))
+            tables.flush()  # the plan's entries on the device now: any decode after this one reads them
         except BaseException as e:  # noqa: BLE001 - raised by the caller, as the callback's errors are
             self.hook.error = e
 

@@ -32,38 +32,33 @@ GGML_TYPE_I64 = 27
 
 
 class _LayerTable:
-    """One layer's tables (one per expert tensor kind): the ``SlotListener`` of its slot table."""
+    """One layer's tables (one per expert tensor kind): the ``SlotListener`` of its slot table. Writes go to
+    the host mirror (rows of ``ExpertTables.entries``) and mark the tables dirty; ``ExpertTables.flush``
+    sends every entry to the device at once before the next decode."""
 
-    def __init__(self, tensors: list[int], host_data: list[int], slot_data: list[int], nb2: list[int],
-                 n_expert: int) -> None:
-        self.tensors = tensors  # ggml_tensor * of each kind's table, I64 [n_expert]
+    def __init__(self, owner: ExpertTables, rows: list[int], host_data: list[int], slot_data: list[int],
+                 nb2: list[int], n_expert: int) -> None:
+        self.owner = owner
+        self.rows = rows  # row of ``owner.entries`` of each kind
         self.host = [np.asarray([h + e * nb for e in range(n_expert)], dtype=np.int64)
                      for h, nb in zip(host_data, nb2, strict=True)]  # [kind][expert] host address
         self.slot_data = slot_data  # [kind] address of slot 0 of the kind's slot tensor
         self.nb2 = nb2  # [kind] bytes of one expert matrix
-        self.entry = [h.copy() for h in self.host]  # [kind][expert] what the device table holds now
-        self.writes = 0  # entries written to the device (tests, statistics)
-        self._cell = ctypes.c_int64(0)
-        for t, e in zip(self.tensors, self.entry, strict=True):  # every expert starts in host memory
-            B.libggml_base.ggml_backend_tensor_set(ctypes.cast(t, B.ggml_tensor_p), e.ctypes.data, 0, e.nbytes)
+        for r, h in zip(rows, self.host, strict=True):  # every expert starts in host memory
+            owner.entries[r] = h
 
     def _write(self, k: int, expert: int, addr: int) -> None:
-        # One aligned 8-byte store into the device table (a memcpy on the CPU build): a kernel reading the
-        # entry meanwhile sees the old or the new address, and both hold the expert's weights.
-        if self.entry[k][expert] == addr:
-            return
-        self.entry[k][expert] = addr
-        self._cell.value = addr
-        B.libggml_base.ggml_backend_tensor_set(ctypes.cast(self.tensors[k], B.ggml_tensor_p),
-                                               ctypes.addressof(self._cell), expert * 8, 8)
-        self.writes += 1
+        row = self.owner.entries[self.rows[k]]
+        if row[expert] != addr:
+            row[expert] = addr
+            self.owner.dirty += 1
 
     def mapped(self, expert: int, slot: int) -> None:
-        for k in range(len(self.tensors)):
+        for k in range(len(self.rows)):
             self._write(k, expert, self.slot_data[k] + slot * self.nb2[k])
 
     def unmapped(self, expert: int) -> None:
-        for k in range(len(self.tensors)):
+        for k in range(len(self.rows)):
             self._write(k, expert, int(self.host[k][expert]))
 
 
@@ -83,12 +78,26 @@ class ExpertTables:
         self.enabled = False
         pairs = slots.pairs  # il -> [_Pair] in the order of slots.tensors[il]'s kinds
         n_tables = sum(len(p) for p in pairs.values())
-        self.arena = TensorArena(n_tables + 2, "the expert tables")
+        # every table is a view of one I64 tensor [n_expert * n_tables]: one write per token sends them all
+        self.entries = np.zeros((n_tables, n_expert), dtype=np.int64)  # the host mirror, [table][expert]
+        self.dirty = 0  # entries changed since the last flush
+        self.flushes = 0  # flushes that wrote the tables (tests, statistics)
+        self.changed = 0  # entries changed in all
+        self.arena = TensorArena(n_tables + 3, "the expert tables")
         self.layers: dict[int, _LayerTable] = {}
         try:
             kinds = {il: list(slots.tensors[il]) for il in pairs}  # the kinds, in the pairs' order
-            made = {il: [self.arena.new_tensor(GGML_TYPE_I64, n_expert, 1, 1, f"ggmoe_table.{il}.{k}")
-                         for k in kinds[il]] for il in pairs}
+            self.all = self.arena.new_tensor(GGML_TYPE_I64, n_expert * n_tables, 1, 1, "ggmoe_tables")
+            made: dict[int, list[int]] = {}
+            rows: dict[int, list[int]] = {}
+            r = 0
+            for il in pairs:
+                made[il], rows[il] = [], []
+                for k in kinds[il]:
+                    made[il].append(self.arena.new_view_1d(self.all, n_expert, r * n_expert * 8,
+                                                           f"ggmoe_table.{il}.{k}"))
+                    rows[il].append(r)
+                    r += 1
             self.routing = self.arena.new_tensor(GGML_TYPE_I32, n_expert_used, max_tokens, n_layer,
                                                  "ggmoe_routing")
             # benchmarks only: trace-replay routing's ids for table-mode micro-batches (the routing's shape)
@@ -97,8 +106,10 @@ class ExpertTables:
             self.arena.allocate(slots.buft)
             for il, ps in pairs.items():
                 slot_data = [ctypes.cast(p.cache, B.ggml_tensor_p).contents.data for p in ps]
-                self.layers[il] = _LayerTable(made[il], [p.host_data for p in ps], slot_data,
+                self.layers[il] = _LayerTable(self, rows[il], [p.host_data for p in ps], slot_data,
                                               [p.nb2 for p in ps], n_expert)
+            self.dirty = 1
+            self.flush()
             P = _patched.load()
             for il, kind_list in kinds.items():
                 by_kind = dict(zip(kind_list, made[il], strict=True))
@@ -121,6 +132,20 @@ class ExpertTables:
             for slot, e in enumerate(table.expert_in_list):
                 if e >= 0 and table.copy[slot] is None:
                     lt.mapped(e, slot)
+        self.flush()
+
+    def flush(self) -> None:
+        """Send the entries changed since the last flush to the device: every table in one write (on a GPU one
+        copy of n_tables x n_expert x 8 bytes). Called before every decode, while no graph runs: a victim's
+        entry has pointed at host memory in the mirror since before its slot's copy was submitted, and no
+        graph reads the tables until this write has landed (``ggml_backend_tensor_set`` returns then)."""
+        if not self.dirty:
+            return
+        self.changed += self.dirty
+        self.dirty = 0
+        B.libggml_base.ggml_backend_tensor_set(ctypes.cast(self.all, B.ggml_tensor_p), self.entries.ctypes.data,
+                                               0, self.entries.nbytes)
+        self.flushes += 1
 
     def enable(self) -> None:
         """Table mode on: micro-batches of at most ``max_tokens`` tokens read experts through the tables."""
@@ -175,8 +200,8 @@ class ExpertTables:
 
     @property
     def writes(self) -> int:
-        """Table entries written to the device since load."""
-        return sum(lt.writes for lt in self.layers.values())
+        """Table entries changed since load (each sent to the device by the next flush)."""
+        return self.changed + self.dirty
 
     def detach(self) -> None:
         """Take the tables out of the context (before it is freed or the slots change)."""
