@@ -356,6 +356,17 @@ def test_empty_names_and_huge_sizes(case, traced, model, tmp_path):
     assert _files(tmp_path) == before
 
 
+@pytest.mark.parametrize("flag,value,match", [("--model-name", "", "--model-name"), ("--max-body", "0", "--max-body"),
+                                              ("--max-body", "1" + "0" * 400, "larger than 1 EiB")],
+                         ids=["model-name empty", "max-body 0", "max-body huge"])
+def test_serve_flags_that_would_serve_nothing(flag, value, match, model):
+    """In a subprocess with a time limit: a regression would start a server, not hang the tests."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    assert_clean_error(run_ggmoe("serve", model, "--port", port, flag, value, timeout=30), match)
+
+
 # --------------------------------------------------------------------------- traces as trace -o wrote them
 
 READERS = {
