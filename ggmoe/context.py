@@ -21,6 +21,7 @@ from .errors import ContextLengthError, UsageError
 
 DEFAULT_N_BATCH = 512  # tokens per llama_decode when the context is at least this large
 N_CTX_PAD = 256  # llama.cpp pads every context up to a multiple of this (llama-context.cpp, GGML_PAD)
+MAX_N_CTX = 1 << 24  # tokens: a larger context is a typo (llama.cpp's n_ctx is a uint32: it would wrap)
 
 
 def context_tokens(n_ctx: int) -> int:
@@ -28,8 +29,11 @@ def context_tokens(n_ctx: int) -> int:
 
     ``llama_cpp.Llama`` sizes its token and logit buffers by what it asked for, llama.cpp its KV cache by
     the padded size; asking for the padded size keeps the two the same (a prompt over the smaller one
-    fails in numpy, past llama-cpp-python's own length check, otherwise)."""
-    return n_ctx if n_ctx <= 0 else -(-n_ctx // N_CTX_PAD) * N_CTX_PAD
+    fails in numpy, past llama-cpp-python's own length check, otherwise). Bounded before anything is
+    allocated: an integer in [0, MAX_N_CTX]."""
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or not 0 <= n_ctx <= MAX_N_CTX:
+        raise UsageError(f"n_ctx {n_ctx!r}: give a number of tokens from 1 to {MAX_N_CTX} (0: the model's own)")
+    return n_ctx if n_ctx == 0 else -(-n_ctx // N_CTX_PAD) * N_CTX_PAD
 
 
 def decode_batch(n_ctx: int | None, n_batch: int = DEFAULT_N_BATCH) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,12 @@ class CacheConfig:
     decode_mode: str = "auto"
 
     def __post_init__(self) -> None:
-        """The policy's options checked against what it declares (ggmoe.params), before anything is built."""
+        """The policy's options checked against what it declares (ggmoe.params), before anything is built;
+        a prefetch threshold that is not a finite number refused (nan would silently prefetch nothing)."""
+        threshold = getattr(self.prefetch, "threshold", None)
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)
+                                      or not math.isfinite(threshold)):
+            raise UsageError(f"prefetch threshold {threshold!r} is not a finite number")
         if self.policy_options:
             from ggmoe.cache.policies import POLICIES
             from ggmoe.params import check_params

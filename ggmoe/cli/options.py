@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from ggmoe.context import MAX_N_CTX
 from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.outputs import check_output, write_text_atomic
 
@@ -228,7 +229,7 @@ def write_stats(eng: Any, path: str | None, extra: dict) -> None:
 
 
 model_arg = click.argument("model", required=False, type=click.Path(dir_okay=False))
-ctx_opt = click.option("--n-ctx", type=click.IntRange(min=8, max=1 << 24),
+ctx_opt = click.option("--n-ctx", type=click.IntRange(min=8, max=MAX_N_CTX),
                        help="Context length in tokens (default: the model's training context).")
 threads_opt = click.option("--threads", type=click.IntRange(min=1, max=MAX_THREADS),
                            help="CPU threads (default: all cores).")

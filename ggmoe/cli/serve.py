@@ -179,6 +179,11 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty")
+    if model_name is not None and not model_name.strip():
+        raise UsageError("--model-name is empty: leave it out for the file's name")
+    max_body_bytes = parse_bytes(max_body)
+    if max_body_bytes < 1:
+        raise UsageError("--max-body 0 would refuse every request: give a size such as 1MiB")
     path = model_path(model)
     check_listen(host, port)
     loopback = is_loopback(host)
@@ -186,7 +191,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
         click.echo(f"warning: serving on {host} (not loopback) without an API key: anyone who can reach this "
                    "port can use the model; set --api-key or GGMOE_API_KEY", err=True)
     settings = ServeSettings(model_id=model_name or Path(path).stem, api_key=api_key, max_queue=max_queue,
-                             max_body_bytes=parse_bytes(max_body), loopback_only=loopback,
+                             max_body_bytes=max_body_bytes, loopback_only=loopback,
                              cors_origins=cors_origin, aliases=aliases, strict_openai=strict_openai,
                              model_path=str(path))
     opts = LoadOptions(str(path), n_ctx, threads, verbose, cache)

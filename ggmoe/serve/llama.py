@@ -164,7 +164,8 @@ class GgmoeLlama(llama_cpp.Llama):
         watch = self.watch
         if watch is not None:
             watch.on_prompt(len(tokens))
-        check_prompt(len(tokens), self.n_ctx(), hint="a longer n_ctx or a shorter prompt")  # ggmoe.context
+        n_ctx = min(self.n_ctx(), self.context_params.n_ctx)  # llama.cpp's context and Llama's buffers
+        check_prompt(len(tokens), n_ctx, hint="a longer n_ctx or a shorter prompt")  # ggmoe.context
         inner = super().generate(tokens, *args, **kwargs)
         try:
             sent = None

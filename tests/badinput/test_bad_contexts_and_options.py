@@ -132,6 +132,55 @@ def test_load_prompt_against_context_and_batch(model):
     assert out["generate"].startswith("ContextLengthError: the prompt: ")
 
 
+LOAD_CASES = {
+    "path empty": 'path=""',
+    "path missing": 'path="TMP/nope.gguf"',
+    "cache_slots 0": "cache_slots=0",
+    "cache_slots 10**9": "cache_slots=10**9",
+    "vram 1 and 400 zeros": 'vram="1" + "0" * 400',
+    "policy empty": 'cache_slots=4, policy=""',
+    "predictor empty": 'cache_slots=4, predictor=""',
+    "miss_policy unknown": 'cache_slots=4, miss_policy="x"',
+    "hw empty": 'cache_slots=4, miss_policy="auto", hw=""',
+    "n_ctx -1": "n_ctx=-1",
+    "n_ctx 10**12": "n_ctx=10**12",
+    "prefetch_threshold nan": 'cache_slots=4, predictor="reuse", prefetch_threshold=float("nan")',
+    "policy option out of bounds": 'cache=CacheConfig(n_slots=4, policy="fmoe", policy_options={"window": 0})',
+    "policy option unknown": 'cache=CacheConfig(n_slots=4, policy="lru", policy_options={"window": 4})',
+}
+LOAD_CASES_SCRIPT = """
+import json, sys, ggmoe
+from ggmoe.cache import CacheConfig
+from ggmoe.errors import GgmoeError
+out = {}
+for name, kwargs in json.loads(sys.argv[1]).items():
+    try:
+        ggmoe.load(**eval(f"dict({kwargs})")).close()
+        out[name] = "loaded"
+    except GgmoeError as e:
+        out[name] = "GgmoeError: " + str(e)
+    except Exception as e:
+        out[name] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def load_outcomes(tmp_path_factory) -> dict[str, str]:
+    """Every LOAD_CASES call of ggmoe.load(), in one subprocess (a hang or an abort is a result there)."""
+    tmp = tmp_path_factory.mktemp("load")
+    cases = {k: v.replace("TMP", str(tmp)) for k, v in LOAD_CASES.items()}
+    res = subprocess.run([sys.executable, "-c", LOAD_CASES_SCRIPT, json.dumps(cases)], capture_output=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr.decode(errors="replace")[-2000:]
+    return json.loads(res.stdout.decode().strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(LOAD_CASES))
+def test_load_refuses_bad_arguments_with_a_domain_error(case, load_outcomes):
+    assert load_outcomes[case].startswith("GgmoeError: "), load_outcomes[case]
+
+
 def test_server_prompt_against_context_and_batch(model, tmp_path):
     server = start_server(tmp_path, model, "--n-ctx", str(N_CTX))
     try:
@@ -305,6 +354,17 @@ def test_empty_names_and_huge_sizes(case, traced, model, tmp_path):
     before = _files(tmp_path)
     assert_clean_error(_in_process(args))
     assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize("flag,value,match", [("--model-name", "", "--model-name"), ("--max-body", "0", "--max-body"),
+                                              ("--max-body", "1" + "0" * 400, "larger than 1 EiB")],
+                         ids=["model-name empty", "max-body 0", "max-body huge"])
+def test_serve_flags_that_would_serve_nothing(flag, value, match, model):
+    """In a subprocess with a time limit: a regression would start a server, not hang the tests."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    assert_clean_error(run_ggmoe("serve", model, "--port", port, flag, value, timeout=30), match)
 
 
 # --------------------------------------------------------------------------- traces as trace -o wrote them

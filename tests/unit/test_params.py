@@ -198,3 +198,16 @@ def test_huge_plan_slots_are_refused_when_read(tmp_path):
     p.write_text('[cache]\npolicy = "lru"\n[cache.slots]\n"0" = 1000000000000\n')
     with pytest.raises(UsageError, match="at most 65536"):
         read_plan(p)
+
+
+@pytest.mark.parametrize("n_ctx,expected", [(0, 0), (1, 256), (8, 256), (256, 256), (257, 512), (1 << 24, 1 << 24),
+                                            (-1, "from 1 to"), ((1 << 24) + 1, "from 1 to"), (10**12, "from 1 to"),
+                                            (2.5, "from 1 to"), (True, "from 1 to")])
+def test_context_tokens_is_llama_cpp_s_padded_context_and_bounded(n_ctx, expected):
+    from ggmoe.context import context_tokens
+
+    if isinstance(expected, int):
+        assert context_tokens(n_ctx) == expected
+    else:
+        with pytest.raises(UsageError, match=expected):
+            context_tokens(n_ctx)
