@@ -27,6 +27,7 @@ import numpy as np
 from llama_cpp import _internals
 
 from ggmoe.cache import CacheConfig, CacheStats
+from ggmoe.context import decode_batch
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.hooks import CbEvalHook, Observers, RouteOpHook
@@ -181,14 +182,16 @@ class Engine:
             self._model = load_model(path, config.n_gpu_layers, config.experts_on_host, config.host_expert_layers)
             self.n_ctx_train = int(self._model.model.n_ctx_train())  # tokens the model was trained on
             n_ctx = config.n_ctx or self.n_ctx_train
-            self._ctx = new_context(self._model, n_ctx, config.n_batch, min(config.n_ubatch, config.n_batch),
+            # llama.cpp takes at most min(n_ctx, n_batch) tokens per llama_decode: the engine feeds that many
+            self.n_batch = decode_batch(n_ctx, config.n_batch)  # tokens per llama_decode call
+            self._ctx = new_context(self._model, n_ctx, self.n_batch, min(config.n_ubatch, self.n_batch),
                                     config.n_threads, self._hook.c_callback if kind == "cb_eval" else None)
             if kind == "route":
                 self.pipeline = CachePipeline(self._model.ptr, self._ctx.ctx, self.facts, path, config.cache,
-                                              self.observers, config.n_threads, config.n_batch,
-                                              min(config.n_ubatch, config.n_batch))
+                                              self.observers, config.n_threads, self.n_batch,
+                                              min(config.n_ubatch, self.n_batch))
                 self._hook = self.pipeline.hook
-            self._batch = _internals.LlamaBatch(n_tokens=config.n_batch, embd=0, n_seq_max=1, verbose=False)
+            self._batch = _internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
             # expert tensor name -> its buffer type's name (e.g. CPU, CUDA_Host), None on a stock build
             self.expert_buffers: dict[str, str] | None = expert_placement(self._model, self.facts)
             self.host_expert_tensors = self._check_placement()
@@ -412,8 +415,8 @@ class Engine:
         if bad:
             raise UsageError(f"token id {bad[0]} out of range [0, {self.n_vocab})")
         out = []
-        for i in range(0, len(tokens), self.config.n_batch):
-            chunk = list(tokens[i : i + self.config.n_batch])
+        for i in range(0, len(tokens), self.n_batch):
+            chunk = list(tokens[i : i + self.n_batch])
             if self.pipeline is not None:
                 self.pipeline.begin_step(chunk)
             self._batch.set_batch(chunk, self.n_past, all_logits)
@@ -432,7 +435,7 @@ class Engine:
             if failed is not None:
                 raise EngineError(f"{failed}: {llama_log().error_since(mark) or 'no reason logged'}")
             self.n_past += len(chunk)
-            if all_logits or i + self.config.n_batch >= len(tokens):
+            if all_logits or i + self.n_batch >= len(tokens):
                 out.append(self._logits(len(chunk) if all_logits else 1))
         return np.concatenate(out, axis=0) if all_logits else out[-1]
 
