@@ -210,39 +210,30 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
         t0 = clock.now()
         if controller is not None and n_tok <= TABLE_MAX_TOKENS:
             _async_step(clock, cache, link, controller, costs, layers, ids[rows], pos)
-            dt = clock.now() - t0
-            if prefill:
-                prefill_s += dt
-                first_pending = (first_pending or 0.0) + dt
-            else:
-                decode_s += dt
-                if first_pending is not None:
-                    ttft.append(first_pending + dt)
-                    first_pending = None
-            continue
-        for il in layers:
-            clock.advance(costs.layer(n_tok) + costs.hook())  # attention and router, then the route op
-            sel = ids[rows, pos[il]]  # [n_tok, k]
-            need = len(set(sel.ravel().tolist()))
-            if not cache.fits(il, n_tok):
-                cache.observe(il, sel)
-                clock.advance(costs.native_upload(il) + costs.experts(il, need))
-                continue
-            flat = sel.ravel().tolist()
-            if future is None:
-                slots = cache.route_flat(il, flat)
-            else:
-                slots = cache.route_flat(il, flat, next_use=future[fi])
-                fi += 1
-            n_host = len({e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST})
-            if prefetcher is not None:
-                tp = time.perf_counter()
-                probs = trace.probs[rows, pos[il]].astype(np.float32) if pred.needs_probs else None
-                hidden = trace.hidden[rows, pos[il]].astype(np.float32) if pred.needs_hidden else None
-                prefetcher.on_route(RouteEvent(il=il, ids=sel, probs=probs, hidden=hidden))
-                pred_s = time.perf_counter() - tp if config.predictor_s is None else config.predictor_s
-                clock.advance(pred_s if profile is not None else 0.0)
-            clock.advance(max(costs.experts(il, need - n_host), costs.cpu(il, n_host)))
+        else:
+            for il in layers:
+                clock.advance(costs.layer(n_tok) + costs.hook())  # attention and router, then the route op
+                sel = ids[rows, pos[il]]  # [n_tok, k]
+                need = len(set(sel.ravel().tolist()))
+                if not cache.fits(il, n_tok):
+                    cache.observe(il, sel)
+                    clock.advance(costs.native_upload(il) + costs.experts(il, need))
+                    continue
+                flat = sel.ravel().tolist()
+                if future is None:
+                    slots = cache.route_flat(il, flat)
+                else:
+                    slots = cache.route_flat(il, flat, next_use=future[fi])
+                    fi += 1
+                n_host = len({e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST})
+                if prefetcher is not None:
+                    tp = time.perf_counter()
+                    probs = trace.probs[rows, pos[il]].astype(np.float32) if pred.needs_probs else None
+                    hidden = trace.hidden[rows, pos[il]].astype(np.float32) if pred.needs_hidden else None
+                    prefetcher.on_route(RouteEvent(il=il, ids=sel, probs=probs, hidden=hidden))
+                    pred_s = time.perf_counter() - tp if config.predictor_s is None else config.predictor_s
+                    clock.advance(pred_s if profile is not None else 0.0)
+                clock.advance(max(costs.experts(il, need - n_host), costs.cpu(il, n_host)))
         dt = clock.now() - t0
         if prefill:
             prefill_s += dt

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from test_cache_engine import EXACT, run_sequences
+from test_cache_engine import EXACT, run_sequences, zero_slots
 
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.copy import CopyHandle, Priority
@@ -127,12 +127,7 @@ def test_tables_really_feed_the_matmuls(qwen3moe_model):
             eng.decode([t])
         eng.reset()
         before = eng.decode(ids[:3])
-        for kinds in eng._runtime.slots.tensors.values():
-            for ptr in kinds.values():
-                t = ctypes.cast(ptr, B.ggml_tensor_p)
-                n = B.libggml_base.ggml_nbytes(t)
-                zeros = np.zeros(n, dtype=np.uint8)
-                B.libggml_base.ggml_backend_tensor_set(t, zeros.ctypes.data, 0, n)
+        zero_slots(eng)
         eng.reset()
         zeroed = eng.decode(ids[:3])  # 3 tokens: table mode; the resident experts read from zeroed slots
         for table in eng._runtime.cache.tables.values():

@@ -51,6 +51,16 @@ def run_sequences(eng: Engine) -> list[np.ndarray]:
     return out
 
 
+def zero_slots(eng: Engine) -> None:
+    """Fill every slot tensor of the engine's cache with zeros (its experts then compute nothing)."""
+    for kinds in eng._runtime.slots.tensors.values():
+        for ptr in kinds.values():
+            t = ctypes.cast(ptr, B.ggml_tensor_p)
+            n = B.libggml_base.ggml_nbytes(t)
+            zeros = np.zeros(n, dtype=np.uint8)
+            B.libggml_base.ggml_backend_tensor_set(t, zeros.ctypes.data, 0, n)
+
+
 def _slot_counts(facts) -> list[int]:
     k, n = facts.n_expert_used, facts.n_expert
     return sorted({k, k + 1, (k + n) // 2, n})
@@ -88,12 +98,7 @@ def test_slots_really_feed_the_matmuls(qwen3moe_model):
     with Engine(cfg) as eng:
         ids = eng.tokenize("hello there")
         before = eng.decode(ids)
-        for kinds in eng._runtime.slots.tensors.values():
-            for ptr in kinds.values():
-                t = ctypes.cast(ptr, B.ggml_tensor_p)
-                n = B.libggml_base.ggml_nbytes(t)
-                zeros = np.zeros(n, dtype=np.uint8)
-                B.libggml_base.ggml_backend_tensor_set(t, zeros.ctypes.data, 0, n)
+        zero_slots(eng)
         eng.reset()
         after = eng.decode(ids)  # every expert is a hit now, read from the zeroed slots
     assert np.abs(after - before).max() > 1e-3
