@@ -11,8 +11,10 @@ machine noise hits all alike; medians over rounds):
                 (every step after warm-up is all hits: the pure cost of the mechanism), sync mode;
 - ``async-all`` the same cache in the async decode: experts read through the expert tables, no route
                 callback, the controller once per token (the cost of the table and the controller);
+- ``sync-half`` half the experts cached in the sync mode (LRU: every miss copied and waited for);
 - ``async-half`` the async decode with half the experts cached (LRU admissions between tokens; the
-                misses read from host memory, which on a CPU build is the same RAM).
+                misses read from host memory, which on a CPU build is the same RAM, so every copy is
+                pure cost here: the half rows measure the cache's bookkeeping and copies, not a link).
 Also a histogram of the route callback's time per layer call (``cache-all``).
 
     python tools/bench_overhead.py [MODEL] [--rounds 7] [--tokens 64] [--threads N] [--json]
@@ -96,6 +98,9 @@ def main() -> int:
         "cb_eval": (Engine(EngineConfig(**base, hook_path="cb_eval"), observer=rec_cb), rec_cb),
         "route": (Engine(EngineConfig(**base, hook_path="route"), observer=rec_route), rec_route),
         "cache-all": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=facts.n_expert,
+                                                                     decode_mode="sync"))), None),
+        "sync-half": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=max(facts.n_expert // 2,
+                                                                                 facts.n_expert_used),
                                                                      decode_mode="sync"))), None),
         "async-all": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=facts.n_expert,
                                                                      decode_mode="async"))), None),

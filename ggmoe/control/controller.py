@@ -38,21 +38,25 @@ class TokenController:
         """``routing`` I32 [n_layer, n_tokens, n_expert_used]: the selected experts of ``layers`` (the MoE
         layers that read through tables) in the micro-batch just decoded; rows of -1 are tokens a layer did
         not compute (the last layer computes only the tokens whose logits are wanted)."""
+        # Once per token, so kept to plain lists: one tolist() for every layer, no numpy per layer (a decode
+        # step of the embedded model takes about 1 ms; this loop is most of what the async decode adds to it).
         cache = self.cache
+        tables = cache.tables if cache is not None else {}
         self.tokens += 1
         if cache is not None:
             cache.token += 1
         observers = tuple(self.observers) if self.observers is not None else ()
+        rows_of = routing.tolist()  # [n_layer][n_tokens][n_expert_used]
         for il in layers:
-            ids = routing[il]
-            if ids.size and ids[-1, 0] < 0:  # the layer computed fewer tokens (llama.cpp's output skipping)
-                ids = ids[ids[:, 0] >= 0]
-                if not ids.size:
+            rows = rows_of[il]
+            if rows[-1][0] < 0:  # the layer computed fewer tokens (llama.cpp's output skipping)
+                rows = [r for r in rows if r[0] >= 0]
+                if not rows:
                     continue
             self.calls += 1
-            if cache is not None and il in cache.tables:
-                cache.after_token(il, ids.ravel().tolist())
+            if il in tables:
+                cache.after_token(il, rows[0] if len(rows) == 1 else [e for r in rows for e in r])
             if observers:
-                event = RouteEvent(il=il, ids=np.array(ids, dtype=np.int32), probs=None, hidden=None)
+                event = RouteEvent(il=il, ids=np.asarray(rows, dtype=np.int32), probs=None, hidden=None)
                 for obs in observers:
                     obs.on_route(event)

@@ -169,7 +169,8 @@ class CachePipeline:
             tables.flush()  # what the controller (or anyone) changed since the last decode, before it runs
         n = last_ubatch(len(tokens), self.n_ubatch)
         if tables is not None and tables.enabled and n <= tables.max_tokens:
-            tables.clear_routing()
+            if n > 1:  # one token: every layer computes it, so every row is written (nothing stale to clear)
+                tables.clear_routing()
             override = self.hook.routing_override
             if override is not None and tables.forcing:
                 k = self.facts.n_expert_used

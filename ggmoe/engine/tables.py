@@ -121,6 +121,8 @@ class ExpertTables:
             self.close()
             raise
         self._buf = np.zeros((n_layer, max_tokens, n_expert_used), dtype=np.int32)  # routing, read back
+        self._routing_p = ctypes.cast(self.routing, B.ggml_tensor_p)  # cast once: read every token
+        self._buf_ptr, self._buf_bytes = self._buf.ctypes.data, self._buf.nbytes
         self._forced = np.zeros_like(self._buf)  # forced routing, written before a decode
         self.forcing = False
 
@@ -194,8 +196,7 @@ class ExpertTables:
         """The last table-mode micro-batch's selected experts, I32 [n_layer, n_tokens, n_expert_used] (a view
         of a buffer reused by the next call; -1 for tokens a layer did not compute). Call after the decode's
         logits were read (device idle)."""
-        B.libggml_base.ggml_backend_tensor_get(ctypes.cast(self.routing, B.ggml_tensor_p), self._buf.ctypes.data,
-                                               0, self._buf.nbytes)
+        B.libggml_base.ggml_backend_tensor_get(self._routing_p, self._buf_ptr, 0, self._buf_bytes)
         return self._buf[:, :n_tokens, :]
 
     @property
