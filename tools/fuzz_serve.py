@@ -96,8 +96,10 @@ def _fuzz_operation(op: Any, mode: Any, base_url: str, headers: dict[str, str], 
         report.cases += 1
         report.statuses[(label, resp.status_code)] += 1
         if report.record is not None:
+            err = resp.text[:200] if resp.status_code >= 400 else None
             report.record.write(json.dumps({"op": label, "body": case.body if isinstance(case.body, dict | list)
-                                            else None, "status": resp.status_code}, default=str) + "\n")
+                                            else None, "status": resp.status_code, "error": err},
+                                           default=str) + "\n")
         problem = check(resp)
         if problem is not None:
             body = json.dumps(case.body, default=str)[:300] if case.body is not None else ""
