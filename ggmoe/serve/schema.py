@@ -19,8 +19,6 @@ from typing import Annotated, Any, Literal
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# The roles a message may have ("developer" is OpenAI's newer name for "system").
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_N = 8  # choices per request at most (they are generated one after another)
 MAX_STOP = 4  # OpenAI's cap on stop sequences
 
