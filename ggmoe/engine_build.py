@@ -284,6 +284,10 @@ def status() -> dict:
     if not info:
         info = {"installed": False, "error": (proc.stderr.strip().splitlines() or ["the check crashed"])[-1]}
     info["patches_available"] = [p.name for p in sorted(PATCH_DIR.glob("*.patch"))]
+    try:  # what a build now would be keyed by (this machine's flags, the patch series as it is now)
+        info["current_key"] = build_key(cmake_args())
+    except BuildError:
+        info["current_key"] = None
     info["patch_dir"] = str(PATCH_DIR)
     info["expected_version"] = LLAMA_CPP_PYTHON_VERSION
     return info

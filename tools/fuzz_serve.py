@@ -39,6 +39,7 @@ class Report:
     failures: list[str] = field(default_factory=list)  # what went wrong, with the request
     cases: int = 0
     seconds: float = 0.0
+    record: Any = None  # an open text file: one JSON line per request (op, body, status), to replay a run
 
     def summary(self) -> str:
         lines = [f"{self.cases} requests in {self.seconds:.0f} s, {len(self.failures)} failures"]
@@ -94,6 +95,11 @@ def _fuzz_operation(op: Any, mode: Any, base_url: str, headers: dict[str, str], 
             return
         report.cases += 1
         report.statuses[(label, resp.status_code)] += 1
+        if report.record is not None:
+            err = resp.text[:200] if resp.status_code >= 400 else None
+            report.record.write(json.dumps({"op": label, "body": case.body if isinstance(case.body, dict | list)
+                                            else None, "status": resp.status_code, "error": err},
+                                           default=str) + "\n")
         problem = check(resp)
         if problem is not None:
             body = json.dumps(case.body, default=str)[:300] if case.body is not None else ""
@@ -105,14 +111,14 @@ def _fuzz_operation(op: Any, mode: Any, base_url: str, headers: dict[str, str], 
         pass
 
 
-def fuzz(base_url: str, api_key: str | None, examples: int, time_limit_s: float) -> Report:
+def fuzz(base_url: str, api_key: str | None, examples: int, time_limit_s: float, record: Any = None) -> Report:
     """Fuzz every operation of the server at ``base_url`` in both generation modes; never raises on findings."""
     import schemathesis
     from schemathesis.generation import GenerationMode
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json", headers=headers)
-    report = Report()
+    report = Report(record=record)
     t0 = time.monotonic()
     for result in schema.get_all_operations():
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
@@ -140,6 +146,7 @@ def main() -> int:
     ap.add_argument("--examples", type=int, default=200, help="cases per operation and mode")
     ap.add_argument("--time", type=float, default=900.0, help="seconds at most")
     ap.add_argument("--model", help="GGUF to serve when starting a server (default: the embedded model)")
+    ap.add_argument("--record", help="write every request (op, body, status) to this JSON-lines file")
     a = ap.parse_args()
     proc = None
     url = a.url
@@ -158,7 +165,10 @@ def main() -> int:
                 time.sleep(0.2)
         print(f"server log: {log.name}")
     try:
-        report = fuzz(url, a.api_key, a.examples, a.time)
+        record = open(a.record, "w") if a.record else None  # noqa: SIM115 - closed below
+        report = fuzz(url, a.api_key, a.examples, a.time, record)
+        if record is not None:
+            record.close()
     finally:
         if proc is not None:
             proc.terminate()

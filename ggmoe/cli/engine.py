@@ -84,6 +84,9 @@ def status(as_json: bool) -> None:
             click.echo(f"engine: llama-cpp-python {info['version']} at {info['path']}")
             click.echo(f"patched: {'yes' if info.get('patched') else 'no'}"
                        + (f" (build {info['key']})" if info.get("key") else ""))
+            if info.get("patched") and info.get("key") and info["key"] != info.get("current_key"):
+                click.echo(f"  the patch series or flags changed since (a build now: {info['current_key']}); "
+                           f"to update: {eb.COMMAND}")
             if info.get("build_info"):
                 for line in info["build_info"].splitlines():
                     click.echo(f"  {line}")

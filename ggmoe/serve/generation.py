@@ -26,7 +26,7 @@ import numpy as np
 
 from ggmoe.errors import GgmoeError
 from ggmoe.serve import structured
-from ggmoe.serve.errors import APIError
+from ggmoe.serve.errors import APIError, log
 from ggmoe.serve.logprobs import LogprobRecorder, chat_logprobs, completion_logprobs, plain
 from ggmoe.serve.schema import ChatRequest, CompletionRequest
 
@@ -93,12 +93,14 @@ class Watch:
         self.cancel = threading.Event()  # set when the client has gone
         self.n_prompt = 0  # tokens
         self.n_tokens = 0  # generated tokens, end-of-generation tokens not counted (as in usage)
+        self.n_run = 0  # the same, in the current generation (one choice of n)
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.on_each: Callable[[int], None] | None = None  # also told every sampled token (logprobs)
 
     def on_prompt(self, n_prompt: int) -> None:
         self.n_prompt = n_prompt
+        self.n_run = 0
         if self.max_tokens is not None and n_prompt + self.max_tokens > self.n_ctx:
             raise context_error(f"the prompt ({n_prompt} tokens) plus max_tokens ({self.max_tokens}) exceeds "
                                 f"the model's context of {self.n_ctx} tokens")
@@ -109,7 +111,10 @@ class Watch:
             self.t_first = now
         self.t_last = now
         if not self.is_eog(token):
+            if self.max_tokens is not None and self.n_run >= self.max_tokens:
+                return False  # llama-cpp-python can overrun max_tokens while it completes a UTF-8 character
             self.n_tokens += 1
+            self.n_run += 1
         if self.on_each is not None:
             self.on_each(token)
         return not self.cancel.is_set()
@@ -475,5 +480,7 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, ValueError):
         return APIError(400, str(e), code="invalid_value")
     if isinstance(e, GgmoeError):
+        log.error("engine error", exc_info=e)
         return APIError(500, f"engine error: {e}", type="server_error", code="engine_error")
+    log.error("internal error in a generation", exc_info=e)  # the details go to the server log only
     return APIError(500, "internal server error", type="server_error")

@@ -169,7 +169,14 @@ class GgmoeLlama(llama_cpp.Llama):
         inner = super().generate(tokens, *args, **kwargs)
         try:
             sent = None
+            first = True
             while True:
+                # The next token needs the last one evaluated: none fits once the context is full.
+                # (``_create_completion`` checks max_tokens only after a complete UTF-8 character, so a
+                # model emitting stray multi-byte starts would otherwise decode past the context.)
+                if not first and self.n_tokens >= self._n_ctx:
+                    return
+                first = False
                 token = inner.send(sent)
                 if watch is not None and not watch.on_token(token):
                     return

@@ -14,30 +14,40 @@ schema the fuzz tests drive the server with.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# The roles a message may have ("developer" is OpenAI's newer name for "system").
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_N = 8  # choices per request at most (they are generated one after another)
 MAX_STOP = 4  # OpenAI's cap on stop sequences
-# Content-part types a text model cannot read: refused with a clear 400, never silently dropped.
-MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file", "video_url")
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ContentPart(BaseModel):
-    """One element of a content array; only text parts reach a text model."""
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class RefusalPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["refusal"]
+    refusal: str
+
+
+class MediaPart(BaseModel):
+    """An image, audio or file part: in the schema so that the refusal says why (a text-only model)."""
 
     model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-    refusal: str | None = None
+    type: Literal["image_url", "input_image", "image", "input_audio", "audio", "file", "video_url"]
+
+
+ContentPart = Annotated[TextPart | RefusalPart | MediaPart, Field(discriminator="type")]
+Content = str | list[ContentPart]
 
 
 class FunctionCall(BaseModel):
@@ -52,53 +62,42 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class Message(BaseModel):
-    """A chat message as OpenAI clients send it."""
+class _Message(BaseModel):
+    """What every chat message shares; one subclass per role (the schema says which fields each needs)."""
 
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
 
     @model_validator(mode="after")
-    def _content_given(self) -> Message:
-        if self.role == "assistant":
-            if self.content is None and not self.tool_calls:
-                raise ValueError("an assistant message needs content or tool_calls")
-        elif self.content is None:
-            raise ValueError(f"a {self.role} message needs content (a string or a list of parts)")
-        if isinstance(self.content, list):
-            for part in self.content:
-                if part.type in MEDIA_PARTS:
-                    raise ValueError(f"content parts of type {part.type!r} are not supported: this server "
-                                     "runs a text-only model (send text parts)")
-                if part.type not in ("text", "refusal"):
-                    raise ValueError(f"unknown content part type {part.type!r} (text parts only)")
-                if part.type == "text" and part.text is None:
-                    raise ValueError("a text content part needs 'text'")
+    def _text_only(self) -> _Message:
+        content = getattr(self, "content", None)
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, MediaPart):
+                raise ValueError(f"content parts of type {part.type!r} are not supported: this server runs a "
+                                 "text-only model (send text parts)")
         return self
 
     def text(self) -> str:
         """The content as one string: text parts joined by newlines, null as ""."""
-        if self.content is None:
+        content = getattr(self, "content", None)
+        if content is None:
             return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text if p.type == "text" else (p.refusal or "") for p in self.content)
+        if isinstance(content, str):
+            return content
+        return "\n".join(p.text if isinstance(p, TextPart) else getattr(p, "refusal", "") for p in content)
 
     def for_template(self) -> dict[str, Any]:
         """The message as a chat template expects it: string content, ``developer`` as ``system``,
         tool-call arguments as objects (what Hugging Face templates render with ``tojson``)."""
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        role = self.role  # type: ignore[attr-defined]
+        out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
+        if getattr(self, "tool_call_id", None) is not None:
+            out["tool_call_id"] = self.tool_call_id  # type: ignore[attr-defined]
+        if getattr(self, "tool_calls", None):
             calls = []
-            for c in self.tool_calls:
+            for c in self.tool_calls:  # type: ignore[attr-defined]
                 args: Any = c.function.arguments
                 if isinstance(args, str):
                     try:
@@ -109,6 +108,44 @@ class Message(BaseModel):
                                                                            "arguments": args}})
             out["tool_calls"] = calls
         return out
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]  # "developer": OpenAI's newer name, rendered as "system"
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCall] | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None
+
+
+class FunctionMessage(_Message):
+    role: Literal["function"]  # deprecated: a function's result
+    content: Content
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage,
+                    Field(discriminator="role")]
 
 
 class FunctionDef(BaseModel):

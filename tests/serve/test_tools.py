@@ -116,3 +116,23 @@ def test_langchain_tool_calls(tools_server):
     msg = llm.bind_tools([WEATHER], tool_choice="any").invoke("What is the weather in Oslo?")
     assert [c["name"] for c in msg.tool_calls] == ["get_weather"]
     assert msg.tool_calls[0]["args"]["city"] in ("Oslo", "Paris")
+
+
+def test_generations_that_end_at_the_context_stop_there(tools_server):
+    """The fixture emits stray UTF-8 lead bytes, and llama-cpp-python checks max_tokens only after a complete
+    character: it read past the context, where llama_decode failed (a 500 found by tools/fuzz_serve.py; seeds
+    5 and 6 of this prompt did it with the stock Llama)."""
+    body = {"prompt": [65] * (N_CTX - 40), "max_tokens": None, "min_tokens": N_CTX}  # no EOS before the end
+    with tools_server.client(key=None) as c:
+        for extra in ({"seed": 5}, {"seed": 6, "n": 2}, {"seed": 5, "stream": True}):
+            if extra.get("stream"):
+                events = sse_events(c, "/v1/completions", {**body, **extra, "stream_options": {"include_usage": True}})
+                usage = events[-2]["usage"]
+            else:
+                r = c.post("/v1/completions", json={**body, **extra})
+                assert r.status_code == 200, r.text
+                usage = r.json()["usage"]
+                assert {ch["finish_reason"] for ch in r.json()["choices"]} == {"length"}
+            assert usage["completion_tokens"] == 40 * extra.get("n", 1)  # up to the last position
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 7, "min_tokens": 7})
+        assert r.json()["usage"]["completion_tokens"] == 7
