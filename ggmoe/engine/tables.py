@@ -121,6 +121,10 @@ class ExpertTables:
             self.close()
             raise
         self._buf = np.zeros((n_layer, max_tokens, n_expert_used), dtype=np.int32)  # routing, read back
+        # both start defined (-1: no expert; the forced routing is written before each decode that reads it)
+        none = np.full_like(self._buf, -1)
+        for t in (self.routing, self.forced):
+            B.libggml_base.ggml_backend_tensor_set(ctypes.cast(t, B.ggml_tensor_p), none.ctypes.data, 0, none.nbytes)
         self._routing_p = ctypes.cast(self.routing, B.ggml_tensor_p)  # cast once: read every token
         self._buf_ptr, self._buf_bytes = self._buf.ctypes.data, self._buf.nbytes
         self._forced = np.zeros_like(self._buf)  # forced routing, written before a decode

@@ -57,3 +57,18 @@ def test_host_expert_layers(qwen3moe_model):
     with pytest.raises(UsageError, match="every layer"):
         Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64, host_expert_layers=(1,),
                             cache=CacheConfig(n_slots=4)))
+
+
+def test_a_long_prefill_under_an_override_in_the_async_decode(qwen3moe_model):
+    """A prefill larger than table mode takes the route op in every layer, the last one included (which
+    computes only the token whose logits are wanted): the forced routing, written only before table-mode
+    decodes, is never read there (it once was: garbage ids, a crash)."""
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=128,
+                             cache=CacheConfig(n_slots=4, decode_mode="async"))) as eng:
+        k = eng.facts.n_expert_used
+        eng.set_routing_override(lambda il, n: [e for _ in range(n) for e in range(k)])
+        eng.record_hook_times()
+        eng.decode(list(range(1, 40)))
+        assert len(eng.hook_times) == len(eng.facts.moe_layers)  # every layer on the route op, the last too
+        eng.decode([5])
+        assert len(eng.hook_times) == len(eng.facts.moe_layers)  # and the decode step on none
