@@ -66,13 +66,14 @@ def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, polic
     sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None)
     fields = (*FIELDS, "host_reads", "host_read_bytes", "evictions")
     last = str(max(facts.moe_layers))
-    for il, s in sim.stats["layers"].items():
-        # the trace routes every prompt token at the last layer (recorded with all logits); the run computes
-        # only the token whose logits it samples there, so that layer's prefill call differs (native in the
-        # replay, none on the cache): its call counts are not compared, everything that touches the cache is
-        skip = ("calls", "native_calls") if il == last else ()
-        assert {f: s[f] for f in fields if f not in skip} == {f: d["layers"][il][f] for f in fields
-                                                             if f not in skip}, il
+    # The trace routes every prompt token at the last layer (recorded with all logits); the run computes only
+    # the token whose logits it samples there, so that layer's prefill call differs (native in the replay, one
+    # token on the cache in the run) and everything after it in that layer may too: it is left out.
+    compared = [il for il in sim.stats["layers"] if il != last]
+    assert len(compared) >= 3
+    for il in compared:
+        s = sim.stats["layers"][il]
+        assert {f: s[f] for f in fields} == {f: d["layers"][il][f] for f in fields}, il
 
 
 def test_simulate_command(tmp_path):
