@@ -10,6 +10,13 @@ from .errors import UsageError
 T = TypeVar("T")
 
 
+def check_choice(name: str, choices: tuple[str, ...] | list[str], kind: str) -> str:
+    """``name`` if it is one of ``choices``; else one clear UsageError listing them (``kind``: "miss policy")."""
+    if name not in choices:
+        raise UsageError(f"unknown {kind} {name!r}; choose one of {', '.join(choices)}")
+    return name
+
+
 class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind  # e.g. "policy", for messages

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ggmoe.errors import UsageError
+from ggmoe.registry import check_choice
 
 DECODE_MODES = ("auto", "async", "sync")
 # The largest micro-batch (tokens) that reads its experts through the tables. ggml-cuda runs
@@ -23,9 +24,7 @@ TABLE_MAX_TOKENS = 4
 
 
 def check_decode_mode(name: str) -> str:
-    if name not in DECODE_MODES:
-        raise UsageError(f"unknown decode mode {name!r}; choose one of {', '.join(DECODE_MODES)}")
-    return name
+    return check_choice(name, DECODE_MODES, "decode mode")
 
 
 @dataclass(frozen=True)

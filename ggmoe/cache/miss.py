@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ggmoe.errors import UsageError
+from ggmoe.registry import check_choice
 
 MISS_POLICIES = ("wait", "cpu", "auto")
 HOST_MAX_TOKENS = 16  # tokens; mirrors LLAMA_GGMOE_HOST_MAX_TOKENS of patch 0004
@@ -23,9 +23,7 @@ SLOT_HOST = -1  # the route callback's answer "computed by the CPU" (LLAMA_GGMOE
 
 
 def check_miss_policy(name: str) -> str:
-    if name not in MISS_POLICIES:
-        raise UsageError(f"unknown miss policy {name!r}; choose one of {', '.join(MISS_POLICIES)}")
-    return name
+    return check_choice(name, MISS_POLICIES, "miss policy")
 
 
 @dataclass(frozen=True)
