@@ -20,6 +20,8 @@ from ggmoe.cache.copy import CopyBackend, CopyHandle, NullCopyBackend, Priority
 from ggmoe.cache.miss import HOST_MAX_TOKENS, SLOT_HOST, MissCosts, check_miss_policy, prefer_host
 from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.slots import SlotTable
+from ggmoe.cache.split import SPLIT_MAX_TOKENS, LayerSplit
+from ggmoe.cache.split_cache import SplitLayers
 from ggmoe.cache.stats import CacheStats, LayerStats
 from ggmoe.errors import UsageError
 
@@ -29,7 +31,10 @@ class ExpertCache:
 
     def __init__(self, n_expert: int, n_expert_used: int, n_slots: dict[int, int], policy: Policy,
                  copies: CopyBackend | None = None, bytes_per_expert: dict[int, int] | None = None,
-                 clock: Clock | None = None, miss_policy: str = "wait", costs: MissCosts | None = None) -> None:
+                 clock: Clock | None = None, miss_policy: str = "wait", costs: MissCosts | None = None,
+                 split: Mapping[int, LayerSplit] | None = None, n_bottom: int = 0) -> None:
+        """``split``: the layers whose slots hold top segments (MoEpic, ``ggmoe.cache.split``), each with
+        ``n_bottom`` bottom buffers for prefetched bottoms."""
         for il, n in n_slots.items():
             if n < n_expert_used:
                 raise UsageError(f"layer {il}: {n} cache slots < n_expert_used {n_expert_used}: "
@@ -59,9 +64,21 @@ class ExpertCache:
         self.predicted: dict[int, list[int]] = {}  # il -> experts predicted for its next call (accuracy)
         self.token = 0  # async decode: tokens seen by the controller (the epoch of a copy's submission)
         self._submit_token: dict[int, int] = {}  # copy handle id -> token it was submitted at
+        unknown = sorted(set(split or {}) - set(n_slots))
+        if unknown:
+            raise UsageError(f"split layers {unknown} have no cache slots")
+        if split and self.miss_policy != "wait":
+            raise UsageError("split experts read what is not cached from host memory through the expert table: "
+                             "the miss policy must be wait, not the host path")
+        self.split = SplitLayers(split or {}, n_expert, n_bottom)
+        # bytes one copy into a slot moves: a whole expert, or a split layer's top segment
+        self.slot_bytes = {il: (self.split.layers[il].top_bytes if il in self.split else self.bytes_per_expert.get(il, 0))
+                           for il in n_slots}
 
     def fits(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of ``n_tokens`` runs on the cache (else the native path)."""
+        if il in self.split:  # read through the expert table, misses in place: only the batch size limits
+            return n_tokens <= SPLIT_MAX_TOKENS
         return min(n_tokens * self.n_expert_used, self.n_expert) <= self.n_slots[il]
 
     def route(self, il: int, ids: np.ndarray) -> np.ndarray:
@@ -71,6 +88,11 @@ class ExpertCache:
 
     def route_flat(self, il: int, flat: list[int], next_use: Mapping[int, float] | None = None) -> list[int]:
         with self.lock:  # a prefetch worker may be placing experts (uncontended: about 0.1 us)
+            if il in self.split:  # read through the table: the matmuls take the expert ids themselves
+                if next_use is not None:
+                    self.policy.set_future(il, next_use)
+                self.split.access(self, il, flat, before_compute=True)
+                return list(flat)
             return self._route_flat(il, flat, next_use)
 
     def _route_flat(self, il: int, flat: list[int], next_use: Mapping[int, float] | None = None) -> list[int]:
@@ -152,6 +174,9 @@ class ExpertCache:
         memory first). Nothing waits: a later token finds the admitted experts once their copies landed.
         """
         with self.lock:
+            if il in self.split:
+                self.split.access(self, il, flat, before_compute=False)
+                return
             st = self.stats.layers[il]
             table = self.tables[il]
             self.clock += 1
@@ -227,6 +252,12 @@ class ExpertCache:
 
     def _prefetch(self, il: int, experts: list[int], keep: set[int] | None = None,
                   ranks: list[float] | None = None) -> int:
+        if il in self.split:  # MoEpic: bottoms of cached tops, tops and bottoms of the rest
+            return self.split.prefetch(self, il, experts, keep, ranks)
+        return self._prefetch_whole(il, experts, keep, ranks)
+
+    def _prefetch_whole(self, il: int, experts: list[int], keep: set[int] | None = None,
+                        ranks: list[float] | None = None) -> int:
         """Queue prefetch copies of the ``experts`` of layer ``il`` that are not resident; returns how many.
 
         Victims are resident experts not in ``keep``, not still loading, and not themselves unused prefetches.
@@ -265,7 +296,7 @@ class ExpertCache:
             table.prefetched[slot] = True
             self.n_prefetched[il] += 1
             self.policy.on_insert(il, e, self.clock)
-            st.bytes_copied += self.bytes_per_expert.get(il, 0)
+            st.bytes_copied += self.slot_bytes[il]
             n += 1
         st.prefetch_issued += n
         return n
@@ -275,7 +306,7 @@ class ExpertCache:
         if table.prefetched[slot]:
             st = self.stats.layers[il]
             st.prefetch_wasted += 1
-            st.prefetch_wasted_bytes += self.bytes_per_expert.get(il, 0)
+            st.prefetch_wasted_bytes += self.slot_bytes[il]
             table.prefetched[slot] = False
             self.n_prefetched[il] -= 1
 
@@ -341,7 +372,7 @@ class ExpertCache:
               priority: Priority) -> list[CopyHandle]:
         """Copies of ``missing`` into free slots or the policy's victims (never a slot this call reads)."""
         in_use = set(need)  # never evict what this call uses
-        bpe = self.bytes_per_expert.get(il, 0)
+        bpe = self.slot_bytes[il]
         handles = []
         cand: list[int] | None = None  # victims, computed once (a miss's own copy is in use, so never one)
         for e in missing:

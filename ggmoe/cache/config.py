@@ -33,6 +33,9 @@ class CacheConfig:
     # sync (the route op per MoE layer), async (the expert table, no sync on the decode path) or auto
     # (ggmoe.cache.decode_mode)
     decode_mode: str = "auto"
+    # MoEpic's split: the share θ of each named MoE layer's neurons whose top segment a slot holds (the rest is
+    # read from host memory or prefetched); layers not named, and θ = 1, cache whole experts (ggmoe.cache.split)
+    layer_theta: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         """The policy's options checked against what it declares (ggmoe.params), before anything is built;
@@ -41,6 +44,11 @@ class CacheConfig:
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)
                                       or not math.isfinite(threshold)):
             raise UsageError(f"prefetch threshold {threshold!r} is not a finite number")
+        for il, t in (self.layer_theta or {}).items():
+            if isinstance(il, bool) or not isinstance(il, int) or il < 0:
+                raise UsageError(f"top share θ for layer {il!r}: layers are numbers >= 0")
+            if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 <= t <= 1:
+                raise UsageError(f"layer {il}: top share θ = {t!r}; it must be a number from 0 to 1")
         if self.policy_options:
             from ggmoe.cache.policies import POLICIES
             from ggmoe.params import check_params

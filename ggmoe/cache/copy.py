@@ -30,13 +30,25 @@ class Priority(IntEnum):
 
 @dataclass(frozen=True)
 class CopyHandle:
-    """One submitted copy of expert ``expert`` of layer ``il`` into ``slot``."""
+    """One submitted copy of expert ``expert`` of layer ``il`` into ``slot`` (or a bottom buffer, for a
+    negative ``slot``: ``bottom_buffer``)."""
 
     id: int  # unique per backend, in submission order
     il: int
     expert: int
     slot: int
     priority: Priority
+
+
+def bottom_target(buffer: int) -> int:
+    """The ``slot`` argument of a copy of a split expert's bottom segment into bottom buffer ``buffer``
+    (MoEpic): negative, so it never names a slot; a copy into a slot of a split layer moves its top segment."""
+    return -1 - buffer
+
+
+def bottom_buffer(slot: int) -> int | None:
+    """The bottom buffer a copy's ``slot`` argument names (``bottom_target``), or None for a slot."""
+    return -1 - slot if slot < 0 else None
 
 
 class CopyBackend(Protocol):

@@ -115,3 +115,71 @@ class SlotTable:
         for slot in range(self.n_slots):
             if self.expert_in_list[slot] >= 0:
                 self.drop(slot)
+
+
+class BottomListener(Protocol):
+    """Told when a split expert's bottom segment becomes readable in a bottom buffer or stops being (the expert
+    tables point the expert's bottom address there, or back at its host copy)."""
+
+    def bottom_mapped(self, expert: int, buffer: int) -> None:
+        """``expert``'s bottom copy into ``buffer`` has landed."""
+
+    def bottom_unmapped(self, expert: int) -> None:
+        """``expert``'s bottom is no longer readable in its buffer (a copy is about to overwrite it)."""
+
+
+class BottomTable:
+    """A split layer's bottom buffers (MoEpic): expert -> buffer and back, the copy in flight into each, and
+    the access clock of each buffer's last use (the least recently used is reused first)."""
+
+    def __init__(self, n_expert: int, n_buffers: int) -> None:
+        self.buffer_of = [-1] * n_expert  # [n_expert] buffer or -1
+        self.expert_in = [-1] * n_buffers  # [n_buffers] expert or -1
+        self.copy: list[CopyHandle | None] = [None] * n_buffers  # [n_buffers] copy in flight into the buffer
+        self.last_use = [0] * n_buffers  # [n_buffers] access clock of the last use or placement
+        self.n_loading = 0  # buffers whose copy is in flight
+        self.listener: BottomListener | None = None
+
+    @property
+    def n_buffers(self) -> int:
+        return len(self.expert_in)
+
+    def ready(self, expert: int) -> bool:
+        """Whether ``expert``'s bottom has landed in a buffer (it may be read there)."""
+        b = self.buffer_of[expert]
+        return b >= 0 and self.copy[b] is None
+
+    def victim(self, protect: set[int]) -> int | None:
+        """A buffer to reuse: an empty one, else the least recently used whose copy has landed and whose
+        expert is not in ``protect``; None when every buffer is loading or protected."""
+        best = None
+        for b, e in enumerate(self.expert_in):
+            if e < 0:
+                return b
+            if self.copy[b] is None and e not in protect and (best is None or self.last_use[b] < self.last_use[best]):
+                best = b
+        return best
+
+    def place(self, expert: int, buffer: int, handle: CopyHandle, clock: int) -> None:
+        """``expert``'s bottom is copied into ``buffer`` (the listener is told the old one went first)."""
+        old = self.expert_in[buffer]
+        if old >= 0:
+            self.buffer_of[old] = -1
+            if self.listener is not None:
+                self.listener.bottom_unmapped(old)
+        if self.copy[buffer] is not None:
+            self.n_loading -= 1
+        self.expert_in[buffer] = expert
+        self.buffer_of[expert] = buffer
+        self.copy[buffer] = handle
+        self.n_loading += 1
+        self.last_use[buffer] = clock
+
+    def landed(self, buffer: int) -> None:
+        if self.copy[buffer] is None:
+            return
+        self.copy[buffer] = None
+        self.n_loading -= 1
+        e = self.expert_in[buffer]
+        if e >= 0 and self.listener is not None:
+            self.listener.bottom_mapped(e, buffer)

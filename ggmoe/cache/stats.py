@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 class LayerStats:
     calls: int = 0  # routed layer calls (micro-batches)
     native_calls: int = 0  # calls that ran the native path (more distinct experts than slots)
-    hits: int = 0  # distinct experts per call found resident
+    hits: int = 0  # distinct experts per call found resident (a split layer's: top and bottom on the device)
     misses: int = 0  # distinct experts per call loaded
     bytes_copied: int = 0  # bytes
     demand_copies: int = 0  # experts copied while their layer waited
@@ -28,13 +28,27 @@ class LayerStats:
     evictions: int = 0  # experts evicted to make room (every mode)
     landed: int = 0  # copies seen landed between tokens (async decode)
     lag_tokens: int = 0  # async decode: tokens from each landed copy's submission to its slot being readable
+    # split layers (MoEpic): top-only hits (the bottom read from host memory), full hits thanks to a prefetched
+    # bottom (also in hits), bytes of bottoms read over the link and prefetched into bottom buffers
+    top_hits: int = 0
+    bottom_hits: int = 0
+    bottom_read_bytes: int = 0  # bytes
+    bottom_prefetches: int = 0
+    bottom_prefetch_bytes: int = 0  # bytes
     wait_s: float = 0.0  # seconds spent waiting for this layer's copies (clock time)
     hook_s: float = 0.0  # seconds inside route() for this layer (clock time)
 
     @property
     def hit_rate(self) -> float:
-        n = self.hits + self.misses
+        """Share of accesses found whole on the device (a split layer's top-only hits are not)."""
+        n = self.hits + self.top_hits + self.misses
         return self.hits / n if n else 0.0
+
+    @property
+    def top_hit_rate(self) -> float:
+        """Share of accesses that found at least the top segment on the device (whole experts: the hit rate)."""
+        n = self.hits + self.top_hits + self.misses
+        return (self.hits + self.top_hits) / n if n else 0.0
 
     @property
     def mean_lag_tokens(self) -> float:
@@ -52,6 +66,7 @@ class LayerStats:
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["hit_rate"] = self.hit_rate
+        d["top_hit_rate"] = self.top_hit_rate
         d["pred_accuracy"] = self.pred_accuracy
         d["mean_lag_tokens"] = self.mean_lag_tokens
         return d

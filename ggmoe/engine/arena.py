@@ -39,6 +39,12 @@ class TensorArena:
         B.libggml_base.ggml_set_name(t, name.encode())
         return ctypes.cast(t, ctypes.c_void_p).value
 
+    def new_view_2d(self, src: int, ne0: int, ne1: int, nb1: int, offset: int, name: str) -> int:
+        """A 2-D view ``[ne0, ne1]`` (rows ``nb1`` bytes apart) of tensor ``src`` from ``offset`` bytes."""
+        t = B.libggml_base.ggml_view_2d(self.ctx, ctypes.cast(src, B.ggml_tensor_p), ne0, ne1, nb1, offset)
+        B.libggml_base.ggml_set_name(t, name.encode())
+        return ctypes.cast(t, ctypes.c_void_p).value
+
     def allocate(self, buft: int) -> int:
         """Memory for every declared tensor on buffer type ``buft``; returns its size in bytes."""
         self.buffer = B.libggml_base.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buft)

@@ -184,6 +184,12 @@ libggml_base.ggml_new_tensor_3d.restype = ggml_tensor_p
 libggml_base.ggml_view_1d.argtypes = [ctypes.c_void_p, ggml_tensor_p, ctypes.c_int64, ctypes.c_size_t]
 libggml_base.ggml_view_1d.restype = ggml_tensor_p
 
+# struct ggml_tensor * ggml_view_2d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
+#                                   size_t nb1, size_t offset);
+libggml_base.ggml_view_2d.argtypes = [ctypes.c_void_p, ggml_tensor_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t,
+                                      ctypes.c_size_t]
+libggml_base.ggml_view_2d.restype = ggml_tensor_p
+
 # struct ggml_tensor * ggml_set_name(struct ggml_tensor * tensor, const char * name);
 libggml_base.ggml_set_name.argtypes = [ggml_tensor_p, ctypes.c_char_p]
 libggml_base.ggml_set_name.restype = ggml_tensor_p
@@ -210,6 +216,20 @@ libggml_base.ggml_backend_tensor_set.restype = None
 libggml_base.ggml_backend_tensor_set_async.argtypes = [ctypes.c_void_p, ggml_tensor_p, ctypes.c_void_p,
                                                        ctypes.c_size_t, ctypes.c_size_t]
 libggml_base.ggml_backend_tensor_set_async.restype = None
+
+# void ggml_backend_tensor_set_2d(struct ggml_tensor * tensor, const void * data, size_t offset, size_t size,
+#                                 size_t n_copies, size_t stride_tensor, size_t stride_data);
+libggml_base.ggml_backend_tensor_set_2d.argtypes = [ggml_tensor_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                                                    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
+libggml_base.ggml_backend_tensor_set_2d.restype = None
+
+# void ggml_backend_tensor_set_2d_async(ggml_backend_t backend, struct ggml_tensor * tensor, const void * data,
+#                                       size_t offset, size_t size, size_t n_copies, size_t stride_tensor,
+#                                       size_t stride_data);
+libggml_base.ggml_backend_tensor_set_2d_async.argtypes = [ctypes.c_void_p, ggml_tensor_p, ctypes.c_void_p,
+                                                          ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
+                                                          ctypes.c_size_t, ctypes.c_size_t]
+libggml_base.ggml_backend_tensor_set_2d_async.restype = None
 
 # void ggml_backend_synchronize(ggml_backend_t backend);
 libggml_base.ggml_backend_synchronize.argtypes = [ctypes.c_void_p]

@@ -33,6 +33,7 @@ from ggmoe.engine.graph_predictor import attach_graph_predictor
 from ggmoe.engine.hooks import Observers, RouteOpHook
 from ggmoe.engine.slots import CacheRuntime
 from ggmoe.engine.tables import ExpertTables
+from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteObserver
 from ggmoe.inspect.facts import ModelFacts
 
@@ -105,16 +106,22 @@ class CachePipeline:
                         self.prefetcher.scores_from_graph()
                 self.observers.add(self.prefetcher)
             on_gpu = bool(self.runtime.stream.backend)
-            reasons = sync_reasons(self.runtime.miss_policy, cache.prefetch is not None, backend_note(facts, on_gpu))
+            note = backend_note(facts, on_gpu)
+            split = bool(self.runtime.split)  # MoEpic's split layers read through their tables in both modes
+            if split and note:
+                raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
+            reasons = sync_reasons(self.runtime.miss_policy, cache.prefetch is not None, note)
             max_tokens = table_max_tokens(n_batch, n_ubatch)
             if not max_tokens:
                 reasons.append(f"micro-batches of {n_ubatch} tokens are too small for the routing output")
             self.decode_mode = choose_decode_mode(cache.decode_mode, reasons)
-            if self.decode_mode.mode == "async":
+            if self.decode_mode.mode == "async" or split:
                 self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
-                                           facts.n_layer, max_tokens)
+                                           facts.n_layer, max(max_tokens, 1))
                 self.tables.attach(self.runtime.cache)
-                self.hook.after_route = self.tables.flush  # sync-path slot changes reach the tables at once
+                # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
+                self.hook.after_route = self.tables.flush
+            if self.decode_mode.mode == "async":
                 self.controller = TokenController(self.runtime.cache, self.observers)
 
                 def on_change(request: HookRequest) -> None:
@@ -131,7 +138,7 @@ class CachePipeline:
     # -- decode mode
     def _table_mode_wanted(self) -> bool:
         req = self.observers.request
-        return self.tables is not None and not (req.probs or req.hidden)
+        return self.controller is not None and not (req.probs or req.hidden)
 
     def _update_table_mode(self) -> None:
         """Table mode on while nothing needs the route op's per-layer answer (see the module's doc)."""

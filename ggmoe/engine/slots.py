@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggmoe.cache import CacheConfig, CopyHandle, ExpertCache, MonotonicClock, Priority, ThreadedCopyBackend
-from ggmoe.cache.copy import StreamCopyBackend
+from ggmoe.cache.copy import StreamCopyBackend, bottom_buffer
 from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy
 from ggmoe.cache.policies import POLICIES
+from ggmoe.cache.split import KindSplit, LayerSplit, Run, model_split
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
@@ -43,13 +44,34 @@ class _Pair:
     host_data: int  # its data pointer (host memory)
     cache: int  # ggml_tensor * of the slot tensor [ne0, ne1, n_slots]
     nb2: int  # bytes of one expert slice (same in both)
+    split: KindSplit | None = None  # a split layer's kind: the slot tensor holds top segments, packed
+    bottom: int = 0  # ggml_tensor * of a split layer's bottom buffers [ne0, ne1, n_bottom] (0: none)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes from one slot to the next in the slot tensor: a whole expert, or a top segment."""
+        return self.split.top_bytes if self.split is not None else self.nb2
+
+    def writes(self, expert: int, slot: int) -> list[tuple[int, int, Run]]:
+        """What a copy of ``expert`` into ``slot`` writes: (tensor, byte offset of the expert there, run) for each
+        2-D piece; a negative ``slot`` names a bottom buffer (``ggmoe.cache.copy.bottom_target``)."""
+        if self.split is None:
+            return [(self.cache, slot * self.nb2, Run(0, 0, self.nb2, 1, self.nb2, self.nb2))]
+        b = bottom_buffer(slot)
+        if b is None:
+            return [(self.cache, slot * self.split.top_bytes, self.split.top)]
+        return [(self.bottom, b * self.nb2, r) for r in self.split.bottom]
 
 
 class SlotTensors:
     """Owns the ggml context and backend buffer of every layer's slot tensors."""
 
-    def __init__(self, model_ptr: int, n_slots: dict[int, int], buft: int, zero_slot: bool = False) -> None:
-        """``zero_slot``: one more slot per layer, after the others, filled with zeros (the host path's)."""
+    def __init__(self, model_ptr: int, n_slots: dict[int, int], buft: int, zero_slot: bool = False,
+                 split: dict[int, LayerSplit] | None = None, n_bottom: int = 0) -> None:
+        """``zero_slot``: one more slot per layer, after the others, filled with zeros (the host path's).
+        ``split``: layers whose slots hold top segments (MoEpic); their slot tensors are ``[ne0, ne1, m]`` with
+        m whole experts' bytes enough for every top (``registered``), and ``n_bottom`` bottom buffers each."""
+        split = split or {}
         P = _patched.load()
         self.buft = buft  # the slots' buffer type (the expert tables go on the same device)
         self.pairs: dict[int, list[_Pair]] = {}
@@ -60,19 +82,33 @@ class SlotTensors:
             found[il] = {k: v for k, v in found[il].items() if v}
             if not found[il]:
                 raise EngineError(f"layer {il} has no expert tensors")
-        self.arena = TensorArena(sum(len(v) for v in found.values()), "the expert cache")
+        n_bottom = n_bottom if split else 0
+        self.arena = TensorArena(sum(len(v) for v in found.values()) * (2 if n_bottom else 1), "the expert cache")
+        # slots the context is told each layer has: a split layer's slot tensors hold its tops in whole experts'
+        # room (the tensors are the tables' template, so they keep the expert's shape)
+        self.registered: dict[int, int] = {}
         try:
             self.tensors: dict[int, dict[str, int]] = {}
+            bottoms: dict[int, dict[str, int]] = {}
             for il, kinds in found.items():
-                self.tensors[il] = {}
+                self.tensors[il], bottoms[il] = {}, {}
+                ks = {k.kind: k for k in split[il].kinds} if il in split else {}
+                n = n_slots[il] + int(zero_slot)
+                if ks:  # tops packed: enough whole experts' bytes for n_slots tops of the largest share
+                    n = max(1, max(-(-n_slots[il] * ks[k].top_bytes // ks[k].nb2) for k in kinds))
+                self.registered[il] = n
                 for kind, host_ptr in kinds.items():
                     h = ctypes.cast(host_ptr, B.ggml_tensor_p).contents
-                    self.tensors[il][kind] = self.arena.new_tensor(h.type, h.ne[0], h.ne[1],
-                                                                   n_slots[il] + int(zero_slot),
+                    self.tensors[il][kind] = self.arena.new_tensor(h.type, h.ne[0], h.ne[1], n,
                                                                    f"ggmoe_slots.{il}.{kind}")
+                    if ks and n_bottom:
+                        bottoms[il][kind] = self.arena.new_tensor(h.type, h.ne[0], h.ne[1], n_bottom,
+                                                                  f"ggmoe_bottoms.{il}.{kind}")
             self.nbytes = self.arena.allocate(buft)  # bytes
             for il, kinds in found.items():
-                self.pairs[il] = [self._pair(host_ptr, self.tensors[il][kind]) for kind, host_ptr in kinds.items()]
+                ks = {k.kind: k for k in split[il].kinds} if il in split else {}
+                self.pairs[il] = [self._pair(host_ptr, self.tensors[il][kind], ks.get(kind),
+                                             bottoms[il].get(kind, 0)) for kind, host_ptr in kinds.items()]
         except BaseException:
             self.close()
             raise
@@ -84,12 +120,12 @@ class SlotTensors:
                                                            n_slots[il] * p.nb2, p.nb2)
 
     @staticmethod
-    def _pair(host_ptr: int, cache_ptr: int) -> _Pair:
+    def _pair(host_ptr: int, cache_ptr: int, split: KindSplit | None = None, bottom: int = 0) -> _Pair:
         h = ctypes.cast(host_ptr, B.ggml_tensor_p).contents
         if not h.buffer or not B.libggml_base.ggml_backend_buffer_is_host(h.buffer) or not h.data:
             raise EngineError(f"expert tensor {h.name.decode()} is not in host memory; "
                               "load the model with experts_on_host=True")
-        return _Pair(host=host_ptr, host_data=h.data, cache=cache_ptr, nb2=h.nb[2])
+        return _Pair(host=host_ptr, host_data=h.data, cache=cache_ptr, nb2=h.nb[2], split=split, bottom=bottom)
 
     def bytes_per_expert(self) -> dict[int, int]:
         return {il: sum(p.nb2 for p in pairs) for il, pairs in self.pairs.items()}
@@ -113,34 +149,42 @@ class GgmlCopyBackend:
         self._ids = itertools.count()
         self._landed = -1  # every handle id up to this one has landed
 
+    def _write(self, p: _Pair, expert: int, slot: int, stream: int | None) -> None:
+        """One expert tensor kind of ``expert`` into ``slot`` (a whole expert, a split layer's top, or for a
+        negative slot its bottom into a bottom buffer): on ``stream`` (async) or at once."""
+        src = p.host_data + expert * p.nb2
+        for tensor, at, r in p.writes(expert, slot):
+            if r.size == 0 or r.n == 0:
+                continue  # θ = 0: an empty top
+            t = ctypes.cast(tensor, B.ggml_tensor_p)
+            if r.n == 1:
+                if stream:
+                    B.libggml_base.ggml_backend_tensor_set_async(stream, t, src + r.src, at + r.dst, r.size)
+                else:
+                    B.libggml_base.ggml_backend_tensor_set(t, src + r.src, at + r.dst, r.size)
+            elif stream:
+                B.libggml_base.ggml_backend_tensor_set_2d_async(stream, t, src + r.src, at + r.dst, r.size, r.n,
+                                                                r.dst_stride, r.src_stride)
+            else:
+                B.libggml_base.ggml_backend_tensor_set_2d(t, src + r.src, at + r.dst, r.size, r.n, r.dst_stride,
+                                                          r.src_stride)
+
     def copy_now(self, il: int, expert: int, slot: int) -> None:
         """Issue the copy of every expert tensor kind of ``expert`` into ``slot`` (async on a GPU)."""
         for p in self.pairs[il]:
-            src = p.host_data + expert * p.nb2
-            t = ctypes.cast(p.cache, B.ggml_tensor_p)
-            if self.backend:
-                B.libggml_base.ggml_backend_tensor_set_async(self.backend, t, src, slot * p.nb2, p.nb2)
-            else:
-                B.libggml_base.ggml_backend_tensor_set(t, src, slot * p.nb2, p.nb2)
+            self._write(p, expert, slot, self.backend)
 
     def copy_chunk(self, il: int, expert: int, slot: int, i: int) -> None:
         """Issue the copy of expert tensor kind ``i`` of ``expert`` into ``slot`` (one chunk of a copy)."""
         pairs = self.pairs[il]
         if i < len(pairs):
-            p = pairs[i]
-            B.libggml_base.ggml_backend_tensor_set(ctypes.cast(p.cache, B.ggml_tensor_p),
-                                                   p.host_data + expert * p.nb2, slot * p.nb2, p.nb2)
+            self._write(pairs[i], expert, slot, None)
 
     def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> None:
         """Put expert tensor kind ``i`` of ``expert``'s copy on the copy stream (a memcpy on a CPU-only build)."""
         pairs = self.pairs[il]
         if i < len(pairs):
-            p = pairs[i]
-            t, src = ctypes.cast(p.cache, B.ggml_tensor_p), p.host_data + expert * p.nb2
-            if self.backend:
-                B.libggml_base.ggml_backend_tensor_set_async(self.backend, t, src, slot * p.nb2, p.nb2)
-            else:
-                B.libggml_base.ggml_backend_tensor_set(t, src, slot * p.nb2, p.nb2)
+            self._write(pairs[i], expert, slot, self.backend)
 
     def synchronize(self) -> None:
         """Block until every copy put on the stream has landed (the GIL is released meanwhile)."""
@@ -235,13 +279,23 @@ class CacheRuntime:
 
     def __init__(self, model_ptr: int, ctx_ptr: int, config: CacheConfig, moe_layers: tuple[int, ...],
                  n_expert: int, n_expert_used: int, bytes_per_expert: dict[int, int],
-                 n_threads: int | None = None) -> None:
-        n_slots = config.slots({il: bytes_per_expert[il] for il in moe_layers}, n_expert, n_expert_used)
+                 n_threads: int | None = None, split: dict[int, LayerSplit] | None = None) -> None:
+        """``split``: the layers whose slots hold top segments (MoEpic, from the config's top shares)."""
+        self.split = split or {}
+        slot_bytes = {il: self.split[il].top_bytes if il in self.split else bytes_per_expert[il] for il in moe_layers}
+        n_slots = config.slots(slot_bytes, n_expert, n_expert_used)
+        # bottom buffers of a split layer: as many as the prefetcher queues per layer (MoEpic's y)
+        pre = config.prefetch
+        self.n_bottom = (getattr(pre, "n_prefetch", None) or min(2 * n_expert_used, n_expert)) \
+            if self.split and pre is not None else 0
         policy = POLICIES.get(config.policy)(n_expert, list(moe_layers), **dict(config.policy_options or {}))
         self.copies: GgmlCopyBackend | ThreadedCopyBackend | None = None
         self._ggml: GgmlCopyBackend | None = None
         self.slots: SlotTensors | None = None
         asked = check_miss_policy(config.miss_policy)
+        if self.split and asked != "wait":
+            raise EngineError("split experts read what is not cached from host memory through the expert "
+                              f"table: --miss-policy {asked} (the host path) cannot serve them; use wait")
         try:
             self._allocate(model_ptr, n_slots, config, zero_slot=asked == "cpu")
             costs = self._costs(config, n_threads or os.cpu_count() or 1) if asked == "auto" else None
@@ -258,11 +312,12 @@ class CacheRuntime:
             raise
         self.cache = ExpertCache(n_expert, n_expert_used, n_slots, policy, self.copies, clock=MonotonicClock(),
                                  bytes_per_expert=self.slots.bytes_per_expert(), miss_policy=self.miss_policy,
-                                 costs=costs)
+                                 costs=costs, split=self.split, n_bottom=self.n_bottom)
         P = _patched.load()
         for il, n in n_slots.items():
             t = self.slots.tensors[il]
-            rc = P.llama_ggmoe_set_layer_cache(ctx_ptr, il, n + int(host_path), *(t.get(k) for k in CACHED_KINDS))
+            rc = P.llama_ggmoe_set_layer_cache(ctx_ptr, il, self.slots.registered[il],
+                                               *(t.get(k) for k in CACHED_KINDS))
             if rc == _patched.LLAMA_GGMOE_OK and host_path:
                 rc = P.llama_ggmoe_set_host_path(ctx_ptr, il, n)
                 if rc == _patched.LLAMA_GGMOE_ERR_HOST:
@@ -278,7 +333,8 @@ class CacheRuntime:
         self.close()
         buft, backend = _device_bufts()
         try:
-            self.slots = SlotTensors(model_ptr, n_slots, buft, zero_slot=zero_slot)
+            self.slots = SlotTensors(model_ptr, n_slots, buft, zero_slot=zero_slot, split=self.split,
+                                     n_bottom=self.n_bottom)
         except BaseException:
             if backend:
                 B.libggml_base.ggml_backend_free(backend)
@@ -313,7 +369,7 @@ class CacheRuntime:
         the CPU threads llama.cpp computes with (the auto policy's CPU cost; None: every core)."""
         bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
         return cls(model_ptr, ctx_ptr, config, facts.moe_layers, facts.n_expert, facts.n_expert_used, bpe,
-                   n_threads)
+                   n_threads, split=model_split(facts, config.layer_theta))
 
     def close(self) -> None:
         if self.copies is not None:

@@ -1,7 +1,9 @@
 """The async decode's device-side expert tables and its per-token routing output.
 
 Engine layer (ctypes allowed). For every cached MoE layer and expert tensor
-kind, an I64 table ``[n_expert]`` at a fixed address on the layer's device:
+kind, an I64 table ``[n_expert]`` (``[n_expert, 3]`` for a split layer: top
+address, bottom address, split; MoEpic, patch 0007) at a fixed address on the
+layer's device:
 entry ``e`` is the address of expert ``e``'s matrix, either its cache slot
 (``slot_tensor.data + slot * nb2``) or the model's own expert tensor in host
 memory (``host.data + e * nb2``; on a GPU its pinned buffer, which kernels read
@@ -32,34 +34,69 @@ GGML_TYPE_I64 = 27
 
 
 class _LayerTable:
-    """One layer's tables (one per expert tensor kind): the ``SlotListener`` of its slot table. Writes go to
-    the host mirror (rows of ``ExpertTables.entries``) and mark the tables dirty; ``ExpertTables.flush``
-    sends every entry to the device at once before the next decode."""
+    """One layer's tables (one per expert tensor kind): the ``SlotListener`` of its slot table and, for a split
+    layer, the ``BottomListener`` of its bottom buffers. Writes go to the host mirror (``ExpertTables.flat``)
+    and mark the changed span; ``ExpertTables.flush`` sends it to the device before the next read.
 
-    def __init__(self, owner: ExpertTables, rows: list[int], host_data: list[int], slot_data: list[int],
-                 nb2: list[int], n_expert: int) -> None:
+    Whole experts: one row per table, the address of each expert's matrix. A split layer (MoEpic): three
+    rows, top address, bottom address, split (``ggml_mul_mat_id_table_split``): a mapped expert's top is its
+    slot's top segment and its bottom is its bottom buffer once that landed, else its host tensor; an unmapped
+    expert is whole at its host address (split -1)."""
+
+    def __init__(self, owner: ExpertTables, views: list[np.ndarray], offsets: list[int], pairs: list, n_expert: int,
+                 slot_data: list[int], bottom_data: list[int]) -> None:
         self.owner = owner
-        self.rows = rows  # row of ``owner.entries`` of each kind
-        self.host = [np.asarray([h + e * nb for e in range(n_expert)], dtype=np.int64)
-                     for h, nb in zip(host_data, nb2, strict=True)]  # [kind][expert] host address
+        self.views = views  # [kind] the table's rows in the mirror: [1 or 3, n_expert]
+        self.offsets = offsets  # [kind] element offset of the table in the mirror
+        self.host = [np.asarray([p.host_data + e * p.nb2 for e in range(n_expert)], dtype=np.int64)
+                     for p in pairs]  # [kind][expert] host address
         self.slot_data = slot_data  # [kind] address of slot 0 of the kind's slot tensor
-        self.nb2 = nb2  # [kind] bytes of one expert matrix
-        for r, h in zip(rows, self.host, strict=True):  # every expert starts in host memory
-            owner.entries[r] = h
+        self.slot_bytes = [p.slot_bytes for p in pairs]  # [kind] bytes from one slot to the next
+        self.split = [p.split.split if p.split is not None else -1 for p in pairs]  # [kind] the table's split
+        self.bottom_data = bottom_data  # [kind] address of bottom buffer 0 (split layers with buffers)
+        self.nb2 = [p.nb2 for p in pairs]
+        self.is_split = pairs[0].split is not None
+        self.bottoms = None  # the cache's BottomTable of the layer (split layers with bottom buffers)
+        for k, v in enumerate(views):  # every expert starts whole in host memory
+            v[0] = self.host[k]
+            if self.is_split:
+                v[1] = self.host[k]
+                v[2] = -1
 
-    def _write(self, k: int, expert: int, addr: int) -> None:
-        row = self.owner.entries[self.rows[k]]
-        if row[expert] != addr:
-            row[expert] = addr
-            self.owner.dirty += 1
+    def _write(self, k: int, row: int, expert: int, value: int) -> None:
+        v = self.views[k]
+        if v[row, expert] != value:
+            v[row, expert] = value
+            self.owner.touch(self.offsets[k] + row * v.shape[1] + expert)
+
+    def _bottom(self, k: int, expert: int) -> int:
+        """Where expert's bottom is read: its landed bottom buffer, else its host tensor."""
+        bt = self.bottoms
+        if bt is not None and bt.ready(expert):
+            return self.bottom_data[k] + bt.buffer_of[expert] * self.nb2[k]
+        return int(self.host[k][expert])
 
     def mapped(self, expert: int, slot: int) -> None:
-        for k in range(len(self.rows)):
-            self._write(k, expert, self.slot_data[k] + slot * self.nb2[k])
+        for k in range(len(self.views)):
+            if self.is_split:  # bottom and split before the top: a kernel reading between sees a whole expert
+                self._write(k, 1, expert, self._bottom(k, expert))
+                self._write(k, 2, expert, self.split[k])
+            self._write(k, 0, expert, self.slot_data[k] + slot * self.slot_bytes[k])
 
     def unmapped(self, expert: int) -> None:
-        for k in range(len(self.rows)):
-            self._write(k, expert, int(self.host[k][expert]))
+        for k in range(len(self.views)):
+            self._write(k, 0, expert, int(self.host[k][expert]))
+            if self.is_split:
+                self._write(k, 2, expert, -1)
+
+    def bottom_mapped(self, expert: int, buffer: int) -> None:
+        if self.views[0][2, expert] >= 0:  # the top is mapped: read the bottom from the buffer now
+            for k in range(len(self.views)):
+                self._write(k, 1, expert, self.bottom_data[k] + buffer * self.nb2[k])
+
+    def bottom_unmapped(self, expert: int) -> None:
+        for k in range(len(self.views)):
+            self._write(k, 1, expert, int(self.host[k][expert]))
 
 
 class ExpertTables:
@@ -78,8 +115,11 @@ class ExpertTables:
         self.enabled = False
         pairs = slots.pairs  # il -> [_Pair] in the order of slots.tensors[il]'s kinds
         n_tables = sum(len(p) for p in pairs.values())
-        # every table is a view of one I64 tensor [n_expert * n_tables]: one write per token sends them all
-        self.entries = np.zeros((n_tables, n_expert), dtype=np.int64)  # the host mirror, [table][expert]
+        rows_of = {il: 3 if ps[0].split is not None else 1 for il, ps in pairs.items()}  # split layers: 3
+        total = sum(rows_of[il] * len(ps) for il, ps in pairs.items()) * n_expert
+        # every table is a view of one I64 tensor: one write per token (the changed span) sends them all
+        self.flat = np.zeros(total, dtype=np.int64)  # the host mirror
+        self._lo, self._hi = total, 0  # the span of elements changed since the last flush
         self.dirty = 0  # entries changed since the last flush
         self.flushes = 0  # flushes that wrote the tables (tests, statistics)
         self.changed = 0  # entries changed in all
@@ -87,28 +127,30 @@ class ExpertTables:
         self.layers: dict[int, _LayerTable] = {}
         try:
             kinds = {il: list(slots.tensors[il]) for il in pairs}  # the kinds, in the pairs' order
-            self.all = self.arena.new_tensor(GGML_TYPE_I64, n_expert * n_tables, 1, 1, "ggmoe_tables")
+            self.all = self.arena.new_tensor(GGML_TYPE_I64, total, 1, 1, "ggmoe_tables")
             made: dict[int, list[int]] = {}
-            rows: dict[int, list[int]] = {}
-            r = 0
+            offsets: dict[int, list[int]] = {}
+            off = 0
             for il in pairs:
-                made[il], rows[il] = [], []
+                made[il], offsets[il] = [], []
                 for k in kinds[il]:
-                    made[il].append(self.arena.new_view_1d(self.all, n_expert, r * n_expert * 8,
+                    made[il].append(self.arena.new_view_2d(self.all, n_expert, rows_of[il], n_expert * 8, off * 8,
                                                            f"ggmoe_table.{il}.{k}"))
-                    rows[il].append(r)
-                    r += 1
+                    offsets[il].append(off)
+                    off += rows_of[il] * n_expert
             self.routing = self.arena.new_tensor(GGML_TYPE_I32, n_expert_used, max_tokens, n_layer,
                                                  "ggmoe_routing")
             # benchmarks only: trace-replay routing's ids for table-mode micro-batches (the routing's shape)
             self.forced = self.arena.new_tensor(GGML_TYPE_I32, n_expert_used, max_tokens, n_layer,
                                                 "ggmoe_forced_routing")
             self.arena.allocate(slots.buft)
+            self._all_p = ctypes.cast(self.all, B.ggml_tensor_p)  # cast once: written every token
+            data = lambda t: ctypes.cast(t, B.ggml_tensor_p).contents.data if t else 0  # noqa: E731
             for il, ps in pairs.items():
-                slot_data = [ctypes.cast(p.cache, B.ggml_tensor_p).contents.data for p in ps]
-                self.layers[il] = _LayerTable(self, rows[il], [p.host_data for p in ps], slot_data,
-                                              [p.nb2 for p in ps], n_expert)
-            self.dirty = 1
+                views = [self.flat[o: o + rows_of[il] * n_expert].reshape(rows_of[il], n_expert) for o in offsets[il]]
+                self.layers[il] = _LayerTable(self, views, offsets[il], ps, n_expert, [data(p.cache) for p in ps],
+                                              [data(p.bottom) for p in ps])
+            self._lo, self._hi, self.dirty = 0, total, 1
             self.flush()
             P = _patched.load()
             for il, kind_list in kinds.items():
@@ -130,27 +172,42 @@ class ExpertTables:
         self._forced = np.zeros_like(self._buf)  # forced routing, written before a decode
         self.forcing = False
 
+    def touch(self, i: int) -> None:
+        """Element ``i`` of the mirror changed: it goes with the next flush."""
+        self.dirty += 1
+        if i < self._lo:
+            self._lo = i
+        if i >= self._hi:
+            self._hi = i + 1
+
     def attach(self, cache: object) -> None:
-        """Make every cached layer's table follow the cache's slot table (entries of ready slots now)."""
+        """Make every cached layer's table follow the cache's slot table and, for a split layer, its bottom
+        buffers (entries of ready slots now)."""
         for il, table in cache.tables.items():
             lt = self.layers[il]
             table.listener = lt
+            bt = cache.split.bottoms.get(il)
+            if bt is not None:
+                lt.bottoms = bt
+                bt.listener = lt
             for slot, e in enumerate(table.expert_in_list):
                 if e >= 0 and table.copy[slot] is None:
                     lt.mapped(e, slot)
         self.flush()
 
     def flush(self) -> None:
-        """Send the entries changed since the last flush to the device: every table in one write (on a GPU one
-        copy of n_tables x n_expert x 8 bytes). Called before every decode, while no graph runs: a victim's
-        entry has pointed at host memory in the mirror since before its slot's copy was submitted, and no
-        graph reads the tables until this write has landed (``ggml_backend_tensor_set`` returns then)."""
+        """Send the entries changed since the last flush to the device: the changed span of every table in one
+        write (on a GPU one copy of at most the tables' bytes). Called before every decode, and in the route
+        callback of a layer that reads through its tables: a victim's entry has pointed at host memory in the
+        mirror since before its slot's copy was submitted, and no graph reads the tables until this write has
+        landed (``ggml_backend_tensor_set`` returns then)."""
         if not self.dirty:
             return
         self.changed += self.dirty
         self.dirty = 0
-        B.libggml_base.ggml_backend_tensor_set(ctypes.cast(self.all, B.ggml_tensor_p), self.entries.ctypes.data,
-                                               0, self.entries.nbytes)
+        lo, hi = self._lo, self._hi
+        self._lo, self._hi = self.flat.size, 0
+        B.libggml_base.ggml_backend_tensor_set(self._all_p, self.flat.ctypes.data + lo * 8, lo * 8, (hi - lo) * 8)
         self.flushes += 1
 
     def enable(self) -> None:

@@ -1,0 +1,137 @@
+"""The expert cache's split layers (MoEpic): top segments in slots, bottoms read in place or prefetched.
+
+A split layer's slots hold top segments (``ggmoe.cache.split``). Its experts are
+always read through the expert table, so nothing ever waits for a copy:
+
+- full hit: the top is in a slot and the bottom landed in a bottom buffer (prefetched);
+- top-only hit: the top is in a slot, the bottom is read from the model's host tensor
+  (``bottom_bytes`` over the link on a GPU, zero-copy);
+- miss: the whole expert is read from host memory; its top is admitted at low priority.
+
+The prefetcher (MoEpic's speculative prefetch: a predictor one layer ahead, in
+descending score) queues the bottom of a predicted expert whose top is cached and
+the top and the bottom otherwise. Bottom buffers are reused least recently used
+first. The same code serves the sync decode (the route op's callback, before the
+layer computes: copies landed by then count) and the async decode (the controller
+after the token: what was readable when the token started counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ggmoe.cache.copy import Priority, bottom_target
+from ggmoe.cache.slots import BottomTable
+from ggmoe.cache.split import LayerSplit
+
+# the ExpertCache that owns these layers (not imported: it imports this module); its internals are used here
+ExpertCache = Any
+
+
+class SplitLayers:
+    """Geometry and bottom buffers of the split layers of one cache (``n_bottom`` buffers per layer)."""
+
+    def __init__(self, split: Mapping[int, LayerSplit], n_expert: int, n_bottom: int) -> None:
+        self.layers = dict(split)
+        self.n_bottom = n_bottom
+        self.bottoms = {il: BottomTable(n_expert, n_bottom) for il in split} if n_bottom > 0 else {}
+
+    def __contains__(self, il: int) -> bool:
+        return il in self.layers
+
+    def access(self, cache: ExpertCache, il: int, flat: list[int], before_compute: bool) -> None:
+        """One call of split layer ``il`` with the selected experts ``flat`` (the cache's lock held).
+
+        ``before_compute`` (sync decode): copies landed by now are readable for this call, and the stale
+        queued prefetches are dropped; otherwise (async decode, after the token) the state at launch counts
+        and landed copies become readable afterwards."""
+        t0 = cache.time.now()
+        sp = self.layers[il]
+        st = cache.stats.layers[il]
+        table = cache.tables[il]
+        bt = self.bottoms.get(il)
+        cache.clock += 1
+        st.calls += 1
+        need = sorted(set(flat))
+        if before_compute:
+            self._land(cache, il)
+            if table.n_loading:
+                cache._drop_stale_prefetches(il, table, need)
+        slot_of, copy = table.slot_of_list, table.copy
+        missing = []
+        for e in need:
+            s = slot_of[e]
+            if s < 0 or copy[s] is not None:
+                missing.append(e)
+            elif bt is not None and bt.ready(e):
+                st.hits += 1
+                st.bottom_hits += 1
+                bt.last_use[bt.buffer_of[e]] = cache.clock
+            else:
+                st.top_hits += 1
+                st.bottom_read_bytes += sp.bottom_bytes
+                st.host_read_bytes += sp.bottom_bytes
+        st.misses += len(missing)
+        st.host_reads += len(missing)
+        st.host_read_bytes += len(missing) * sp.expert_bytes
+        if cache.n_prefetched[il]:
+            cache._count_prefetch_hits(il, table, need)
+        if il in cache.predicted:
+            guess = cache.predicted.pop(il)
+            st.pred_total += len(guess)
+            st.pred_correct += len(set(guess) & set(need))
+        cache.policy.on_access(il, need, cache.clock)
+        if cache._releases:  # a policy that keeps nothing (on-demand): landed tops go, nothing is admitted
+            for e in cache.policy.release(il, [x for x in table.resident() if copy[slot_of[x]] is None]):
+                cache.policy.on_evict(il, e)
+                cache._note_eviction(il, table, slot_of[e])
+                table.drop(slot_of[e])
+        else:
+            admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
+            if admit:
+                st.admission_copies += len(cache._load(il, table, need, admit, Priority.ADMISSION))
+        self._land(cache, il)  # a synchronous backend (the CPU build's memcpy) has landed them already
+        st.hook_s += cache.time.now() - t0
+
+    def _land(self, cache: ExpertCache, il: int) -> None:
+        """Copies into the layer's slots and bottom buffers that landed become readable."""
+        table = cache.tables[il]
+        if table.n_loading:
+            cache._land_done(table)
+        bt = self.bottoms.get(il)
+        if bt is not None and bt.n_loading:
+            for b, h in enumerate(bt.copy):
+                if h is not None and cache.copies.done(h):
+                    bt.landed(b)
+
+    def prefetch(self, cache: ExpertCache, il: int, experts: list[int], keep: set[int] | None,
+                 ranks: list[float] | None) -> int:
+        """MoEpic's prefetch for split layer ``il`` (the cache's lock held; ``experts`` in descending predicted
+        score): the bottom of an expert whose top is cached; the top and the bottom of one whose top is not.
+        Returns the tops queued (bottoms are counted in ``bottom_prefetches``)."""
+        sp = self.layers[il]
+        st = cache.stats.layers[il]
+        table = cache.tables[il]
+        bt = self.bottoms.get(il)
+        protect = set(experts) | (keep or set())
+        rank_of = dict(zip(experts, ranks, strict=True)) if ranks is not None else {}
+        tops = 0
+        for e in experts:
+            rank = rank_of.get(e, 0.0)
+            if table.slot_of_list[e] < 0:
+                tops += cache._prefetch_whole(il, [e], protect, [rank])
+                if table.slot_of_list[e] < 0:
+                    continue  # no slot could take its top: its bottom alone would not be read
+            if bt is None or bt.buffer_of[e] >= 0:
+                continue
+            b = bt.victim(protect)
+            if b is None:
+                continue  # every buffer is loading or holds a predicted expert
+            h = cache.copies.submit(il, e, bottom_target(b), Priority.PREFETCH, rank)
+            bt.place(e, b, h, cache.clock)
+            st.bottom_prefetches += 1
+            st.bottom_prefetch_bytes += sp.bottom_bytes
+            st.bytes_copied += sp.bottom_bytes
+        self._land(cache, il)
+        return tops
