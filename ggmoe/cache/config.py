@@ -55,6 +55,15 @@ class CacheConfig:
 
             check_params(f"policy {self.policy!r}", POLICIES.get(self.policy).PARAMS, self.policy_options)
 
+    def check_model(self, facts: Any) -> None:
+        """This configuration against a model's facts, before the model loads: per-layer slots and top shares
+        name its MoE layers, every split is possible, a budget gives enough slots (UsageError otherwise)."""
+        from ggmoe.cache.split import model_split
+
+        split = model_split(facts, self.layer_theta)
+        self.slots({il: split[il].top_bytes if il in split else facts.bytes_per_expert(il) for il in facts.moe_layers},
+                   facts.n_expert, facts.n_expert_used)
+
     def slots(self, bytes_per_expert: dict[int, int], n_expert: int, n_expert_used: int) -> dict[int, int]:
         """Slots of each MoE layer, each in [n_expert_used, n_expert]: checked before any slot is allocated."""
         given = [x is not None for x in (self.n_slots, self.vram_bytes, self.layer_slots)]

@@ -127,8 +127,7 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
 
     cfg = read_plan(config)
     if facts is not None:  # layers that do not match the model fail now, before it loads
-        cfg.slots({il: facts.bytes_per_expert(il) for il in facts.moe_layers}, facts.n_expert,
-                  facts.n_expert_used)
+        cfg.check_model(facts)
     if cfg.hw_profile is not None:
         from ggmoe.cache.hardware import load_profile
 

@@ -7,6 +7,8 @@
     [cache.slots]                # slots per MoE layer: "il" = n
     "0" = 8
     "1" = 12
+    [cache.theta]                # optional: MoEpic's split, the top share θ of each layer's experts that a
+    "0" = 0.5                    # slot holds (the rest read from host memory or prefetched); 1: whole experts
     [cache.policy_options]       # optional: the policy's declared options (``ggmoe policies``), e.g.
     window = 16                  # fmoe's; checked against the policy's PARAMS (ggmoe.params)
     [prefetch]                   # optional: stride prefetching
@@ -65,6 +67,17 @@ def read_plan(path: str | Path) -> CacheConfig:
             raise fail(f"[cache.slots] {k!r} = {v!r}: layers are numbers, slots positive integers "
                        f"(at most {MAX_SLOTS})")
         layer_slots[int(k)] = v
+    theta = cache.get("theta", {})
+    if not isinstance(theta, dict):
+        raise fail("[cache.theta] must map MoE layers to top shares, e.g. \"0\" = 0.5")
+    layer_theta: dict[int, float] = {}
+    for k, v in theta.items():
+        if not k.isdigit() or len(k) > 9 or isinstance(v, bool) or not isinstance(v, int | float) \
+                or not math.isfinite(v) or not 0 <= v <= 1:
+            raise fail(f"[cache.theta] {k!r} = {v!r}: layers are numbers, top shares numbers from 0 to 1")
+        if int(k) not in layer_slots:
+            raise fail(f"[cache.theta] names layer {k}, which [cache.slots] does not")
+        layer_theta[int(k)] = float(v)
     policy = cache.get("policy", "lru")
     if not isinstance(policy, str):
         raise fail("[cache] policy must be a string")
@@ -94,7 +107,7 @@ def read_plan(path: str | Path) -> CacheConfig:
             raise fail("[prefetch] predictor is empty")
         prefetch = PrefetchConfig(predictor=pre["predictor"], stride=stride, n_prefetch=n)
     return CacheConfig(layer_slots=layer_slots, policy=policy, miss_policy=miss, hw_profile=hw, prefetch=prefetch,
-                       policy_options=options or None)
+                       policy_options=options or None, layer_theta=layer_theta or None)
 
 
 def _q(s: str) -> str:
@@ -123,6 +136,8 @@ def render_plan(config: CacheConfig, estimate: Mapping[str, float], comment: str
     if config.hw_profile is not None:
         lines.append(f"hw = {_q(str(config.hw_profile))}")
     lines += ["", "[cache.slots]", *(f'"{il}" = {n}' for il, n in sorted((config.layer_slots or {}).items()))]
+    if config.layer_theta:
+        lines += ["", "[cache.theta]", *(f'"{il}" = {_num(t)}' for il, t in sorted(config.layer_theta.items()))]
     if config.policy_options:
         lines += ["", "[cache.policy_options]", *(f"{k} = {_value(v)}" for k, v in config.policy_options.items())]
     pre: Any = config.prefetch

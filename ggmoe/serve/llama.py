@@ -22,6 +22,7 @@ three things at the seams ``Llama`` leaves open:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Generator, Sequence
 from pathlib import Path
@@ -268,7 +269,8 @@ def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None
          cache_slots: int | None = None, policy: str | None = None, predictor: str | None = None,
          stride: int = 2, n_prefetch: int | None = None, prefetch_threshold: float | None = None,
          predictor_train: Sequence[str] = (), miss_policy: str | None = None, hw: str | None = None,
-         decode_mode: str | None = None, cache: CacheConfig | None = None, **llama_kwargs: Any) -> GgmoeLlama:
+         decode_mode: str | None = None, cache: CacheConfig | None = None, config: str | os.PathLike | None = None,
+         **llama_kwargs: Any) -> GgmoeLlama:
     """Load a GGUF MoE model as a ``llama_cpp.Llama`` with its experts in host RAM.
 
     ``path`` defaults to the embedded model. ``cache_slots`` (slots per MoE layer) or ``vram`` (bytes, or
@@ -276,7 +278,9 @@ def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None
     ``ggmoe policies``), stride prefetching from ``predictor`` (``stride`` MoE layers ahead, ``n_prefetch``
     experts per layer, trained on ``predictor_train`` traces when it learns), ``miss_policy`` (wait, cpu,
     auto) and the ``hw`` profile as auto's cost model, ``decode_mode`` (auto, async: the expert table and no
-    sync per MoE layer, sync: the route op per layer); or pass a ready ``cache`` (a ``CacheConfig``).
+    sync per MoE layer, sync: the route op per layer); or pass a ready ``cache`` (a ``CacheConfig``), or
+    ``config``: a plan file from ``ggmoe plan`` (slots and, with ``--moepic``, MoEpic's top shares per layer;
+    ``decode_mode`` still applies).
     Other keyword arguments go to ``llama_cpp.Llama`` (``n_ctx``, ``seed``, ``logits_all``,
     ``chat_format``...); ggmoe's defaults differ in two: ``verbose=False`` and ``n_gpu_layers=-1``
     (every dense layer on the GPU when there is one).
@@ -295,7 +299,18 @@ def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None
     if not p.is_file():
         raise ModelFileError(f"model file not found: {p}")
     facts = inspect_model(p)  # the bounded reader validates the file before llama.cpp sees it
-    if cache is None:
+    if config is not None:
+        if cache is not None or any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw)):
+            raise UsageError("config= (a plan file) sets the cache; give no other cache options with it")
+        from ggmoe.control.plan_file import read_plan
+
+        cache = read_plan(config)
+        cache.check_model(facts)
+        if decode_mode is not None:
+            from ggmoe.cache.decode_mode import check_decode_mode
+
+            cache = dataclasses.replace(cache, decode_mode=check_decode_mode(decode_mode))
+    elif cache is None:
         prefetch = build_prefetch_config(predictor, stride, n_prefetch, prefetch_threshold,
                                          tuple(predictor_train))
         cache = build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode)

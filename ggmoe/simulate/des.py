@@ -44,6 +44,7 @@ from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
 from ggmoe.cache.miss import SLOT_HOST, effective_miss_policy
 from ggmoe.cache.policies import make_policy
+from ggmoe.cache.split import LayerSplit
 from ggmoe.control import TokenController
 from ggmoe.control.prefetch import Prefetcher
 from ggmoe.errors import UsageError
@@ -73,6 +74,9 @@ class SimConfig:
     # sync: the route op per layer (hook cost, demand copies); async: decode micro-batches read experts through
     # the table (misses at the zero-copy rate, no hook), the controller admits between tokens
     decode_mode: str = "sync"
+    # MoEpic's split (ggmoe.cache.split.model_split): layers whose slots hold top segments; their bottoms are
+    # read over the link at the zero-copy rate, or prefetched into n_prefetch bottom buffers with a predictor
+    split: Mapping[int, LayerSplit] | None = None
 
     @property
     def label(self) -> str:
@@ -80,6 +84,9 @@ class SimConfig:
         size = str(sizes[0]) if len(sizes) == 1 else f"{min(sizes)}-{max(sizes)}"
         pred = f"{self.predictor}/s{self.stride}" if self.predictor else "-"
         mode = ", async" if self.decode_mode == "async" else ""
+        if self.split:
+            thetas = sorted({s.n_top / s.n_ff for s in self.split.values()})
+            mode += f", split θ {thetas[0]:.2g}" + (f"-{thetas[-1]:.2g}" if len(thetas) > 1 else "")
         return f"{self.policy} {size} slots, predictor {pred}, miss {self.miss_policy}{mode}"
 
 
@@ -154,9 +161,9 @@ class _Costs:
     def cpu(self, il: int, n_experts: int) -> float:
         return n_experts * self.p.cpu_expert_s(self.bpe[il]) if self.p and n_experts else 0.0
 
-    def zero_copy(self, il: int, n_experts: int) -> float:
-        """``n_experts`` experts read by the GPU from pinned host memory (the async decode's misses)."""
-        return self.p.zero_copy_s(n_experts * self.bpe[il]) if self.p and n_experts else 0.0
+    def zero_copy(self, nbytes: int) -> float:
+        """``nbytes`` of expert weights read by the GPU from pinned host memory (misses and bottoms)."""
+        return self.p.zero_copy_s(nbytes) if self.p and nbytes else 0.0
 
     def native_upload(self, il: int) -> float:
         """llama.cpp's op offload: the layer's whole expert tensors over the link."""
@@ -173,18 +180,19 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     if missing:
         raise UsageError(f"no slot count for MoE layers {missing}")
     clock = ManualClock()
-    link = LinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks)
+    split = dict(config.split or {})
+    link = LinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks, split)
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
     miss_policy, _ = effective_miss_policy(config.miss_policy, miss_costs, bytes_per_expert)  # as the engine
+    pred = build_predictor(config, trace, train, model_path) if config.predictor else None
+    n_pre = config.n_prefetch if config.n_prefetch is not None else min(2 * m.n_expert_used, m.n_expert)
     cache = ExpertCache(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
                         bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=miss_policy,
-                        costs=miss_costs)
-    pred = build_predictor(config, trace, train, model_path) if config.predictor else None
+                        costs=miss_costs, split=split, n_bottom=n_pre if pred is not None and split else 0)
     prefetcher = None
     if pred is not None:
-        n = config.n_prefetch if config.n_prefetch is not None else min(2 * m.n_expert_used, m.n_expert)
-        prefetcher = Prefetcher(cache, pred, layers, n, config.threshold)
+        prefetcher = Prefetcher(cache, pred, layers, n_pre, config.threshold)
     costs = _Costs(profile, bytes_per_expert, m.n_expert)
     if config.decode_mode not in ("sync", "async"):
         raise UsageError(f"decode mode {config.decode_mode!r}: the simulator runs sync or async")
@@ -220,6 +228,8 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
                     clock.advance(costs.native_upload(il) + costs.experts(il, need))
                     continue
                 flat = sel.ravel().tolist()
+                lst = cache.stats.layers[il]
+                read0, miss0 = lst.host_read_bytes, lst.misses  # a split layer reads misses and bottoms in place
                 if future is None:
                     slots = cache.route_flat(il, flat)
                 else:
@@ -233,7 +243,10 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
                     prefetcher.on_route(RouteEvent(il=il, ids=sel, probs=probs, hidden=hidden))
                     pred_s = time.perf_counter() - tp if config.predictor_s is None else config.predictor_s
                     clock.advance(pred_s if profile is not None else 0.0)
-                clock.advance(max(costs.experts(il, need - n_host), costs.cpu(il, n_host)))
+                read_s = costs.zero_copy(lst.host_read_bytes - read0)
+                link.occupy(read_s)
+                in_place = lst.misses - miss0 if il in cache.split else 0  # whole misses: bound by the link
+                clock.advance(max(costs.experts(il, need - n_host - in_place) + read_s, costs.cpu(il, n_host)))
         dt = clock.now() - t0
         if prefill:
             prefill_s += dt
@@ -258,13 +271,30 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
         clock.advance(costs.layer(sel.shape[0]))
         layer_ids = sel[:, pos[il], :]
         routing[il] = layer_ids
-        table = cache.tables[il]
         need = set(layer_ids.ravel().tolist())
+        table = cache.tables[il]
         ready = sum(1 for e in need if table.slot_of_list[e] >= 0 and table.copy[table.slot_of_list[e]] is None)
-        read_s = costs.zero_copy(il, len(need) - ready)
+        read_s = costs.zero_copy(_read_in_place(cache, il, need))
         link.occupy(read_s)
-        clock.advance(costs.experts(il, ready) + read_s)
+        clock.advance(costs.experts(il, ready) + read_s)  # what is read over the link is bound by the link
     controller.on_routing(layers, routing)
+
+
+def _read_in_place(cache: ExpertCache, il: int, need: set[int]) -> int:
+    """Bytes the device reads from host memory for the experts ``need`` of layer ``il`` as the tables stand
+    (the async decode): a whole expert not ready in a slot; a split layer's bottom unless it landed in a
+    bottom buffer."""
+    table = cache.tables[il]
+    sp = cache.split.layers.get(il)
+    bt = cache.split.bottoms.get(il)
+    out = 0
+    for e in need:
+        s = table.slot_of_list[e]
+        if s < 0 or table.copy[s] is not None:
+            out += sp.expert_bytes if sp is not None else cache.bytes_per_expert.get(il, 0)
+        elif sp is not None and not (bt is not None and bt.ready(e)):
+            out += sp.bottom_bytes
+    return out
 
 
 def _future(trace: Trace, cache: ExpertCache, layers: list[int], batches: Sequence[slice], ids: np.ndarray,

@@ -22,8 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ggmoe.cache.clock import ManualClock
-from ggmoe.cache.copy import CopyHandle, Priority
+from ggmoe.cache.copy import CopyHandle, Priority, bottom_buffer
 from ggmoe.cache.hardware import HardwareProfile
+from ggmoe.cache.split import LayerSplit
 
 
 @dataclass(order=True)
@@ -37,12 +38,14 @@ class _Job:
 
 
 class LinkCopyBackend:
-    """Copies of ``bytes_per_expert[il]`` bytes over one simulated link (see the module docstring)."""
+    """Copies of ``bytes_per_expert[il]`` bytes over one simulated link (see the module docstring); a split
+    layer's (``split``, MoEpic) move its top segment into a slot and its bottom into a bottom buffer."""
 
     def __init__(self, clock: ManualClock, bytes_per_expert: dict[int, int], profile: HardwareProfile | None,
-                 n_chunks: int = 3) -> None:
+                 n_chunks: int = 3, split: dict[int, LayerSplit] | None = None) -> None:
         self.clock = clock
         self.bytes_per_expert = bytes_per_expert
+        self.split = split or {}
         self.profile = profile
         self.n_chunks = max(1, n_chunks)
         self._ids = itertools.count()
@@ -52,9 +55,16 @@ class LinkCopyBackend:
         self.busy_s = 0.0  # s the link spent copying
         self.late_prefetches = 0  # prefetch copies a layer had to wait for (not landed in time)
 
-    def _chunk_s(self, il: int) -> float:
+    def copy_bytes(self, h: CopyHandle) -> int:
+        """Bytes one copy moves: a whole expert, or a split layer's top (into a slot) or bottom (a buffer)."""
+        sp = self.split.get(h.il)
+        if sp is None:
+            return self.bytes_per_expert.get(h.il, 0)
+        return sp.bottom_bytes if bottom_buffer(h.slot) is not None else sp.top_bytes
+
+    def _chunk_s(self, h: CopyHandle) -> float:
         p = self.profile
-        return p.copy_latency_s + self.bytes_per_expert.get(il, 0) / self.n_chunks / p.copy_bytes_per_s
+        return p.copy_latency_s + self.copy_bytes(h) / self.n_chunks / p.copy_bytes_per_s
 
     def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
         h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
@@ -77,7 +87,7 @@ class LinkCopyBackend:
         ready = [j for j in self._queue if not j.cancelled and j.submitted <= start]
         job = min(ready)  # most urgent among those submitted by then
         job.started = True
-        dt = self._chunk_s(job.handle.il)
+        dt = self._chunk_s(job.handle)
         self._busy_until = start + dt
         self.busy_s += dt
         job.chunks_left -= 1
@@ -146,7 +156,7 @@ class LinkCopyBackend:
             return self._landed[handle.id] - self.clock.now()
         for j in self._queue:
             if j.handle.id == handle.id:
-                return j.chunks_left * self._chunk_s(handle.il) + max(0.0, self._busy_until - self.clock.now())
+                return j.chunks_left * self._chunk_s(handle) + max(0.0, self._busy_until - self.clock.now())
         return None
 
     def occupy(self, seconds: float) -> None:
