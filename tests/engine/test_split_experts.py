@@ -1,0 +1,203 @@
+"""MoEpic's expert split live on the CPU build: top segments in slots, bottoms read in place or prefetched.
+
+What the GPU relies on, proved here: logits bit-identical to stock for every fixture architecture and the
+embedded model at several top shares θ (0 and 1 included, 1 equal to whole-expert caching in every count),
+split layers mixed with whole ones, under every policy, in both decode modes, with copies racing on a worker
+thread; prefetched bottoms and bottoms read from host memory give the same logits; the split tables really
+feed the matmuls (a zeroed top segment changes the logits, a zeroed bottom buffer too once it is read).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from test_cache_engine import EXACT, run_sequences
+
+from ggmoe.cache import CacheConfig
+from ggmoe.cache.policies import POLICIES
+from ggmoe.cache.split import model_split
+from ggmoe.control.prefetch import PrefetchConfig
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine import ggml as B
+from ggmoe.errors import EngineError, UsageError
+from ggmoe.inspect import inspect_model
+
+pytestmark = pytest.mark.engine
+
+
+def _engine(path, n_slots, theta, mode="async", policy="lru", **cache_kw) -> Engine:
+    # n_ubatch 4: prefills run micro-batches of 4 tokens, which read split layers through their tables too
+    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
+                               cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode,
+                                                 layer_theta=theta, **cache_kw)))
+
+
+def _all(facts, t: float) -> dict[int, float]:
+    return dict.fromkeys(facts.moe_layers, t)
+
+
+def _mixed(facts) -> dict[int, float]:
+    """Every other MoE layer split at θ 0.5, the rest whole."""
+    return {il: 0.5 for j, il in enumerate(facts.moe_layers) if j % 2 == 0}
+
+
+def _check(got, ref, what) -> None:
+    for a, b in zip(got, ref, strict=True):
+        assert np.abs(a - b).max() <= EXACT, what
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_split_logits_equal_stock_every_arch(arch_model, stock_logits, mode):
+    arch, path = arch_model
+    facts = inspect_model(path)
+    ref = stock_logits(path)
+    n_slots = facts.n_expert_used + 1
+    for name, theta in (("θ 0", _all(facts, 0.0)), ("θ 0.5", _all(facts, 0.5)), ("mixed", _mixed(facts))):
+        with _engine(path, n_slots, theta, mode) as eng:
+            assert eng.decode_mode["decode_mode_in_effect"] == mode
+            got = run_sequences(eng)
+            st = eng.cache_stats.total()
+        _check(got, ref, (arch, mode, name))
+        assert st.top_hits > 0 and st.bottom_read_bytes > 0, (arch, mode, name)  # tops found, bottoms read
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_theta_one_is_whole_expert_caching(qwen3moe_model, mode):
+    """θ = 1 rounds to the whole expert: not split, the same counts as a cache without θ."""
+    facts = inspect_model(qwen3moe_model)
+    runs = []
+    for theta in (None, _all(facts, 1.0)):
+        with _engine(qwen3moe_model, facts.n_expert_used + 2, theta, mode) as eng:
+            assert not eng._runtime.split
+            run_sequences(eng)
+            runs.append({il: {k: v for k, v in d.items() if not k.endswith("_s")}  # counts, not timings
+                         for il, d in eng.cache_stats.to_dict()["layers"].items()})
+    assert runs[0] == runs[1]
+
+
+def test_split_logits_equal_stock_every_policy(stock_logits):
+    """The embedded model, split layers mixed with whole ones, under every policy that takes no options."""
+    from ggmoe.models import default_model_path
+
+    path = default_model_path()
+    facts = inspect_model(path)
+    ref = stock_logits(path)
+    # every live policy that needs nothing from the caller (belady: the future; static: saved counts)
+    plain = [n for n in POLICIES.names() if not n.startswith("test-") and not POLICIES.get(n).needs_future
+             and n != "static"]
+    assert {"lru", "lfu", "lcp", "on-demand"} <= set(plain)
+    for i, policy in enumerate(plain):
+        theta = _mixed(facts) if i % 2 else _all(facts, 0.5)
+        with _engine(path, facts.n_expert // 4, theta, "async" if i % 2 else "sync", policy) as eng:
+            got = run_sequences(eng)
+            st = eng.cache_stats.total()
+        _check(got, ref, policy)
+        if policy != "on-demand":  # on-demand keeps nothing past its call
+            assert st.top_hits + st.hits > 0, policy
+
+
+def test_split_under_racing_copies(qwen3moe_model, stock_logits):
+    """Copies land late on a worker thread, in priority order, while the decode reads through the tables."""
+    facts = inspect_model(qwen3moe_model)
+    ref = stock_logits(qwen3moe_model)
+    for mode in ("sync", "async"):
+        with _engine(qwen3moe_model, facts.n_expert_used + 1, _all(facts, 0.5), mode, "test-random",
+                     copy_delay_s=0.002) as eng:
+            got = run_sequences(eng)
+            st = eng.cache_stats.total()
+        _check(got, ref, mode)
+        assert st.admission_copies > 0
+
+
+@pytest.mark.parametrize("predictor", ["skip-gate", "reuse"])
+def test_prefetched_bottoms_equal_stock(arch_model, stock_logits, predictor):
+    """MoEpic's prefetch (sync mode): bottoms of predicted experts copied into bottom buffers and read there,
+    the rest read from host memory: the logits are stock's either way."""
+    arch, path = arch_model
+    facts = inspect_model(path)
+    ref = stock_logits(path)
+    cfg = CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5),
+                      prefetch=PrefetchConfig(predictor, stride=1, n_prefetch=facts.n_expert_used))
+    with Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
+        assert eng.decode_mode["decode_mode_in_effect"] == "sync"
+        assert eng._runtime.n_bottom == facts.n_expert_used
+        got = run_sequences(eng)
+        st = eng.cache_stats.total()
+    _check(got, ref, (arch, predictor))
+    assert st.bottom_prefetches > 0 and st.bottom_prefetch_bytes > 0
+    assert st.bottom_hits > 0  # some bottoms were read from their buffers
+    if predictor == "reuse":
+        assert st.top_hits > 0  # and some from host memory
+
+
+def _zero(ptrs) -> None:
+    for ptr in ptrs:
+        t = ctypes.cast(ptr, B.ggml_tensor_p)
+        n = B.libggml_base.ggml_nbytes(t)
+        zeros = np.zeros(n, dtype=np.uint8)
+        B.libggml_base.ggml_backend_tensor_set(t, zeros.ctypes.data, 0, n)
+
+
+@pytest.mark.parametrize("theta", [0.0, 0.5])
+def test_split_tables_feed_the_matmuls(qwen3moe_model, theta):
+    """Zeroed slot tensors change the logits when the tops hold something (θ 0.5) and not when they are empty
+    (θ 0: every byte comes from the host tensors)."""
+    facts = inspect_model(qwen3moe_model)
+    with _engine(qwen3moe_model, facts.n_expert, _all(facts, theta)) as eng:
+        ids = eng.tokenize("The quick brown fox jumps over")
+        eng.decode(ids)
+        for t in ids[:3]:  # every used expert's top admitted and landed by now
+            eng.decode([t])
+        eng.reset()
+        before = eng.decode(ids[:1]).copy()
+        _zero(p for kinds in eng._runtime.slots.tensors.values() for p in kinds.values())
+        eng.reset()
+        after = eng.decode(ids[:1]).copy()
+    if theta == 0.0:
+        assert np.array_equal(before, after)
+    else:
+        assert np.abs(before - after).max() > 1e-3
+
+
+def test_prefetched_bottom_buffers_feed_the_matmuls(qwen3moe_model):
+    """Zeroed bottom buffers change the logits of a step that reads bottoms there (skip-gate's prefetches,
+    MoEpic's own predictor: the next layer's router on this layer's hidden state)."""
+    facts = inspect_model(qwen3moe_model)
+    cfg = CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5),
+                      prefetch=PrefetchConfig("skip-gate", stride=1, n_prefetch=facts.n_expert_used))
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
+        ids = eng.tokenize("The quick brown fox jumps over")
+        eng.decode(ids)
+        bottoms = [p.bottom for ps in eng._runtime.slots.pairs.values() for p in ps]
+        assert all(bottoms)
+        ref = eng.decode([ids[1]]).copy()
+        hits0 = eng.cache_stats.total().bottom_hits
+        _zero(bottoms)
+        got = eng.decode([ids[1]]).copy()
+        assert eng.cache_stats.total().bottom_hits > hits0
+    assert np.abs(got - ref).max() > 1e-3
+
+
+@pytest.mark.parametrize("cache_kw, message", [
+    ({"miss_policy": "cpu"}, "host path"),
+    ({"layer_theta": {0: 1.5}}, "from 0 to 1"),
+    ({"layer_theta": {999: 0.5}}, "not MoE layers"),
+])
+def test_split_usage_errors(qwen3moe_model, cache_kw, message):
+    facts = inspect_model(qwen3moe_model)
+    kw = {"layer_theta": _all(facts, 0.5), **cache_kw}
+    with pytest.raises((UsageError, EngineError), match=message):
+        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, cache=CacheConfig(n_slots=4, **kw)))
+
+
+def test_split_geometry_matches_the_slot_tensors(qwen3moe_model):
+    """What the cache counts per top segment is what the engine allocates and copies."""
+    facts = inspect_model(qwen3moe_model)
+    split = model_split(facts, _all(facts, 0.5))
+    with _engine(qwen3moe_model, 5, _all(facts, 0.5)) as eng:
+        for il, ps in eng._runtime.slots.pairs.items():
+            assert sum(p.slot_bytes for p in ps) == split[il].top_bytes
+            assert sum(p.nb2 for p in ps) == split[il].expert_bytes
+            assert eng._runtime.cache.slot_bytes[il] == split[il].top_bytes
