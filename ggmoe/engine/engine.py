@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import dataclasses
 import os
 import signal
 import threading
@@ -267,6 +268,15 @@ class Engine:
     def cache_stats(self) -> CacheStats | None:
         """Hits, misses, bytes copied and waits per layer since load (None without a cache)."""
         return self._runtime.cache.stats if self._runtime is not None else None
+
+    def reconfigure(self, cache: CacheConfig) -> None:
+        """Replace the expert cache between decodes (``CachePipeline.reconfigure``: MoEpic's reconfiguration,
+        other slot counts and top shares); the KV cache and the sequence stay. Needs a cache already."""
+        if self.pipeline is None or self.pipeline.runtime is None:
+            raise UsageError("reconfiguring needs an engine loaded with a cache")
+        cache.check_model(self.facts)  # a plan for another model fails before the old cache goes
+        self.pipeline.reconfigure(cache)
+        self.config = dataclasses.replace(self.config, cache=cache)
 
     def record_hook_times(self, on: bool = True) -> None:
         """Start (or stop) recording the seconds of every route callback (one per layer call)."""

@@ -33,7 +33,7 @@ from ggmoe.engine.graph_predictor import attach_graph_predictor
 from ggmoe.engine.hooks import Observers, RouteOpHook
 from ggmoe.engine.slots import CacheRuntime
 from ggmoe.engine.tables import ExpertTables
-from ggmoe.errors import UsageError
+from ggmoe.errors import EngineError, UsageError
 from ggmoe.hook import HookRequest, RouteObserver
 from ggmoe.inspect.facts import ModelFacts
 
@@ -85,55 +85,102 @@ class CachePipeline:
         self.controller: TokenController | None = None
         self.decode_mode: DecodeMode | None = None  # None without a cache
         self.n_ubatch = n_ubatch
+        self._model_ptr, self._model_path, self._n_threads, self._n_batch = model_ptr, model_path, n_threads, n_batch
         self.hook.install(ctx_ptr)
-        route_inputs = self.observers.on_change
+        self._route_inputs = self.observers.on_change
         try:
             if not isinstance(observers, Observers):
                 for obs in observers:
                     self.observers.add(obs)
-            if cache is None:
-                return
-            self.runtime = CacheRuntime.for_model(model_ptr, ctx_ptr, cache, facts, n_threads)
-            self.hook.cache = self.runtime.cache
-            if cache.prefetch is not None:
-                from ggmoe.control.prefetch import make_prefetcher
-
-                self.prefetcher = make_prefetcher(self.runtime.cache, cache.prefetch, facts, str(model_path))
-                if cache.prefetch.in_graph:
-                    self.graph_predictor = attach_graph_predictor(ctx_ptr, self.prefetcher.predictor,
-                                                                  facts.moe_layers)
-                    if self.graph_predictor is not None:
-                        self.prefetcher.scores_from_graph()
-                self.observers.add(self.prefetcher)
-            on_gpu = bool(self.runtime.stream.backend)
-            note = backend_note(facts, on_gpu)
-            split = bool(self.runtime.split)  # MoEpic's split layers read through their tables in both modes
-            if split and note:
-                raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
-            reasons = sync_reasons(self.runtime.miss_policy, cache.prefetch is not None, note)
-            max_tokens = table_max_tokens(n_batch, n_ubatch)
-            if not max_tokens:
-                reasons.append(f"micro-batches of {n_ubatch} tokens are too small for the routing output")
-            self.decode_mode = choose_decode_mode(cache.decode_mode, reasons)
-            if self.decode_mode.mode == "async" or split:
-                self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
-                                           facts.n_layer, max(max_tokens, 1))
-                self.tables.attach(self.runtime.cache)
-                # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
-                self.hook.after_route = self.tables.flush
-            if self.decode_mode.mode == "async":
-                self.controller = TokenController(self.runtime.cache, self.observers)
-
-                def on_change(request: HookRequest) -> None:
-                    route_inputs(request)
-                    self._update_table_mode()
-
-                self.observers.on_change = on_change
-                self._update_table_mode()
+            if cache is not None:
+                self._build_cache(cache)
         except BaseException:
             self.detach()
             self.close()
             raise
+
+    def _build_cache(self, cache: CacheConfig) -> None:
+        """Cache runtime, decode mode, tables, controller and prefetcher for ``cache`` on the context."""
+        ctx_ptr, facts, model_path = self._ctx_ptr, self.facts, self._model_path
+        route_inputs = self._route_inputs
+        self.runtime = CacheRuntime.for_model(self._model_ptr, ctx_ptr, cache, facts, self._n_threads)
+        self.hook.cache = self.runtime.cache
+        if cache.prefetch is not None:
+            from ggmoe.control.prefetch import make_prefetcher
+
+            self.prefetcher = make_prefetcher(self.runtime.cache, cache.prefetch, facts, str(model_path))
+            if cache.prefetch.in_graph:
+                self.graph_predictor = attach_graph_predictor(ctx_ptr, self.prefetcher.predictor,
+                                                              facts.moe_layers)
+                if self.graph_predictor is not None:
+                    self.prefetcher.scores_from_graph()
+            self.observers.add(self.prefetcher)
+        on_gpu = bool(self.runtime.stream.backend)
+        note = backend_note(facts, on_gpu)
+        split = bool(self.runtime.split)  # MoEpic's split layers read through their tables in both modes
+        if split and note:
+            raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
+        reasons = sync_reasons(self.runtime.miss_policy, cache.prefetch is not None, note)
+        max_tokens = table_max_tokens(self._n_batch, self.n_ubatch)
+        if not max_tokens:
+            reasons.append(f"micro-batches of {self.n_ubatch} tokens are too small for the routing output")
+        self.decode_mode = choose_decode_mode(cache.decode_mode, reasons)
+        if self.decode_mode.mode == "async" or split:
+            self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
+                                       facts.n_layer, max(max_tokens, 1))
+            self.tables.attach(self.runtime.cache)
+            # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
+            self.hook.after_route = self.tables.flush
+        if self.decode_mode.mode == "async":
+            self.controller = TokenController(self.runtime.cache, self.observers)
+
+            def on_change(request: HookRequest) -> None:
+                route_inputs(request)
+                self._update_table_mode()
+
+            self.observers.on_change = on_change
+            self._update_table_mode()
+
+    def reconfigure(self, cache: CacheConfig) -> None:
+        """Replace the cache with one built for ``cache`` (MoEpic's reconfiguration between requests: other
+        slot counts and top shares): between decodes only. The old slots, tables and prefetcher leave the
+        context first; what was resident is not carried over (the new cache starts empty), nor are the
+        statistics. On an error the pipeline is left without a cache and the error is raised."""
+        if not self._ctx_ptr:
+            raise EngineError("the pipeline is detached from its context")
+        self._drop_cache()
+        try:
+            self._build_cache(cache)
+        except BaseException:
+            self._drop_cache()
+            raise
+
+    def _drop_cache(self) -> None:
+        """Take the cache off the context (prefetcher, tables, in-graph predictor, slots) and free it; the route
+        hook and the observers stay."""
+        ctx = self._ctx_ptr
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.observers.remove(self.prefetcher)
+            self.prefetcher = None
+        self.observers.on_change = self._route_inputs
+        if self.tables is not None:
+            self.tables.detach()
+            self.tables.close()
+            self.tables = None
+        if self.graph_predictor is not None:
+            self.graph_predictor.close(ctx_alive=True)
+            self.graph_predictor = None
+        self.hook.cache = None
+        self.hook.after_route = None
+        self.controller = None
+        self.decode_mode = None
+        if self.runtime is not None:
+            P = _patched.load()
+            for il in self.runtime.cache.n_slots:  # the context forgets the slot tensors before they are freed
+                P.llama_ggmoe_set_layer_cache(ctx, il, 0, None, None, None, None)
+            self.runtime.close()
+            self.runtime = None
 
     # -- decode mode
     def _table_mode_wanted(self) -> bool:

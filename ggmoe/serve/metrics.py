@@ -52,6 +52,13 @@ class CacheCollector(Collector):
                                  labels=["mode", "asked", "reason"])
         if cache.get("decode_mode_in_effect"):
             mode.add_metric([cache["decode_mode_in_effect"], cache["decode_mode"], cache["decode_mode_reason"]], 1)
+        top = CounterMetricFamily("ggmoe_cache_top_hits", "Split layers (MoEpic): distinct experts found with only "
+                                  "their top segment resident (the bottom read from host memory), per MoE layer",
+                                  labels=["il"])
+        bottom_read = CounterMetricFamily("ggmoe_cache_bottom_read_bytes", "Split layers: bytes of bottom segments "
+                                          "read from host memory, per MoE layer", labels=["il"])
+        bottom_pre = CounterMetricFamily("ggmoe_cache_bottom_prefetch_bytes", "Split layers: bytes of bottom "
+                                         "segments prefetched into bottom buffers, per MoE layer", labels=["il"])
         occ = GaugeMetricFamily("ggmoe_cache_occupancy", "Experts resident in the layer's slots", labels=["il"])
         slots = GaugeMetricFamily("ggmoe_cache_slots", "Cache slots of the layer", labels=["il"])
         for il, s in cache["layers"].items():
@@ -64,9 +71,13 @@ class CacheCollector(Collector):
             precision.add_metric([il], s["prefetch_hits"] / s["prefetch_issued"] if s["prefetch_issued"] else 0.0)
             reads.add_metric([il], s["host_read_bytes"])
             lag.add_metric([il], s["mean_lag_tokens"])
+            top.add_metric([il], s["top_hits"])
+            bottom_read.add_metric([il], s["bottom_read_bytes"])
+            bottom_pre.add_metric([il], s["bottom_prefetch_bytes"])
             occ.add_metric([il], cache["occupancy"].get(il, 0))
             slots.add_metric([il], cache["slots_per_layer"].get(il, 0))
-        yield from (hits, misses, copied, rate, host, issued, precision, reads, lag, occ, slots, mode)
+        yield from (hits, misses, copied, rate, host, issued, precision, reads, lag, top, bottom_read, bottom_pre,
+                    occ, slots, mode)
 
 
 class Metrics:

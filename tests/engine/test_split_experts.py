@@ -201,3 +201,33 @@ def test_split_geometry_matches_the_slot_tensors(qwen3moe_model):
             assert sum(p.slot_bytes for p in ps) == split[il].top_bytes
             assert sum(p.nb2 for p in ps) == split[il].expert_bytes
             assert eng._runtime.cache.slot_bytes[il] == split[il].top_bytes
+
+
+def test_reconfigure_between_requests_keeps_stock_logits(qwen3moe_model, stock_logits):
+    """The cache rebuilt between sequences (whole experts -> split -> other slots, both decode modes) and in
+    the middle of one (the KV cache stays): every logit is stock's; the new configuration is the one in use."""
+    facts = inspect_model(qwen3moe_model)
+    ref = stock_logits(qwen3moe_model)
+    configs = [CacheConfig(n_slots=facts.n_expert_used, decode_mode="async"),
+               CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_mixed(facts), decode_mode="sync"),
+               CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5), decode_mode="async")]
+    from test_cache_engine import N_DECODE, TEXTS
+
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4,
+                             cache=configs[0])) as eng:
+        got = []
+        for i, text in enumerate(TEXTS):
+            eng.reset()
+            ids = eng.tokenize(text)
+            got.append(eng.decode(ids, all_logits=True))
+            for j, t in enumerate(ids[1: 1 + N_DECODE]):
+                if j == 2:  # mid-sequence: the next configuration
+                    eng.reconfigure(configs[(2 * i + 1) % len(configs)])
+                    assert eng.config.cache is configs[(2 * i + 1) % len(configs)]
+                got.append(eng.decode([t]))
+            eng.reconfigure(configs[(2 * i + 2) % len(configs)])
+        assert eng.cache_slots == dict.fromkeys(facts.moe_layers, configs[(2 * len(TEXTS)) % 3].n_slots)
+        with pytest.raises(UsageError, match="not MoE layers"):  # a bad plan leaves the cache as it was
+            eng.reconfigure(CacheConfig(n_slots=4, layer_theta={999: 0.5}))
+        assert eng.cache_stats is not None
+    _check(got, ref, "reconfigured")
