@@ -209,7 +209,9 @@ def stats_summary(eng: Any) -> str | None:
     note = (eng.miss_policy or (None, None))[1]
     mode = eng.decode_mode
     reads = f", {t.host_reads} read from host memory" if t.host_reads else ""
-    return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.misses} expert uses), "
+    tops = (f", {t.top_hits} top-only hits (split layers: {t.top_hit_rate:.1%} found at least the top)"
+            if t.top_hits else "")
+    return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.top_hits + t.misses} expert uses){tops}, "
             f"{format_bytes(t.bytes_copied)} copied{host}{reads}{pre}, {t.native_calls} native calls"
             + (f"; {note}" if note else "")
             + (f"\ndecode mode: {mode['decode_mode_in_effect']} ({mode['decode_mode_reason']})" if mode else ""))
