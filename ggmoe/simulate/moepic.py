@@ -133,7 +133,7 @@ def layer_shares(layer: MoeLayer, max_shares: int = MAX_SHARES) -> tuple[Share, 
         try:
             s = layer_split(layer, theta) if theta < 1 else None
         except UsageError:  # a layout layer_split cannot split (e.g. a fused gate_up of another width)
-            s = None
+            continue
         if s is None:
             out.append(Share(1.0, layer.bytes_per_expert, 0, layer.bytes_per_expert))
         else:

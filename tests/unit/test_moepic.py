@@ -152,3 +152,10 @@ def test_curves_from_a_trace(tmp_path):
     assert 0 < cv.p(il, tr.meta.n_expert_used) <= 1
     assert np.isclose(cv.p(il, 0), 0.0)  # no prefetched bottoms, no predicted hits
     assert cv.predictor_s > 0  # the predictor's time per call, measured
+
+
+def test_a_layer_without_a_down_tensor_is_not_split():
+    layer = moe_layer(768, "Q4_K")
+    layer = MoeLayer(0, tuple(t for t in layer.tensors if "down" not in t.kind))
+    assert representable_thetas(layer) == (1.0,)
+    assert layer_shares(layer) == (Share(1.0, layer.bytes_per_expert, 0, layer.bytes_per_expert),)
