@@ -209,8 +209,9 @@ def stats_summary(eng: Any) -> str | None:
     note = (eng.miss_policy or (None, None))[1]
     mode = eng.decode_mode
     reads = f", {t.host_reads} read from host memory" if t.host_reads else ""
-    split = (f", {t.top_hits} top-only hits (split experts: {format_bytes(t.bottom_read_bytes)} of bottoms read, "
-             f"{format_bytes(t.bottom_prefetch_bytes)} prefetched)" if t.top_hits or t.bottom_prefetches else "")
+    split = (f", {t.top_hits} top-only hits (split layers: {t.top_hit_rate:.1%} found at least the top; "
+             f"{format_bytes(t.bottom_read_bytes)} of bottoms read, {format_bytes(t.bottom_prefetch_bytes)} "
+             "prefetched)" if t.top_hits or t.bottom_prefetches else "")
     return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.top_hits + t.misses} expert uses){split}, "
             f"{format_bytes(t.bytes_copied)} copied{host}{reads}{pre}, {t.native_calls} native calls"
             + (f"; {note}" if note else "")

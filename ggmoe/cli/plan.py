@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -11,6 +12,11 @@ from ggmoe.cli.edge import edge
 from ggmoe.cli.options import FiniteFloat, model_arg, model_path
 from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output
+
+if TYPE_CHECKING:
+    from ggmoe.cache.hardware import HardwareProfile
+    from ggmoe.inspect.facts import ModelFacts
+    from ggmoe.trace.format import Trace
 
 
 @click.command()
@@ -26,9 +32,9 @@ from ggmoe.outputs import check_output
 @click.option("--predictor-s", type=FiniteFloat(min=0.0),
               help="Seconds per predictor call (default: measured on this machine while simulating).")
 @click.option("--moepic", is_flag=True,
-              help="Also estimate MoEpic's expert split (top segments cached, bottoms prefetched; per-layer "
-                   "ratio and VRAM from its configurator) beside the even split. Needs --traces; the engine "
-                   "does not run split experts, so the plan file does not hold it.")
+              help="Plan MoEpic's expert split instead: per-layer top shares and slots from its configurator, "
+                   "policy lcp, bottoms prefetched by skip-gate (reuse when the traces have no hidden states); "
+                   "simulated beside the even LRU split. Needs --traces.")
 @click.option("--json", "as_json", is_flag=True, help="Print the choice and every candidate as JSON.")
 @edge
 def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_path: str | None, out: str,
@@ -71,6 +77,10 @@ def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_p
         trace = load_traces(list(traces))
         if trace.meta.model_fingerprint != model_fingerprint(path):
             raise UsageError(f"the traces come from another model than {Path(path).name}")
+        if moepic:
+            _write_moepic(trace, facts, path, budget, profile, predictor_s, out, f"--vram {vram}, --hw {hw}",
+                          as_json)
+            return
         click.echo(f"simulating candidates on {trace.n_tokens} tokens...", err=True)
         p = plan_from_traces(trace, bpe, budget, profile, predictor_s)
     else:
@@ -89,23 +99,13 @@ def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_p
     if c.policy == "static":
         comment += "\nthe static policy needs the statistics at run time: add --stats-in " + str(stats_path)
     write_plan(out, cfg, estimate, comment)
-    split = None
-    if moepic:
-        from ggmoe.simulate.moepic import configure, measure_curves
-
-        split = configure(measure_curves(trace, "reuse", 1), bpe, budget, profile,
-                          max(1, sum(bpe.values()) // len(bpe) // 4))
     if as_json:
         click.echo(json.dumps({"plan": out, "slots_per_layer": {str(k): v for k, v in c.n_slots.items()},
                                "policy": c.policy, "predictor": c.predictor, "stride": c.stride,
                                "miss_policy": c.miss_policy, "allocation": p.allocation,
                                "tpot_s_estimate": p.tpot_s, "baseline_tpot_s_estimate": p.baseline_tpot_s,
                                "baseline": baseline, "hit_rate": p.hit_rate, "analytic": p.analytic,
-                               "candidates": [{"label": lab, "tpot_s_estimate": t} for lab, t in p.tried],
-                               "moepic": None if split is None else {
-                                   "waited_s_per_token": split.exposed_s,
-                                   "even_waited_s_per_token": split.even_exposed_s,
-                                   "layers": {str(il): vars(c) for il, c in split.layers.items()}}},
+                               "candidates": [{"label": lab, "tpot_s_estimate": t} for lab, t in p.tried]},
                               indent=2))
         return
     sizes = sorted(set(c.n_slots.values()))
@@ -115,9 +115,64 @@ def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_p
     click.echo(f"estimated TPOT {p.tpot_s * 1e3:.3f} ms against {p.baseline_tpot_s * 1e3:.3f} ms for the "
                f"baseline ({baseline}): {p.baseline_tpot_s / p.tpot_s:.2f}x")
     click.echo(f"wrote {out}; use it with: ggmoe run --config {out} -p ...")
-    if split is not None:
-        thetas = sorted({c.theta for c in split.layers.values()})
-        click.echo(f"MoEpic split (estimate, reuse predictor at stride 1; PH = H x P): copies waited for "
-                   f"{split.exposed_s * 1e3:.3f} ms per token against {split.even_exposed_s * 1e3:.3f} ms for the "
-                   f"even split without it; top shares {', '.join(f'{t:g}' for t in thetas)} "
-                   f"({split.iterations} configurator steps)")
+
+
+MOEPIC_BASELINE = "LRU, whole experts, even split, no prefetching"
+
+
+def _write_moepic(trace: Trace, facts: ModelFacts, path: str, budget: int, profile: HardwareProfile,
+                  predictor_s: float | None, out: str,
+                  how: str, as_json: bool) -> None:
+    """``plan --moepic``: MoEpic's configuration (ggmoe.simulate.moepic.moepic_plan) as a plan file."""
+    from ggmoe.cache.config import CacheConfig
+    from ggmoe.control.plan_file import write_plan
+    from ggmoe.control.prefetch import PrefetchConfig
+    from ggmoe.simulate.moepic import POLICY, moepic_plan
+
+    click.echo(f"measuring curves and configuring MoEpic's split on {trace.n_tokens} tokens...", err=True)
+    m = moepic_plan(trace, facts, budget, profile, path, predictor_s)
+    pre = PrefetchConfig(predictor=m.predictor, stride=1, n_prefetch=m.n_prefetch) if m.predictor else None
+    cfg = CacheConfig(layer_slots=m.slots, policy=POLICY, miss_policy="wait", prefetch=pre,
+                      layer_theta=m.theta or None)
+    cfg.check_model(facts)  # what run --config will check: layers, splits, slot ranges
+    thetas = sorted({*m.theta.values(), *([1.0] if len(m.theta) < len(m.slots) else [])})
+    sizes = sorted(set(m.slots.values()))
+    tops = str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+    prefetch = (f"{m.predictor} stride 1, {m.n_prefetch} experts per layer ({m.n_prefetch} bottom buffers of "
+                f"whole-expert size per split layer)" if m.predictor else
+                "off" + (" (split layers read bottoms from host memory)" if m.theta else ""))
+    base = (f"{m.baseline_tpot_s * 1e3:.3f} ms for the baseline ({MOEPIC_BASELINE}, {m.baseline_slots} slots "
+            "per layer)" if m.baseline_tpot_s is not None else
+            f"no baseline: whole experts do not fit n_expert_used = {facts.n_expert_used} slots per layer")
+    what = (f"MoEpic split: top shares {', '.join(f'{t:.3g}' for t in thetas)} "
+            f"({len(m.theta)} of {len(m.slots)} layers split), {tops} tops cached per layer, "
+            f"policy {POLICY}, prefetch {prefetch}, {m.vram_bytes} bytes")
+    est = (f"estimated TPOT {m.tpot_s * 1e3:.3f} ms (simulated) against {base}"
+           + (f": {m.baseline_tpot_s / m.tpot_s:.2f}x" if m.baseline_tpot_s is not None else ""))
+    ana = (f"configurator's estimate (analytic, PH = H x P): copies waited for {m.split.exposed_s * 1e3:.3f} ms "
+           "per token" + (f" against {m.split.even_exposed_s * 1e3:.3f} ms for the even split without it"
+                          if m.split.even_exposed_s is not None else ""))
+    estimate = {"tpot_s": m.tpot_s, "waited_s_per_token": m.split.exposed_s}
+    if m.baseline_tpot_s is not None:
+        estimate["baseline_tpot_s"] = m.baseline_tpot_s
+    if m.split.even_exposed_s is not None:
+        estimate["even_waited_s_per_token"] = m.split.even_exposed_s
+    write_plan(out, cfg, estimate, f"written by ggmoe plan --moepic for {Path(path).name}, {how}\n{what}\n{est}\n{ana}")
+    if as_json:
+        click.echo(json.dumps({
+            "plan": out, "slots_per_layer": {str(il): n for il, n in m.slots.items()},
+            "theta_per_layer": {str(il): t for il, t in m.theta.items()}, "policy": POLICY,
+            "predictor": m.predictor, "stride": 1, "n_prefetch": m.n_prefetch, "miss_policy": "wait",
+            "allocation": "moepic", "vram_bytes": m.vram_bytes, "tpot_s_estimate": m.tpot_s,
+            "baseline_tpot_s_estimate": m.baseline_tpot_s, "baseline": MOEPIC_BASELINE,
+            "baseline_slots_per_layer": m.baseline_slots, "hit_rate": m.hit_rate,
+            "top_hit_rate": m.top_hit_rate, "analytic": False,
+            "moepic": {"waited_s_per_token": m.split.exposed_s, "even_waited_s_per_token": m.split.even_exposed_s,
+                       "y": m.split.y, "iterations": m.split.iterations,
+                       "tried": [{"y": y, "waited_s_per_token": s} for y, s in m.split.tried],
+                       "layers": {str(il): vars(c) for il, c in m.split.layers.items()}}}, indent=2))
+        return
+    click.echo(what)
+    click.echo(est)
+    click.echo(ana)
+    click.echo(f"wrote {out}; use it with: ggmoe run --config {out} -p ...")

@@ -74,13 +74,57 @@ def test_config_with_cache_flags_is_refused(traced, tmp_path):
     assert r.returncode == 2 and "--config sets the cache" in r.stderr
 
 
-def test_plan_reports_moepics_split(traced, tmp_path):
-    r = ggmoe("plan", "--vram", "4MiB", "--traces", str(traced / "t" / "trace.npz"), "-o", str(tmp_path / "p.toml"),
-              "--predictor-s", "0.00002", "--hw", "egpu", "--moepic", "--json")
-    m = json.loads(r.stdout)["moepic"]
-    assert m["waited_s_per_token"] <= m["even_waited_s_per_token"] + 1e-12
-    assert set(m["layers"]) == {str(il) for il in inspect_model(default_model_path()).moe_layers}
-    assert sum(x["vram"] for x in m["layers"].values()) <= 4 << 20
-    bad = ggmoe("plan", "--vram", "4MiB", "--stats", str(traced / "stats.npz"), "-o", str(tmp_path / "q.toml"),
+def test_plan_writes_moepics_split_and_run_runs_it(traced, tmp_path):
+    """--moepic writes the configurator's split ([cache.theta], lcp, skip-gate prefetching of bottoms) as a
+    plan that read_plan round-trips and run loads; a budget below k whole experts per layer plans the split
+    only (no baseline)."""
+    facts = inspect_model(default_model_path())
+    k, layers = facts.n_expert_used, set(facts.moe_layers)
+    out = tmp_path / "plan.toml"
+    # 4 MiB, the predictor free: the split with prefetched bottoms pays on the embedded model (52 KB experts)
+    r = ggmoe("plan", "--vram", "4MiB", "--traces", str(traced / "t" / "trace.npz"), "-o", str(out),
+              "--predictor-s", "0", "--moepic", "--json")
+    d = json.loads(r.stdout)
+    m = d["moepic"]
+    assert set(m["layers"]) == {str(il) for il in layers}
+    assert m["even_waited_s_per_token"] is not None and m["waited_s_per_token"] <= m["even_waited_s_per_token"] + 1e-12
+    assert d["vram_bytes"] == sum(x["used_bytes"] for x in m["layers"].values()) <= 4 << 20
+    assert d["tpot_s_estimate"] > 0 and d["baseline_tpot_s_estimate"] > 0
+    cfg = read_plan(out)
+    assert cfg.policy == "lcp" and cfg.miss_policy == "wait"
+    assert cfg.layer_theta and set(cfg.layer_theta.values()) == {0.5}  # the tiny model's only split share
+    assert {str(il): t for il, t in cfg.layer_theta.items()} == d["theta_per_layer"]
+    assert {str(il): n for il, n in cfg.layer_slots.items()} == d["slots_per_layer"]
+    assert all(k <= n <= facts.n_expert for n in cfg.layer_slots.values())
+    assert cfg.prefetch is not None and (cfg.prefetch.predictor, cfg.prefetch.stride) == ("skip-gate", 1)
+    assert cfg.prefetch.n_prefetch == m["y"] > 0
+    text = out.read_text()
+    assert "[cache.theta]" in text and "MoEpic split" in text and "estimated TPOT" in text
+    cfg.check_model(facts)
+    stats = tmp_path / "s.json"
+    ggmoe("run", "-p", "def f():", "-n", "8", "--config", str(out), "--stats-json", str(stats))
+    run = json.loads(stats.read_text())
+    assert run["policy"] == "lcp"
+    split = [str(il) for il in cfg.layer_theta]
+    assert sum(run["layers"][il]["top_hits"] + run["layers"][il]["hits"] for il in split) > 0
+    assert sum(run["layers"][il]["bottom_prefetches"] for il in split) > 0
+
+    # 1 MiB: whole experts cannot give k slots per layer; halves can
+    small = tmp_path / "small.toml"
+    r = ggmoe("plan", "--vram", "1MiB", "--traces", str(traced / "t" / "trace.npz"), "-o", str(small),
+              "--predictor-s", "0.00002", "--moepic")
+    assert "no baseline" in r.stdout and "estimated TPOT" in r.stdout
+    cfg = read_plan(small)
+    assert set(cfg.layer_theta) == layers and all(n >= k for n in cfg.layer_slots.values())
+    ggmoe("run", "-p", "def f():", "-n", "4", "--config", str(small))
+
+
+def test_plan_moepic_errors(traced, tmp_path):
+    out = tmp_path / "p.toml"
+    bad = ggmoe("plan", "--vram", "4MiB", "--stats", str(traced / "stats.npz"), "-o", str(out), "--moepic", ok=False)
+    assert bad.returncode == 2 and "--moepic" in bad.stderr and "Traceback" not in bad.stderr
+    # 8 layers x 4 halves of 26 KB need 835 KB: 512 KiB is below n_expert_used tops
+    bad = ggmoe("plan", "--vram", "512KiB", "--traces", str(traced / "t" / "trace.npz"), "-o", str(out),
                 "--moepic", ok=False)
-    assert bad.returncode == 2 and "--moepic" in bad.stderr
+    assert bad.returncode == 2 and "n_expert_used" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    assert not out.exists()  # nothing written
