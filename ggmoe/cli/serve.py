@@ -153,10 +153,17 @@ def _run_until_stopped(run: Any) -> None:
 @click.option("--logprobs", is_flag=True, help="Keep every position's logits so completions with echo may ask "
                                                "for the prompt's logprobs (n_ctx x n_vocab x 4 bytes of RAM); "
                                                "generated tokens' logprobs need no flag.")
+@click.option("--reconfigure-every", type=click.IntRange(min=1), metavar="TOKENS",
+              help="MoEpic's reconfiguration: every TOKENS generated tokens, between requests, run its configurator "
+                   "on the recent routing and replace the cache (slots and top shares per layer, same VRAM) when "
+                   "the estimate says it waits less. Needs a cache.")
+@click.option("--reconfigure-hw", default="pcie4", show_default=True,
+              help="Hardware profile (pcie4, h100, egpu, or a .toml) the reconfiguration estimates with.")
 @_model_options
 @edge
 def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
-          aliases: tuple[str, ...], strict_openai: bool, max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool, n_ctx: int | None,
+          aliases: tuple[str, ...], strict_openai: bool, max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool,
+          reconfigure_every: int | None, reconfigure_hw: str, n_ctx: int | None,
           threads: int | None, verbose: bool, **cache: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (one generation at a time).
 
@@ -168,6 +175,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     Examples:
       ggmoe serve                                  # the embedded model on 127.0.0.1:8080
       ggmoe serve model.gguf --cache-slots 16 --predictor reuse --api-key secret
+      ggmoe serve model.gguf --config plan.toml --reconfigure-every 2048   # MoEpic's split, re-planned
       curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
            -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
     """
@@ -185,6 +193,12 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     if max_body_bytes < 1:
         raise UsageError("--max-body 0 would refuse every request: give a size such as 1MiB")
     path = model_path(model)
+    if reconfigure_every is not None:
+        if all(cache[k] is None for k in ("cache_slots", "vram", "config")):
+            raise UsageError("--reconfigure-every needs a cache: --cache-slots N, --vram BYTES or --config FILE")
+        from ggmoe.cache.hardware import load_profile
+
+        load_profile(reconfigure_hw)  # a bad profile fails now, before the model loads
     check_listen(host, port)
     loopback = is_loopback(host)
     if not loopback and api_key is None:
@@ -193,7 +207,8 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     settings = ServeSettings(model_id=model_name or Path(path).stem, api_key=api_key, max_queue=max_queue,
                              max_body_bytes=max_body_bytes, loopback_only=loopback,
                              cors_origins=cors_origin, aliases=aliases, strict_openai=strict_openai,
-                             model_path=str(path))
+                             model_path=str(path), reconfigure_every=reconfigure_every or 0,
+                             reconfigure_hw=reconfigure_hw)
     opts = LoadOptions(str(path), n_ctx, threads, verbose, cache)
     llama, out = _load(opts, logits_all=logprobs)
     with llama:

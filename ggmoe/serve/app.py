@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
+from ggmoe.errors import UsageError
 from ggmoe.serve import errors
 from ggmoe.serve.asgi import BodyLimit, LoopbackHostOnly, RequestCounter
 from ggmoe.serve.errors import APIError
@@ -63,6 +65,13 @@ class ServeSettings:
     aliases: tuple[str, ...] = ()  # more names /v1/models lists for the one model
     strict_openai: bool = False  # max_tokens beyond the context: 400 (OpenAI) instead of clamped (llama-server)
     model_path: str = ""  # the GGUF, for /props
+    # MoEpic's reconfiguration: every this many generated tokens, when idle, the configurator on the recent
+    # routing may replace the cache (ggmoe.serve.reconfigure); 0: off. The hardware profile it estimates with.
+    reconfigure_every: int = 0
+    reconfigure_hw: str = "pcie4"
+
+
+log = logging.getLogger("ggmoe.serve")
 
 
 class _Server:
@@ -75,6 +84,33 @@ class _Server:
         self.metrics = Metrics(llama.stats, lambda: self.gate.waiting, lambda: self.gate.running)
         self.n_ctx = llama.n_ctx()
         self.n_vocab = llama.n_vocab()
+        self.reconfigurer = None  # ggmoe.serve.reconfigure.Reconfigurer when the settings ask for it
+        if settings.reconfigure_every:
+            self.reconfigurer = _reconfigurer(llama, settings)
+
+    def maybe_reconfigure(self) -> None:
+        """Between requests, holding the model, no one waiting: MoEpic's configurator on the recent routing
+        (every ``reconfigure_every`` tokens); a proposal that pays replaces the cache. A failure is logged and
+        leaves the server without a cache rather than failing a request."""
+        r = self.reconfigurer
+        if r is None or not r.due() or self.gate.waiting:
+            return
+        cache = self.llama.cache_config
+        stats = self.llama.stats()["cache"]
+        if cache is None or stats is None:
+            return
+        proposal = r.propose(cache, {int(il): n for il, n in stats["slots_per_layer"].items()})
+        if proposal is None:
+            return
+        try:
+            self.llama.reconfigure(proposal.config)
+        except Exception as e:  # noqa: BLE001 - logged; the next request runs (without a cache if it fell)
+            log.warning("reconfiguration failed: %s", e)
+            return
+        r.applied += 1
+        self.metrics.reconfigured.inc()
+        log.warning("reconfigured the expert cache (MoEpic, %d tokens of routing): estimated wait %.3f -> %.3f ms "
+                    "per token", proposal.tokens, proposal.current_s * 1e3, proposal.exposed_s * 1e3)
 
     # -- one request
     async def generate(self, request: Request, body: CompletionRequest | ChatRequest, chat: bool) -> Any:
@@ -232,6 +268,8 @@ class _Lease:
         if close is not None:
             await anyio.to_thread.run_sync(close)  # stops llama-cpp-python's generator
         self.server.llama.watch = None
+        if self.server.reconfigurer is not None:
+            await anyio.to_thread.run_sync(self.server.maybe_reconfigure)  # still holding the model
         self.server.gate.leave()
 
 
@@ -251,6 +289,20 @@ class _Authenticate:
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+
+
+def _reconfigurer(llama: GgmoeLlama, settings: ServeSettings) -> Any:
+    """The Reconfigurer the settings ask for, observing the model's routing."""
+    from ggmoe.cache.hardware import load_profile
+    from ggmoe.inspect import inspect_model
+    from ggmoe.serve.reconfigure import Reconfigurer
+
+    if llama.cache_config is None:
+        raise UsageError("--reconfigure-every needs a cache (--cache-slots, --vram or --config)")
+    r = Reconfigurer(inspect_model(settings.model_path), load_profile(settings.reconfigure_hw),
+                     settings.reconfigure_every)
+    llama.add_observer(r)
+    return r
 
 
 def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:

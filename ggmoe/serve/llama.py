@@ -224,6 +224,22 @@ class GgmoeLlama(llama_cpp.Llama):
         """Whether ``token`` ends a generation (EOS, EOT...), as ``_create_completion`` tests it."""
         return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
 
+    def reconfigure(self, cache: CacheConfig) -> None:
+        """Replace the expert cache between generations (MoEpic's reconfiguration: other slot counts and top
+        shares for this model); the KV cache and the prompt cache stay, the new expert cache starts empty."""
+        att = self._ggmoe
+        if att is None or att.runtime is None:
+            raise UsageError("reconfiguring needs a model loaded with a cache")
+        cache.check_model(att.facts)  # a configuration for another model fails before the old cache goes
+        att.reconfigure(cache)
+        self.cache_config = cache
+
+    def add_observer(self, obs: RouteObserver) -> None:
+        """Give ``obs`` every MoE layer's routing from now on (needs a model loaded with a cache or observers)."""
+        if self._ggmoe is None:
+            raise UsageError("route observers need a model loaded with a cache (or observers at load)")
+        self._ggmoe.observers.add(obs)
+
     def stats(self) -> dict[str, Any]:
         """Cache statistics since load: {"cache": None} without a cache, else policy, slots, totals, layers."""
         att = self._ggmoe

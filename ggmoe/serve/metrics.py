@@ -100,6 +100,8 @@ class Metrics:
                               buckets=_TPOT_BUCKETS, registry=r)
         self.cancelled = Counter("ggmoe_generations_cancelled", "Generations stopped by a client disconnect",
                                  registry=r)
+        self.reconfigured = Counter("ggmoe_cache_reconfigurations", "Expert caches replaced between requests by "
+                                    "MoEpic's configurator (--reconfigure-every)", registry=r)
         Gauge("ggmoe_queue_length", "Requests waiting for the model", registry=r).set_function(queue_length)
         Gauge("ggmoe_generations_running", "Generations running now (0 or 1)", registry=r).set_function(running)
         r.register(CacheCollector(stats))

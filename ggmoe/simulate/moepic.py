@@ -220,6 +220,12 @@ def _fixed_point(curves: Curves, shares: Mapping[int, Sequence[Share]], budget: 
     return choice, steps
 
 
+def layer_window_s(profile: HardwareProfile, bpe: Mapping[int, int], k: int) -> float:
+    """Seconds of one MoE layer on the GPU (attention and k experts): how long a prefetch for the next layer
+    has before it is waited for."""
+    return profile.gpu_layer_s + k * max(profile.gpu_expert_s(b) for b in bpe.values())
+
+
 def configure(curves: Curves, shares: Mapping[int, Sequence[Share]], budget: int, profile: HardwareProfile,
               zeta: int, ys: Sequence[int] | None = None, max_iter: int = 200) -> SplitPlan:
     """The best of the fixed points of per-layer θ and the VRAM division in steps of ``zeta`` bytes, one per
@@ -228,7 +234,7 @@ def configure(curves: Curves, shares: Mapping[int, Sequence[Share]], budget: int
     k = curves.k
     ys = tuple(ys) if ys is not None else tuple(sorted({0, min(k, curves.n_expert), min(2 * k, curves.n_expert)}))
     bpe = {il: max(s.expert_bytes for s in ss) for il, ss in shares.items()}
-    window = profile.gpu_layer_s + k * max(profile.gpu_expert_s(b) for b in bpe.values())  # s: one layer
+    window = layer_window_s(profile, bpe, k)
     even = budget // len(shares)
     whole = {il: next(s for s in ss if s.theta == 1.0) for il, ss in shares.items()}
     plain = [layer_cost(curves, il, whole[il], even, 0, profile, window) for il in shares]

@@ -121,3 +121,54 @@ def test_routing_stats_persist_across_a_restart(tmp_path):
     sa, sb = load_stats(a), load_stats(b)
     assert sa.n_tokens.min() > 0
     assert (sb.counts == 2 * sa.counts).all()
+
+
+def test_reconfiguration_between_requests(tmp_path):
+    """--reconfigure-every: after enough generated tokens, between requests, MoEpic's configurator replaces a
+    poor cache (every expert of layer 0 cached, n_expert_used in the others) with its choice for the same
+    bytes; requests before and after answer normally (the openai SDK), and /metrics and the log say so."""
+    import httpx
+    import openai
+
+    from ggmoe.inspect import inspect_model
+
+    facts = inspect_model(default_model_path())
+    plan = tmp_path / "plan.toml"
+    plan.write_text("[cache]\n[cache.slots]\n" + "".join(
+        f'"{il}" = {facts.n_expert if il == facts.moe_layers[0] else facts.n_expert_used}\n'
+        for il in facts.moe_layers))
+    out = tmp_path / "stats.json"
+    s = start_server(tmp_path, "--n-ctx", "256", "--config", str(plan), "--reconfigure-every", "16",
+                     "--stats-json", str(out))
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        for prompt in ("def fib(n):", "import os", "class Tree:", "for i in range(10):"):
+            r = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
+            assert r.choices[0].text is not None and r.usage.completion_tokens > 0
+        metrics = httpx.get(s.url + "/metrics").text
+        assert "ggmoe_cache_reconfigurations_total 1.0" in metrics or \
+            "ggmoe_cache_reconfigurations_total 2.0" in metrics or \
+            "ggmoe_cache_reconfigurations_total 3.0" in metrics, metrics
+        assert "ggmoe_cache_top_hits" in metrics
+    finally:
+        assert stop_server(s) == 0
+    assert "reconfigured the expert cache" in open(s.log).read()
+    import json
+
+    stats = json.loads(out.read_text())
+    first = str(facts.moe_layers[0])  # the configurator's slots, not the plan's
+    assert stats["slots_per_layer"][first] < facts.n_expert
+    assert sum(stats["slots_per_layer"].values()) > facts.n_expert + (len(facts.moe_layers) - 1) * facts.n_expert_used
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--reconfigure-every", "8"], "needs a cache"),
+    (["--cache-slots", "8", "--reconfigure-every", "8", "--reconfigure-hw", "nosuch"], "nosuch"),
+])
+def test_reconfigure_flags_get_one_line(args, message):
+    from click.testing import CliRunner
+
+    from ggmoe.cli import main
+
+    r = CliRunner().invoke(main, ["serve", *args])
+    assert r.exit_code != 0 and r.output.count("error:") == 1 and message in r.output, r.output
