@@ -64,11 +64,22 @@ def sizes(facts: Any, cache_slots: tuple[str, ...], fractions: tuple[str, ...],
     return out
 
 
-def _row(size: str, r: Any) -> dict[str, Any]:
+def split_at(facts: Any, slots: dict[int, int], theta: float) -> tuple[dict, dict[int, int]]:
+    """(split layers, slots per layer) for top share ``theta`` in the bytes of ``slots`` whole experts: a split
+    layer holds as many tops as those bytes do (at most n_expert)."""
+    from ggmoe.cache.split import model_split
+
+    split = model_split(facts, dict.fromkeys(facts.moe_layers, theta)) if theta < 1 else {}
+    return split, {il: min(facts.n_expert, n * facts.bytes_per_expert(il) // max(split[il].top_bytes, 1))
+                   if il in split else n for il, n in slots.items()}
+
+
+def _row(size: str, r: Any, theta: float = 1.0) -> dict[str, Any]:
     est = r.tpot_s is not None
-    return {"size": size, "mode": r.decode_mode, "policy": r.policy, "predictor": r.predictor or "-",
-            "miss": r.miss_policy,
-            "hit rate": f"{r.hit_rate:.1%}", "pred acc": f"{r.pred_accuracy:.1%}" if r.predictor else "-",
+    top = r.stats.get("total", {}).get("top_hit_rate", r.hit_rate)
+    return {"size": size, "mode": r.decode_mode, "θ": f"{theta:.2g}", "policy": r.policy,
+            "predictor": r.predictor or "-", "miss": r.miss_policy,
+            "hit rate": f"{r.hit_rate:.1%}", "top hits": f"{top:.1%}" if theta < 1 else "-", "pred acc": f"{r.pred_accuracy:.1%}" if r.predictor else "-",
             "GoodPred": f"{r.goodpred:.1%}" if r.predictor else "-",
             "exposed copy ms (est., total)": f"{r.exposed_copy_s * 1e3:.1f}" if est else "-",
             "CPU experts": r.host_computed,
@@ -132,6 +143,10 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
 @click.option("--decode-mode", multiple=True,
               help="sync, async (repeat or comma list; default sync): async reads misses over the link with no "
                    "route hook and admits between tokens; its rows need predictor none and miss policy wait.")
+@click.option("--theta", multiple=True,
+              help="MoEpic's split: the top share θ of every MoE layer's experts that a slot holds, in (0, 1] "
+                   "(repeat or comma list; default 1, whole experts). At each size the split layers get as many "
+                   "tops as the whole experts' bytes hold.")
 @click.option("--hw", default="pcie4", show_default=True,
               help="Hardware profile (pcie4, h100, egpu, a .toml from ggmoe calibrate), or none: counts only.")
 @click.option("--predictor-train", multiple=True, type=click.Path(),
@@ -147,7 +162,7 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
 def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str, ...],
              cache_fraction: tuple[str, ...], vram: tuple[str, ...], policy: tuple[str, ...],
              predictor: tuple[str, ...], stride: int, n_prefetch: int | None, miss_policy: tuple[str, ...],
-             decode_mode: tuple[str, ...], hw: str,
+             decode_mode: tuple[str, ...], theta: tuple[str, ...], hw: str,
              predictor_train: tuple[str, ...], predictor_s: float | None, stats_in: str | None, as_json: bool,
              plot_path: str | None) -> None:
     """Replay traces through the cache, copy queue and prefetcher on a hardware cost model.
@@ -163,6 +178,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe simulate traces/trace.npz --cache-slots 16 --predictor none,reuse,oracle --stride 1 --hw egpu
       ggmoe simulate traces/trace.npz --vram 4MiB --miss-policy wait,auto --json
       ggmoe simulate traces/trace.npz --cache-fraction 0.5 --decode-mode sync,async --hw h100
+      ggmoe simulate traces/trace.npz --cache-fraction 0.25 --theta 1,0.5 --decode-mode async --hw h100
     """
     from ggmoe.cache.hardware import load_profile
     from ggmoe.cache.miss import check_miss_policy
@@ -192,6 +208,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     for mode in modes:
         if mode not in ("sync", "async"):
             raise UsageError(f"unknown decode mode {mode!r} for the simulator; choose sync or async")
+    thetas = _numbers(theta, float, "--theta") or [1.0]
     profile = None if hw == "none" else load_profile(hw)
     path = model_path(model, "--model")
     facts = inspect_model(path)
@@ -209,7 +226,8 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     results, rows = [], []
     # async runs without a predictor and with misses read from host memory (miss policy wait), as the engine's
     combos = [c for c in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors,
-                                           misses, modes) if c[4] == "sync" or (c[2] is None and c[3] == "wait")]
+                                           misses, modes, thetas)
+              if (c[4] == "sync" or (c[2] is None and c[3] == "wait")) and (c[5] == 1.0 or c[3] == "wait")]
     if "async" in modes and not any(c[4] == "async" for c in combos):
         raise UsageError("--decode-mode async needs --predictor none and --miss-policy wait among the choices")
 
@@ -224,13 +242,14 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     if plot_path is not None:
         pyplot()
     with click.progressbar(combos, label="simulating", file=sys.stderr) as bar:
-        for (label, slots), pol, pred, miss, mode in bar:
-            cfg = SimConfig(n_slots=slots, policy=pol, policy_options=options.get(pol), predictor=pred,
+        for (label, slots), pol, pred, miss, mode, th in bar:
+            split, n_slots = split_at(facts, slots, th)
+            cfg = SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
                             stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
-                            predictor_state=state(pred), decode_mode=mode)
+                            predictor_state=state(pred), decode_mode=mode, split=split)
             r = run(trace, cfg, bpe, profile, train, model_path=str(path))
             results.append(r)
-            rows.append(_row(label, r))
+            rows.append(_row(label, r, th))
     if plot_path is not None:
         plot(plot_path, rows, results)
     if as_json:

@@ -244,3 +244,30 @@ def test_simulator_counts_equal_a_split_run(qwen3moe_model, tmp_path, mode, flag
     for il in compared:
         s = sim.stats["layers"][il]
         assert {f: s[f] for f in SPLIT_FIELDS} == {f: d["layers"][il][f] for f in SPLIT_FIELDS}, il
+
+
+def test_simulate_theta_rows(tmp_path):
+    """`ggmoe simulate --theta 1,0.5`: whole-expert and split rows at the same bytes, side by side, both modes;
+    a split row holds more (smaller) slots and counts top-only hits."""
+    tr = tmp_path / "t"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def main():"}\n{"prompt": "import os"}\n')
+    assert CliRunner().invoke(main, ["trace", "--prompts", str(prompts), "-o", str(tr), "--max-tokens", "12"]) \
+        .exit_code == 0
+    r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.25", "--theta", "1,0.5",
+                                  "--decode-mode", "sync,async", "--hw", "h100", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output[r.output.index("{"):])["results"]
+    assert len(res) == 4
+    whole = [x for x in res if "split" not in x["label"]]
+    split = [x for x in res if "split" in x["label"]]
+    assert len(whole) == len(split) == 2
+    for w, s in zip(sorted(whole, key=lambda x: x["decode_mode"]), sorted(split, key=lambda x: x["decode_mode"]),
+                    strict=True):
+        assert all(s["slots_per_layer"][il] > n for il, n in w["slots_per_layer"].items())
+        assert s["stats"]["total"]["top_hits"] > 0 and w["stats"]["total"]["top_hits"] == 0
+        assert s["tpot_s"] > 0
+    table = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.25", "--theta", "0.5"])
+    assert table.exit_code == 0 and "top hits" in table.output, table.output
+    bad = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.25", "--theta", "1.5"])
+    assert bad.exit_code != 0 and bad.output.count("error:") == 1 and "--theta" in bad.output
