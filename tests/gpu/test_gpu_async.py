@@ -71,3 +71,35 @@ def test_async_matches_all_in_vram(model):
         assert _tg_splits(mark) <= stock_splits  # the decode graph stays on the device
         if n_slots < facts.n_expert:
             assert st.host_reads > 0  # misses were read by the GPU from pinned host memory
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "qwen3moe"])
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_split_experts_match_all_in_vram(model, mode):
+    """MoEpic's split on the GPU: tops in VRAM slots, bottoms read by MMVQ from pinned host memory (patch
+    0007), every layer and every other layer split; greedy tokens equal stock all-in-VRAM's, logits within
+    float tolerance, the async decode graph no more split than stock's."""
+    path = default_model_path() if model == "tiny-moe" else fixture_path(model, expert_type="q8_0")
+    facts = inspect_model(path)
+    ids = list(range(3, 40))
+    mark = llama_log().count
+    with Engine(EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1, experts_on_host=False,
+                             gate_hook=False)) as stock:
+        ref, ref_toks = _decode_all(stock, ids, 16)
+        stock.decode([ref_toks[-1]])
+    stock_splits = _tg_splits(mark)
+    for theta in (dict.fromkeys(facts.moe_layers, 0.5),
+                  {il: 0.5 for j, il in enumerate(facts.moe_layers) if j % 2 == 0}):
+        mark = llama_log().count
+        cfg = EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1,
+                           cache=CacheConfig(n_slots=facts.n_expert_used + 2, decode_mode=mode, layer_theta=theta))
+        with Engine(cfg) as eng:
+            assert eng.decode_mode["decode_mode_in_effect"] == mode
+            got, toks = _decode_all(eng, ids, 16)
+            st = eng.cache_stats.total()
+        assert toks == ref_toks
+        for a, b in zip(got, ref, strict=True):
+            assert np.abs(a - b).max() <= 2e-2 * max(1.0, float(np.abs(b).max()))
+        assert st.top_hits > 0 and st.bottom_read_bytes > 0
+        if mode == "async":
+            assert _tg_splits(mark) <= stock_splits
