@@ -191,17 +191,24 @@ class ExpertCache:
             if table.n_loading:
                 self._land_done(table)
             self.policy.on_access(il, need, self.clock)
-            if self._releases:  # a policy that keeps nothing (on-demand): nothing to admit, landed ones go
-                for e in self.policy.release(il, [x for x in table.resident() if copy[slot_of[x]] is None]):
-                    self.policy.on_evict(il, e)
-                    self._note_eviction(il, table, slot_of[e])
-                    table.drop(slot_of[e])
-                return
-            admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
-            if admit:
-                st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
+            self._admit_after(il, table, need, missing)
             if table.n_loading:  # a synchronous backend (the CPU build's memcpy) has landed them already
                 self._land_done(table)
+
+    def _admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int]) -> None:
+        """After a call that read its misses in place (async decode, split layers): admit them at low priority
+        into free slots or victims; with a policy that keeps nothing (on-demand), drop the landed experts
+        instead."""
+        slot_of, copy = table.slot_of_list, table.copy
+        if self._releases:
+            for e in self.policy.release(il, [x for x in table.resident() if copy[slot_of[x]] is None]):
+                self.policy.on_evict(il, e)
+                self._note_eviction(il, table, slot_of[e])
+                table.drop(slot_of[e])
+            return
+        admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
+        if admit:
+            self.stats.layers[il].admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
 
     def _to_host(self, il: int, pending: list[CopyHandle], missing: list[int]
                  ) -> tuple[set[int], list[CopyHandle], list[int]]:

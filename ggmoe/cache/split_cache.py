@@ -82,15 +82,7 @@ class SplitLayers:
             st.pred_total += len(guess)
             st.pred_correct += len(set(guess) & set(need))
         cache.policy.on_access(il, need, cache.clock)
-        if cache._releases:  # a policy that keeps nothing (on-demand): landed tops go, nothing is admitted
-            for e in cache.policy.release(il, [x for x in table.resident() if copy[slot_of[x]] is None]):
-                cache.policy.on_evict(il, e)
-                cache._note_eviction(il, table, slot_of[e])
-                table.drop(slot_of[e])
-        else:
-            admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
-            if admit:
-                st.admission_copies += len(cache._load(il, table, need, admit, Priority.ADMISSION))
+        cache._admit_after(il, table, need, missing)
         self._land(cache, il)  # a synchronous backend (the CPU build's memcpy) has landed them already
         st.hook_s += cache.time.now() - t0
 

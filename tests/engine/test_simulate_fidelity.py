@@ -19,6 +19,15 @@ FIELDS = ("calls", "native_calls", "hits", "misses", "host_computed", "admission
           "prefetch_hits", "prefetch_wasted", "pred_correct", "pred_total")
 
 
+def _trace(tmp_path, prompts: list[str], max_tokens: int):
+    """A trace of the embedded model's greedy generations for ``prompts`` (``ggmoe trace -o``'s directory)."""
+    tr, jsonl = tmp_path / "t", tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    r = CliRunner().invoke(main, ["trace", "--prompts", str(jsonl), "-o", str(tr), "--max-tokens", str(max_tokens)])
+    assert r.exit_code == 0, r.output
+    return tr
+
+
 @pytest.mark.parametrize("flags", [
     ["--policy", "lru"],
     ["--policy", "lfu", "--miss-policy", "cpu"],
@@ -77,11 +86,7 @@ def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, polic
 
 
 def test_simulate_command(tmp_path):
-    tr = tmp_path / "t"
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "def main():"}\n{"prompt": "import os"}\n')
-    assert CliRunner().invoke(main, ["trace", "--prompts", str(prompts), "-o", str(tr), "--max-tokens", "8"]) \
-        .exit_code == 0
+    tr = _trace(tmp_path, ["def main():", "import os"], 8)
     out = tmp_path / "p.png"
     r = subprocess.run([sys.executable, "-m", "ggmoe", "simulate", str(tr / "trace.npz"), "--cache-fraction",
                         "0.25,0.5", "--policy", "lru,lfu", "--predictor", "none,reuse", "--json", "--plot",
@@ -180,11 +185,7 @@ def test_a_learning_predictor_counts_equal_the_engine(qwen3moe_model, tmp_path, 
 
 def test_simulate_both_decode_modes(tmp_path):
     """`ggmoe simulate --decode-mode sync,async`: both rows side by side; async refuses a predictor-only choice."""
-    tr = tmp_path / "t"
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "def main():"}\n')
-    assert CliRunner().invoke(main, ["trace", "--prompts", str(prompts), "-o", str(tr), "--max-tokens", "12"]) \
-        .exit_code == 0
+    tr = _trace(tmp_path, ["def main():"], 12)
     r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.5", "--decode-mode", "sync,async",
                                   "--predictor", "none,reuse", "--hw", "h100", "--json"])
     assert r.exit_code == 0, r.output
@@ -249,11 +250,7 @@ def test_simulator_counts_equal_a_split_run(qwen3moe_model, tmp_path, mode, flag
 def test_simulate_theta_rows(tmp_path):
     """`ggmoe simulate --theta 1,0.5`: whole-expert and split rows at the same bytes, side by side, both modes;
     a split row holds more (smaller) slots and counts top-only hits."""
-    tr = tmp_path / "t"
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "def main():"}\n{"prompt": "import os"}\n')
-    assert CliRunner().invoke(main, ["trace", "--prompts", str(prompts), "-o", str(tr), "--max-tokens", "12"]) \
-        .exit_code == 0
+    tr = _trace(tmp_path, ["def main():", "import os"], 12)
     r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.25", "--theta", "1,0.5",
                                   "--decode-mode", "sync,async", "--hw", "h100", "--json"])
     assert r.exit_code == 0, r.output

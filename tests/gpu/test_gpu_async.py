@@ -45,18 +45,23 @@ def _decode_all(eng: Engine, ids: list[int], n: int) -> tuple[list[np.ndarray], 
     return logits, toks
 
 
+def _stock(path, ids: list[int]) -> tuple[list[np.ndarray], list[int], int]:
+    """Stock all-in-VRAM: its greedy logits and tokens, and the splits of its single-token graph."""
+    mark = llama_log().count
+    with Engine(EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1, experts_on_host=False,
+                             gate_hook=False)) as stock:
+        ref, ref_toks = _decode_all(stock, ids, 16)
+        stock.decode([ref_toks[-1]])
+    return ref, ref_toks, _tg_splits(mark)
+
+
 @pytest.mark.parametrize("model", ["tiny-moe", *ARCHES])
 def test_async_matches_all_in_vram(model):
     # quantized experts: ggml-cuda reads expert tables in MMVQ, its quantized matvec
     path = default_model_path() if model == "tiny-moe" else fixture_path(model, expert_type="q8_0")
     facts = inspect_model(path)
     ids = list(range(3, 40))
-    mark = llama_log().count
-    with Engine(EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1, experts_on_host=False,
-                             gate_hook=False)) as stock:
-        ref, ref_toks = _decode_all(stock, ids, 16)
-        stock.decode([ref_toks[-1]])
-    stock_splits = _tg_splits(mark)
+    ref, ref_toks, stock_splits = _stock(path, ids)
     for n_slots in sorted({facts.n_expert_used, facts.n_expert // 2, facts.n_expert}):
         mark = llama_log().count
         cfg = EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1,
@@ -82,12 +87,7 @@ def test_split_experts_match_all_in_vram(model, mode):
     path = default_model_path() if model == "tiny-moe" else fixture_path(model, expert_type="q8_0")
     facts = inspect_model(path)
     ids = list(range(3, 40))
-    mark = llama_log().count
-    with Engine(EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1, experts_on_host=False,
-                             gate_hook=False)) as stock:
-        ref, ref_toks = _decode_all(stock, ids, 16)
-        stock.decode([ref_toks[-1]])
-    stock_splits = _tg_splits(mark)
+    ref, ref_toks, stock_splits = _stock(path, ids)
     for theta in (dict.fromkeys(facts.moe_layers, 0.5),
                   {il: 0.5 for j, il in enumerate(facts.moe_layers) if j % 2 == 0}):
         mark = llama_log().count
