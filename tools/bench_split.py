@@ -117,7 +117,7 @@ def main() -> None:
                 s, st, n = live(path, cfg, args.tokens)
                 times[i].append(s / max(n, 1))
                 stats[i] = (st, n)
-        for i, (row, (cfg, split, slots)) in enumerate(zip(ROWS, cfgs, strict=True)):
+        for i, (row, (_, split, slots)) in enumerate(zip(ROWS, cfgs, strict=True)):
             st, n = stats[i]
             uses = max(1, st["hits"] + st["top_hits"] + st["misses"])
             link = (st["host_read_bytes"] + st["bytes_copied"]) / max(n, 1) / 1024
