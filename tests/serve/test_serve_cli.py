@@ -157,8 +157,8 @@ def test_reconfiguration_between_requests(tmp_path):
 
     stats = json.loads(out.read_text())
     first = str(facts.moe_layers[0])  # the configurator's slots, not the plan's
-    assert stats["slots_per_layer"][first] < facts.n_expert
-    assert sum(stats["slots_per_layer"].values()) > facts.n_expert + (len(facts.moe_layers) - 1) * facts.n_expert_used
+    assert stats["slots_per_layer"][first] < facts.n_expert  # bytes moved from the lopsided layer to others
+    assert any(n > facts.n_expert_used for il, n in stats["slots_per_layer"].items() if il != first)
 
 
 @pytest.mark.parametrize("args, message", [
