@@ -37,10 +37,15 @@ def logits(path: Path, cache: CacheConfig | None, gate_hook: bool = True) -> np.
     return np.concatenate(rows, axis=0)
 
 
+HALF = dict.fromkeys(range(4), 0.5)  # MoEpic's split at θ 1/2: a whole number of Q4_K (512) and MXFP4 (320) blocks
+
+
 @pytest.mark.parametrize("cache", [
     CacheConfig(n_slots=32), CacheConfig(n_slots=4), CacheConfig(n_slots=6, policy="lfu"),
     CacheConfig(n_slots=6, miss_policy="cpu"),
-], ids=["all", "top-k", "lfu", "host-path"])
+    CacheConfig(n_slots=8, layer_theta=HALF, decode_mode="sync"),
+    CacheConfig(n_slots=8, layer_theta=HALF, decode_mode="async"),
+], ids=["all", "top-k", "lfu", "host-path", "split-sync", "split-async"])
 def test_cache_gives_the_logits_of_the_plain_model(model, cache):
     ref = logits(model, None, gate_hook=False)
     assert np.isfinite(ref).all() and ref.std() > 0

@@ -46,10 +46,20 @@ def test_gpu_smoke(tmp_path):
     assert {(True, "stock-vram"), (True, "stock-cpu"), (True, "n-cpu-moe"), (True, "lru"), (True, "async"),
             (True, "prefetch"), (True, "prefetch-mlp"), (False, "lru"), (False, "async"), (False, "prefetch"),
             (False, "prefetch-eam"), (False, "prefetch-mlp")} <= configs
-    assert len(cells) == 2 + 3 * 5 + 3 * 5  # 3 fractions
+    assert {(r, c) for r in (True, False) for c in ("split", "split-async")} <= configs
+    assert len(cells) == 2 + 3 * 5 + 3 * 5 + 2 * 2 * 2  # 3 fractions; the split rows at 50 and 25 % only
     # the async rows ran the async decode (trace rows through the forced routing), the lru rows the sync one
-    assert all(c["decode_mode"] == "async" for c in cells if c["config"] == "async")
-    assert all(c["decode_mode"] == "sync" for c in cells if c["config"] == "lru")
+    assert all(c["decode_mode"] == "async" for c in cells if c["config"] in ("async", "split-async"))
+    assert all(c["decode_mode"] == "sync" for c in cells if c["config"] in ("lru", "split"))
+    # MoEpic's split (θ 1/2 of the toy's 512 neurons): twice the slots in the lru row's VRAM, the bottoms read
+    # from host memory, tops found
+    by_key = {(c["routing"], c["config"], c["fraction"]): c for c in cells}
+    for c in cells:
+        if c["config"] in ("split", "split-async"):
+            lru = by_key[(c["routing"], "lru", c["fraction"])]
+            assert c["theta"] == 0.5 and c["slots"] == 2 * lru["slots"] and c["cache_bytes"] == lru["cache_bytes"]
+            assert c["top_hit_rate"] > 0 and c["host_read_bytes_per_token"] > 0, c
+    assert "MoEpic's split at θ 256/512" in result["split_note"]
     assert all(c["host_read_bytes_per_token"] > 0 for c in cells if c["config"] == "async" and c["fraction"] < 1)
     assert all(c["decode_tps"] > 0 and c["prefill_tps"] > 0 and c["error"] is None for c in cells)
     # trace-replay rows say so; every cell has the simulator's estimate beside it; the goals are checked

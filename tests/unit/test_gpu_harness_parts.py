@@ -404,3 +404,121 @@ def test_engine_check_falls_back_to_preloading_libstdcxx(tmp_path, monkeypatch, 
     assert len(calls) == (2 if preloaded is not None else 1)
     if preloaded is not None:
         assert calls[1][1] == "/lib/libstdc++.so.6"
+
+
+# --------------------------------------------------------------------------- MoEpic's split rows (issue 18)
+
+import estimate as gpu_estimate  # noqa: E402
+
+
+def test_split_rows_are_planned_below_100_percent_and_by_default():
+    from matrix import DEFAULT_CONFIGS, GGMOE, SPLIT
+
+    assert set(SPLIT) <= set(DEFAULT_CONFIGS) and set(SPLIT) <= set(GGMOE)  # the pipeline runs the defaults
+    plan = plan_cells(["random", "trace"], ["lru", "async", "split", "split-async"], [0.5, 0.25, 1.0])
+    assert [p for p in plan if p[0] == "random" and p[2] == 1.0] == [("random", "lru", 1.0), ("random", "async", 1.0)]
+    assert ("trace", "split-async", 0.25) in plan and ("trace", "split", 1.0) not in plan
+    assert len(plan) == 2 * (4 + 4 + 2)
+
+
+@pytest.mark.parametrize("preset,want,n_top", [
+    ("qwen3-30b-a3b", "1/2", 512),  # 768 neurons in Q4_K blocks of 256: 2/3 is the smallest >= 1/2
+    ("qwen3-30b-a3b", "0.3", 256),
+    ("qwen3-30b-a3b", "3/4", None),  # rounds up to the whole expert
+    ("gpt-oss-20b", "0.5", 1440),  # 2880 in MXFP4 blocks of 32
+    ("gpt-oss-20b", "3/4", 2176),  # 67.5 blocks -> 68
+    ("toy", "0.5", 256),
+])
+def test_split_theta_rounds_up_to_the_down_tensors_blocks(preset, want, n_top):
+    from matrix import split_theta
+
+    from ggmoe.cache.split import layer_split
+
+    layer = gpu_estimate.preset_layer(preset)
+    assert layer.bytes_per_expert == gpu_estimate.expert_bytes(preset)
+    t = split_theta(layer, want)
+    if n_top is None:
+        assert t is None
+        return
+    s = layer_split(layer, t)
+    assert s.n_top == n_top and s.top_bytes + s.bottom_bytes == s.expert_bytes
+    assert s.top_bytes == pytest.approx(s.expert_bytes * n_top / s.n_ff)
+
+
+def test_split_slots_fit_the_whole_experts_bytes():
+    from matrix import split_slots
+
+    from ggmoe.cache.split import layer_split
+
+    layer = gpu_estimate.preset_layer("qwen3-30b-a3b")
+    s = layer_split(layer, 2 / 3)
+    bpe = {0: layer.bytes_per_expert, 1: layer.bytes_per_expert}
+    assert split_slots(32, {0: s, 1: s}, bpe, 128) == {0: 48, 1: 48}  # 25 %: 32 whole experts' bytes, 48 tops
+    assert split_slots(64, {0: s}, bpe, 128) == {0: 96}
+    assert split_slots(100, {0: s}, bpe, 128) == {0: 128}  # at most every expert
+    g = layer_split(gpu_estimate.preset_layer("gpt-oss-20b"), 0.5)
+    assert split_slots(16, {0: g}, {0: gpu_estimate.expert_bytes("gpt-oss-20b")}, 32) == {0: 32}
+
+
+def test_the_split_goal_and_table():
+    from matrix import table
+
+    cells = [_cell("random", "lru", 0.25, 50.0), _cell("random", "async", 0.25, 40.0),
+             dataclasses.replace(_cell("random", "split", 0.25, 60.0), theta=2 / 3, top_hit_rate=0.7, slots=48,
+                                 hit_rate=0.0, cache_bytes=2 * 10**9, decode_mode="sync"),
+             _cell("random", "split-async", 0.25, 55.0)]
+    g = [x for x in goals(cells) if "25 %" in x["goal"]]
+    assert len(g) == 1 and g[0]["value"] == pytest.approx(60 / 50) and g[0]["met"]
+    assert "best split (split)" in g[0]["goal"] and "best whole-expert LRU (lru)" in g[0]["goal"]
+    g = [x for x in goals(cells[:2] + [_cell("random", "split", 0.25, 45.0)]) if "25 %" in x["goal"]]
+    assert g[0]["value"] == pytest.approx(45 / 50) and not g[0]["met"]
+    md = table(cells)
+    assert "| 48 tops (θ 0.67) | 2 |" in md and "0.0% (top 70.0%)" in md
+    assert all(line.count("|") == md.splitlines()[0].count("|") for line in md.splitlines())
+
+
+def _tiny_trace(path, n_prompts=3, n_prefill=8, n_decode=24, seed=0):
+    """A trace shaped like the embedded model's (8 layers, 32 experts, top-4), with some locality."""
+    from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, Trace, TraceMeta, write_trace
+
+    rng = np.random.default_rng(seed)
+    t = n_prompts * (n_prefill + n_decode)
+    hot = rng.permutation(32)[:12]
+    ids = np.empty((t, 8, 4), dtype=np.int16)
+    for i in range(t):
+        for j in range(8):
+            pool = hot if rng.random() < 0.7 else np.arange(32)
+            ids[i, j] = rng.choice(pool, size=4, replace=False)
+    probs = np.zeros((t, 8, 32), dtype=np.float16)
+    for i in range(t):
+        for j in range(8):
+            probs[i, j, ids[i, j]] = 0.25
+    stage = np.tile(np.array([STAGE_PREFILL] * n_prefill + [STAGE_DECODE] * n_decode, dtype=np.uint8), n_prompts)
+    meta = TraceMeta(model_fingerprint="fp", model_name="tiny", arch="qwen3moe", n_layer=8, n_expert=32,
+                     n_expert_used=4, n_embd=4, mode="teacher", max_tokens=n_decode, ggmoe_version="test",
+                     n_ubatch=512)
+    per = n_prefill + n_decode
+    write_trace(Trace(meta=meta, token_ids=np.arange(t, dtype=np.int32), positions=np.arange(t, dtype=np.int32) % per,
+                      stage=stage, prompt_offsets=np.arange(0, t + 1, per, dtype=np.int64),
+                      layers=np.arange(8, dtype=np.int32), ids=ids, probs=probs, hidden=None), path)
+    return path
+
+
+def test_estimate_split_rows_on_the_toy_shape(tmp_path):
+    path = _tiny_trace(tmp_path / "t.npz")
+    e = gpu_estimate.estimate("toy", path, "h100", [0.25], ["1/3", "1/2", "2/3"], [0.25])
+    assert set(e["tpot_ms_estimate"]) == {"stock-vram", "stock-cpu", "n-cpu-moe 25%", "lru 25%", "async 25%"}
+    geo = e["split"]["geometry"]
+    assert [g["n_top"] for g in geo] == [256]  # 1/3, 1/2 and 2/3 of 512 in blocks of 256: only 256 below 512
+    rows = e["split"]["rows"]
+    assert [(r["config"], r["mode"]) for r in rows] == [("lru", "sync"), ("split", "sync"), ("async", "async"),
+                                                       ("split-async", "async")]
+    whole, split = rows[0], rows[1]
+    assert whole["tpot_ms"] == pytest.approx(e["tpot_ms_estimate"]["lru 25%"])
+    assert split["slots"] == 2 * whole["slots"] and split["vram_bytes"] == whole["vram_bytes"]  # the same bytes
+    assert split["theta"] == 0.5 and split["x_whole_lru"] == pytest.approx(whole["tpot_ms"] / split["tpot_ms"])
+    assert split["hit_rate"] == 0.0 < split["top_hit_rate"]  # no predictor: no bottom is ever on the device
+    assert split["top_hit_rate"] > whole["hit_rate"]  # twice the tops
+    assert split["read_mb_per_token"] > 0 and whole["read_mb_per_token"] == 0.0  # sync LRU waits for copies
+    lines = gpu_estimate.split_table(e)
+    assert len(lines) == 2 + len(rows) and "ESTIMATES" in lines[0]

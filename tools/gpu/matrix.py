@@ -12,6 +12,11 @@ routing, benchmark only, see trace_routing.py) and each configuration:
                  (llama.cpp's --moe-cache-mib design)
     async        ggmoe's async decode: experts read through the device-side table (misses by the GPU from
                  pinned host memory), LRU admissions between tokens, one graph per token
+    split        MoEpic's expert split in the sync decode, LRU: each slot holds an expert's top segment (a share
+                 θ of its neurons, --split-theta), as many tops as fit the VRAM of the lru row's whole experts;
+                 a top-only hit reads the bottom, a miss the whole expert, from pinned host memory (zero-copy);
+                 the top of a miss is admitted (fractions below 100 % only)
+    split-async  the same split in the async decode (admissions between tokens)
     prefetch     ggmoe, stride prefetching (reuse predictor, stride 1) and the host path (--miss-policy auto)
     prefetch-eam the same with MoE-Infinity's EAM predictor trained on the tiled trace's other prompts
                  (trace routing only)
@@ -34,6 +39,10 @@ calibrate``'s measurements (pinned host-to-device copy bandwidth, CPU time per e
 the hardware profile made of them, and the simulator's TPOT estimate for every cell on the same routing
 (random: a trace recorded of the model's own router on the generation's prompt; trace: the held-out tiled
 trace) beside the measured TPOT. Then the issue's goals, checked at 50 %.
+
+The split rows' θ is the smallest top share at or above --split-theta (default 0.5) that the down tensor's
+quant blocks can represent (Qwen3-30B-A3B's 768 neurons in Q4_K blocks of 256: 2/3; gpt-oss-20b's 2880 in
+MXFP4 blocks of 32: 1/2); a model with none below 1 runs no split rows (said in the results).
 
 With --probe (the zero-copy probe's JSON, tools/gpu/zero_copy_probe.cu), every ggmoe cell also gets its
 bound: stock-vram's TPOT plus the bytes that crossed the link per token over the measured bandwidth (the
@@ -60,6 +69,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,16 +89,21 @@ if TYPE_CHECKING:
     from ggmoe.engine import Engine, EngineConfig
 # the engine (llama.cpp) is imported where it runs: the pure parts here are unit-tested without it
 
-CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "async", "prefetch", "prefetch-eam", "prefetch-bg",
-           "lru-auto", "prefetch-wait", "prefetch-mlp")
-DEFAULT_CONFIGS = (*CONFIGS[:7], "prefetch-mlp")
+CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "async", "split", "split-async", "prefetch",
+           "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp")
+DEFAULT_CONFIGS = (*CONFIGS[:9], "prefetch-mlp")
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
-PER_FRACTION = ("n-cpu-moe", "lru", "async", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait",
-                "prefetch-mlp")
-GGMOE = ("lru", "async", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp")
+PER_FRACTION = ("n-cpu-moe", "lru", "async", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg",
+                "lru-auto", "prefetch-wait", "prefetch-mlp")
+GGMOE = ("lru", "async", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto",
+         "prefetch-wait", "prefetch-mlp")
+SPLIT = ("split", "split-async")  # MoEpic's split: only below 100 % (with every expert cacheable it is moot)
+WHOLE_LRU = ("lru", "async")  # whole-expert LRU, the split rows' reference at the same VRAM
 TRACE_ONLY = ("prefetch-eam",)  # learns from the tiled trace's training prompts
 PROMPT = "The expert cache keeps the experts a model uses most on the device"
 GOAL_FRACTION = 0.5
+SPLIT_GOAL_FRACTION = 0.25  # issue 18: at 25 % of the experts' bytes the split beats whole-expert LRU
+DEFAULT_SPLIT_THETA = 0.5
 # Generations sample: greedy decoding of a random-weight model soon repeats tokens, and repeated tokens route
 # to the same experts, which would flatter the cache under the model's own (random) router.
 TEMP = 1.0
@@ -116,6 +131,9 @@ class Cell:
     host_read_bytes_per_token: float | None = None  # bytes the GPU read from host memory per decoded token
     copied_bytes_per_token: float | None = None  # bytes the copy engine moved per decoded token
     bound_tpot_ms: float | None = None  # stock-vram TPOT + link bytes per token / measured bandwidth (--probe)
+    theta: float | None = None  # split rows: the top share of each slot (n_top / n_ff); None: whole experts
+    top_hit_rate: float | None = None  # split rows: accesses that found at least the top on the device
+    cache_bytes: int | None = None  # VRAM of the cached experts over all MoE layers (slots, or n-cpu-moe's layers)
 
     @property
     def is_random(self) -> bool:
@@ -150,6 +168,58 @@ def n_gpu_layers_for(n_slots: int, n_moe_layers: int, n_expert: int) -> int:
     return round(n_moe_layers * n_slots / n_expert)
 
 
+def _down_block(layer) -> tuple[int, int]:
+    """(n_ff, weights per quant block of the down tensor) of a MoE layer: the split's granularity."""
+    import gguf
+
+    down = layer.tensor("ffn_down_exps.weight")
+    return down.shape[0], gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[down.ggml_type]][0]
+
+
+def split_theta(layer, want: float | Fraction | str) -> float | None:
+    """The smallest top share θ >= ``want`` (and above 0) that ``layer``'s down tensor can represent (``n_top``
+    a whole number of its quant blocks: ggmoe.cache.split), as a float that ``layer_split`` turns back into
+    exactly that ``n_top``; None when only the whole expert is (θ would round up to 1)."""
+    from ggmoe.cache.split import layer_split
+
+    n_ff, blck = _down_block(layer)
+    w = want if isinstance(want, Fraction) else Fraction(str(want))
+    n_top = max(1, math.ceil(w * n_ff / blck)) * blck
+    if n_top >= n_ff:
+        return None
+    theta = n_top / n_ff
+    if int(theta * n_ff) // blck * blck != n_top:  # float rounding below the block boundary
+        theta = (n_top + 0.5) / n_ff
+    s = layer_split(layer, theta)
+    assert s is not None and s.n_top == n_top, (want, n_top, s)
+    return theta
+
+
+def split_layers(facts, want: float | Fraction | str) -> dict:
+    """{il: LayerSplit} of every MoE layer at the smallest representable θ >= ``want`` ({} when a layer has none:
+    the model then runs no split rows)."""
+    from ggmoe.cache.split import model_split
+
+    thetas = {il: split_theta(facts.layer(il), want) for il in facts.moe_layers}
+    if any(t is None for t in thetas.values()):
+        return {}
+    return model_split(facts, thetas)
+
+
+def split_slots(n_slots: int, split: dict, bytes_per_expert: dict[int, int], n_expert: int) -> dict[int, int]:
+    """Tops per layer that fit the VRAM of ``n_slots`` whole experts in that layer (at most n_expert)."""
+    return {il: min(n_expert, n_slots * bytes_per_expert[il] // s.top_bytes) for il, s in split.items()}
+
+
+def split_note(split: dict) -> str:
+    """One line: the split's θ and bytes (from the first layer; the harness's models are uniform)."""
+    s = next(iter(split.values()))
+    return (f"MoEpic's split at θ {s.n_top}/{s.n_ff} = {s.n_top / s.n_ff:.3f} (the down tensor's quant blocks): "
+            f"top {s.top_bytes / 1e6:.3g} MB in a slot, bottom {s.bottom_bytes / 1e6:.3g} MB read from pinned host "
+            f"memory on a top-only hit, a miss reads the whole {s.expert_bytes / 1e6:.3g} MB; slots = the tops "
+            "that fit the VRAM of the lru row's whole experts")
+
+
 def plan_cells(routings: list[str], configs: list[str], fractions: list[float]) -> list[tuple[str, str, float | None]]:
     """(routing, config, fraction) in run order: per routing, the fixed baselines, then fraction by fraction."""
     out: list[tuple[str, str, float | None]] = []
@@ -161,14 +231,16 @@ def plan_cells(routings: list[str], configs: list[str], fractions: list[float]) 
         for f in fractions:
             for config in configs:
                 if config not in PER_FRACTION or (routing == "trace" and config in BASELINES) or \
-                        (routing == "random" and config in TRACE_ONLY):
+                        (routing == "random" and config in TRACE_ONLY) or (config in SPLIT and f >= 1.0):
                     continue
                 out.append((routing, config, f))
     return out
 
 
 def engine_config(model: Path, config: str, fraction: float | None, facts, n_threads: int, n_ctx: int,
-                  train: Path | None) -> tuple[EngineConfig, int | None]:
+                  train: Path | None, split: dict | None = None) -> tuple[EngineConfig, int | None]:
+    """The engine's configuration of a cell and its slots per layer (n-cpu-moe: layers with experts on the GPU);
+    ``split`` ({il: LayerSplit}, split_layers) for the split rows."""
     from ggmoe.engine import EngineConfig
 
     base = {"model_path": model, "n_ctx": n_ctx, "n_threads": n_threads}
@@ -187,6 +259,15 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
                                                       decode_mode="sync")), n_slots
     if config == "async":
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", decode_mode="async")), n_slots
+    if config in SPLIT:
+        if not split:
+            raise SystemExit(f"error: {config} needs the model's split geometry (split_layers)")
+        bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+        tops = split_slots(n_slots, split, bpe, facts.n_expert)
+        mode = "async" if config == "split-async" else "sync"
+        theta = {il: s.theta for il, s in split.items()}
+        return EngineConfig(**base, cache=CacheConfig(layer_slots=tops, policy="lru", decode_mode=mode,
+                                                      layer_theta=theta)), tops[facts.moe_layers[0]]
     if config == "prefetch-mlp":
         pre = PrefetchConfig(predictor=str(random_mlp(model)), stride=2)
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy="auto",
@@ -262,13 +343,34 @@ def measure(eng: Engine, vocab: int, prefill_tokens: int, decode_tokens: int, ru
     return Measured(prefill_tokens / t_prefill, tps, ttft, stats, decoded)
 
 
+def vram_bytes(cfg: EngineConfig, config: str, slots: int | None, facts, split: dict | None) -> int | None:
+    """VRAM of the experts kept on the device over all MoE layers: every expert (stock-vram), none (stock-cpu),
+    whole layers' (n-cpu-moe), or the cache's slots (a split row's hold tops)."""
+    if config == "stock-vram":
+        return facts.expert_bytes
+    if config == "stock-cpu":
+        return 0
+    if config == "n-cpu-moe":
+        return sum(facts.n_expert * facts.bytes_per_expert(il) for il in facts.moe_layers[:slots])
+    c = cfg.cache
+    per = c.layer_slots or dict.fromkeys(facts.moe_layers, c.n_slots)
+    top = split if config in SPLIT and split else {}
+    return sum(n * (top[il].top_bytes if il in top else facts.bytes_per_expert(il)) for il, n in per.items())
+
+
 def run_cell(model: Path, facts, config: str, fraction: float | None, routing: str, held: Path | None,
-             args, train: Path | None) -> Cell:
+             args, train: Path | None, split: dict | None = None) -> Cell:
     from ggmoe.engine import Engine
 
     t0 = time.monotonic()
-    cfg, slots = engine_config(model, config, fraction, facts, args.threads, args.n_ctx, train)
+    cfg, slots = engine_config(model, config, fraction, facts, args.threads, args.n_ctx, train, split)
     name = routing_label(routing)
+    is_split = config in SPLIT
+    theta = None
+    if is_split:
+        first = split[facts.moe_layers[0]]
+        theta = first.n_top / first.n_ff
+    vram = vram_bytes(cfg, config, slots, facts, split)
     try:
         with Engine(cfg) as eng:
             override = None
@@ -288,10 +390,11 @@ def run_cell(model: Path, facts, config: str, fraction: float | None, routing: s
                     override_us=override.seconds / override.calls * 1e6 if override and override.calls else None,
                     wall_s=time.monotonic() - t0, decode_mode=mode,
                     host_read_bytes_per_token=s.host_read_bytes / per if s else None,
-                    copied_bytes_per_token=s.bytes_copied / per if s else None)
+                    copied_bytes_per_token=s.bytes_copied / per if s else None, theta=theta,
+                    top_hit_rate=s.top_hit_rate if s and is_split else None, cache_bytes=vram)
     except Exception as e:  # noqa: BLE001 - a cell that cannot run (e.g. out of VRAM) is reported, not fatal
         return Cell(str(model), name, config, fraction, slots, 0.0, (), 0.0, 0.0, None, None, None,
-                    wall_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+                    wall_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}", theta=theta, cache_bytes=vram)
 
 
 # --------------------------------------------------------------------------- the simulator beside it
@@ -307,8 +410,9 @@ def record_random_trace(model: Path, args, path: Path) -> Path:
                                                         seed=args.seed, keep_hidden=False), path)
 
 
-def simulate_cell(cell: Cell, facts, trace, train, profile) -> float | None:
-    """The simulator's TPOT (ms) for ``cell`` on ``trace`` (the same routing) and ``profile``."""
+def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None = None) -> float | None:
+    """The simulator's TPOT (ms) for ``cell`` on ``trace`` (the same routing) and ``profile``; ``split``
+    ({il: LayerSplit}) for the split rows."""
     from ggmoe.simulate.des import SimConfig, baseline, simulate
 
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
@@ -319,6 +423,15 @@ def simulate_cell(cell: Cell, facts, trace, train, profile) -> float | None:
         return baseline(trace, cell.config, bpe, profile, budget).tpot_s * 1e3
     if cell.config == "prefetch-mlp":
         return None  # the simulator would need the random net's predictions: not modelled
+    if cell.config in SPLIT:
+        if not split:
+            return None
+        tops = split_slots(n_slots_for(cell.fraction, facts.n_expert, facts.n_expert_used), split, bpe,
+                           facts.n_expert)
+        sim = SimConfig(n_slots=tops, policy="lru", miss_policy="wait", split=split,
+                        decode_mode="async" if cell.decode_mode == "async" else "sync")
+        r = simulate(trace, sim, bpe, profile)
+        return r.tpot_s * 1e3 if r.tpot_s is not None else None
     pred = {"lru": None, "async": None, "lru-auto": None, "prefetch": "reuse", "prefetch-bg": "reuse",
             "prefetch-wait": "reuse", "prefetch-eam": "eam"}[cell.config]
     sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots), policy="lru", predictor=pred, stride=1,
@@ -357,6 +470,14 @@ def goals(cells: list[Cell], sim_tolerance: float = 0.15) -> list[dict]:
                 ratio = best.decode_tps / ref.decode_tps
                 out.append({"routing": routing, "goal": f"decode at 50 %: best ggmoe ({best.config}) / {config}",
                             "value": ratio, "target": f">= {target}", "met": ratio >= target})
+        splits = [c for c in ours if c.config in SPLIT and c.fraction == SPLIT_GOAL_FRACTION]
+        wholes = [c for c in ours if c.config in WHOLE_LRU and c.fraction == SPLIT_GOAL_FRACTION]
+        if splits and wholes:
+            bs, bw = max(splits, key=lambda c: c.decode_tps), max(wholes, key=lambda c: c.decode_tps)
+            ratio = bs.decode_tps / bw.decode_tps
+            out.append({"routing": routing, "goal": f"decode at 25 %, the same VRAM: best split ({bs.config}) / "
+                        f"best whole-expert LRU ({bw.config})", "value": ratio, "target": "> 1.0",
+                        "met": ratio > 1.0})
         full = one(routing, "async", 1.0)
         vram = one(None, "stock-vram", None)
         if full is not None and vram is not None:
@@ -420,23 +541,27 @@ def _f(x: float | None, fmt: str) -> str:
 
 
 def table(cells: list[Cell]) -> str:
-    head = ("| routing | config | mode | cacheable | slots | decode tok/s | TPOT ms | bound ms | sim TPOT ms | "
-            "prefill tok/s | TTFT ms | hit rate | MB/token host reads + copies | hook µs (replay) | CPU experts |")
-    rows = [head, "|" + "---|" * 15]
+    head = ("| routing | config | mode | cacheable | slots | expert VRAM GB | decode tok/s | TPOT ms | bound ms | "
+            "sim TPOT ms | prefill tok/s | TTFT ms | hit rate | MB/token host reads + copies | hook µs (replay) | "
+            "CPU experts |")
+    rows = [head, "|" + "---|" * 16]
     order = {c: i for i, c in enumerate(CONFIGS)}
     for c in sorted(cells, key=lambda c: (not c.is_random, c.fraction or 0.0, order[c.config])):
         routing = "random" if c.is_random else "trace"
         frac = "-" if c.fraction is None else f"{c.fraction:.0%}"
+        slots = _f(c.slots, "d") + ("" if c.theta is None else f" tops (θ {c.theta:.2f})")
+        vram = _f(None if c.cache_bytes is None else c.cache_bytes / 1e9, ".3g")
         if c.error:
-            rows.append(f"| {routing} | {c.config} | - | {frac} | {_f(c.slots, 'd')} | failed: "
+            rows.append(f"| {routing} | {c.config} | - | {frac} | {slots} | {vram} | failed: "
                         f"{c.error[:160].replace('|', '/')} ||||||||||")
             continue
         link = ("-" if c.host_read_bytes_per_token is None else
                 f"{c.host_read_bytes_per_token / 1e6:.1f} + {(c.copied_bytes_per_token or 0) / 1e6:.1f}")
-        rows.append(f"| {routing} | {c.config} | {c.decode_mode or '-'} | {frac} | {_f(c.slots, 'd')} | "
+        hit = _f(c.hit_rate, ".1%") + ("" if c.top_hit_rate is None else f" (top {c.top_hit_rate:.1%})")
+        rows.append(f"| {routing} | {c.config} | {c.decode_mode or '-'} | {frac} | {slots} | {vram} | "
                     f"{c.decode_tps:.1f} | {_f(c.tpot_ms, '.2f')} | {_f(c.bound_tpot_ms, '.2f')} | "
                     f"{_f(c.tpot_sim_ms, '.2f')} | {c.prefill_tps:.1f} | "
-                    f"{c.ttft_s * 1e3:.1f} | {_f(c.hit_rate, '.1%')} | {link} | {_f(c.hook_us_p50, '.1f')}"
+                    f"{c.ttft_s * 1e3:.1f} | {hit} | {link} | {_f(c.hook_us_p50, '.1f')}"
                     f"{'' if c.override_us is None else f' ({c.override_us:.1f})'} | "
                     f"{_f(c.host_computed, 'd')} |")
     return "\n".join(rows)
@@ -469,8 +594,12 @@ def markdown(result: dict, cells: list[Cell]) -> str:
     if result.get("hook_overhead_us") is not None:
         lines.append(f"route hook with its device sync, per MoE layer (lru 100 % less stock-vram, per layer): "
                      f"{result['hook_overhead_us']:.1f} µs")
-    lines += ["hit rate and CPU experts: the timed generations only; hook µs: the route callback's median per "
-              "MoE layer call, and in brackets what trace-replay routing's override took of it", "", table(cells)]
+    if result.get("split_note"):
+        lines.append(f"split rows: {result['split_note']}")
+    lines += ["hit rate and CPU experts: the timed generations only (a split row's hit rate counts whole experts on "
+              "the device; in brackets the accesses that found the top); hook µs: the route callback's median per "
+              "MoE layer call, and in brackets what trace-replay routing's override took of it; expert VRAM: the "
+              "experts kept on the device, all MoE layers", "", table(cells)]
     if result.get("goals"):
         lines += ["", "| routing | goal | value | target | met |", "|---|---|---|---|---|"]
         lines += [f"| {g['routing']} | {g['goal']} | {g['value']:.2f} | {g['target']} | {'yes' if g['met'] else 'no'} |"
@@ -537,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-calibrate", action="store_true", help="skip calibration and the simulator's estimates")
     ap.add_argument("--append", action="store_true", help="add to OUT/matrix.json of an earlier run")
     ap.add_argument("--budget-s", type=float, default=None, help="start no cell after this many seconds")
+    ap.add_argument("--split-theta", default=str(DEFAULT_SPLIT_THETA),
+                    help="the split rows' top share: the smallest the model's down tensor can represent at or above "
+                         "this (a number or a fraction such as 1/2; default %(default)s)")
     ap.add_argument("--probe", type=Path, default=None,
                     help="the zero-copy probe's JSON (tools/gpu/zero_copy_probe.cu): each cell's bound")
     a = ap.parse_args(argv)
@@ -578,13 +710,30 @@ def main(argv: list[str] | None = None) -> int:
     if a.probe is not None and a.probe.is_file():
         probe = json.loads(a.probe.read_text())
         result["probe"] = probe
+    split: dict = {}
+    if any(c in SPLIT for c in configs):
+        try:
+            want = Fraction(a.split_theta)
+        except (ValueError, ZeroDivisionError):
+            raise SystemExit(f"error: --split-theta {a.split_theta!r}: a number or fraction in (0, 1)") from None
+        if not 0 < want < 1:
+            raise SystemExit(f"error: --split-theta {a.split_theta}: a top share in (0, 1)")
+        split = split_layers(facts, want)
+        if split:
+            result["split_note"] = split_note(split)
+        else:
+            n_ff, blck = _down_block(facts.layer(facts.moe_layers[0]))
+            result["split_note"] = (f"not run: no top share from {a.split_theta} to below 1 fits the down tensor's "
+                                    f"quant blocks ({n_ff} neurons in blocks of {blck})")
+            configs = [c for c in configs if c not in SPLIT]
+        print(f"split rows: {result['split_note']}", flush=True)
     plan = plan_cells(routings, configs, fractions)
     skipped = []
     for routing, config, f in plan:
         if a.budget_s is not None and time.monotonic() - t_start > a.budget_s:
             skipped.append(f"{routing} {config} {'' if f is None else f'{f:.0%}'}".strip())
             continue
-        cell = run_cell(a.model, facts, config, f, routing, held, a, train)
+        cell = run_cell(a.model, facts, config, f, routing, held, a, train, split)
         cells = bounds([c for c in cells if c.key != cell.key] + [cell], probe)
         print(f"{routing:6} {config:12} {'' if f is None else f'{f:.0%}':>5}  "
               f"{cell.error or f'{cell.decode_tps:.1f} tok/s decode, {cell.prefill_tps:.0f} tok/s prefill'}"
@@ -594,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     result["skipped"] = skipped
     result["hook_overhead_us"] = hook_overhead_us(cells, len(facts.moe_layers))
     if not a.no_calibrate and not skipped:
-        cells = estimate(a, facts, cells, result, work, held, train)
+        cells = estimate(a, facts, cells, result, work, held, train, split)
     result["goals"] = goals(cells)
     write(a.out, result, cells)
     print(markdown(result, cells))
@@ -603,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def estimate(a, facts, cells: list[Cell], result: dict, work: Path, held: Path | None,
-             train: Path | None) -> list[Cell]:
+             train: Path | None, split: dict | None = None) -> list[Cell]:
     """Calibrate on the model, make its hardware profile, and fill every cell's simulated TPOT."""
     from dataclasses import replace
 
@@ -638,7 +787,7 @@ def estimate(a, facts, cells: list[Cell], result: dict, work: Path, held: Path |
     for c in cells:
         trace = traces.get(c.key[0])
         if c.error is None and trace is not None:
-            c = replace(c, tpot_sim_ms=simulate_cell(c, facts, trace, train_trace, profile))
+            c = replace(c, tpot_sim_ms=simulate_cell(c, facts, trace, train_trace, profile, split))
         out.append(c)
     print(f"calibration and simulation: {time.monotonic() - t0:.0f} s", flush=True)
     return out

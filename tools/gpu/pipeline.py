@@ -18,7 +18,8 @@ Steps, in order of what matters most (a loan cut short still returns the first o
     engine check     the first model loaded through ggmoe's Engine in a fresh process; if that dies by a
                      signal, again with libstdc++ preloaded, kept for the matrix runs (the first loan's
                      segfault: numpy loaded before libllama)
-    matrix M random  tools/gpu/matrix.py, the model's own router
+    matrix M random  tools/gpu/matrix.py, the model's own router: its default configurations, MoEpic's split
+                     (split, split-async at 50 and 25 %, beside lru and async at the same VRAM) among them
     matrix M trace   tools/gpu/matrix.py --append, trace-replay routing (benchmark only)
 
 for each model of --models (default gpt-oss-20b, then qwen3-30b-a3b). Results go to --results (default

@@ -13,7 +13,8 @@ Presets (architecture qwen3moe, whose MoE llama.cpp runs like the originals'):
     gpt-oss-20b    24 layers, n_embd 2880, 32 experts of width 2880, top-4; experts MXFP4 (gpt-oss's own
                    expert type: 2880 is not a multiple of Q4_K's 256-element block), ~10 GB
     qwen3-30b-a3b  48 layers, n_embd 2048, 128 experts of width 768, top-8; experts Q4_K, ~16 GB
-    toy            4 layers, n_embd 256, 32 experts of width 256, top-4; experts Q4_K (CI, the smoke run)
+    toy            4 layers, n_embd 256, 32 experts of width 512, top-4; experts Q4_K (CI, the smoke run; 512
+                   neurons: two Q4_K blocks of 256, so MoEpic's split at θ 1/2 fits the down tensor's blocks)
     toy-mxfp4      4 layers, n_embd 320, 32 experts of width 320, top-4; experts MXFP4 (CI)
 
 Attention and the other dense matrices are Q8_0, norms and the router F32; heads are 64 wide. The
@@ -68,9 +69,9 @@ PRESETS: dict[str, Preset] = {
     "qwen3-30b-a3b": Preset(Shape(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, n_ff_exp=768, n_ff=768,
                                   n_expert=128, n_expert_used=8, n_ctx_train=4096), QType.Q4_K,
                             "Qwen3-30B-A3B's MoE shape: 48 layers, n_embd 2048, 128 experts x 768, top-8, Q4_K"),
-    "toy": Preset(Shape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff_exp=256, n_ff=256, n_expert=32,
+    "toy": Preset(Shape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff_exp=512, n_ff=256, n_expert=32,
                         n_expert_used=4, n_ctx_train=2048), QType.Q4_K,
-                  "toy: 4 layers, n_embd 256, 32 experts x 256, top-4, Q4_K"),
+                  "toy: 4 layers, n_embd 256, 32 experts x 512, top-4, Q4_K"),
     "toy-mxfp4": Preset(Shape(n_layer=4, n_embd=320, n_head=5, n_head_kv=1, n_ff_exp=320, n_ff=320, n_expert=32,
                               n_expert_used=4, n_ctx_train=2048), QType.MXFP4,
                         "toy-mxfp4: 4 layers, n_embd 320 (not a multiple of 256), 32 experts x 320, top-4, MXFP4"),
