@@ -370,10 +370,25 @@ class ExpertCache:
             self._submit_token.pop(h.id, None)
 
     def observe(self, il: int, ids: np.ndarray | list[int]) -> None:
-        """A micro-batch that ran the native path: counted, nothing loaded or evicted."""
+        """A micro-batch that ran the native path: counted; nothing loaded or evicted, except in a split layer,
+        whose micro-batches above 4 tokens (prefill) always run natively: its used experts' tops are admitted
+        at low priority (up to its slots), so that the decode after a prefill finds them, as whole-expert
+        layers' prefills leave theirs in the slots."""
         st = self.stats.layers[il]
         st.calls += 1
         st.native_calls += 1
+        if il in self.split and not self._releases:
+            flat = ids.ravel().tolist() if isinstance(ids, np.ndarray) else list(ids)
+            with self.lock:
+                table = self.tables[il]
+                self.clock += 1
+                need = sorted(set(flat))
+                self.split.land(self, il)
+                self.policy.on_access(il, need, self.clock)
+                admit = [e for e in need if table.slot_of_list[e] < 0][: table.n_slots]
+                if admit:
+                    st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
+                self.split.land(self, il)
 
     def _load(self, il: int, table: SlotTable, need: list[int], missing: list[int],
               priority: Priority) -> list[CopyHandle]:

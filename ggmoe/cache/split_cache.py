@@ -55,7 +55,7 @@ class SplitLayers:
         st.calls += 1
         need = sorted(set(flat))
         if before_compute:
-            self._land(cache, il)
+            self.land(cache, il)
             if table.n_loading:
                 cache._drop_stale_prefetches(il, table, need)
         slot_of, copy = table.slot_of_list, table.copy
@@ -83,10 +83,10 @@ class SplitLayers:
             st.pred_correct += len(set(guess) & set(need))
         cache.policy.on_access(il, need, cache.clock)
         cache._admit_after(il, table, need, missing)
-        self._land(cache, il)  # a synchronous backend (the CPU build's memcpy) has landed them already
+        self.land(cache, il)  # a synchronous backend (the CPU build's memcpy) has landed them already
         st.hook_s += cache.time.now() - t0
 
-    def _land(self, cache: ExpertCache, il: int) -> None:
+    def land(self, cache: ExpertCache, il: int) -> None:
         """Copies into the layer's slots and bottom buffers that landed become readable."""
         table = cache.tables[il]
         if table.n_loading:
@@ -125,5 +125,5 @@ class SplitLayers:
             st.bottom_prefetches += 1
             st.bottom_prefetch_bytes += sp.bottom_bytes
             st.bytes_copied += sp.bottom_bytes
-        self._land(cache, il)
+        self.land(cache, il)
         return tops

@@ -313,7 +313,7 @@ def _result(config: SimConfig, trace: Trace, cache: ExpertCache, link: LinkCopyB
     in_time = 1.0 - link.late_prefetches / t.prefetch_hits if t.prefetch_hits else 0.0
     return SimResult(
         label=config.label, policy=config.policy, predictor=config.predictor, miss_policy=config.miss_policy,
-        slots_per_layer=dict(config.n_slots), cache_bytes=sum(n * bpe[il] for il, n in config.n_slots.items()),
+        slots_per_layer=dict(config.n_slots), cache_bytes=sum(n * cache.slot_bytes[il] for il, n in config.n_slots.items()),
         hit_rate=t.hit_rate, pred_accuracy=t.pred_accuracy, prefetch_issued=t.prefetch_issued,
         prefetch_hits=t.prefetch_hits, late_prefetches=link.late_prefetches,
         goodpred=t.pred_accuracy * max(in_time, 0.0), exposed_copy_s=t.wait_s, host_computed=t.host_computed,
