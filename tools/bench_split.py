@@ -10,7 +10,8 @@ rounds (side by side in one run):
   layers read misses and bottoms in place;
 - whole LRU + skip-gate / MoEpic (split θ, LCP, skip-gate bottoms): the sync decode with prefetching.
 
-A split row holds as many tops as the whole row's bytes (``ggmoe simulate --theta``'s rule). Reported per
+A split row holds as many tops as the whole row's bytes (``ggmoe simulate --theta``'s rule; with prefetching,
+less the k bottom buffers of a whole expert's bytes each: the same VRAM). Reported per
 row: whole hits, top-only hits and misses (shares of expert uses), bytes over the link per decoded token
 (reads from host memory + copies into slots and bottom buffers), the measured decode TPOT (median over the
 rounds; on a CPU build a "link" read is a RAM read, so this shows the bookkeeping, not the link), and the
@@ -67,6 +68,9 @@ def cache_for(facts, fraction: float, row: Row, theta: float, k: int) -> tuple[C
     whole = max(facts.n_expert_used, min(facts.n_expert, round(fraction * facts.n_expert)))
     th = row.theta or theta
     split, slots = split_at(facts, dict.fromkeys(facts.moe_layers, whole), th)
+    if split and row.prefetch:  # k bottom buffers per split layer, each a whole expert's bytes, out of the budget
+        split, slots = split_at(facts, dict.fromkeys(facts.moe_layers, whole - k), th)
+        slots = {il: max(k, n) for il, n in slots.items()}
     pre = PrefetchConfig("skip-gate", stride=1, n_prefetch=k) if row.prefetch else None
     cfg = CacheConfig(layer_slots=slots, policy=row.policy, prefetch=pre,
                       decode_mode=row.mode,
@@ -105,7 +109,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {platform.processor() or platform.platform()}; model {Path(path).name}; "
           f"{len(PROMPTS)} prompts x {args.tokens} tokens, {args.repeats} rounds; θ {args.theta}")
     hws = list(profiles)
-    print("| experts' bytes | configuration | slots/layer | whole hits | top-only hits | misses | link KiB/token | "
+    print("| experts' bytes | configuration | slots/layer (+ bottom buffers) | whole hits | top-only hits | misses | link KiB/token | "
           "TPOT ms, this CPU (median) | " + " | ".join(f"TPOT ms est. {h}" for h in hws) + " |")
     print("|---|---|---|---|---|---|---|---|" + "---|" * len(hws))
     for fraction in (float(f) for f in args.fractions.split(",")):
@@ -129,7 +133,8 @@ def main() -> None:
                                              decode_mode=row.mode),
                                bpe, profiles[h], model_path=path)
                 est.append(f"{sim.tpot_s * 1e3:.3f}")
-            print(f"| {fraction:.0%} | {row.label} | {next(iter(slots.values()))} | {st['hits'] / uses:.1%} | "
+            buffers = f" + {k}" if split and row.prefetch else ""
+            print(f"| {fraction:.0%} | {row.label} | {next(iter(slots.values()))}{buffers} | {st['hits'] / uses:.1%} | "
                   f"{st['top_hits'] / uses:.1%} | {st['misses'] / uses:.1%} | {link:.0f} | "
                   f"{statistics.median(times[i]) * 1e3:.2f} | " + " | ".join(est) + " |")
 
