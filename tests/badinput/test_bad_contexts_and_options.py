@@ -147,6 +147,10 @@ LOAD_CASES = {
     "prefetch_threshold nan": 'cache_slots=4, predictor="reuse", prefetch_threshold=float("nan")',
     "policy option out of bounds": 'cache=CacheConfig(n_slots=4, policy="fmoe", policy_options={"window": 0})',
     "policy option unknown": 'cache=CacheConfig(n_slots=4, policy="lru", policy_options={"window": 4})',
+    "theta above 1": 'cache=CacheConfig(n_slots=4, layer_theta={0: 1.5})',
+    "theta of no MoE layer": 'cache=CacheConfig(n_slots=4, layer_theta={99: 0.5})',
+    "config missing": 'config="TMP/nope.toml"',
+    "config and cache options": 'config="TMP/nope.toml", cache_slots=4',
 }
 LOAD_CASES_SCRIPT = """
 import json, sys, ggmoe
@@ -236,6 +240,12 @@ PLAN_CASES = {
     "stride huge": ('policy = "lru"', '[prefetch]\npredictor = "reuse"\nstride = 99999\n', "stride"),
     "predictor empty": ('policy = "lru"', '[prefetch]\npredictor = ""\n', "predictor is empty"),
     "policy empty": ('policy = ""', "", "unknown policy ''"),
+    "theta above 1": ('policy = "lru"', '[cache.theta]\n"0" = 1.5\n', "top shares numbers from 0 to 1"),
+    "theta nan": ('policy = "lru"', '[cache.theta]\n"0" = nan\n', "top shares numbers from 0 to 1"),
+    "theta a string": ('policy = "lru"', '[cache.theta]\n"0" = "half"\n', "top shares numbers from 0 to 1"),
+    "theta not a table": ('policy = "lru"\ntheta = 0.5', "", "[cache.theta] must map"),
+    "theta of a layer without slots": ('policy = "lru"', '[cache.theta]\n"99" = 0.5\n', "which [cache.slots] does not"),
+    "theta with the host path": ('policy = "lru"\nmiss_policy = "cpu"', '[cache.theta]\n"0" = 0.5\n', "host path"),
 }
 
 

@@ -11,6 +11,8 @@ import time
 import httpx
 from server_process import API_KEY, MAX_QUEUE
 
+import ggmoe
+
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0.8, "seed": 1}
 
 
@@ -137,3 +139,27 @@ def test_soak_memory_flat_and_stats_consistent(server):
                                                m, re.M))
     assert served >= counts["good"]
     assert json.loads(json.dumps(h))  # the health body stays JSON
+
+
+def test_load_takes_a_split_plan_and_reconfigures(tmp_path):
+    """ggmoe.load(config=plan) with MoEpic's [cache.theta]: llama-cpp-python's API unchanged, the split in the
+    statistics; reconfigure() then replaces the cache between generations with the same output (greedy)."""
+    from ggmoe.cache import CacheConfig
+    from ggmoe.inspect import inspect_model
+    from ggmoe.models import default_model_path
+
+    facts = inspect_model(default_model_path())
+    plan = tmp_path / "plan.toml"
+    plan.write_text("[cache]\npolicy = \"lcp\"\n[cache.slots]\n" + "".join(f'"{il}" = 12\n' for il in facts.moe_layers)
+                    + "[cache.theta]\n" + "".join(f'"{il}" = 0.5\n' for il in facts.moe_layers))
+    with ggmoe.load(config=str(plan), decode_mode="sync") as llm:
+        assert llm.cache_config.layer_theta == dict.fromkeys(facts.moe_layers, 0.5)
+        first = llm.create_completion("def fib(n):", max_tokens=12, temperature=0)["choices"][0]["text"]
+        total = llm.stats()["cache"]["total"]
+        assert total["top_hits"] > 0 and total["bottom_read_bytes"] > 0
+        assert llm.stats()["cache"]["decode_mode_in_effect"] == "sync"
+        llm.reconfigure(CacheConfig(n_slots=facts.n_expert_used + 4))
+        assert llm.cache_config.layer_theta is None
+        again = llm.create_completion("def fib(n):", max_tokens=12, temperature=0)["choices"][0]["text"]
+        assert again == first
+        assert llm.stats()["cache"]["total"]["top_hits"] == 0  # whole experts now
