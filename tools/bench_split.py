@@ -11,7 +11,7 @@ rounds (side by side in one run):
 - whole LRU + skip-gate / MoEpic (split θ, LCP, skip-gate bottoms): the sync decode with prefetching.
 
 A split row holds as many tops as the whole row's bytes (``ggmoe simulate --theta``'s rule; with prefetching,
-less the k bottom buffers of a whole expert's bytes each: the same VRAM). Reported per
+less its k bottom buffers, one packed bottom each: the same VRAM). Reported per
 row: whole hits, top-only hits and misses (shares of expert uses), bytes over the link per decoded token
 (reads from host memory + copies into slots and bottom buffers), the measured decode TPOT (median over the
 rounds; on a CPU build a "link" read is a RAM read, so this shows the bookkeeping, not the link), and the
@@ -68,9 +68,9 @@ def cache_for(facts, fraction: float, row: Row, theta: float, k: int) -> tuple[C
     whole = max(facts.n_expert_used, min(facts.n_expert, round(fraction * facts.n_expert)))
     th = row.theta or theta
     split, slots = split_at(facts, dict.fromkeys(facts.moe_layers, whole), th)
-    if split and row.prefetch:  # k bottom buffers per split layer, each a whole expert's bytes, out of the budget
-        split, slots = split_at(facts, dict.fromkeys(facts.moe_layers, whole - k), th)
-        slots = {il: max(k, n) for il, n in slots.items()}
+    if split and row.prefetch:  # k bottom buffers per split layer, one packed bottom each, out of the budget
+        slots = {il: max(k, min(facts.n_expert, (whole * facts.bytes_per_expert(il) - k * split[il].bottom_bytes)
+                                // split[il].top_bytes)) for il in slots}
     pre = PrefetchConfig("skip-gate", stride=1, n_prefetch=k) if row.prefetch else None
     cfg = CacheConfig(layer_slots=slots, policy=row.policy, prefetch=pre,
                       decode_mode=row.mode,

@@ -15,8 +15,10 @@ Layouts (what the engine's copies move and ``ggml_mul_mat_id_table_split`` reads
 
 - top segment, in a slot: up/gate rows ``[0, n_top)`` packed (each half's for gate_up),
   down rows of ``n_top / blck`` blocks packed;
-- bottom segment: in the expert's own layout (the host tensor's), so a bottom buffer
-  holds a whole expert's bytes of which only the bottom part is written.
+- bottom segment: read in place in the expert's own layout (the host tensor's), or
+  copied into a bottom buffer packed (up/gate rows ``[n_top, n_ff)`` of each half,
+  down rows of the remaining blocks; ``GGML_MMID_SPLIT_PACKED``): a buffer holds
+  exactly one bottom.
 
 Pure arithmetic on the GGUF's facts: the cache, the simulator and the engine use
 the same figures (bytes per top, per bottom, the split of each kind).
@@ -39,6 +41,7 @@ from ggmoe.inspect.names import CACHED_KINDS
 SPLIT_MAX_TOKENS = 4
 
 SPLIT_ROWS, SPLIT_COLS = 1, 2  # ggml_mmid_split_axis (patch 0007)
+SPLIT_PACKED = 1 << 32  # or-ed into a table's split: the bottom address holds a packed bottom (a bottom buffer)
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class Run:
     expert's host bytes to ``dst + i*dst_stride`` of its destination."""
 
     src: int  # bytes from the expert's start in the host tensor
-    dst: int  # bytes from the start of the destination (a top segment or a bottom buffer's expert)
+    dst: int  # bytes from the start of the destination (a top segment or a packed bottom)
     size: int  # bytes per piece
     n: int  # pieces
     src_stride: int  # bytes
@@ -67,7 +70,7 @@ class KindSplit:
     split: int  # the table's split: rows per row group (rows) or quant blocks per row (cols)
     nb2: int  # bytes of one whole expert matrix of this kind
     top: Run  # the top segment: host -> slot
-    bottom: tuple[Run, ...]  # the bottom segment: host -> bottom buffer (the same offsets)
+    bottom: tuple[Run, ...]  # the bottom segment: host -> bottom buffer (packed)
 
     @property
     def top_bytes(self) -> int:
@@ -144,7 +147,7 @@ def layer_split(layer: MoeLayer, theta: float) -> LayerSplit | None:
             top_row = kb * b_bytes
             rows = shape[1]
             top = Run(0, 0, top_row, rows, nb1, top_row)
-            bottom = (Run(top_row, top_row, nb1 - top_row, rows, nb1, nb1),)
+            bottom = (Run(top_row, 0, nb1 - top_row, rows, nb1, nb1 - top_row),)
             kinds.append(KindSplit(k, SPLIT_COLS, kb, nb2, top, bottom))
             continue
         halves = 2 if k == "gate_up" else 1  # gate_up: the gate half then the up half, n_ff rows each
@@ -152,7 +155,7 @@ def layer_split(layer: MoeLayer, theta: float) -> LayerSplit | None:
             raise UsageError(f"layer {layer.il}: ffn_{k}_exps has {shape[1]} rows, not {halves} x n_ff = "
                              f"{halves * n_ff}: its experts cannot be split")
         top = Run(0, 0, n_top * nb1, halves, n_ff * nb1, n_top * nb1)
-        bottom = (Run(n_top * nb1, n_top * nb1, (n_ff - n_top) * nb1, halves, n_ff * nb1, n_ff * nb1),)
+        bottom = (Run(n_top * nb1, 0, (n_ff - n_top) * nb1, halves, n_ff * nb1, (n_ff - n_top) * nb1),)
         kinds.append(KindSplit(k, SPLIT_ROWS, n_top, nb2, top, bottom))
     return LayerSplit(layer.il, float(theta), n_ff, n_top, tuple(kinds))
 

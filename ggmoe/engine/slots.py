@@ -45,7 +45,7 @@ class _Pair:
     cache: int  # ggml_tensor * of the slot tensor [ne0, ne1, n_slots]
     nb2: int  # bytes of one expert slice (same in both)
     split: KindSplit | None = None  # a split layer's kind: the slot tensor holds top segments, packed
-    bottom: int = 0  # ggml_tensor * of a split layer's bottom buffers [ne0, ne1, n_bottom] (0: none)
+    bottom: int = 0  # ggml_tensor * of a split layer's bottom buffers, packed bottoms of this kind (0: none)
 
     @property
     def slot_bytes(self) -> int:
@@ -60,7 +60,7 @@ class _Pair:
         b = bottom_buffer(slot)
         if b is None:
             return [(self.cache, slot * self.split.top_bytes, self.split.top)]
-        return [(self.bottom, b * self.nb2, r) for r in self.split.bottom]
+        return [(self.bottom, b * self.split.bottom_bytes, r) for r in self.split.bottom]
 
 
 class SlotTensors:
@@ -70,7 +70,7 @@ class SlotTensors:
                  split: dict[int, LayerSplit] | None = None, n_bottom: int = 0) -> None:
         """``zero_slot``: one more slot per layer, after the others, filled with zeros (the host path's).
         ``split``: layers whose slots hold top segments (MoEpic); their slot tensors are ``[ne0, ne1, m]`` with
-        m whole experts' bytes enough for every top (``registered``), and ``n_bottom`` bottom buffers each."""
+        m whole experts' bytes enough for every top (``registered``), and ``n_bottom`` packed bottom buffers each."""
         split = split or {}
         P = _patched.load()
         self.buft = buft  # the slots' buffer type (the expert tables go on the same device)
@@ -101,8 +101,9 @@ class SlotTensors:
                     h = ctypes.cast(host_ptr, B.ggml_tensor_p).contents
                     self.tensors[il][kind] = self.arena.new_tensor(h.type, h.ne[0], h.ne[1], n,
                                                                    f"ggmoe_slots.{il}.{kind}")
-                    if ks and n_bottom:
-                        bottoms[il][kind] = self.arena.new_tensor(h.type, h.ne[0], h.ne[1], n_bottom,
+                    if ks and n_bottom:  # packed bottoms, in whole experts' room (a tensor of the expert's shape)
+                        nb = max(1, -(-n_bottom * ks[kind].bottom_bytes // ks[kind].nb2))
+                        bottoms[il][kind] = self.arena.new_tensor(h.type, h.ne[0], h.ne[1], nb,
                                                                   f"ggmoe_bottoms.{il}.{kind}")
             self.nbytes = self.arena.allocate(buft)  # bytes
             for il, kinds in found.items():

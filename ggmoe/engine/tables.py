@@ -24,6 +24,7 @@ import ctypes
 
 import numpy as np
 
+from ggmoe.cache.split import SPLIT_PACKED
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
@@ -53,6 +54,7 @@ class _LayerTable:
         self.slot_data = slot_data  # [kind] address of slot 0 of the kind's slot tensor
         self.slot_bytes = [p.slot_bytes for p in pairs]  # [kind] bytes from one slot to the next
         self.split = [p.split.split if p.split is not None else -1 for p in pairs]  # [kind] the table's split
+        self.bottom_bytes = [p.split.bottom_bytes if p.split is not None else 0 for p in pairs]  # [kind] a buffer
         self.bottom_data = bottom_data  # [kind] address of bottom buffer 0 (split layers with buffers)
         self.nb2 = [p.nb2 for p in pairs]
         self.is_split = pairs[0].split is not None
@@ -69,18 +71,20 @@ class _LayerTable:
             v[row, expert] = value
             self.owner.touch(self.offsets[k] + row * v.shape[1] + expert)
 
-    def _bottom(self, k: int, expert: int) -> int:
-        """Where expert's bottom is read: its landed bottom buffer, else its host tensor."""
+    def _bottom(self, k: int, expert: int) -> tuple[int, int]:
+        """(bottom address, split entry) of a mapped expert: its landed bottom buffer (packed), else its host
+        tensor (the expert's layout)."""
         bt = self.bottoms
         if bt is not None and bt.ready(expert):
-            return self.bottom_data[k] + bt.buffer_of[expert] * self.nb2[k]
-        return int(self.host[k][expert])
+            return self.bottom_data[k] + bt.buffer_of[expert] * self.bottom_bytes[k], self.split[k] | SPLIT_PACKED
+        return int(self.host[k][expert]), self.split[k]
 
     def mapped(self, expert: int, slot: int) -> None:
         for k in range(len(self.views)):
-            if self.is_split:  # bottom and split before the top: a kernel reading between sees a whole expert
-                self._write(k, 1, expert, self._bottom(k, expert))
-                self._write(k, 2, expert, self.split[k])
+            if self.is_split:  # bottom and split before the top: the old top was host memory, whole
+                addr, split = self._bottom(k, expert)
+                self._write(k, 1, expert, addr)
+                self._write(k, 2, expert, split)
             self._write(k, 0, expert, self.slot_data[k] + slot * self.slot_bytes[k])
 
     def unmapped(self, expert: int) -> None:
@@ -92,11 +96,21 @@ class _LayerTable:
     def bottom_mapped(self, expert: int, buffer: int) -> None:
         if self.views[0][2, expert] >= 0:  # the top is mapped: read the bottom from the buffer now
             for k in range(len(self.views)):
-                self._write(k, 1, expert, self.bottom_data[k] + buffer * self.nb2[k])
+                self._set_bottom(k, expert, self.bottom_data[k] + buffer * self.bottom_bytes[k],
+                                 self.split[k] | SPLIT_PACKED)
 
     def bottom_unmapped(self, expert: int) -> None:
         for k in range(len(self.views)):
-            self._write(k, 1, expert, int(self.host[k][expert]))
+            if self.views[k][2, expert] >= 0:  # mapped: its bottom is read from host memory again
+                self._set_bottom(k, expert, int(self.host[k][expert]), self.split[k])
+            else:
+                self._write(k, 1, expert, int(self.host[k][expert]))
+
+    def _set_bottom(self, k: int, expert: int, addr: int, split: int) -> None:
+        """A mapped expert's bottom moves (host <-> buffer): address and layout flag change together. Written
+        while no graph reads the table (between tokens, or in the route callback of another layer)."""
+        self._write(k, 1, expert, addr)
+        self._write(k, 2, expert, split)
 
 
 class ExpertTables:

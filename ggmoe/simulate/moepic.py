@@ -16,8 +16,7 @@ per token are k [u (H - PH) + t (P - PH) + b (1 - H - P + PH)] (a cached top wit
 the bottom; a predicted bottom without its top reads the top; neither reads all), at the zero-copy rate for
 a split layer (the engine reads them in place) and the copy rate for a whole-expert layer. Prefetched bytes,
 y u per token, overlap the previous layer's compute; what does not fit that window is exposed too. VRAM of a
-split layer: C t + y b, since a bottom buffer holds a whole expert's layout (only its bottom written); of a
-whole-expert layer C b.
+split layer: C t + y u (a bottom buffer holds one packed bottom); of a whole-expert layer C b.
 
 The engine gives every split layer the same number of bottom buffers (the prefetcher's n_prefetch), so the
 configurator runs once per candidate y (0, k, 2k), every split layer with that y, and keeps the best. Each run
@@ -54,7 +53,7 @@ class Share:
     theta: float  # share of an expert's n_ff neurons in the top segment; 1: whole experts
     top_bytes: int  # bytes of one expert's top segment: what a slot holds
     bottom_bytes: int  # bytes of its bottom segment: read over the link or prefetched (0 for θ = 1)
-    expert_bytes: int  # bytes of a whole expert: what one bottom buffer takes in VRAM
+    expert_bytes: int  # bytes of a whole expert
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ class LayerChoice:
     y: int  # bottom buffers: experts whose bottoms are prefetched per token (0 for θ = 1)
     c: int  # experts whose tops are cached (slots)
     exposed_s: float  # s per token this layer waits for copies (estimate)
-    used_bytes: int  # bytes of VRAM the choice takes: c tops + y whole-expert bottom buffers
+    used_bytes: int  # bytes of VRAM the choice takes: c tops + y bottom buffers (packed bottoms)
 
 
 @dataclass(frozen=True)
@@ -147,7 +146,7 @@ def layer_cost(curves: Curves, il: int, share: Share, vram: int, y: int, profile
     k tops (the engine needs at least n_expert_used slots)."""
     split = share.theta < 1
     y = y if split else 0
-    buffers = y * share.expert_bytes  # a bottom buffer holds a whole expert's layout
+    buffers = y * share.bottom_bytes  # a bottom buffer holds one packed bottom
     c = min(curves.n_expert, (vram - buffers) // share.top_bytes) if vram >= buffers else -1
     if c < curves.k:
         return None
@@ -169,7 +168,7 @@ def best_choice(curves: Curves, il: int, shares: Sequence[Share], vram: int, y: 
 
 def _min_vram(shares: Sequence[Share], k: int, y: int) -> int:
     """Bytes the cheapest feasible choice of a layer takes: k tops (and y bottom buffers when split)."""
-    return min(k * s.top_bytes + (y * s.expert_bytes if s.theta < 1 else 0) for s in shares)
+    return min(k * s.top_bytes + (y * s.bottom_bytes if s.theta < 1 else 0) for s in shares)
 
 
 def check_budget(shares: Mapping[int, Sequence[Share]], budget: int, k: int, y: int = 0) -> None:

@@ -80,21 +80,21 @@ def test_unsplit_cost_is_the_lru_misses():
     assert got.exposed_s == pytest.approx(2 * B * 0.5 / 1e9)  # k (1 - H) b over the link
 
 
-def test_split_cost_by_hand_with_whole_expert_bottom_buffers():
+def test_split_cost_by_hand_with_packed_bottom_buffers():
     c = curves({2: 0.3, 4: 0.5, 6: 0.6}, {2: 0.7})
-    # theta 0.5, y 2: the bottom buffers take 2 whole experts (2 MB, not 2 x 0.5 MB); 4 MB - 2 MB holds 4 tops
+    # theta 0.5, y 2: the bottom buffers take 2 packed bottoms (2 x 0.5 MB); 4 MB - 1 MB holds 6 tops
     got = layer_cost(c, 0, HALF, 4 * B, y=2, profile=P, window_s=1.0)
-    h, p = 0.5, 0.7
+    h, p = 0.6, 0.7
     ph = h * p
     demand = 2 * (B / 2 * (h - ph) + B / 2 * (p - ph) + B * (1 - h - p + ph))
-    assert (got.c, got.y, got.used_bytes) == (4, 2, 4 * B)
+    assert (got.c, got.y, got.used_bytes) == (6, 2, 4 * B)
     assert got.exposed_s == pytest.approx(demand / 1e9)
     # a window too short to hide the prefetched bottoms exposes the rest
     tight = layer_cost(c, 0, HALF, 4 * B, y=2, profile=P, window_s=0.0)
     assert tight.exposed_s == pytest.approx(demand / 1e9 + 2 * 0.5 * B / 1e9)
-    # 2 bottom buffers and k = 2 tops need 3 MB: below that the choice does not exist
-    assert layer_cost(c, 0, HALF, 3 * B, y=2, profile=P, window_s=0.0).c == 2
-    assert layer_cost(c, 0, HALF, 3 * B - 1, y=2, profile=P, window_s=0.0) is None
+    # 2 bottom buffers and k = 2 tops need 2 MB: below that the choice does not exist
+    assert layer_cost(c, 0, HALF, 2 * B, y=2, profile=P, window_s=0.0).c == 2
+    assert layer_cost(c, 0, HALF, 2 * B - 1, y=2, profile=P, window_s=0.0) is None
     assert layer_cost(c, 0, HALF, B // 2, y=2, profile=P, window_s=0.0) is None  # not even the buffers
 
 
