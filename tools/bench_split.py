@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from ggmoe.cache import CacheConfig  # noqa: E402
 from ggmoe.cache.hardware import load_profile  # noqa: E402
-from ggmoe.cli.simulate import split_at  # noqa: E402
+from ggmoe.cache.split import split_at, tops_in  # noqa: E402
 from ggmoe.control.prefetch import PrefetchConfig  # noqa: E402
 from ggmoe.engine import Engine, EngineConfig  # noqa: E402
 from ggmoe.inspect import inspect_model  # noqa: E402
@@ -64,13 +64,18 @@ ROWS = (Row("whole LRU, async", 1.0, "lru", False, "async"), Row("split LRU, asy
         Row("MoEpic: split LCP + skip-gate bottoms, sync", 0.0, "lcp", True, "sync"))
 
 
+def bpe_of(facts) -> dict[int, int]:
+    return {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+
+
 def cache_for(facts, fraction: float, row: Row, theta: float, k: int) -> tuple[CacheConfig, dict, dict]:
     whole = max(facts.n_expert_used, min(facts.n_expert, round(fraction * facts.n_expert)))
     th = row.theta or theta
     split, slots = split_at(facts, dict.fromkeys(facts.moe_layers, whole), th)
     if split and row.prefetch:  # k bottom buffers per split layer, one packed bottom each, out of the budget
-        slots = {il: max(k, min(facts.n_expert, (whole * facts.bytes_per_expert(il) - k * split[il].bottom_bytes)
-                                // split[il].top_bytes)) for il in slots}
+        reserved = {il: k * s.bottom_bytes for il, s in split.items()}
+        slots = {il: max(k, n) for il, n in tops_in(split, dict.fromkeys(slots, whole), bpe_of(facts),
+                                                     facts.n_expert, reserved).items()}
     pre = PrefetchConfig("skip-gate", stride=1, n_prefetch=k) if row.prefetch else None
     cfg = CacheConfig(layer_slots=slots, policy=row.policy, prefetch=pre,
                       decode_mode=row.mode,

@@ -385,9 +385,7 @@ class ExpertCache:
                 need = sorted(set(flat))
                 self.split.land(self, il)
                 self.policy.on_access(il, need, self.clock)
-                admit = [e for e in need if table.slot_of_list[e] < 0][: table.n_slots]
-                if admit:
-                    st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
+                self._admit_after(il, table, need, [e for e in need if table.slot_of_list[e] < 0][: table.n_slots])
                 self.split.land(self, il)
 
     def _load(self, il: int, table: SlotTable, need: list[int], missing: list[int],

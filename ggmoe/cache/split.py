@@ -175,3 +175,20 @@ def model_split(facts: ModelFacts, theta: Mapping[int, float] | None) -> dict[in
         if s is not None:
             out[il] = s
     return out
+
+
+def tops_in(split: Mapping[int, LayerSplit], slots: Mapping[int, int], bytes_per_expert: Mapping[int, int],
+            n_expert: int, reserved: Mapping[int, int] | None = None) -> dict[int, int]:
+    """Slots per layer at the same VRAM: a split layer holds as many tops as the bytes of its ``slots`` whole
+    experts, less ``reserved`` bytes (its bottom buffers), at most n_expert; a whole-expert layer keeps its."""
+    res = reserved or {}
+    return {il: min(n_expert, (n * bytes_per_expert[il] - res.get(il, 0)) // max(split[il].top_bytes, 1))
+            if il in split else n for il, n in slots.items()}
+
+
+def split_at(facts: ModelFacts, slots: Mapping[int, int], theta: float) -> tuple[dict[int, LayerSplit], dict[int, int]]:
+    """(split layers, slots per layer) for top share ``theta`` in every MoE layer, at the VRAM of ``slots``
+    whole experts (``tops_in``); θ = 1: no split, the slots as given."""
+    split = model_split(facts, dict.fromkeys(facts.moe_layers, theta)) if theta < 1 else {}
+    bpe = {il: facts.bytes_per_expert(il) for il in slots}
+    return split, tops_in(split, slots, bpe, facts.n_expert)

@@ -64,16 +64,6 @@ def sizes(facts: Any, cache_slots: tuple[str, ...], fractions: tuple[str, ...],
     return out
 
 
-def split_at(facts: Any, slots: dict[int, int], theta: float) -> tuple[dict, dict[int, int]]:
-    """(split layers, slots per layer) for top share ``theta`` in the bytes of ``slots`` whole experts: a split
-    layer holds as many tops as those bytes do (at most n_expert)."""
-    from ggmoe.cache.split import model_split
-
-    split = model_split(facts, dict.fromkeys(facts.moe_layers, theta)) if theta < 1 else {}
-    return split, {il: min(facts.n_expert, n * facts.bytes_per_expert(il) // max(split[il].top_bytes, 1))
-                   if il in split else n for il, n in slots.items()}
-
-
 def _row(size: str, r: Any, theta: float = 1.0) -> dict[str, Any]:
     est = r.tpot_s is not None
     top = r.stats.get("total", {}).get("top_hit_rate", r.hit_rate)
@@ -183,6 +173,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     from ggmoe.cache.hardware import load_profile
     from ggmoe.cache.miss import check_miss_policy
     from ggmoe.cache.policies import POLICIES
+    from ggmoe.cache.split import split_at
     from ggmoe.cli.warm import read_stats_in
     from ggmoe.inspect import inspect_model
     from ggmoe.inspect.fingerprint import model_fingerprint
@@ -243,7 +234,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
         pyplot()
     with click.progressbar(combos, label="simulating", file=sys.stderr) as bar:
         for (label, slots), pol, pred, miss, mode, th in bar:
-            split, n_slots = split_at(facts, slots, th)
+            split, n_slots = split_at(facts, slots, th)  # the same VRAM as the whole-expert row
             cfg = SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
                             stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
                             predictor_state=state(pred), decode_mode=mode, split=split)

@@ -56,7 +56,6 @@ class _LayerTable:
         self.split = [p.split.split if p.split is not None else -1 for p in pairs]  # [kind] the table's split
         self.bottom_bytes = [p.split.bottom_bytes if p.split is not None else 0 for p in pairs]  # [kind] a buffer
         self.bottom_data = bottom_data  # [kind] address of bottom buffer 0 (split layers with buffers)
-        self.nb2 = [p.nb2 for p in pairs]
         self.is_split = pairs[0].split is not None
         self.bottoms = None  # the cache's BottomTable of the layer (split layers with bottom buffers)
         for k, v in enumerate(views):  # every expert starts whole in host memory

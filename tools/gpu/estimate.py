@@ -39,7 +39,7 @@ from realshape import PRESETS, plan_for, tensor_bytes, tensor_type  # noqa: E402
 from trace_routing import ROUTING_NAME, tile_trace  # noqa: E402
 
 from ggmoe.cache.hardware import load_profile  # noqa: E402
-from ggmoe.cache.split import LayerSplit, layer_split  # noqa: E402
+from ggmoe.cache.split import LayerSplit, layer_split, tops_in  # noqa: E402
 from ggmoe.inspect.facts import ExpertTensor, MoeLayer  # noqa: E402
 from ggmoe.simulate.des import SimConfig, SimResult, baseline, simulate  # noqa: E402
 from ggmoe.trace import load_traces  # noqa: E402
@@ -131,7 +131,7 @@ def estimate(preset: str, trace_path: Path, hw: str, fractions: list[float], the
             ref = lru(mode, f)
             split_rows.append(_row(ref, "lru" if mode == "sync" else "async", mode, f, n, n * sum(bpe.values()), None))
             for s in splits:
-                tops = min(p.shape.n_expert, n * bpe[0] // s.top_bytes)
+                tops = tops_in({0: s}, {0: n}, bpe, p.shape.n_expert)[0]
                 sp = {il: LayerSplit(il, s.theta, s.n_ff, s.n_top, s.kinds) for il in layers}
                 r = simulate(trace, SimConfig(dict.fromkeys(layers, tops), decode_mode=mode, split=sp), bpe, profile)
                 split_rows.append(_row(r, "split" if mode == "sync" else "split-async", mode, f, tops,

@@ -208,7 +208,9 @@ def split_layers(facts, want: float | Fraction | str) -> dict:
 
 def split_slots(n_slots: int, split: dict, bytes_per_expert: dict[int, int], n_expert: int) -> dict[int, int]:
     """Tops per layer that fit the VRAM of ``n_slots`` whole experts in that layer (at most n_expert)."""
-    return {il: min(n_expert, n_slots * bytes_per_expert[il] // s.top_bytes) for il, s in split.items()}
+    from ggmoe.cache.split import tops_in
+
+    return tops_in(split, dict.fromkeys(split, n_slots), bytes_per_expert, n_expert)
 
 
 def split_note(split: dict) -> str:
