@@ -40,7 +40,7 @@ Work = Callable[[int | None], None]  # writes part of a copy: on the given backe
 COPY_STREAM_ENV = "GGMOE_COPY_STREAM"  # immediate | deferred (the CPU build); a GPU always uses its events
 COPY_DELAY_ENV = "GGMOE_COPY_DELAY_MS"  # the deferred stream's largest delay per copy, milliseconds
 COPY_STREAM_KINDS = ("immediate", "deferred")
-DEFERRED_DELAY_S = 0.002  # s: the default largest delay of a deferred copy (a decode step here takes ~1 ms)
+DEFERRED_DELAY_S = 0.0002  # s: the default largest delay of a deferred copy (a fixture decode step takes ~1 ms)
 DEFERRED_WORKERS = 2  # threads: copies overtake each other
 
 
