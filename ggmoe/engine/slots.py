@@ -344,8 +344,8 @@ class CacheRuntime:
                 rc = P.llama_ggmoe_set_host_path(ctx_ptr, il, n)
                 if rc == _patched.LLAMA_GGMOE_ERR_HOST:
                     self.close()
-                    raise EngineError(f"layer {il} has per-expert biases: the host path cannot serve this "
-                                      "model; use --miss-policy wait")
+                    raise EngineError(f"layer {il} has {n} cache slots: the host path needs at least 2 (one "
+                                      "holds zeros); use more slots or --miss-policy wait")
             if rc != _patched.LLAMA_GGMOE_OK:
                 self.close()
                 raise EngineError(f"configuring the cache of layer {il} failed: {_patched.ERROR_NAMES.get(rc, rc)}")
