@@ -6,7 +6,7 @@ own template by llama-cpp-python's sandboxed Jinja2 formatter, tools included), 
 the context (llama-server's behaviour) unless strict, the grammar (GBNF, a JSON schema, a forced tool call)
 and the ``create_completion`` keyword arguments. ``Run`` executes a plan, streaming or not, ``n`` times,
 and shapes the answer: logprobs from a ``LogprobRecorder``, tool calls parsed back out of the text,
-``finish_reason`` ``tool_calls``, a first chunk with ``content: ""``. ``Watch`` is the
+``finish_reason`` ``tool_calls``, a first chunk with ``content: null`` (as llama-server sends it). ``Watch`` is the
 ``GenerationWatch`` of one request: timestamps tokens (TTFT, TPOT), counts them for the usage of a stream
 and stops the generation when the client has gone.
 """
@@ -408,7 +408,7 @@ class Run:
     def _chat_chunks(self, i: int) -> Iterator[dict[str, Any]]:
         stream = self._call(i, stream=True)
         first = next(stream, None)  # the prefill and first token, before anything is sent
-        yield self._chat_chunk(i, {"role": "assistant", "content": ""})
+        yield self._chat_chunk(i, {"role": "assistant", "content": None})
         family = self.plan.family
         text = ""  # everything generated
         emitted = 0  # characters of text sent as content

@@ -74,7 +74,7 @@ def test_sdk_logprobs_streaming_with_usage(oai):
                                          stream=True, logprobs=True, top_logprobs=1,
                                          stream_options={"include_usage": True})
     chunks = list(stream)
-    assert chunks[0].choices[0].delta.content == "" and chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content is None and chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
     tokens = [e.token for ch in chunks if ch.choices and ch.choices[0].logprobs

@@ -91,7 +91,7 @@ def test_streamed_tool_call(tools_server):
         events = sse_events(c, "/v1/chat/completions", {"messages": ASK, "tools": [WEATHER], "seed": 3,
                                                          "tool_choice": "required", "max_tokens": 120})
     chunks = [e for e in events if isinstance(e, dict)]
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     calls = [tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls") or []]
     assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Oslo", "Paris")
