@@ -153,6 +153,7 @@ class Plan:
     family: str | None = None  # tool-call format, when tools may be called
     tool_names: set[str] = field(default_factory=set)
     forced_tool: bool = False  # a grammar forces a call
+    parallel_tools: bool = False  # parallel_tool_calls: true (llama-server's default: false)
 
 
 def _sampling(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
@@ -268,15 +269,16 @@ def plan_chat(body: ChatRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
     if result.stopping_criteria is not None:
         kw["stopping_criteria"] = result.stopping_criteria
     forced = use_tools and (choice == "required" or not isinstance(choice, str))
+    parallel = bool(body.parallel_tool_calls)
     if forced:
         chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice.function.name]
-        kw["grammar"] = _grammar(llama, structured.tool_grammar(family, chosen), "tools")
+        kw["grammar"] = _grammar(llama, structured.tool_grammar(family, chosen, parallel), "tools")
     elif body.response_format is not None and body.response_format.type != "text":
         rf = body.response_format
         if rf.type == "json_schema":
             text = structured.schema_grammar(rf.json_schema.schema_, rf.json_schema.strict)
         elif rf.schema_ is not None:
-            text = structured.schema_grammar(rf.schema_, False)
+            text = structured.schema_grammar(rf.schema_, False, refuse=True)
         else:
             text = structured.json_object_grammar()
         kw["grammar"] = _grammar(llama, text, "response_format")
@@ -285,7 +287,8 @@ def plan_chat(body: ChatRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
     top = (body.top_logprobs or 0) if body.logprobs else None
     return Plan(chat=True, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
                 seed=body.seed, top_logprobs=top, family=family,
-                tool_names={t["function"]["name"] for t in tools} if use_tools else set(), forced_tool=forced)
+                tool_names={t["function"]["name"] for t in tools} if use_tools else set(), forced_tool=forced,
+                parallel_tools=parallel)
 
 
 def _logit_bias(body: CompletionRequest | ChatRequest, llama: Any) -> dict[int, float]:
@@ -358,10 +361,11 @@ class Run:
         finish = c["finish_reason"]
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if self.plan.family is not None:
-            parsed = structured.parse_tool_calls(self.plan.family, text, self.plan.tool_names)
+            parsed = structured.parse_tool_calls(self.plan.family, text, self.plan.tool_names,
+                                                 self.plan.parallel_tools)
+            message["content"] = parsed.content  # the markup (a partial tag included) never reaches it
             if parsed.tool_calls:
-                message = {"role": "assistant", "content": parsed.content, "refusal": None,
-                           "tool_calls": parsed.tool_calls}
+                message["tool_calls"] = parsed.tool_calls
                 finish = "tool_calls"
         lp = chat_logprobs(self._entries(text)) if self.recorder is not None else None
         return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
@@ -439,14 +443,15 @@ class Run:
                 yield from content(upto)
             chunk = next(stream, None)
         if family is not None:
-            parsed = structured.parse_tool_calls(family, text, self.plan.tool_names)
+            parsed = structured.parse_tool_calls(family, text, self.plan.tool_names, self.plan.parallel_tools)
             if parsed.tool_calls:
                 calls = [{"index": k, **call} for k, call in enumerate(parsed.tool_calls)]
                 yield self._chat_chunk(i, {"tool_calls": calls})
                 yield self._chat_chunk(i, {}, None, "tool_calls")
                 return
-            if len(text) > emitted:
-                yield from content(len(text))
+            text = parsed.content or ""  # the markup (a partial tag included) never reaches the content
+        if len(text) > emitted:
+            yield from content(len(text))
         yield self._chat_chunk(i, {}, None, finish)
 
 
