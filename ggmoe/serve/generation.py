@@ -200,7 +200,7 @@ def _processors(body: CompletionRequest | ChatRequest, llama: Any) -> list[Any]:
     return out
 
 
-def _grammar(llama: Any, text: str, param: str) -> llama_cpp.LlamaGrammar:
+def grammar_of(llama: Any, text: str, param: str) -> llama_cpp.LlamaGrammar:
     if not llama.grammar_parses(text):
         raise APIError(400, f"{param}: llama.cpp could not parse this GBNF grammar (it needs a 'root' rule)",
                        param=param, code="invalid_value")
@@ -224,7 +224,7 @@ def plan_completion(body: CompletionRequest, llama: Any, n_ctx: int, strict: boo
     if body.suffix is not None:
         kw["suffix"] = body.suffix
     if body.grammar is not None:
-        kw["grammar"] = _grammar(llama, body.grammar, "grammar")
+        kw["grammar"] = grammar_of(llama, body.grammar, "grammar")
     echo_lp = body.echo and body.logprobs is not None
     echo = None
     if echo_lp:
@@ -272,7 +272,7 @@ def plan_chat(body: ChatRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
     parallel = bool(body.parallel_tool_calls)
     if forced:
         chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice.function.name]
-        kw["grammar"] = _grammar(llama, structured.tool_grammar(family, chosen, parallel), "tools")
+        kw["grammar"] = grammar_of(llama, structured.tool_grammar(family, chosen, parallel), "tools")
     elif body.response_format is not None and body.response_format.type != "text":
         rf = body.response_format
         if rf.type == "json_schema":
@@ -281,9 +281,9 @@ def plan_chat(body: ChatRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
             text = structured.schema_grammar(rf.schema_, False, refuse=True)
         else:
             text = structured.json_object_grammar()
-        kw["grammar"] = _grammar(llama, text, "response_format")
+        kw["grammar"] = grammar_of(llama, text, "response_format")
     elif body.grammar is not None:
-        kw["grammar"] = _grammar(llama, body.grammar, "grammar")
+        kw["grammar"] = grammar_of(llama, body.grammar, "grammar")
     top = (body.top_logprobs or 0) if body.logprobs else None
     return Plan(chat=True, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
                 seed=body.seed, top_logprobs=top, family=family,
