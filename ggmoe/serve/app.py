@@ -167,9 +167,9 @@ class _Server:
             kw["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         return formatter(messages=[m.for_template() for m in messages], **kw).prompt
 
-    def check_slot(self, id_slot: int) -> SlotState | None:
-        """The slot a request names (None for -1: any); 400 for one this server does not have."""
-        if id_slot == -1:
+    def check_slot(self, id_slot: int, any_ok: bool = True) -> SlotState | None:
+        """The slot a request names (None for -1: any, where ``any_ok``); 400 for one this server does not have."""
+        if id_slot == -1 and any_ok:
             return None
         if not 0 <= id_slot < len(self.slots):
             raise APIError(400, f"no slot {id_slot}: this server has {len(self.slots)} (ids 0 to "

@@ -374,7 +374,7 @@ class ApplyTemplateRequest(BaseModel):
 class SlotFileRequest(BaseModel):
     """``/slots/{id}?action=save|restore``: a file name inside ``--slot-save-path``."""
 
-    filename: str = Field(min_length=1, max_length=255)
+    filename: str | None = Field(default=None, min_length=1, max_length=255)
 
 
 class NativeEmbeddingRequest(BaseModel):

@@ -88,10 +88,10 @@ def add_llama_server_routes(app: FastAPI, server: Any, auth: list[Depends]) -> N
     @app.post("/slots/{id_slot}", dependencies=auth)
     async def slot_action(id_slot: int, action: Literal["save", "restore", "erase"] = Query(),
                           body: SlotFileRequest | None = None) -> dict[str, Any]:
-        server.check_slot(id_slot)
+        server.check_slot(id_slot, any_ok=False)
         if action == "erase":
             return {"id_slot": id_slot, **await server.holding(lambda: erase_slot(llama))}
-        if body is None:
+        if body is None or body.filename is None:
             raise APIError(400, f"action={action} needs a JSON body with a filename", param="filename",
                            code="invalid_value")
         save_dir = server.settings.slot_save_path

@@ -169,13 +169,16 @@ def test_any_model_name_and_models_created(server, oai):
     assert r.choices[0].message.content is not None
 
 
-@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
-def test_routes_without_the_v1_prefix(server, path):
-    body = {"messages": MSG} if "chat" in path else {"prompt": "Once"}
+def test_routes_without_the_v1_prefix(server):
+    """/chat/completions and /models are OpenAI's without the prefix too; /completions and /embeddings answer
+    in llama-server's own shapes, as llama-server does (tests/serve/test_llama_server.py)."""
     with server.client() as c:
-        r = c.post(path, json={**body, "max_tokens": 2})
+        r = c.post("/chat/completions", json={"messages": MSG, "max_tokens": 2})
         assert r.status_code == 200, r.text
+        assert r.json()["object"] == "chat.completion"
         assert c.get("/models").json()["data"][0]["id"] == "tiny-moe"
+        r = c.post("/completions", json={"prompt": "Once", "max_tokens": 2})
+        assert r.status_code == 200 and "content" in r.json() and "choices" not in r.json()
 
 
 def test_tokenize_detokenize_round_trip(server):
