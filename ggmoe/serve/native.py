@@ -33,8 +33,13 @@ SAMPLERS = ["penalties", "top_k", "typ_p", "top_p", "min_p", "temperature"]  # l
 
 
 # -- prompts
-def _tokenize(llama: Any, text: str, bos: bool) -> list[int]:
-    return llama.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+def _tokenize(llama: Any, text: str, bos: bool, param: str = "prompt") -> list[int]:
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate escaped in the JSON
+        raise APIError(400, f"{param} is not valid Unicode text (a lone surrogate at {e.start})", param=param,
+                       code="invalid_value") from e
+    return llama.tokenize(data, add_bos=bos, special=True)
 
 
 def _one_prompt(prompt: str | list[Any], llama: Any, n_vocab: int) -> list[int]:
@@ -68,6 +73,9 @@ def prompt_tokens(prompt: str | list[Any], llama: Any, n_vocab: int) -> list[lis
         several = any(isinstance(p, list) for p in prompt) or (
             len(prompt) > 1 and all(isinstance(p, str) for p in prompt))
         if several:
+            if any(isinstance(p, int) for p in prompt):
+                raise APIError(400, "several prompts are strings or lists; a bare token id belongs inside a list",
+                               param="prompt", code="invalid_value")
             return [_one_prompt(p, llama, n_vocab) for p in prompt]
     return [_one_prompt(prompt, llama, n_vocab)]
 
@@ -79,18 +87,18 @@ def infill_tokens(body: InfillRequest, llama: Any, n_ctx: int) -> list[int]:
         raise APIError(400, "this model has no fill-in-the-middle tokens (FIM_PRE, FIM_SUF, FIM_MID): /infill "
                             "needs a code model trained for infilling", param="input_prefix",
                        code="unsupported_value")
-    prefix = _tokenize(llama, body.input_prefix, False)
-    suffix = _tokenize(llama, body.input_suffix, False)
+    prefix = _tokenize(llama, body.input_prefix, False, "input_prefix")
+    suffix = _tokenize(llama, body.input_suffix, False, "input_suffix")
     middle = _tokenize(llama, body.prompt, False)
     extra: list[int] = []
     if fim["rep"] >= 0 and fim["sep"] >= 0:
         extra = [fim["rep"], *_tokenize(llama, "myproject\n", False)]
         for chunk in body.input_extra:
-            extra += [fim["sep"], *_tokenize(llama, f"{chunk.filename}\n{chunk.text}", False)]
+            extra += [fim["sep"], *_tokenize(llama, f"{chunk.filename}\n{chunk.text}", False, "input_extra")]
         extra += [fim["sep"], *_tokenize(llama, "filename\n", False)]
     else:
         for chunk in body.input_extra:
-            extra += _tokenize(llama, f"{chunk.filename}\n{chunk.text}", False)
+            extra += _tokenize(llama, f"{chunk.filename}\n{chunk.text}", False, "input_extra")
     reserve = body.n_predict if body.n_predict > 0 else min(n_ctx // 4, 256)
     avail = max(0, n_ctx - reserve - len(middle) - 4)
     suffix = suffix[:min(len(suffix), avail // 4)]
@@ -126,7 +134,7 @@ def _bias(body: NativeCompletionRequest, llama: Any, n_vocab: int) -> dict[int, 
         bias = float("-inf") if value is False else float(value)
         if isinstance(key, str) and key.lstrip("-").isdigit():
             key = int(key)
-        ids = [key] if isinstance(key, int) else _tokenize(llama, key, False)
+        ids = [key] if isinstance(key, int) else _tokenize(llama, key, False, "logit_bias")
         for t in ids:
             if not 0 <= t < n_vocab:
                 raise APIError(400, f"logit_bias token id {t} is outside the vocabulary [0, {n_vocab})",

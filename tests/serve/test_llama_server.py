@@ -178,6 +178,9 @@ BAD = [
     ("mixed-bad-types", "/completion", {"prompt": [1, 2.5, {"a": 1}]}, "prompt"),
     ("bool-token", "/completion", {"prompt": [True, "a"]}, "prompt"),
     ("nested-three-deep", "/completion", {"prompt": [[[1]]]}, "prompt"),
+    ("bare-id-among-prompts", "/completion", {"prompt": [["a"], 13409, "b"]}, "prompt"),  # a fuzzing find
+    ("lone-surrogate", "/completion", b'{"prompt": ["a", "\\udadb"]}', "prompt"),
+    ("lone-surrogate-infill", "/infill", b'{"input_prefix": "\\ud83d"}', None),
     ("token-out-of-vocab", "/completion", {"prompt": [1, 10 ** 7]}, "prompt"),
     ("empty-prompt-list", "/completion", {"prompt": []}, "prompt"),
     ("prompt-beyond-context", "/completion", {"prompt": "word " * (2 * N_CTX)}, "prompt"),
@@ -196,7 +199,10 @@ BAD = [
 @pytest.mark.parametrize("path,body,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_native_requests_get_a_400(server, path, body, param):
     with server.client() as c:
-        r = c.post(path, json=body) if body is not None else c.post(path)
+        if isinstance(body, bytes):
+            r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = c.post(path, json=body) if body is not None else c.post(path)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
