@@ -28,13 +28,14 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
-from fastapi.security import HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from ggmoe.errors import UsageError
-from ggmoe.serve import errors
+from ggmoe.serve import anthropic, errors
+from ggmoe.serve.anthropic import MessagesRequest
 from ggmoe.serve.asgi import BodyLimit, LoopbackHostOnly, RequestCounter
 from ggmoe.serve.errors import APIError
 from ggmoe.serve.gate import Gate
@@ -53,7 +54,7 @@ from ggmoe.serve.schema import (
     TokenizeRequest,
     Tool,
 )
-from ggmoe.serve.server_routes import add_llama_server_routes
+from ggmoe.serve.server_routes import add_anthropic_routes, add_llama_server_routes
 from ggmoe.serve.slots import SlotState
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
@@ -156,6 +157,44 @@ class _Server:
             raise api_error(e) from e
         return await self.execute(request, watch, body.stream, run.result, run.chunks, NATIVE_SSE,
                                   run.settings())
+
+    async def anthropic(self, request: Request, body: MessagesRequest) -> Any:
+        """Anthropic's ``/v1/messages``: the request run as an OpenAI chat, the answer in Anthropic's shapes."""
+        arrival = time.monotonic()
+        chat = anthropic.chat_request(body)
+        check_request(chat, self.n_ctx, self.n_vocab, False)
+        try:
+            plan = plan_chat(chat, self.llama, self.n_ctx, False)
+        except Exception as e:  # a template that fails to render, a schema that does not convert
+            raise api_error(e) from e
+        watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
+        run = Run(plan, self.llama, watch, body.model)
+        is_eog = self.llama.is_eog
+
+        def stop(finish: str | None) -> tuple[str, str | None]:
+            text = self.llama.detokenize([t for t in watch.sampled if not is_eog(t)]).decode("utf-8", "replace")
+            ended = watch.last is not None and is_eog(watch.last)
+            return anthropic.stop_of(finish, text, body.stop_sequences or [], ended)
+
+        def result() -> dict[str, Any]:
+            r = run.result()
+            return anthropic.message(r, body.model, stop(r["choices"][0]["finish_reason"]))
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            return iter(anthropic.EventStream(run.chunks(), body.model, len(plan.prompt), stop,
+                                              lambda: watch.n_tokens))
+
+        params = {k: v for k, v in plan.kwargs.items() if isinstance(v, int | float | str | list)}
+        return await self.execute(request, watch, body.stream, result, chunks, ANTHROPIC_SSE, params)
+
+    def count_tokens(self, body: anthropic.CountTokensRequest) -> dict[str, int]:
+        """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens (tools included), no generation."""
+        chat = anthropic.chat_request(body)
+        try:
+            plan = plan_chat(chat, self.llama, 1 << 30, False)
+        except Exception as e:
+            raise api_error(e) from e
+        return {"input_tokens": len(plan.prompt)}
 
     def render(self, messages: list[Message], tools: list[Tool] | None) -> str:
         """The prompt the model's chat template makes of ``messages`` (``/apply-template``)."""
@@ -346,6 +385,9 @@ def _openai_sse(usage: bool) -> Sse:
 
 
 NATIVE_SSE = Sse(_data, lambda last, watch: [], _error_data)  # llama-server's native routes: no [DONE]
+ANTHROPIC_SSE = Sse(lambda c: {"event": c["type"], "data": json.dumps(c)}, lambda last, watch: [],
+                    lambda err: {"event": "error",
+                                 "data": json.dumps(errors.anthropic_body(err.message, err.type, err.status))})
 
 
 def _start(chunks_of: Callable[[], Iterator[dict[str, Any]]]
@@ -383,14 +425,15 @@ class _Authenticate:
     def __init__(self, api_key: str | None) -> None:
         self.api_key = api_key
         self.bearer = HTTPBearer(auto_error=False)  # FastAPI's parser of the Authorization header
+        self.x_api_key = APIKeyHeader(name="x-api-key", auto_error=False)  # what Anthropic's clients send
 
     async def __call__(self, request: Request) -> None:
         if self.api_key is None:
             return
         credentials = await self.bearer(request)
-        given = credentials.credentials if credentials is not None else ""
+        given = credentials.credentials if credentials is not None else (await self.x_api_key(request) or "")
         if not hmac.compare_digest(given.encode("utf-8"), self.api_key.encode("utf-8")):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key')",
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
@@ -467,6 +510,7 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_llama_server_routes(app, server, auth)
+    add_anthropic_routes(app, server, auth)
 
     # Outermost last: count every response, then refuse foreign Hosts, then limit bodies.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -97,6 +97,8 @@ class Watch:
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.on_each: Callable[[int], None] | None = None  # also told every sampled token (logprobs)
+        self.last: int | None = None  # the last sampled token (an end token included)
+        self.sampled: list[int] = []  # every sampled token (which stop sequence ended a generation)
 
     def on_prompt(self, n_prompt: int) -> None:
         self.n_prompt = n_prompt
@@ -110,6 +112,8 @@ class Watch:
         if self.t_first is None:
             self.t_first = now
         self.t_last = now
+        self.last = token
+        self.sampled.append(token)
         if not self.is_eog(token):
             if self.max_tokens is not None and self.n_run >= self.max_tokens:
                 return False  # llama-cpp-python can overrun max_tokens while it completes a UTF-8 character

@@ -1,5 +1,6 @@
 """llama-server's own routes on the app: ``/completion`` (and ``/completions``), ``/infill``,
-``/embedding(s)``, ``/apply-template``, ``/props``, ``/slots`` and ``/slots/{id}?action=save|restore|erase``.
+``/embedding(s)``, ``/apply-template``, ``/props``, ``/slots`` and ``/slots/{id}?action=save|restore|erase``;
+and Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
 The handlers are thin: ``ggmoe.serve.native`` shapes the completions, ``ggmoe.serve.slots`` the slots; the
 server object (``ggmoe.serve.app._Server``) holds the model, its gate and the slot states.
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.params import Depends
 
+from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.errors import APIError
 from ggmoe.serve.schema import (
     ApplyTemplateRequest,
@@ -45,6 +47,18 @@ def _props(server: Any) -> dict[str, Any]:
             "chat_template": formatter.template, "chat_template_caps": {}, "bos_token": formatter.bos_token,
             "eos_token": formatter.eos_token, "build_info": f"ggmoe {server.version}",
             "modalities": {"vision": False, "audio": False}, "is_sleeping": False}
+
+
+def add_anthropic_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
+    """Register Anthropic's Messages API on ``app``."""
+
+    @app.post("/v1/messages", dependencies=auth)
+    async def messages(request: Request, body: MessagesRequest) -> Any:
+        return await server.anthropic(request, body)
+
+    @app.post("/v1/messages/count_tokens", dependencies=auth)
+    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        return server.count_tokens(body)
 
 
 def add_llama_server_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
