@@ -46,12 +46,10 @@ from ggmoe.serve.native import NativeRun, infill_tokens, processors, prompt_toke
 from ggmoe.serve.schema import (
     ChatRequest,
     CompletionRequest,
-    DetokenizeRequest,
     EmbeddingRequest,
     Message,
     NativeCompletionRequest,
     NativeEmbeddingRequest,
-    TokenizeRequest,
     Tool,
 )
 from ggmoe.serve.server_routes import add_anthropic_routes, add_llama_server_routes
@@ -485,22 +483,6 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
     async def chat_completions(request: Request, body: ChatRequest) -> Any:
         return await server.generate(request, body, chat=True)
 
-    @app.post("/tokenize", dependencies=auth)
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        tokens = llama.tokenize(body.content.encode("utf-8"), add_bos=body.add_special, special=True)
-        if not body.with_pieces:
-            return {"tokens": tokens}
-        return {"tokens": [{"id": t, "piece": llama.detokenize([t], special=True).decode("utf-8", "replace")}
-                           for t in tokens]}
-
-    @app.post("/detokenize", dependencies=auth)
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        bad = [t for t in body.tokens if not 0 <= t < server.n_vocab]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {server.n_vocab})",
-                           param="tokens", code="invalid_value")
-        return {"content": llama.detokenize(body.tokens, special=True).decode("utf-8", "replace")}
-
     @app.post("/v1/embeddings", dependencies=auth)
     async def embeddings(request: Request, body: EmbeddingRequest) -> Any:
         return await server.embed(request, body)
@@ -516,7 +498,7 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
     if settings.loopback_only:
         app.add_middleware(LoopbackHostOnly)
     app.add_middleware(RequestCounter, count=lambda route, status: server.metrics.requests.labels(

@@ -33,7 +33,7 @@ SAMPLERS = ["penalties", "top_k", "typ_p", "top_p", "min_p", "temperature"]  # l
 
 
 # -- prompts
-def _tokenize(llama: Any, text: str, bos: bool, param: str = "prompt") -> list[int]:
+def tokenize_text(llama: Any, text: str, bos: bool, param: str = "prompt") -> list[int]:
     try:
         data = text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate escaped in the JSON
@@ -45,7 +45,7 @@ def _tokenize(llama: Any, text: str, bos: bool, param: str = "prompt") -> list[i
 def _one_prompt(prompt: str | list[Any], llama: Any, n_vocab: int) -> list[int]:
     """One prompt: text (with BOS when the model adds one) or ids and text mixed (BOS when text comes first)."""
     if isinstance(prompt, str):
-        tokens = _tokenize(llama, prompt, True)
+        tokens = tokenize_text(llama, prompt, True)
     else:
         tokens = []
         for i, part in enumerate(prompt):
@@ -53,7 +53,7 @@ def _one_prompt(prompt: str | list[Any], llama: Any, n_vocab: int) -> list[int]:
                 raise APIError(400, "a prompt mixes token ids and strings, not lists", param="prompt",
                                code="invalid_value")
             if isinstance(part, str):
-                tokens += _tokenize(llama, part, i == 0)
+                tokens += tokenize_text(llama, part, i == 0)
             elif not 0 <= part < n_vocab:
                 raise APIError(400, f"prompt token id {part} is outside the vocabulary [0, {n_vocab})",
                                param="prompt", code="invalid_value")
@@ -87,18 +87,18 @@ def infill_tokens(body: InfillRequest, llama: Any, n_ctx: int) -> list[int]:
         raise APIError(400, "this model has no fill-in-the-middle tokens (FIM_PRE, FIM_SUF, FIM_MID): /infill "
                             "needs a code model trained for infilling", param="input_prefix",
                        code="unsupported_value")
-    prefix = _tokenize(llama, body.input_prefix, False, "input_prefix")
-    suffix = _tokenize(llama, body.input_suffix, False, "input_suffix")
-    middle = _tokenize(llama, body.prompt, False)
+    prefix = tokenize_text(llama, body.input_prefix, False, "input_prefix")
+    suffix = tokenize_text(llama, body.input_suffix, False, "input_suffix")
+    middle = tokenize_text(llama, body.prompt, False)
     extra: list[int] = []
     if fim["rep"] >= 0 and fim["sep"] >= 0:
-        extra = [fim["rep"], *_tokenize(llama, "myproject\n", False)]
+        extra = [fim["rep"], *tokenize_text(llama, "myproject\n", False)]
         for chunk in body.input_extra:
-            extra += [fim["sep"], *_tokenize(llama, f"{chunk.filename}\n{chunk.text}", False, "input_extra")]
-        extra += [fim["sep"], *_tokenize(llama, "filename\n", False)]
+            extra += [fim["sep"], *tokenize_text(llama, f"{chunk.filename}\n{chunk.text}", False, "input_extra")]
+        extra += [fim["sep"], *tokenize_text(llama, "filename\n", False)]
     else:
         for chunk in body.input_extra:
-            extra += _tokenize(llama, f"{chunk.filename}\n{chunk.text}", False, "input_extra")
+            extra += tokenize_text(llama, f"{chunk.filename}\n{chunk.text}", False, "input_extra")
     reserve = body.n_predict if body.n_predict > 0 else min(n_ctx // 4, 256)
     avail = max(0, n_ctx - reserve - len(middle) - 4)
     suffix = suffix[:min(len(suffix), avail // 4)]
@@ -134,7 +134,7 @@ def _bias(body: NativeCompletionRequest, llama: Any, n_vocab: int) -> dict[int, 
         bias = float("-inf") if value is False else float(value)
         if isinstance(key, str) and key.lstrip("-").isdigit():
             key = int(key)
-        ids = [key] if isinstance(key, int) else _tokenize(llama, key, False, "logit_bias")
+        ids = [key] if isinstance(key, int) else tokenize_text(llama, key, False, "logit_bias")
         for t in ids:
             if not 0 <= t < n_vocab:
                 raise APIError(400, f"logit_bias token id {t} is outside the vocabulary [0, {n_vocab})",

@@ -1,4 +1,5 @@
-"""llama-server's own routes on the app: ``/completion`` (and ``/completions``), ``/infill``,
+"""llama-server's own routes on the app: ``/tokenize``, ``/detokenize``, ``/completion`` (and ``/completions``),
+``/infill``,
 ``/embedding(s)``, ``/apply-template``, ``/props``, ``/slots`` and ``/slots/{id}?action=save|restore|erase``;
 and Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
@@ -16,12 +17,15 @@ from fastapi.params import Depends
 
 from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.errors import APIError
+from ggmoe.serve.native import tokenize_text
 from ggmoe.serve.schema import (
     ApplyTemplateRequest,
+    DetokenizeRequest,
     InfillRequest,
     NativeCompletionRequest,
     NativeEmbeddingRequest,
     SlotFileRequest,
+    TokenizeRequest,
 )
 from ggmoe.serve.slots import erase_slot, restore_slot, save_slot, slot_path
 
@@ -64,6 +68,22 @@ def add_anthropic_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None
 def add_llama_server_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
     """Register llama-server's native routes on ``app``."""
     llama = server.llama
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        tokens = tokenize_text(llama, body.content, body.add_special, "content")
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        return {"tokens": [{"id": t, "piece": llama.detokenize([t], special=True).decode("utf-8", "replace")}
+                           for t in tokens]}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        bad = [t for t in body.tokens if not 0 <= t < server.n_vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {server.n_vocab})",
+                           param="tokens", code="invalid_value")
+        return {"content": llama.detokenize(body.tokens, special=True).decode("utf-8", "replace")}
 
     @app.post("/completion", dependencies=auth)
     @app.post("/completions", dependencies=auth, include_in_schema=False)
