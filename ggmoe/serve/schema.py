@@ -351,8 +351,8 @@ class NativeCompletionRequest(BaseModel):
 class ExtraChunk(BaseModel):
     """One context file of ``/infill``'s ``input_extra`` (what llama.vscode sends)."""
 
-    filename: str = ""
-    text: str = ""
+    filename: str  # both required, as llama-server requires them
+    text: str
 
 
 class InfillRequest(NativeCompletionRequest):

@@ -234,3 +234,20 @@ def test_infill_with_context_files_as_llama_vscode_sends_them(fim_server):
         tokens = c.post("/tokenize", json={"content": b["prompt"], "with_pieces": False}).json()["tokens"]
     assert all(t in tokens for t in prompt_ids)  # the repo-level layout: <REP>, <SEP> file..., <PRE> <SUF> <MID>
     assert "util.py" in b["prompt"] and "print(add(1, 2))" in b["prompt"]
+
+
+def test_infill_without_context_files(fim_server):
+    with fim_server.client(key=None) as c:
+        r = c.post("/infill", json={"input_prefix": "int main() {\n", "prompt": "    int n = ", "input_suffix": "}\n",
+                                    "n_predict": 4})
+    assert r.status_code == 200 and isinstance(r.json()["content"], str)
+
+
+@pytest.mark.parametrize("extra", [{}, {"filename": "ok"}, {"filename": 123}, {"filename": 123, "text": "abc"},
+                                   {"filename": 123, "text": 456}])
+def test_invalid_context_files_get_a_400(fim_server, extra):
+    """llama-server's test_invalid_input_extra_req."""
+    with fim_server.client(key=None) as c:
+        r = c.post("/infill", json={"input_extra": [extra], "input_prefix": "int main() {\n", "input_suffix": "}\n"})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("input_extra")
+        assert c.get("/health").status_code == 200
