@@ -96,6 +96,13 @@ def restore_slot(llama: Any, path: Path) -> dict[str, Any]:
     if identity.shape != (4,) or not np.array_equal(identity, _identity(llama)):
         raise APIError(400, f"{path.name!r} was saved from another model or context size", param="filename",
                        code="invalid_value")
+    ok = (tokens.ndim == 1 and tokens.dtype.kind == "i" and data.ndim == 1 and data.dtype == np.uint8
+          and (tokens.size == 0 or 0 <= int(tokens.min()) and int(tokens.max()) < llama.n_vocab()))
+    if not ok:
+        raise APIError(400, f"{path.name!r} is not a valid slot file", param="filename", code="invalid_value")
+    if tokens.shape[0] > llama.n_ctx():
+        raise APIError(400, f"{path.name!r}: the restored prompt ({tokens.shape[0]} tokens) does not fit in the "
+                            f"slot context ({llama.n_ctx()})", param="filename", code="invalid_value")
     n = int(tokens.shape[0])
     ids = np.zeros(llama.n_ctx(), dtype=np.intc)
     ids[:n] = tokens

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 from make_fixtures import FIM_TOKEN_IDS, fim_fixture_path
 from server_process import N_CTX, Server, start_server, stop_server
@@ -137,13 +139,14 @@ def test_apply_template_props_and_slots(server):
         p = c.post("/apply-template", json={"messages": [{"role": "system", "content": "Be brief."},
                                                          {"role": "user", "content": "Hi there"}]})
         props = c.get("/props").json()
+        c.post("/completion", json={"prompt": PROMPT, "n_predict": 1})
         slots = c.get("/slots").json()
     assert p.status_code == 200 and "Hi there" in p.json()["prompt"] and "Be brief." in p.json()["prompt"]
     assert props["total_slots"] == len(slots) == 1
     assert props["default_generation_settings"]["n_ctx"] == N_CTX and props["chat_template"]
     assert props["default_generation_settings"]["params"]["n_predict"] == -1
     assert slots[0]["id"] == 0 and slots[0]["n_ctx"] == N_CTX and slots[0]["is_processing"] is False
-    assert slots[0]["id_task"] >= 0  # the earlier requests ran in it
+    assert slots[0]["id_task"] >= 0 and slots[0]["params"]["n_predict"] == 1  # the last task ran in it
 
 
 def test_slot_save_restore_erase(server):
@@ -163,6 +166,38 @@ def test_slot_save_restore_erase(server):
         assert restored.json()["n_restored"] == saved.json()["n_saved"]
         warm = c.post("/completion", json=body).json()
     assert warm["tokens_cached"] == first["tokens_evaluated"] - 1 and warm["content"] == first["content"]
+
+
+def _corrupt(path: Path, kind: str) -> None:
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    if kind == "truncated":
+        path.write_bytes(path.read_bytes()[:100])
+        return
+    if kind == "garbage-state":
+        arrays["state"] = np.frombuffer(b"\x07" * 64, dtype=np.uint8)
+    elif kind == "too-many-tokens":
+        arrays["tokens"] = np.resize(arrays["tokens"], N_CTX + 1)
+    elif kind == "tokens-outside-vocab":
+        arrays["tokens"] = arrays["tokens"] + 10 ** 7
+    elif kind == "other-model":
+        arrays["identity"] = arrays["identity"] + 1
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage-state", "too-many-tokens", "tokens-outside-vocab",
+                                  "other-model"])
+def test_corrupt_slot_files_are_refused_and_the_server_goes_on(server, kind):
+    """llama-server's test_slot_restore_truncated_file and kin: a malformed file is a 400, never a crash."""
+    with server.client() as c:
+        c.post("/completion", json={"prompt": PROMPT, "n_predict": 2})
+        assert c.post("/slots/0?action=save", json={"filename": f"{kind}.bin"}).status_code == 200
+        _corrupt(Path(server.log).parent / "slots" / f"{kind}.bin", kind)
+        r = c.post("/slots/0?action=restore", json={"filename": f"{kind}.bin"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "filename", r.text
+        after = c.post("/completion", json={"prompt": "The quick brown fox", "n_predict": 2})
+        assert after.status_code == 200 and after.json()["stop"] is True
 
 
 BAD = [
