@@ -1,4 +1,6 @@
-"""The OpenAI-compatible app: FastAPI over llama-cpp-python's request types and ``Llama`` calls.
+"""The app: FastAPI over llama-cpp-python's request types and ``Llama`` calls, speaking OpenAI's API,
+llama-server's own routes (``ggmoe.serve.server_routes``, ``native``, ``slots``) and Anthropic's Messages API
+(``ggmoe.serve.anthropic``).
 
 llama-cpp-python's own ``create_app`` keeps its model in module globals and
 builds the ``Llama`` itself from settings, so it cannot serve a ``GgmoeLlama``
@@ -9,8 +11,10 @@ needs: a bounded queue, API keys compared in constant time, a Host check
 against DNS rebinding, body limits, OpenAI-shaped errors and Prometheus
 metrics.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health (never needs a key), GET /metrics.
+Routes here: POST /v1/chat/completions (and /chat/completions), POST /v1/completions, POST /v1/embeddings,
+GET /v1/models (and /models), GET /health (never needs a key), GET /metrics. Every generation, whatever its
+route, goes through ``_Server.execute``: the gate, the slot's state, the client watched, the stream framed as
+its route frames it (``Sse``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from ggmoe.serve.schema import (
 from ggmoe.serve.slots import erase_slot, restore_slot, save_slot, slot_path
 
 
-def _defaults(server: Any) -> dict[str, Any]:
+def _defaults() -> dict[str, Any]:
     """``/completion``'s defaults, as ``/props`` reports them."""
     fields = NativeCompletionRequest.model_fields
     params = {name: fields[name].get_default(call_default_factory=True)
@@ -45,7 +45,7 @@ def _props(server: Any) -> dict[str, Any]:
     formatter = llama.chat_formatter()
     idle = server.slots[0].to_json()
     return {"default_generation_settings": {**idle, "is_processing": False, "id_task": -1,
-                                            "model": settings.model_id, "params": _defaults(server),
+                                            "model": settings.model_id, "params": _defaults(),
                                             "prompt": ""},
             "total_slots": len(server.slots), "model_path": settings.model_path, "model_alias": settings.model_id,
             "chat_template": formatter.template, "chat_template_caps": {}, "bos_token": formatter.bos_token,
