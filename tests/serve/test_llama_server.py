@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -286,3 +287,20 @@ def test_invalid_context_files_get_a_400(fim_server, extra):
         r = c.post("/infill", json={"input_extra": [extra], "input_prefix": "int main() {\n", "input_suffix": "}\n"})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("input_extra")
         assert c.get("/health").status_code == 200
+
+
+def test_slots_show_a_running_task(server):
+    """llama-server's test_completion_parallel_slots checks /slots while requests run: the busy slot shows."""
+    with server.client() as c, server.client() as watcher:
+        body = {"prompt": PROMPT, "n_predict": 200, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/completion", json=body) as r:
+            next(r.iter_lines())
+            busy = watcher.get("/slots").json()[0]
+        for _ in range(50):  # the stream's end frees the slot
+            idle = watcher.get("/slots").json()[0]
+            if not idle["is_processing"]:
+                break
+            time.sleep(0.1)
+    assert busy["is_processing"] is True and busy["params"]["n_predict"] == 200
+    assert busy["next_token"]["n_decoded"] >= 1 and busy["next_token"]["has_next_token"] is True
+    assert idle["is_processing"] is False and idle["id_task"] == busy["id_task"]
