@@ -161,6 +161,21 @@ def processors(body: NativeCompletionRequest, llama: Any, n_vocab: int, eog: lis
 
 
 # -- running
+def pick_fields(out: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    """llama-server's ``response_fields``: only the named fields; ``a/b`` is b of a, keyed ``a/b``; missing
+    fields are left out."""
+    picked: dict[str, Any] = {}
+    for name in fields:
+        value: Any = out
+        for part in name.split("/"):
+            if not isinstance(value, dict) or part not in value:
+                break
+            value = value[part]
+        else:
+            picked[name] = value
+    return picked
+
+
 def _cover(items: list[Any], start: int, n_bytes: int, size: Any) -> tuple[list[Any], int]:
     """The items from ``start`` whose pieces fit in ``n_bytes`` bytes of text, and the next index."""
     out = []
@@ -192,6 +207,10 @@ class _Gen:
     t_first: float | None = None
     t_last: float | None = None
     recorder: LogprobRecorder | None = None
+    limited: bool = False  # n_indent or t_max_predict_ms stopped it
+
+    def text(self) -> str:
+        return b"".join(p for _, p in self.sampled).decode("utf-8", "replace")
 
 
 class NativeRun:
@@ -220,7 +239,8 @@ class NativeRun:
                 "presence_penalty": b.presence_penalty, "frequency_penalty": b.frequency_penalty,
                 "mirostat": b.mirostat, "mirostat_tau": b.mirostat_tau, "mirostat_eta": b.mirostat_eta,
                 "stop": list(b.stop), "max_tokens": b.n_predict, "n_probs": b.n_probs, "ignore_eos": b.ignore_eos,
-                "stream": b.stream, "grammar": b.grammar or "", "samplers": SAMPLERS, "cache_prompt": b.cache_prompt}
+                "stream": b.stream, "grammar": b.grammar or "", "samplers": SAMPLERS, "cache_prompt": b.cache_prompt,
+                "n_indent": b.n_indent, "t_max_predict_ms": b.t_max_predict_ms}
 
     def _begin(self, tokens: list[int]) -> _Gen:
         llama = self.llama
@@ -260,13 +280,33 @@ class NativeRun:
             return None
         procs = ([g.recorder] if g.recorder is not None else []) + self.procs
         seed = None if self.body.seed < 0 else self.body.seed % (1 << 32)
+        kw = dict(self.kwargs)
+        if self.body.n_indent > 0 or self.body.t_max_predict_ms > 0:
+            kw["stopping_criteria"] = llama_cpp.StoppingCriteriaList([lambda ids, logits: self._limit(g)])
         return self.llama.create_completion(
             prompt=g.tokens, max_tokens=g.max_tokens, stream=stream, seed=seed, model=self.model_id,
-            logits_processor=llama_cpp.LogitsProcessorList(procs) if procs else None, **self.kwargs)
+            logits_processor=llama_cpp.LogitsProcessorList(procs) if procs else None, **kw)
+
+    def _limit(self, g: _Gen) -> bool:
+        """llama-server's code-completion limits: ``t_max_predict_ms`` once a new line was generated, and
+        ``n_indent``: a new line indented less than that ends the generation (the line is cut off)."""
+        text = g.text()
+        nl = text.rfind("\n")
+        if nl < 0:
+            return False
+        b = self.body
+        if b.t_max_predict_ms > 0 and g.t_first is not None and \
+                (time.monotonic() - g.t_first) * 1e3 > b.t_max_predict_ms:
+            g.limited = True
+        line = text[nl + 1:]
+        body = line.lstrip(" \t")
+        if b.n_indent > 0 and body and len(line) - len(body) < b.n_indent:
+            g.limited = True
+        return g.limited
 
     def _stop_of(self, g: _Gen, content: str, finish: str | None) -> tuple[str, str, bool]:
         """stop_type, stopping_word and truncated, as llama-server reports them."""
-        if finish == "length" or g.max_tokens == 0:
+        if finish == "length" or g.max_tokens == 0 or g.limited:
             full = len(g.tokens) + len(g.sampled) >= self.n_ctx
             return "limit", "", full
         if g.last is not None and self.llama.is_eog(g.last):
@@ -276,6 +316,8 @@ class NativeRun:
 
     def _final(self, k: int, g: _Gen, content: str, finish: str | None, stream: bool) -> dict[str, Any]:
         stop_type, word, truncated = self._stop_of(g, content, finish)
+        if g.limited and self.body.n_indent > 0 and not stream:
+            content = content[:content.rfind("\n") + 1]  # the line indented too little is cut off
         n_bytes = len(content.encode("utf-8"))
         covered, _ = _cover(g.sampled, 0, n_bytes, lambda s: len(s[1]))
         n_pred = len(g.sampled)
@@ -297,7 +339,7 @@ class NativeRun:
                            "predicted_per_second": 1e3 * n_pred / pred_ms if pred_ms > 0 else 0.0}}
         if g.recorder is not None and not stream:
             out["completion_probabilities"] = [_prob(e) for e in g.recorder.covering(0, n_bytes)[0]]
-        return out
+        return pick_fields(out, self.body.response_fields) if self.body.response_fields else out
 
     def result(self) -> dict[str, Any] | list[dict[str, Any]]:
         results = []

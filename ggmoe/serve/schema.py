@@ -325,6 +325,10 @@ class NativeCompletionRequest(BaseModel):
     return_tokens: bool = False
     stream: bool = False
     id_slot: int = Field(default=-1, ge=-1)
+    n_indent: int = Field(default=0, ge=0, description="Stop at a new line indented less than this (code).")
+    t_max_predict_ms: int = Field(default=0, ge=0, description="After this long and a new line, stop (FIM).")
+    response_fields: list[str] | None = Field(default=None, max_length=64,
+                                              description="Only these fields (a/b unnests b of a).")
 
     @field_validator("stop")
     @classmethod

@@ -304,3 +304,28 @@ def test_slots_show_a_running_task(server):
     assert busy["is_processing"] is True and busy["params"]["n_predict"] == 200
     assert busy["next_token"]["n_decoded"] >= 1 and busy["next_token"]["has_next_token"] is True
     assert idle["is_processing"] is False and idle["id_task"] == busy["id_task"]
+
+
+def test_response_fields(server):
+    """llama-server's test_completion_response_fields (what llama.vim and llama.vscode ask for)."""
+    fields = ["content", "generation_settings/n_predict", "prompt", "timings/prompt_n", "no/such"]
+    with server.client() as c:
+        b = c.post("/completion", json={"prompt": PROMPT, "n_predict": 4, "response_fields": fields}).json()
+    assert set(b) == set(fields[:4]) and b["generation_settings/n_predict"] == 4
+    assert isinstance(b["content"], str) and b["prompt"] == PROMPT and b["timings/prompt_n"] >= 1
+
+
+@pytest.mark.parametrize("limit", [{"n_indent": 8}, {"t_max_predict_ms": 1}])
+def test_code_completion_limits(server, limit):
+    """n_indent: a new line indented less ends the answer (and is cut off); t_max_predict_ms: past the time,
+    a new line ends it. Newlines are made likely with a bias, as code has them."""
+    with server.client() as c:
+        nl = c.post("/tokenize", json={"content": "\n"}).json()["tokens"]
+        body = {"prompt": "def f():\n    return", "n_predict": 120, "ignore_eos": True, "temperature": 0,
+                "logit_bias": [[t, 4.0] for t in nl], **limit}
+        b = c.post("/completion", json=body).json()
+    assert b["stop_type"] == "limit" and b["tokens_predicted"] < 120 and "\n" in b["content"]
+    if "n_indent" in limit:
+        assert b["content"].endswith("\n")
+        lines = b["content"].split("\n")[1:]
+        assert all(not line.strip() or len(line) - len(line.lstrip()) >= 8 for line in lines)
