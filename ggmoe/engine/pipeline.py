@@ -221,6 +221,8 @@ class CachePipeline:
         if self.prefetcher is not None:
             self.prefetcher.begin_step(list(tokens))
         tables = self.tables
+        if self.controller is not None and tables.enabled:
+            self.runtime.cache.land_ready()  # copies landed since the last token: readable for this one
         if tables is not None:
             tables.flush()  # what the controller (or anyone) changed since the last decode, before it runs
         n = last_ubatch(len(tokens), self.n_ubatch)
