@@ -78,7 +78,7 @@ class CachePipeline:
         _patched.load()  # EngineNotPatchedError names the fix when the engine lacks the patch
         self._ctx_ptr = ctx_ptr
         self.facts = facts
-        self.hook = RouteOpHook(observers if isinstance(observers, Observers) else None)
+        self.hook = RouteOpHook(observers if isinstance(observers, Observers) else None, facts.gating)
         self.observers = self.hook.observers
         self.runtime: CacheRuntime | None = None
         self.prefetcher = None  # ggmoe.control.prefetch.Prefetcher when the cache prefetches
