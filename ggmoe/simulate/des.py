@@ -42,7 +42,7 @@ from ggmoe.cache import ExpertCache
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
-from ggmoe.cache.miss import SLOT_HOST, effective_miss_policy
+from ggmoe.cache.miss import SLOT_HOST, auto_without_host_path, effective_miss_policy
 from ggmoe.cache.policies import make_policy
 from ggmoe.cache.split import LayerSplit
 from ggmoe.control import TokenController
@@ -184,7 +184,8 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     link = LinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks, split)
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
-    miss_policy, _ = effective_miss_policy(config.miss_policy, miss_costs, bytes_per_expert)  # as the engine
+    miss_policy, _ = auto_without_host_path(config.miss_policy, bool(split), config.decode_mode)  # as the engine
+    miss_policy, _ = effective_miss_policy(miss_policy, miss_costs, bytes_per_expert)
     pred = build_predictor(config, trace, train, model_path) if config.predictor else None
     n_pre = config.n_prefetch if config.n_prefetch is not None else min(2 * m.n_expert_used, m.n_expert)
     cache = ExpertCache(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
