@@ -31,7 +31,7 @@ Fixture names (ARCHES) and the llama.cpp architecture written to the file:
 tests that must reject non-MoE models.
 
 Usage:
-    python tools/make_fixtures.py --out DIR [--arch A ...] [--expert-type f16|f32|q8_0] [--dense]
+    python tools/make_fixtures.py --out DIR [--arch A ...] [--expert-type f16|f32|q8_0|mxfp4] [--dense]
 
 As a module (tests):
     fixture_path("qwen3moe", expert_type="q8_0")  # generated on demand, cached
@@ -176,7 +176,8 @@ ARCHES: tuple[str, ...] = tuple(ARCH_SPECS)
 DENSE_NAME = "llama-dense"
 
 # --expert-type value -> ggml type of the routed expert tensors; everything else stays F32.
-EXPERT_TYPES: dict[str, QType] = {"f32": QType.F32, "f16": QType.F16, "q8_0": QType.Q8_0}
+# mxfp4: gpt-oss's own expert type (OCP microscaling FP4: 32 values of 4 bits and one E8M0 scale per block)
+EXPERT_TYPES: dict[str, QType] = {"f32": QType.F32, "f16": QType.F16, "q8_0": QType.Q8_0, "mxfp4": QType.MXFP4}
 
 # Standard deviations of the random weights. Inputs to every matmul are RMS-normed
 # (unit variance per element), so an [n_in -> n_out] matrix of std s gives outputs of
