@@ -43,7 +43,7 @@ import numpy as np
 
 from ggmoe.errors import TraceFormatError
 from ggmoe.hook import RouteEvent
-from ggmoe.inspect.gating import gating_from_kv, softmax
+from ggmoe.inspect.gating import GATING_FUNCS, gating_from_kv, softmax
 from ggmoe.npzfile import NpzMembers
 from ggmoe.outputs import atomic_write
 
@@ -219,6 +219,8 @@ def _meta(raw: np.ndarray) -> TraceMeta:
             raise TraceFormatError(f"bad trace metadata: {key} {d[key]} is not in {low}..{1 << 20}")
     if d["n_expert_used"] > d["n_expert"]:
         raise TraceFormatError("bad trace metadata: n_expert_used > n_expert")
+    if d.get("gating", "softmax") not in GATING_FUNCS.values():
+        raise TraceFormatError(f"bad trace metadata: unknown gating {str(d['gating'])[:40]!r}")
     if d["version"] == 1:  # before the gating was recorded: the architecture's, as this ggmoe reads it
         d["gating"] = gating_from_kv(d["arch"], {}).func
     return TraceMeta(**d)
