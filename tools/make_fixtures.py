@@ -24,6 +24,8 @@ Fixture names (ARCHES) and the llama.cpp architecture written to the file:
                             the exp_probs_b selection bias, weights normalised and scaled 2.5)
     deepseek3 -> deepseek2 (DeepSeek-V3's shape: deepseek2 plus group-limited routing, 4
                             groups of 2 experts with 2 used, weights scaled 2.5)
+    ernie45   -> ernie4_5-moe (ERNIE 4.5: layer 0 dense, a shared expert of its own width,
+                            softmax routing with the exp_probs_b selection bias, weights normalised)
     llama4    -> llama4    (Llama 4: MoE on every other layer, dense FFNs between, a shared
                             expert, top-1 routing with sigmoid weights applied before the FFN)
 
@@ -108,6 +110,7 @@ class SharedExpert(enum.Enum):
     PLAIN = (
         "plain"  # deepseek2: n_expert_shared experts fused into one FFN of width n_ff_exp * n_expert_shared
     )
+    WIDE = "wide"  # ernie4_5-moe: one FFN of width n_ff_shexp (expert_shared_feed_forward_length), no gate
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ class ArchSpec:
     mha: bool = False  # force n_head_kv == n_head
     mla: bool = False  # deepseek2 multi-head latent attention instead of Q/K/V projections
     n_layer_dense_lead: int = 0  # leading layers with a dense FFN instead of experts
-    # deepseek-v3 style routing: sigmoid gating plus a selection-only bias exp_probs_b
+    # the selection-only bias exp_probs_b (DeepSeek-V3 style; its gating comes from gating_keys or the arch)
     router_bias: bool = False
     # gpt-oss (llama.cpp's openai-moe): biased router logits (ffn_gate_inp.bias), per-expert biases on every
     # expert tensor, attention sinks, an output-projection bias, post_attention_norm as the FFN's norm, and
@@ -156,6 +159,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
         mla=True,
         n_layer_dense_lead=1,
         router_bias=True,
+        gating_keys=(gguf.ExpertGatingFuncType.SIGMOID, True, 1.0),
     ),
     "gptoss": ArchSpec(gguf.MODEL_ARCH.GPT_OSS, qkv_bias=True, gpt_oss=True, sliding_window=8),
     "glm4moe": ArchSpec(
@@ -166,6 +170,10 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "deepseek3": ArchSpec(
         gguf.MODEL_ARCH.DEEPSEEK2, shared_expert=SharedExpert.PLAIN, mla=True, n_layer_dense_lead=1,
         router_bias=True, gating_keys=(gguf.ExpertGatingFuncType.SIGMOID, True, 2.5), expert_groups=(4, 2),
+    ),
+    "ernie45": ArchSpec(
+        gguf.MODEL_ARCH.ERNIE4_5_MOE, shared_expert=SharedExpert.WIDE, n_layer_dense_lead=1, router_bias=True,
+        moe_layer_step=1,
     ),
     "llama4": ArchSpec(
         gguf.MODEL_ARCH.LLAMA4, shared_expert=SharedExpert.PLAIN, moe_layer_step=2, n_expert_used=1,
@@ -380,7 +388,7 @@ def _moe_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec]:
     if spec.shared_expert is SharedExpert.GATED:
         out.append(TensorSpec(tensor_name(T.FFN_GATE_INP_SHEXP, il), (d,), Role.WEIGHT))
     if spec.shared_expert is not SharedExpert.NONE:
-        s = shape.n_ff_shexp if spec.shared_expert is SharedExpert.GATED else f * shape.n_expert_shared
+        s = f * shape.n_expert_shared if spec.shared_expert is SharedExpert.PLAIN else shape.n_ff_shexp
         out += [
             TensorSpec(tensor_name(T.FFN_GATE_SHEXP, il), (d, s), Role.WEIGHT),
             TensorSpec(tensor_name(T.FFN_UP_SHEXP, il), (d, s), Role.WEIGHT),
@@ -473,7 +481,7 @@ def _write_mla_keys(w: gguf.GGUFWriter, shape: Shape) -> None:
 
 def _write_routing_keys(w: gguf.GGUFWriter, spec: ArchSpec) -> None:
     """Gating, weight norm and scale, expert groups, MoE interleaving."""
-    gating = spec.gating_keys or ((gguf.ExpertGatingFuncType.SIGMOID, True, 1.0) if spec.router_bias else None)
+    gating = spec.gating_keys
     if gating is not None:
         w.add_expert_gating_func(gating[0])
         w.add_expert_weights_norm(gating[1])
@@ -507,7 +515,7 @@ def _write_header_keys(w: gguf.GGUFWriter, plan: ModelPlan) -> None:
             w.add_feed_forward_length(shape.n_ff)
         else:
             w.add_feed_forward_length(shape.n_ff_exp)
-        if spec.shared_expert is SharedExpert.GATED:
+        if spec.shared_expert in (SharedExpert.GATED, SharedExpert.WIDE):
             w.add_expert_shared_feed_forward_length(shape.n_ff_shexp)
         if spec.shared_expert is SharedExpert.PLAIN and spec.shared_count_key:
             w.add_expert_shared_count(shape.n_expert_shared)

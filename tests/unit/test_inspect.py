@@ -83,6 +83,8 @@ CASES = [
     ("glm4moe", "glm4moe", 1, (1, 2, 3), _GLOBAL + 4 * _GLM_ATTN + _GLM_DENSE_FFN + 3 * _GLM_MOE),
     ("deepseek3", "deepseek2", 1, (1, 2, 3),
      _GLOBAL + 4 * _ATTN_MLA + _DS2_DENSE_FFN + 3 * (_FFN_COMMON + _DS2_MOE_EXTRA)),
+    ("ernie45", "ernie4_5-moe", 1, (1, 2, 3),
+     _GLOBAL + 4 * _ATTN_GQA + _DS2_DENSE_FFN + 3 * (_FFN_COMMON + (8 + 3 * 64 * 64) * 4)),
     ("llama4", "llama4", 1, (1, 3), _GLOBAL + 4 * _ATTN_GQA + 2 * _DS2_DENSE_FFN + 2 * _LLAMA4_MOE),
 ]
 # top-k per fixture (Llama 4 routes top-1)
