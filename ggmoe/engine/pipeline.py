@@ -288,6 +288,7 @@ class CachePipeline:
         mode = self.decode_mode
         return {"decode_mode": mode.asked, "decode_mode_in_effect": self.mode_in_effect,
                 "decode_mode_reason": mode.reason,
+                "copy_stream": self.runtime.stream.stream.name,  # immediate, deferred or events (a GPU)
                 "table_writes": self.tables.writes if self.tables is not None else 0,
                 "controller_tokens": self.controller.tokens if self.controller is not None else 0}
 
