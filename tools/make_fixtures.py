@@ -742,6 +742,19 @@ def tools_fixture_path(cache_dir: Path | None = None) -> Path:
         {"tokenizer.chat_template": (TOOLS_CHAT_TEMPLATE, gguf.GGUFValueType.STRING, None)}))
 
 
+# Fill-in-the-middle token ids of the FIM fixture: control bytes that no text prompt contains.
+FIM_TOKEN_IDS = {"pre": 1, "suf": 2, "mid": 3, "rep": 4, "sep": 5}
+
+
+def fim_fixture_path(cache_dir: Path | None = None) -> Path:
+    """The qwen3moe fixture with fill-in-the-middle tokens (``/infill``; ``FIM_TOKEN_IDS``, repo-level ones
+    included)."""
+    keys = {f"tokenizer.ggml.fim_{k}_token_id": (v, gguf.GGUFValueType.UINT32, None)
+            for k, v in FIM_TOKEN_IDS.items()}
+    return _cached("qwen3moe-fim", cache_dir, ("qwen3moe-fim", 0), lambda p: rewrite_gguf(
+        fixture_path("qwen3moe", cache_dir), p, keys))
+
+
 def dense_fixture_path(cache_dir: Path | None = None) -> Path:
     """Path of the cached non-MoE `llama` fixture, generating it if missing."""
     return _cached(DENSE_NAME, cache_dir, (DENSE_NAME, 0), write_dense_fixture)

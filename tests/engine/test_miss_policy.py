@@ -51,6 +51,7 @@ def test_cpu_misses_never_wait_for_a_slow_link(qwen3moe_model, stock_logits):
     assert st.wait_s < 0.02 * st.admission_copies / 2  # far less than waiting for the admissions
 
 
+@pytest.mark.immediate_copies("the replay's counts equal a run's only when copies land at once")
 def test_run_stats_equal_replay_with_misses_on_the_cpu(qwen3moe_model, tmp_path):
     stats, tr = tmp_path / "s.json", tmp_path / "trace"
     r = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox", "-n", "16",
