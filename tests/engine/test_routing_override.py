@@ -40,8 +40,8 @@ def test_the_cache_and_the_observers_see_the_override(qwen3moe_model, mode, copy
         assert calls_ == 6 and hits + misses == k * calls_
         if mode == "sync" or copy_stream == "immediate":
             assert misses == k  # loaded once, then every call hits
-        else:  # the async admissions are seen once they landed, a token or more later
-            assert misses >= k and hits > 0
+        else:  # the async admissions are seen once they landed: when, the deferred stream's threads decide
+            assert misses >= k
     assert any(set(ev.ids.ravel().tolist()) != set(range(k)) for ev in after.values())
 
 

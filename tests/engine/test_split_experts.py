@@ -130,8 +130,8 @@ def test_prefetched_bottoms_equal_stock(arch_model, stock_logits, predictor, cop
     assert st.bottom_prefetches > 0 and st.bottom_prefetch_bytes > 0
     if copy_stream == "immediate":  # a stride-1 prefetch lands within one layer of a fixture only at once
         assert st.bottom_hits > 0  # some bottoms were read from their buffers
-    if predictor == "reuse":
-        assert st.top_hits > 0  # and some from host memory
+        if predictor == "reuse":
+            assert st.top_hits > 0  # and some from host memory
 
 
 def _zero(ptrs) -> None:
