@@ -41,6 +41,13 @@ FORMAT = "ggmoe-trace"
 VERSION = 1
 STAGE_PREFILL = 0
 STAGE_DECODE = 1
+# What an imported trace may lack (``TraceMeta.lacks``), and what needs it:
+LACKS = {
+    "hidden": "MoE inputs (hidden states): predictors that read them (mlp, skip-gate) cannot run",
+    "token_ids": "token ids: the token predictor cannot run",
+    "probs": "the router's full distribution (only the selected experts' weights, or none): predictors that "
+             "read router probabilities (expert-map) cannot run",
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ class TraceMeta:
     max_tokens: int  # decode steps asked per prompt
     ggmoe_version: str
     n_ubatch: int = 512  # tokens per micro-batch the engine used (replays chunk prefills alike)
+    source: str = ""  # where the routing came from: "" recorded by ggmoe, else the imported log (trace import)
+    lacks: tuple[str, ...] = ()  # what the routing log did not hold (LACKS): placeholders fill those arrays
     format: str = FORMAT
     version: int = VERSION
 
@@ -160,8 +169,9 @@ class TraceWriter:
 _META_TYPES: dict[str, type | tuple[type, ...]] = {
     "model_fingerprint": str, "model_name": str, "arch": str, "n_layer": int, "n_expert": int,
     "n_expert_used": int, "n_embd": int, "mode": str, "max_tokens": int, "ggmoe_version": str, "n_ubatch": int,
-    "format": str, "version": int,
+    "source": str, "lacks": list, "format": str, "version": int,
 }
+_META_DEFAULTS = ("n_ubatch", "source", "lacks")  # fields older traces may not have
 _META_MAX = 1 << 20  # bytes of metadata JSON; a real trace's is a few hundred
 
 
@@ -184,8 +194,8 @@ def _meta(raw: np.ndarray) -> TraceMeta:
         raise TraceFormatError(f"bad trace metadata: unknown field {unknown[0][:40]!r}")
     for key, typ in _META_TYPES.items():
         if key not in d:
-            if key == "n_ubatch":
-                continue  # has a default
+            if key in _META_DEFAULTS:
+                continue
             raise TraceFormatError(f"bad trace metadata: missing {key}")
         v = d[key]
         if not isinstance(v, typ) or isinstance(v, bool):
@@ -196,7 +206,18 @@ def _meta(raw: np.ndarray) -> TraceMeta:
             raise TraceFormatError(f"bad trace metadata: {key} {d[key]} is not in {low}..{1 << 20}")
     if d["n_expert_used"] > d["n_expert"]:
         raise TraceFormatError("bad trace metadata: n_expert_used > n_expert")
+    lacks = d.get("lacks", [])
+    bad = [x for x in lacks if not isinstance(x, str) or x not in LACKS]
+    if bad:
+        raise TraceFormatError(f"bad trace metadata: lacks {str(bad[0])[:40]!r}; known: {', '.join(LACKS)}")
+    d["lacks"] = tuple(lacks)
     return TraceMeta(**d)
+
+
+def trace_lacks(meta: TraceMeta, what: str, needed_by: str) -> None:
+    """TraceFormatError in one line when ``needed_by`` needs ``what`` (a key of LACKS) and the trace lacks it."""
+    if what in meta.lacks:
+        raise TraceFormatError(f"{needed_by} needs {what}: the trace ({meta.source or meta.model_name}) has none")
 
 
 def _expect(name: str, a: np.ndarray, dtype: type, shape: tuple) -> None:
