@@ -115,6 +115,29 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
     plt.close(fig)
 
 
+def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: str) -> tuple[Any, Path | None]:
+    """(facts, GGUF path) of the model the traces route: ``--model`` (or the embedded model), checked by
+    fingerprint; an imported trace made without a GGUF is checked by shape, and runs without one for counts
+    (its shape from the trace, no bytes: ``need_bytes`` refuses that, naming ``counts_flag``)."""
+    from ggmoe.inspect import inspect_model
+    from ggmoe.inspect.fingerprint import model_fingerprint
+    from ggmoe.trace.imports import TraceShape, check_trace_fits
+
+    imported = bool(trace.meta.source) and not trace.meta.model_fingerprint
+    if imported and model is None:
+        if need_bytes:
+            raise UsageError(f"the trace was imported without a model ({trace.meta.source}): give the GGUF its "
+                             f"routing belongs to with --model for times, or {counts_flag} for counts")
+        return TraceShape.of(trace), None
+    path = model_path(model, "--model")
+    facts = inspect_model(path)
+    if imported:
+        check_trace_fits(trace, facts.n_expert, facts.n_expert_used, facts.moe_layers, Path(path).name)
+    elif trace.meta.model_fingerprint != model_fingerprint(path):
+        raise UsageError(f"the traces come from another model than {Path(path).name}: give it with --model")
+    return facts, path
+
+
 @click.command()
 @click.argument("traces", nargs=-1, required=True, type=click.Path())
 @click.option("--model", "model", help="The GGUF the traces come from (bytes per expert); default: the "
@@ -175,8 +198,6 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     from ggmoe.cache.policies import POLICIES
     from ggmoe.cache.split import split_at
     from ggmoe.cli.warm import read_stats_in
-    from ggmoe.inspect import inspect_model
-    from ggmoe.inspect.fingerprint import model_fingerprint
     from ggmoe.predict.base import check_predictor
     from ggmoe.simulate.des import SimConfig, build_predictor
     from ggmoe.simulate.des import simulate as run
@@ -201,14 +222,13 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
             raise UsageError(f"unknown decode mode {mode!r} for the simulator; choose sync or async")
     thetas = _numbers(theta, float, "--theta") or [1.0]
     profile = None if hw == "none" else load_profile(hw)
-    path = model_path(model, "--model")
-    facts = inspect_model(path)
     trace = load_traces(list(traces))
-    if trace.meta.model_fingerprint != model_fingerprint(path):
-        raise UsageError(f"the traces come from another model than {Path(path).name}: give it with --model")
+    facts, path = trace_model(trace, model, profile is not None, "--hw none")
+    if path is None and (vram or stats_in or thetas != [1.0]):
+        raise UsageError("--vram, --stats-in and --theta need the model's bytes per expert: give --model")
     train = load_traces(list(predictor_train)) if predictor_train else None
     options: dict[str, dict] = {}
-    warm = read_stats_in(stats_in, facts, Path(path))
+    warm = read_stats_in(stats_in, facts, Path(path)) if path is not None else None
     if "static" in policies:
         if warm is None:
             raise UsageError("--policy static pins the hottest experts of saved statistics: give --stats-in FILE")
@@ -229,7 +249,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     for pred in predictors:  # refuse what cannot run before simulating any
         if pred is not None:
             check = SimConfig(n_slots=combos[0][0][1], predictor=pred, stride=stride, predictor_state=state(pred))
-            build_predictor(check, trace, train, str(path), fit=False)
+            build_predictor(check, trace, train, str(path) if path else None, fit=False)
     if plot_path is not None:
         pyplot()
     with click.progressbar(combos, label="simulating", file=sys.stderr) as bar:
@@ -238,16 +258,19 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
             cfg = SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
                             stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
                             predictor_state=state(pred), decode_mode=mode, split=split)
-            r = run(trace, cfg, bpe, profile, train, model_path=str(path))
+            r = run(trace, cfg, bpe, profile, train, model_path=str(path) if path else None)
             results.append(r)
             rows.append(_row(label, r, th))
     if plot_path is not None:
         plot(plot_path, rows, results)
     if as_json:
-        click.echo(json.dumps({"traces": list(traces), "model": str(path), "profile": hw,
+        click.echo(json.dumps({"traces": list(traces), "model": str(path) if path else None, "profile": hw,
+                               "routing": trace.meta.source or "recorded by ggmoe",
                                "estimates": "tpot_s and ttft_s are estimates from the profile's cost model",
                                "results": [dataclasses.asdict(r) for r in results]}, indent=2))
         return
+    if trace.meta.source:
+        click.echo(f"routing: {trace.meta.source}")
     click.echo(f"{trace.n_tokens} tokens of {trace.n_prompts} prompts; profile {hw}"
                + ("" if profile else " (counts only: no times)"))
     click.echo(render_table(rows))

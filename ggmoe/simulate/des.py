@@ -50,6 +50,7 @@ from ggmoe.control.prefetch import Prefetcher
 from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
+from ggmoe.predict.base import check_trace_inputs
 from ggmoe.simulate.replay import micro_batches, next_uses
 from ggmoe.simulate.timeline import LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace
@@ -123,6 +124,7 @@ def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_
     shape = ModelShape.from_trace(trace.meta, trace.layers)
     options = {"model": model_path} if config.predictor == "skip-gate" else {}
     pred = make_predictor(config.predictor, shape, config.stride, **options)
+    check_trace_inputs(pred, trace.meta)
     if pred.needs_hidden and trace.hidden is None:
         raise UsageError(f"predictor {config.predictor!r} reads hidden states: the traces have none "
                          "(record them without --no-hidden)")

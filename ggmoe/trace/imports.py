@@ -66,6 +66,40 @@ class RoutingShape:
 
 
 @dataclass(frozen=True)
+class TraceShape:
+    """The model shape an imported trace names, where no GGUF is at hand: counts only (no bytes)."""
+
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    moe_layers: tuple[int, ...]  # the trace's MoE layers
+
+    @classmethod
+    def of(cls, trace: Trace) -> TraceShape:
+        m = trace.meta
+        return cls(m.n_layer, m.n_expert, m.n_expert_used, tuple(int(il) for il in trace.layers))
+
+    def bytes_per_expert(self, il: int) -> int:
+        """Unknown without a GGUF: 0 (counts do not depend on it; times need ``--model``)."""
+        return 0
+
+
+def check_trace_fits(trace: Trace, n_expert: int, n_expert_used: int, moe_layers: tuple[int, ...],
+                     model: str) -> None:
+    """An imported trace against a model's shape; TraceFormatError naming the field that differs."""
+    m = trace.meta
+    if m.n_expert != n_expert:
+        raise TraceFormatError(f"n_expert: the trace has {m.n_expert} experts per layer, {model} {n_expert}")
+    if m.n_expert_used != n_expert_used:
+        raise TraceFormatError(f"top-k: the trace selects {m.n_expert_used} experts per token, {model} "
+                               f"{n_expert_used}")
+    extra = sorted(set(int(il) for il in trace.layers) - set(moe_layers))
+    if extra:
+        raise TraceFormatError(f"layer: the trace routes layer {extra[0]}, not a MoE layer of {model} "
+                               f"({len(moe_layers)} MoE layers)")
+
+
+@dataclass(frozen=True)
 class Routing:
     """What a log holds, before it becomes a trace (T tokens, L MoE layers, k = top-k)."""
 
