@@ -16,10 +16,9 @@ engine's counts).
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.copy import CopyHandle, Priority, bottom_buffer
@@ -27,14 +26,14 @@ from ggmoe.cache.hardware import HardwareProfile
 from ggmoe.cache.split import LayerSplit
 
 
-@dataclass(order=True)
+@dataclass
 class _Job:
-    key: tuple[int, float, int]  # (priority, rank, id): the heap's order
-    handle: CopyHandle = field(compare=False)
-    submitted: float = field(compare=False)  # s
-    chunks_left: int = field(compare=False)
-    started: bool = field(compare=False, default=False)
-    cancelled: bool = field(compare=False, default=False)
+    key: tuple[int, float, int]  # (priority, rank, id): the lower, the more urgent
+    handle: CopyHandle
+    submitted: float  # s
+    chunks_left: int
+    chunk_s: float  # s one chunk takes on the link
+    started: bool = False
 
 
 class LinkCopyBackend:
@@ -49,7 +48,7 @@ class LinkCopyBackend:
         self.profile = profile
         self.n_chunks = max(1, n_chunks)
         self._ids = itertools.count()
-        self._queue: list[_Job] = []  # not yet finished, not cancelled
+        self._queue: dict[int, _Job] = {}  # handle id -> job not yet finished, not cancelled
         self._landed: dict[int, float] = {}  # handle id -> landing time (s)
         self._busy_until = 0.0  # s: the link is busy with a chunk until then
         self.busy_s = 0.0  # s the link spent copying
@@ -71,36 +70,42 @@ class LinkCopyBackend:
         if self.profile is None:
             self._landed[h.id] = self.clock.now()
             return h
-        heapq.heappush(self._queue, _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks))
+        self._queue[h.id] = _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks, self._chunk_s(h))
         return h
 
-    def _step(self, until: float | None) -> bool:
-        """Run one chunk of the most urgent job available at the link's time; False when none can run
-        before ``until`` (None: whenever)."""
-        while self._queue and self._queue[0].cancelled:
-            heapq.heappop(self._queue)
-        if not self._queue:
-            return False
-        start = max(self._busy_until, min(j.submitted for j in self._queue if not j.cancelled))
+    def _step(self, until: float | None) -> int | None:
+        """Run the most urgent job available at the link's time, chunk after chunk while no more urgent job
+        has been submitted by the next chunk's start (the same order as one chunk per call: after every chunk
+        the most urgent available job runs); the handle id of a job that finished, -1 if none finished, None
+        when nothing can run before ``until`` (None: whenever)."""
+        q = self._queue
+        if not q:
+            return None
+        first = min(j.submitted for j in q.values())
+        start = self._busy_until if self._busy_until > first else first
         if until is not None and start >= until:
-            return False
-        ready = [j for j in self._queue if not j.cancelled and j.submitted <= start]
-        job = min(ready)  # most urgent among those submitted by then
+            return None
+        job = min((j for j in q.values() if j.submitted <= start), key=lambda j: j.key)
         job.started = True
-        dt = self._chunk_s(job.handle)
-        self._busy_until = start + dt
-        self.busy_s += dt
-        job.chunks_left -= 1
-        if job.chunks_left == 0:
-            self._queue.remove(job)
-            heapq.heapify(self._queue)
-            self._landed[job.handle.id] = self._busy_until
-        return True
+        others = [j for j in q.values() if j is not job and j.key < job.key] if len(q) > 1 else []
+        while True:
+            self._busy_until = start + job.chunk_s
+            self.busy_s += job.chunk_s
+            job.chunks_left -= 1
+            if job.chunks_left == 0:
+                del q[job.handle.id]
+                self._landed[job.handle.id] = self._busy_until
+                return job.handle.id
+            start = self._busy_until
+            if (until is not None and start >= until) or any(j.submitted <= start for j in others):
+                return -1
 
     def _advance(self) -> None:
         """Run every chunk that starts before now (a chunk started finishes, even past now)."""
+        if not self._queue:
+            return
         now = self.clock.now()
-        while self._step(now):
+        while self._step(now) is not None:
             pass
 
     def done(self, handle: CopyHandle) -> bool:
@@ -114,9 +119,12 @@ class LinkCopyBackend:
         for h in handles:
             if h.priority == Priority.PREFETCH and not self._done_now(h):
                 self.late_prefetches += 1
-        while any(h.id not in self._landed for h in handles if not self._cancelled(h)):
-            if not self._step(None):
+        pending = {h.id for h in handles if h.id in self._queue}  # neither landed nor cancelled
+        while pending:
+            done = self._step(None)
+            if done is None:
                 break
+            pending.discard(done)
         last = max((self._landed.get(h.id, 0.0) for h in handles), default=0.0)
         if last > self.clock.now():
             self.clock.advance(last - self.clock.now())
@@ -125,27 +133,20 @@ class LinkCopyBackend:
         t = self._landed.get(h.id)
         return t is not None and t <= self.clock.now()
 
-    def _cancelled(self, h: CopyHandle) -> bool:
-        return h.id not in self._landed and not any(j.handle.id == h.id for j in self._queue)
-
     def cancel(self, handle: CopyHandle) -> bool:
         self._advance()
-        for j in self._queue:
-            if j.handle.id == handle.id and not j.started:
-                j.cancelled = True
-                self._queue.remove(j)
-                heapq.heapify(self._queue)
-                return True
+        j = self._queue.get(handle.id)
+        if j is not None and not j.started:
+            del self._queue[handle.id]
+            return True
         return False
 
     def promote(self, handle: CopyHandle) -> None:
         """Serve a queued copy at demand priority from now on (a layer waits for it)."""
         self._advance()
-        for j in self._queue:
-            if j.handle.id == handle.id and j.key[0] > Priority.DEMAND:
-                j.key = (int(Priority.DEMAND), j.key[1], j.key[2])
-                heapq.heapify(self._queue)
-                return
+        j = self._queue.get(handle.id)
+        if j is not None and j.key[0] > Priority.DEMAND:
+            j.key = (int(Priority.DEMAND), j.key[1], j.key[2])
 
     def remaining_s(self, handle: CopyHandle) -> float | None:
         """Seconds until ``handle`` lands if the link served it next (0: landed; None: unknown)."""
@@ -154,9 +155,9 @@ class LinkCopyBackend:
             return 0.0
         if handle.id in self._landed:  # its last chunk is running
             return self._landed[handle.id] - self.clock.now()
-        for j in self._queue:
-            if j.handle.id == handle.id:
-                return j.chunks_left * self._chunk_s(handle) + max(0.0, self._busy_until - self.clock.now())
+        j = self._queue.get(handle.id)
+        if j is not None:
+            return j.chunks_left * j.chunk_s + max(0.0, self._busy_until - self.clock.now())
         return None
 
     def occupy(self, seconds: float) -> None:
