@@ -205,12 +205,13 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
     batches = list(micro_batches(trace))
-    future = _future(trace, cache, layers, batches, ids, pos) if policy.needs_future else None
+    is_async = [controller is not None and r.stop - r.start <= TABLE_MAX_TOKENS for r in batches]
+    future = _future(trace, cache, layers, batches, is_async, ids, pos) if policy.needs_future else None
     decode_s = prefill_s = 0.0
     ttft: list[float] = []
     first_pending: float | None = None  # a prompt's prefill time, until its first decode step
     fi = 0
-    for rows in batches:
+    for bi, rows in enumerate(batches):
         n_tok = rows.stop - rows.start
         prefill = bool(trace.stage[rows.start] == STAGE_PREFILL)
         if prefetcher is not None:
@@ -218,7 +219,11 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
                 pred.reveal(ids[rows.start])
             prefetcher.begin_step([int(t) for t in trace.token_ids[rows]])
         t0 = clock.now()
-        if controller is not None and n_tok <= TABLE_MAX_TOKENS:
+        if is_async[bi]:
+            if future is not None:  # the controller's calls, one per layer in order, as _future counted them
+                for il in layers:
+                    policy.set_future(il, future[fi])
+                    fi += 1
             _async_step(clock, cache, link, controller, costs, layers, ids[rows], pos)
         else:
             for il in layers:
@@ -299,10 +304,12 @@ def _read_in_place(cache: ExpertCache, il: int, need: set[int]) -> int:
     return out
 
 
-def _future(trace: Trace, cache: ExpertCache, layers: list[int], batches: Sequence[slice], ids: np.ndarray,
-            pos: dict[int, int]) -> list[dict[int, float]]:
-    routed = [(il, sorted(set(ids[rows, pos[il]].ravel().tolist()))) for rows in batches for il in layers
-              if cache.fits(il, rows.stop - rows.start)]
+def _future(trace: Trace, cache: ExpertCache, layers: list[int], batches: Sequence[slice], is_async: list[bool],
+            ids: np.ndarray, pos: dict[int, int]) -> list[dict[int, float]]:
+    """Next uses (``replay.next_uses``) over the cache's calls in the order the replay makes them: every layer
+    of an async micro-batch (the controller's ``after_token``), the routed layers of a sync one."""
+    routed = [(il, sorted(set(ids[rows, pos[il]].ravel().tolist()))) for rows, a in zip(batches, is_async, strict=True)
+              for il in layers if a or cache.fits(il, rows.stop - rows.start)]
     return next_uses(routed, trace.meta.n_expert)
 
 
