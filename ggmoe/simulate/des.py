@@ -142,15 +142,19 @@ def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_
 
 
 class _Costs:
-    """The profile's figures for one trace (zero without a profile)."""
+    """The profile's figures for one trace (zero without a profile), per layer computed once."""
 
     def __init__(self, profile: HardwareProfile | None, bytes_per_expert: Mapping[int, int], n_expert: int) -> None:
         self.p = profile
         self.bpe = bytes_per_expert
         self.n_expert = n_expert
+        p = profile
+        self._gpu = {il: p.gpu_expert_s(b) for il, b in bytes_per_expert.items()} if p else {}
+        self._cpu = {il: p.cpu_expert_s(b) for il, b in bytes_per_expert.items()} if p else {}
+        self._hook = p.hook_s if p else 0.0
 
     def hook(self) -> float:
-        return self.p.hook_s if self.p else 0.0
+        return self._hook
 
     def layer(self, n_tokens: int) -> float:
         """Attention and router of a micro-batch of ``n_tokens`` (before the route op)."""
@@ -158,10 +162,10 @@ class _Costs:
 
     def experts(self, il: int, n_experts: int) -> float:
         """``n_experts`` distinct experts computed on the GPU."""
-        return n_experts * self.p.gpu_expert_s(self.bpe[il]) if self.p and n_experts else 0.0
+        return n_experts * self._gpu[il] if n_experts and self.p else 0.0
 
     def cpu(self, il: int, n_experts: int) -> float:
-        return n_experts * self.p.cpu_expert_s(self.bpe[il]) if self.p and n_experts else 0.0
+        return n_experts * self._cpu[il] if n_experts and self.p else 0.0
 
     def zero_copy(self, nbytes: int) -> float:
         """``nbytes`` of expert weights read by the GPU from pinned host memory (misses and bottoms)."""
@@ -211,6 +215,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     ttft: list[float] = []
     first_pending: float | None = None  # a prompt's prefill time, until its first decode step
     fi = 0
+    step = _Step(clock, cache, link, costs, prefetcher, pred, config, profile is not None)
     for bi, rows in enumerate(batches):
         n_tok = rows.stop - rows.start
         prefill = bool(trace.stage[rows.start] == STAGE_PREFILL)
@@ -226,34 +231,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
                     fi += 1
             _async_step(clock, cache, link, controller, costs, layers, ids[rows], pos)
         else:
-            for il in layers:
-                clock.advance(costs.layer(n_tok) + costs.hook())  # attention and router, then the route op
-                sel = ids[rows, pos[il]]  # [n_tok, k]
-                need = len(set(sel.ravel().tolist()))
-                if not cache.fits(il, n_tok):
-                    cache.observe(il, sel)
-                    clock.advance(costs.native_upload(il) + costs.experts(il, need))
-                    continue
-                flat = sel.ravel().tolist()
-                lst = cache.stats.layers[il]
-                read0, miss0 = lst.host_read_bytes, lst.misses  # a split layer reads misses and bottoms in place
-                if future is None:
-                    slots = cache.route_flat(il, flat)
-                else:
-                    slots = cache.route_flat(il, flat, next_use=future[fi])
-                    fi += 1
-                n_host = len({e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST})
-                if prefetcher is not None:
-                    tp = time.perf_counter()
-                    probs = trace.probs[rows, pos[il]].astype(np.float32) if pred.needs_probs else None
-                    hidden = trace.hidden[rows, pos[il]].astype(np.float32) if pred.needs_hidden else None
-                    prefetcher.on_route(RouteEvent(il=il, ids=sel, probs=probs, hidden=hidden))
-                    pred_s = time.perf_counter() - tp if config.predictor_s is None else config.predictor_s
-                    clock.advance(pred_s if profile is not None else 0.0)
-                read_s = costs.zero_copy(lst.host_read_bytes - read0)
-                link.occupy(read_s)
-                in_place = lst.misses - miss0 if il in cache.split else 0  # whole misses: bound by the link
-                clock.advance(max(costs.experts(il, need - n_host - in_place) + read_s, costs.cpu(il, n_host)))
+            fi = _sync_step(step, trace, rows, ids[rows], layers, future, fi)
         dt = clock.now() - t0
         if prefill:
             prefill_s += dt
@@ -266,6 +244,57 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     if prefetcher is not None:
         prefetcher.close()
     return _result(config, trace, cache, link, profile, bytes_per_expert, decode_s, prefill_s, ttft)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every sync micro-batch of one simulation shares."""
+
+    clock: ManualClock
+    cache: ExpertCache
+    link: LinkCopyBackend
+    costs: _Costs
+    prefetcher: Prefetcher | None
+    pred: Any
+    config: SimConfig
+    timed: bool  # a profile is given: the predictor's time counts
+
+
+def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers: list[int],
+               future: list[dict[int, float]] | None, fi: int) -> int:
+    """One micro-batch on the sync path (the route op per MoE layer); returns the next index into ``future``."""
+    clock, cache, costs, pred = st.clock, st.cache, st.costs, st.pred
+    n_tok = rows.stop - rows.start
+    flats = sel_all.transpose(1, 0, 2).reshape(len(layers), -1).tolist()  # per layer, the ids token after token
+    before = costs.layer(n_tok) + costs.hook()  # attention and router, then the route op
+    for j, il in enumerate(layers):
+        clock.advance(before)
+        flat = flats[j]
+        need = len(set(flat))
+        if not cache.fits(il, n_tok):
+            cache.observe(il, sel_all[:, j])
+            clock.advance(costs.native_upload(il) + costs.experts(il, need))
+            continue
+        lst = cache.stats.layers[il]
+        read0, miss0 = lst.host_read_bytes, lst.misses  # a split layer reads misses and bottoms in place
+        if future is None:
+            slots = cache.route_flat(il, flat)
+        else:
+            slots = cache.route_flat(il, flat, next_use=future[fi])
+            fi += 1
+        n_host = len({e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST}) if SLOT_HOST in slots else 0
+        if st.prefetcher is not None:
+            tp = time.perf_counter()
+            probs = trace.probs[rows, j].astype(np.float32) if pred.needs_probs else None
+            hidden = trace.hidden[rows, j].astype(np.float32) if pred.needs_hidden else None
+            st.prefetcher.on_route(RouteEvent(il=il, ids=sel_all[:, j], probs=probs, hidden=hidden))
+            pred_s = time.perf_counter() - tp if st.config.predictor_s is None else st.config.predictor_s
+            clock.advance(pred_s if st.timed else 0.0)
+        read_s = costs.zero_copy(lst.host_read_bytes - read0)
+        st.link.occupy(read_s)
+        in_place = lst.misses - miss0 if il in cache.split else 0  # whole misses: bound by the link
+        clock.advance(max(costs.experts(il, need - n_host - in_place) + read_s, costs.cpu(il, n_host)))
+    return fi
 
 
 def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, controller: TokenController,

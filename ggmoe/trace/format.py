@@ -101,7 +101,11 @@ class Trace:
 
 
 def _write_arrays(path: str | Path, meta: TraceMeta, arrays: dict[str, np.ndarray]) -> None:
-    arrays = {**arrays, "meta": np.frombuffer(json.dumps(asdict(meta)).encode(), dtype=np.uint8)}
+    d = asdict(meta)
+    for key in ("source", "lacks"):  # a recorded trace's metadata stays readable by earlier versions
+        if not d[key]:
+            del d[key]
+    arrays = {**arrays, "meta": np.frombuffer(json.dumps(d).encode(), dtype=np.uint8)}
     with atomic_write(path) as f:  # never a half-written trace under the final name
         np.savez(f, **arrays)
 
