@@ -66,7 +66,7 @@ class LinkCopyBackend:
         return p.copy_latency_s + self.copy_bytes(h) / self.n_chunks / p.copy_bytes_per_s
 
     def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
-        h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
+        h = CopyHandle(next(self._ids), il, expert, slot, priority if type(priority) is Priority else Priority(priority))
         if self.profile is None:
             self._landed[h.id] = self.clock.now()
             return h
@@ -143,6 +143,8 @@ class LinkCopyBackend:
 
     def promote(self, handle: CopyHandle) -> None:
         """Serve a queued copy at demand priority from now on (a layer waits for it)."""
+        if handle.priority == Priority.DEMAND:  # served first already (promoted ones keep their handle's)
+            return
         self._advance()
         j = self._queue.get(handle.id)
         if j is not None and j.key[0] > Priority.DEMAND:
