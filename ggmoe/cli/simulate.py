@@ -115,6 +115,42 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
     plt.close(fig)
 
 
+_SHARED: tuple = ()  # what every configuration of one simulate call shares (set before the workers fork)
+
+
+def _run_one(cfg: Any) -> Any:
+    from ggmoe.simulate.des import simulate as run
+
+    trace, bpe, profile, train, model = _SHARED
+    return run(trace, cfg, bpe, profile, train, model_path=model)
+
+
+def run_configs(configs: list[Any], shared: tuple, jobs: int | None) -> list[Any]:
+    """``des.simulate`` of every configuration, in order; ``jobs`` worker processes (forked, so the traces are
+    not copied; default: the CPUs this process may use), one process for one configuration or ``jobs=1``."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    global _SHARED
+    _SHARED = shared
+    n = min(jobs or len(os.sched_getaffinity(0)), len(configs))
+    with click.progressbar(length=len(configs), label="simulating", file=sys.stderr) as bar:
+        if n <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            out = []
+            for cfg in configs:
+                out.append(_run_one(cfg))
+                bar.update(1)
+            return out
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as ex:
+            futures = [ex.submit(_run_one, cfg) for cfg in configs]
+            out = []
+            for f in futures:
+                out.append(f.result())
+                bar.update(1)
+            return out
+
+
 def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: str) -> tuple[Any, Path | None]:
     """(facts, GGUF path) of the model the traces route: ``--model`` (or the embedded model), checked by
     fingerprint; an imported trace made without a GGUF is checked by shape, and runs without one for counts
@@ -169,6 +205,8 @@ def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: st
 @click.option("--stats-in", type=click.Path(dir_okay=False),
               help="Routing statistics saved by --stats-out: --policy static pins their hottest experts; the "
                    "predictor they were saved with starts from what it learnt.")
+@click.option("--jobs", type=click.IntRange(1, 256),
+              help="Worker processes, one configuration each at a time (default: the CPUs this process may use).")
 @click.option("--json", "as_json", is_flag=True, help="Print every result as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of hit rate and TPOT.")
 @edge
@@ -176,8 +214,8 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
              cache_fraction: tuple[str, ...], vram: tuple[str, ...], policy: tuple[str, ...],
              predictor: tuple[str, ...], stride: int, n_prefetch: int | None, miss_policy: tuple[str, ...],
              decode_mode: tuple[str, ...], theta: tuple[str, ...], hw: str,
-             predictor_train: tuple[str, ...], predictor_s: float | None, stats_in: str | None, as_json: bool,
-             plot_path: str | None) -> None:
+             predictor_train: tuple[str, ...], predictor_s: float | None, stats_in: str | None, jobs: int | None,
+             as_json: bool, plot_path: str | None) -> None:
     """Replay traces through the cache, copy queue and prefetcher on a hardware cost model.
 
     Every combination of the sizes, policies, predictors and miss policies given is simulated and shown
@@ -192,6 +230,8 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe simulate traces/trace.npz --vram 4MiB --miss-policy wait,auto --json
       ggmoe simulate traces/trace.npz --cache-fraction 0.5 --decode-mode sync,async --hw h100
       ggmoe simulate traces/trace.npz --cache-fraction 0.25 --theta 1,0.5 --decode-mode async --hw h100
+      ggmoe trace import esft/intent esft/law -o ds2/ --n-expert 64 --top-k 6 && \
+        ggmoe simulate ds2/ --hw none --cache-fraction 0.125,0.25,0.5 --policy lru,belady --jobs 2
     """
     from ggmoe.cache.hardware import load_profile
     from ggmoe.cache.miss import check_miss_policy
@@ -200,7 +240,6 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     from ggmoe.cli.warm import read_stats_in
     from ggmoe.predict.base import check_predictor
     from ggmoe.simulate.des import SimConfig, build_predictor
-    from ggmoe.simulate.des import simulate as run
     from ggmoe.trace import load_traces
 
     if plot_path is not None:
@@ -234,7 +273,6 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
             raise UsageError("--policy static pins the hottest experts of saved statistics: give --stats-in FILE")
         options["static"] = {"counts": warm.counts_by_layer()}
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
-    results, rows = [], []
     # async runs without a predictor and with misses read from host memory (miss policy wait), as the engine's
     combos = [c for c in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors,
                                            misses, modes, thetas)
@@ -252,15 +290,15 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
             build_predictor(check, trace, train, str(path) if path else None, fit=False)
     if plot_path is not None:
         pyplot()
-    with click.progressbar(combos, label="simulating", file=sys.stderr) as bar:
-        for (label, slots), pol, pred, miss, mode, th in bar:
-            split, n_slots = split_at(facts, slots, th)  # the same VRAM as the whole-expert row
-            cfg = SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
-                            stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
-                            predictor_state=state(pred), decode_mode=mode, split=split)
-            r = run(trace, cfg, bpe, profile, train, model_path=str(path) if path else None)
-            results.append(r)
-            rows.append(_row(label, r, th))
+    configs = []
+    for (_, slots), pol, pred, miss, mode, th in combos:
+        split, n_slots = split_at(facts, slots, th)  # the same VRAM as the whole-expert row
+        configs.append(SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
+                                 stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
+                                 predictor_state=state(pred), decode_mode=mode, split=split))
+    shared = (trace, bpe, profile, train, str(path) if path else None)
+    results = run_configs(configs, shared, jobs)
+    rows = [_row(label, r, th) for ((label, _), *_rest, th), r in zip(combos, results, strict=True)]
     if plot_path is not None:
         plot(plot_path, rows, results)
     if as_json:
