@@ -148,9 +148,11 @@ def import_(sources: tuple[str, ...], out: str, form: str, model: str | None, n_
 
     from ggmoe.trace.data import merge_traces
     from ggmoe.trace.format import LACKS, write_trace
-    from ggmoe.trace.imports import import_routing
+    from ggmoe.trace.imports import import_routing, source_form
 
     check_output_dir(out, "-o", members=("trace.npz",))
+    for s in sources:  # a path of an unknown form fails before the shape is asked for
+        source_form(Path(s), form)
     shape = _import_shape(model, n_expert, top_k, n_layer)
     tr = merge_traces([import_routing(s, shape, form, note) for s in sources])
     if len(sources) > 1:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -153,6 +154,8 @@ def _read_layer_file(path: Path, k: int) -> list[tuple[np.ndarray, np.ndarray | 
             raise TraceFormatError(f"{where}: {ids.size} ids is not a multiple of top-k {k}")
         if w is not None and w.size != ids.size:
             raise TraceFormatError(f"{where}: {w.size} weights for {ids.size} ids")
+        if w is not None and not np.all(np.isfinite(w) & (w >= 0)):
+            raise TraceFormatError(f"{where}: a weight that is negative or not finite")
         out.append((ids.reshape(-1, k), None if w is None else w.reshape(-1, k)))
     return out
 
@@ -210,11 +213,15 @@ def _records(src: Path) -> Iterator[tuple[str, dict]]:
         yield where, rec
 
 
-def _list(v: object, name: str, where: str, k: int, kind: type) -> list:
-    if not isinstance(v, list) or len(v) != k or not all(isinstance(x, kind) and not isinstance(x, bool)
-                                                         for x in v):
-        raise TraceFormatError(f"{where}: {name} must be a list of {k} {kind.__name__}s "
-                               f"(top-k {k}), got {str(v)[:60]}")
+def _list(v: object, name: str, where: str, k: int, numbers: bool) -> list:
+    """A list of k ints (ids) or k finite non-negative numbers (weights)."""
+    kind = (int, float) if numbers else (int,)
+    ok = isinstance(v, list) and len(v) == k and all(isinstance(x, kind) and not isinstance(x, bool) for x in v)
+    if ok and numbers:
+        ok = all(math.isfinite(x) and x >= 0 for x in v)
+    if not ok:
+        what = "finite non-negative numbers" if numbers else "ints"
+        raise TraceFormatError(f"{where}: {name} must be a list of {k} {what} (top-k {k}), got {str(v)[:60]}")
     return v
 
 
@@ -226,9 +233,9 @@ def read_jsonl(src: Path, k: int) -> Routing:
         seq = str(_field(rec, "seq", where))
         tok = _int(_field(rec, "token", where), "token", where)
         il = _int(_field(rec, "layer", where), "layer", where)
-        ids = _list(_field(rec, "ids", where), "ids", where, k, int)
+        ids = _list(_field(rec, "ids", where), "ids", where, k, numbers=False)
         w = _field(rec, "weights", where, required=False)
-        w = None if w is None else _list(w, "weights", where, k, (int, float))
+        w = None if w is None else _list(w, "weights", where, k, numbers=True)
         tid = rec.get("token_id")
         tid = None if tid is None else _int(tid, "token_id", where)
         row = seqs.setdefault(seq, {}).setdefault(tok, {})
@@ -300,23 +307,29 @@ def to_trace(r: Routing, shape: RoutingShape, source: str) -> Trace:
                  layers=r.layers, ids=r.ids.astype(np.int16), probs=probs, hidden=None)
 
 
+def source_form(path: Path, form: str = "auto") -> str:
+    """The form of the log at ``path`` (``form`` auto: detected), checked to be that form's kind of path."""
+    if form == "auto":
+        return detect_form(path)
+    if form not in FORMS:
+        raise TraceFormatError(f"unknown routing log form {form!r}; choose auto, {', '.join(FORMS)}")
+    if not path.exists():
+        raise TraceFormatError(f"{path}: no such file or directory")
+    if form == "layer-files" and not path.is_dir():
+        raise TraceFormatError(f"{path}: the layer-files form is a directory of per-layer files")
+    if form == "jsonl" and not path.is_file():
+        raise TraceFormatError(f"{path}: the jsonl form is one file")
+    return form
+
+
 def import_routing(src: str | Path, shape: RoutingShape, form: str = "auto", note: str = "") -> Trace:
     """Read a routing log (``form``: ``auto``, ``layer-files`` or ``jsonl``) into a checked trace; ``note``
     (e.g. the log's origin and licence) joins the trace's ``source``."""
     path = Path(src)
-    if form == "auto":
-        form = detect_form(path)
-    elif form not in FORMS:
-        raise TraceFormatError(f"unknown routing log form {form!r}; choose auto, {', '.join(FORMS)}")
-    elif not path.exists():
-        raise TraceFormatError(f"{path}: no such file or directory")
+    form = source_form(path, form)
     if form == "layer-files":
-        if not path.is_dir():
-            raise TraceFormatError(f"{path}: the layer-files form is a directory of per-layer files")
         r = read_layer_files(path, shape.n_expert_used)
     else:
-        if not path.is_file():
-            raise TraceFormatError(f"{path}: the jsonl form is one file")
         r = read_jsonl(path, shape.n_expert_used)
     if shape.n_layer == 0:
         shape = replace(shape, n_layer=int(r.layers.max()) + 1)
