@@ -168,7 +168,7 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--predict-in-background", "predict_background", is_flag=True,
                       help="Run the predictor on a worker thread, off the route callback's critical path.")(fn)
     fn = click.option("--predictor-train", "predictor_train", multiple=True, type=click.Path(),
-                      help="Training traces for a predictor that learns (token, eam, expert-map); repeat.")(fn)
+                      help="Training traces for a predictor that learns (token, eam, expert-map, transition); repeat.")(fn)
     fn = click.option("--prefetch-threshold", type=FiniteFloat(),
                       help="Prefetch only experts whose predicted score reaches this (fMoE's threshold).")(fn)
     fn = click.option("--prefetch", "n_prefetch", type=click.IntRange(min=1, max=4096),
@@ -176,7 +176,7 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--stride", default=2, show_default=True, type=click.IntRange(min=1, max=1024),
                       help="Predict and prefetch the MoE layer this many layers ahead.")(fn)
     fn = click.option("--predictor",
-                      help="Prefetch with this predictor: reuse, skip-gate, token, eam, expert-map, or PRED.npz "
+                      help="Prefetch with this predictor: reuse, skip-gate, token, eam, expert-map, transition, or PRED.npz "
                            "from `ggmoe train-predictor`.")(fn)
     fn = click.option("--miss-policy", type=click.Choice(["wait", "cpu", "auto"]),
                       help="An expert not on the device: wait for its copy (default), compute it on the CPU "

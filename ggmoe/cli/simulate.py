@@ -183,7 +183,7 @@ def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: st
               help="Share of each layer's experts cacheable, e.g. 0.25,0.5 (repeat or comma list).")
 @click.option("--vram", multiple=True, help="Cache budget over all layers, e.g. 4GiB (repeat or comma list).")
 @click.option("--policy", multiple=True, help="Eviction policies (repeat or comma list; default lru).")
-@click.option("--predictor", multiple=True, help="Predictors (none, reuse, skip-gate, token, eam, expert-map, "
+@click.option("--predictor", multiple=True, help="Predictors (none, reuse, skip-gate, token, eam, expert-map, transition, "
                                                  "oracle, PRED.npz); repeat or comma list; default none.")
 @click.option("--stride", default=2, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--prefetch", "n_prefetch", type=click.IntRange(1, 4096),
@@ -199,7 +199,7 @@ def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: st
 @click.option("--hw", default="pcie4", show_default=True,
               help="Hardware profile (pcie4, h100, egpu, a .toml from ggmoe calibrate), or none: counts only.")
 @click.option("--predictor-train", multiple=True, type=click.Path(),
-              help="Training traces for predictors that learn (eam, expert-map, token).")
+              help="Training traces for predictors that learn (eam, expert-map, token, transition).")
 @click.option("--predictor-s", type=FiniteFloat(min=0.0),
               help="Seconds per predictor call on the critical path (default: measured on this machine).")
 @click.option("--stats-in", type=click.Path(dir_okay=False),
