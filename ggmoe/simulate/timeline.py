@@ -16,6 +16,8 @@ engine's counts).
 
 from __future__ import annotations
 
+import collections
+import heapq
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from ggmoe.cache.hardware import HardwareProfile
 from ggmoe.cache.split import LayerSplit
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     key: tuple[int, float, int]  # (priority, rank, id): the lower, the more urgent
     handle: CopyHandle
@@ -34,6 +36,8 @@ class _Job:
     chunks_left: int
     chunk_s: float  # s one chunk takes on the link
     started: bool = False
+    live: bool = True  # neither finished nor cancelled
+    ready: bool = False  # in the ready heap (submitted by a chunk's start)
 
 
 class LinkCopyBackend:
@@ -48,7 +52,12 @@ class LinkCopyBackend:
         self.profile = profile
         self.n_chunks = max(1, n_chunks)
         self._ids = itertools.count()
-        self._queue: dict[int, _Job] = {}  # handle id -> job not yet finished, not cancelled
+        # Jobs not finished nor cancelled, by handle id. Submissions come at a clock that never goes back, so
+        # jobs not yet submitted by the link's time wait in submission order (_pending); the others sit in a
+        # heap by key (_ready: entries (key, id, job); an entry whose job is gone or whose key changed is stale)
+        self._queue: dict[int, _Job] = {}
+        self._pending: collections.deque[_Job] = collections.deque()
+        self._ready: list[tuple[tuple[int, float, int], int, _Job]] = []
         self._landed: dict[int, float] = {}  # handle id -> landing time (s)
         self._busy_until = 0.0  # s: the link is busy with a chunk until then
         self.busy_s = 0.0  # s the link spent copying
@@ -70,34 +79,59 @@ class LinkCopyBackend:
         if self.profile is None:
             self._landed[h.id] = self.clock.now()
             return h
-        self._queue[h.id] = _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks, self._chunk_s(h))
+        job = _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks, self._chunk_s(h))
+        self._queue[h.id] = job
+        self._pending.append(job)
         return h
+
+    def _top(self) -> _Job | None:
+        """The most urgent ready job (stale heap entries dropped)."""
+        r = self._ready
+        while r and (not r[0][2].live or r[0][0] != r[0][2].key):
+            heapq.heappop(r)
+        return r[0][2] if r else None
+
+    def _make_ready(self, start: float) -> None:
+        """Jobs submitted by ``start`` join the ready heap."""
+        p = self._pending
+        while p and (not p[0].live or p[0].submitted <= start):
+            job = p.popleft()
+            if job.live:
+                job.ready = True
+                heapq.heappush(self._ready, (job.key, job.handle.id, job))
 
     def _step(self, until: float | None) -> int | None:
         """Run the most urgent job available at the link's time, chunk after chunk while no more urgent job
         has been submitted by the next chunk's start (the same order as one chunk per call: after every chunk
         the most urgent available job runs); the handle id of a job that finished, -1 if none finished, None
         when nothing can run before ``until`` (None: whenever)."""
-        q = self._queue
-        if not q:
-            return None
-        first = min(j.submitted for j in q.values())
-        start = self._busy_until if self._busy_until > first else first
+        if self._top() is not None:  # ready jobs were submitted by an earlier chunk's start: the link decides
+            start = self._busy_until
+        else:
+            while self._pending and not self._pending[0].live:
+                self._pending.popleft()
+            if not self._pending:
+                return None
+            start = max(self._busy_until, self._pending[0].submitted)
         if until is not None and start >= until:
             return None
-        job = min((j for j in q.values() if j.submitted <= start), key=lambda j: j.key)
+        self._make_ready(start)
+        job = self._top()
         job.started = True
-        others = [j for j in q.values() if j is not job and j.key < job.key] if len(q) > 1 else []
         while True:
             self._busy_until = start + job.chunk_s
             self.busy_s += job.chunk_s
             job.chunks_left -= 1
             if job.chunks_left == 0:
-                del q[job.handle.id]
+                job.live = False
+                del self._queue[job.handle.id]
                 self._landed[job.handle.id] = self._busy_until
                 return job.handle.id
             start = self._busy_until
-            if (until is not None and start >= until) or any(j.submitted <= start for j in others):
+            if until is not None and start >= until:
+                return -1
+            self._make_ready(start)
+            if self._top() is not job:
                 return -1
 
     def _advance(self) -> None:
@@ -137,6 +171,7 @@ class LinkCopyBackend:
         self._advance()
         j = self._queue.get(handle.id)
         if j is not None and not j.started:
+            j.live = False
             del self._queue[handle.id]
             return True
         return False
@@ -149,6 +184,8 @@ class LinkCopyBackend:
         j = self._queue.get(handle.id)
         if j is not None and j.key[0] > Priority.DEMAND:
             j.key = (int(Priority.DEMAND), j.key[1], j.key[2])
+            if j.ready:  # a new entry; the old one is stale
+                heapq.heappush(self._ready, (j.key, j.handle.id, j))
 
     def remaining_s(self, handle: CopyHandle) -> float | None:
         """Seconds until ``handle`` lands if the link served it next (0: landed; None: unknown)."""
@@ -173,3 +210,5 @@ class LinkCopyBackend:
 
     def close(self) -> None:
         self._queue.clear()
+        self._pending.clear()
+        self._ready.clear()
