@@ -60,6 +60,7 @@ class LinkCopyBackend:
         self._ready: list[tuple[tuple[int, float, int], int, _Job]] = []
         self._landed: dict[int, float] = {}  # handle id -> landing time (s)
         self._busy_until = 0.0  # s: the link is busy with a chunk until then
+        self._settled = -1.0  # clock time by which every chunk that could start has run (until a submission)
         self.busy_s = 0.0  # s the link spent copying
         self.late_prefetches = 0  # prefetch copies a layer had to wait for (not landed in time)
 
@@ -82,6 +83,7 @@ class LinkCopyBackend:
         job = _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks, self._chunk_s(h))
         self._queue[h.id] = job
         self._pending.append(job)
+        self._settled = -1.0
         return h
 
     def _top(self) -> _Job | None:
@@ -136,11 +138,12 @@ class LinkCopyBackend:
 
     def _advance(self) -> None:
         """Run every chunk that starts before now (a chunk started finishes, even past now)."""
-        if not self._queue:
-            return
         now = self.clock.now()
+        if not self._queue or now == self._settled:
+            return
         while self._step(now) is not None:
             pass
+        self._settled = now
 
     def done(self, handle: CopyHandle) -> bool:
         self._advance()
