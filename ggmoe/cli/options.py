@@ -163,7 +163,7 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--config", "config", type=click.Path(dir_okay=False),
                       help="A plan file from `ggmoe plan` (slots per layer, policy, predictor, miss policy) "
                            "instead of the cache flags.")(fn)
-    fn = click.option("--hw", help="Hardware profile (pcie4, h100, egpu, or a .toml file) as the cost model of "
+    fn = click.option("--hw", help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST such as rtx4090/pcie4x16/ddr5-5600x2, or a .toml file) as the cost model of "
                                    "--miss-policy auto, instead of measuring this machine at startup.")(fn)
     fn = click.option("--predict-in-background", "predict_background", is_flag=True,
                       help="Run the predictor on a worker thread, off the route callback's critical path.")(fn)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 @click.command()
 @model_arg
 @click.option("--vram", required=True, help="Budget for cached experts over all layers, e.g. 4GiB.")
-@click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, a .toml).")
+@click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST e.g. rtx4090/pcie4x16/ddr5-5600x2, a .toml).")
 @click.option("--traces", multiple=True, type=click.Path(),
               help="Traces of the model (what ggmoe trace -o wrote: the directory or its trace.npz): "
                    "candidates are simulated on them.")

@@ -158,7 +158,7 @@ def _run_until_stopped(run: Any) -> None:
                    "on the recent routing and replace the cache (slots and top shares per layer, same VRAM) when "
                    "the estimate says it waits less. Needs a cache.")
 @click.option("--reconfigure-hw", default="pcie4", show_default=True,
-              help="Hardware profile (pcie4, h100, egpu, or a .toml) the reconfiguration estimates with.")
+              help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST, or a .toml) the reconfiguration estimates with.")
 @_model_options
 @edge
 def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,

@@ -197,7 +197,7 @@ def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: st
                    "(repeat or comma list; default 1, whole experts). At each size the split layers get as many "
                    "tops as the whole experts' bytes hold.")
 @click.option("--hw", default="pcie4", show_default=True,
-              help="Hardware profile (pcie4, h100, egpu, a .toml from ggmoe calibrate), or none: counts only.")
+              help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST e.g. rtx4090/pcie4x16/ddr5-5600x2, a .toml from ggmoe calibrate), or none: counts only.")
 @click.option("--predictor-train", multiple=True, type=click.Path(),
               help="Training traces for predictors that learn (eam, expert-map, token, transition).")
 @click.option("--predictor-s", type=FiniteFloat(min=0.0),
