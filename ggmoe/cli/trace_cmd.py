@@ -154,11 +154,11 @@ def import_(sources: tuple[str, ...], out: str, form: str, model: str | None, n_
     for s in sources:  # a path of an unknown form fails before the shape is asked for
         source_form(Path(s), form)
     shape = _import_shape(model, n_expert, top_k, n_layer)
-    tr = merge_traces([import_routing(s, shape, form, note) for s in sources])
-    if len(sources) > 1:
-        tr = dataclasses.replace(tr, meta=dataclasses.replace(
-            tr.meta, source="; ".join(f"{form}:{s}" for s in sources) + (f" ({note})" if note else ""),
-            max_tokens=int(np.diff(tr.prompt_offsets).max())))
+    parts = [import_routing(s, shape, form) for s in sources]
+    tr = merge_traces(parts)
+    tr = dataclasses.replace(tr, meta=dataclasses.replace(
+        tr.meta, source="; ".join(p.meta.source for p in parts) + (f" ({note})" if note else ""),
+        max_tokens=int(np.diff(tr.prompt_offsets).max())))
     written = write_trace(tr, Path(out) / "trace.npz")
     info = {"trace": str(written), "tokens": tr.n_tokens, "sequences": tr.n_prompts,
             "layers": tr.layers.tolist(), "n_expert": tr.meta.n_expert, "top_k": tr.meta.n_expert_used,
