@@ -115,6 +115,7 @@ class SimResult:
     link_busy_s: float  # s the simulated link copied (and, async, held by zero-copy reads)
     stats: dict = field(default_factory=dict)  # CacheStats.to_dict()
     decode_mode: str = "sync"  # sync or async
+    ttft_each_s: tuple[float, ...] = ()  # estimate: each prompt's time to its first token, in order
 
 
 def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
@@ -358,7 +359,8 @@ def _result(config: SimConfig, trace: Trace, cache: ExpertCache, link: LinkCopyB
         native_calls=t.native_calls, decode_tokens=n_decode, prefill_tokens=n_prefill,
         tpot_s=decode_s / n_decode if profile is not None and n_decode else None,
         ttft_s=float(np.mean(ttft)) if profile is not None and ttft else None,
-        link_busy_s=link.busy_s, stats=cache.stats.to_dict(), decode_mode=config.decode_mode)
+        link_busy_s=link.busy_s, stats=cache.stats.to_dict(), decode_mode=config.decode_mode,
+        ttft_each_s=tuple(ttft) if profile is not None else ())
 
 
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")
