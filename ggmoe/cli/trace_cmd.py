@@ -159,7 +159,7 @@ def import_(sources: tuple[str, ...], out: str, form: str, model: str | None, n_
     tr = dataclasses.replace(tr, meta=dataclasses.replace(
         tr.meta, source="; ".join(p.meta.source for p in parts) + (f" ({note})" if note else ""),
         max_tokens=int(np.diff(tr.prompt_offsets).max())))
-    written = write_trace(tr, Path(out) / "trace.npz")
+    written = write_trace(tr, Path(out) / "trace.npz", compress=True)  # probabilities: mostly zeros
     info = {"trace": str(written), "tokens": tr.n_tokens, "sequences": tr.n_prompts,
             "layers": tr.layers.tolist(), "n_expert": tr.meta.n_expert, "top_k": tr.meta.n_expert_used,
             "source": tr.meta.source, "lacks": {k: LACKS[k] for k in tr.meta.lacks}}

@@ -100,25 +100,26 @@ class Trace:
         return int(hits[0])
 
 
-def _write_arrays(path: str | Path, meta: TraceMeta, arrays: dict[str, np.ndarray]) -> None:
+def _write_arrays(path: str | Path, meta: TraceMeta, arrays: dict[str, np.ndarray], compress: bool = False) -> None:
     d = asdict(meta)
     for key in ("source", "lacks"):  # a recorded trace's metadata stays readable by earlier versions
         if not d[key]:
             del d[key]
     arrays = {**arrays, "meta": np.frombuffer(json.dumps(d).encode(), dtype=np.uint8)}
     with atomic_write(path) as f:  # never a half-written trace under the final name
-        np.savez(f, **arrays)
+        (np.savez_compressed if compress else np.savez)(f, **arrays)
 
 
-def write_trace(trace: Trace, path: str | Path) -> Path:
-    """Write a ``Trace`` (e.g. a selection or a transformation of a loaded one) in the same format."""
+def write_trace(trace: Trace, path: str | Path, compress: bool = False) -> Path:
+    """Write a ``Trace`` (e.g. a selection or a transformation of a loaded one) in the same format;
+    ``compress``: deflated members (an imported trace's probabilities are mostly zeros)."""
     arrays = {"token_ids": trace.token_ids.astype(np.int32), "positions": trace.positions.astype(np.int32),
               "stage": trace.stage.astype(np.uint8), "ids": trace.ids.astype(np.int16),
               "probs": trace.probs.astype(np.float16), "prompt_offsets": trace.prompt_offsets.astype(np.int64),
               "layers": trace.layers.astype(np.int32)}
     if trace.hidden is not None:
         arrays["hidden"] = trace.hidden.astype(np.float16)
-    _write_arrays(path, trace.meta, arrays)
+    _write_arrays(path, trace.meta, arrays, compress)
     return Path(path)
 
 
