@@ -8,11 +8,14 @@ loads and runs in llama.cpp like any other: every kernel, copy and sync is
 real; only the text is noise, and the routing nearly uniform (the benchmark's
 trace-replay routing mode replaces it by real routing).
 
-Presets (architecture qwen3moe, whose MoE llama.cpp runs like the originals'):
+Presets (architecture qwen3moe, whose MoE llama.cpp runs like the originals', unless named):
 
     gpt-oss-20b    24 layers, n_embd 2880, 32 experts of width 2880, top-4; experts MXFP4 (gpt-oss's own
                    expert type: 2880 is not a multiple of Q4_K's 256-element block), ~10 GB
     qwen3-30b-a3b  48 layers, n_embd 2048, 128 experts of width 768, top-8; experts Q4_K, ~16 GB
+    deepseek-v2-lite  27 layers (layer 0 dense), n_embd 2048, MLA, 64 experts of width 1408 + 2 shared, top-6;
+                   experts Q4_K, ffn_down Q5_0 (architecture deepseek2, softmax router), ~10 GB: the shape of
+                   the shared real routing (../shared/real-routing)
     toy            4 layers, n_embd 256, 32 experts of width 512, top-4; experts Q4_K (CI, the smoke run; 512
                    neurons: two Q4_K blocks of 256, so MoEpic's split at θ 1/2 fits the down tensor's blocks)
     toy-mxfp4      4 layers, n_embd 320, 32 experts of width 320, top-4; experts MXFP4 (CI)
@@ -23,6 +26,8 @@ adds the same time to every configuration of a benchmark).
 
 Usage:
     python tools/gpu/realshape.py --preset gpt-oss-20b -o /tmp/models/gpt-oss-shape.gguf
+    python tools/gpu/realshape.py --preset qwen3-30b-a3b --header-only -o /tmp/models/q3.gguf   # sparse: for
+                                                                  # inspect, plan --gpu and simulate, in 0.1 s
 """
 
 from __future__ import annotations
