@@ -15,6 +15,7 @@ states, router probabilities nor token ids (an imported trace has none of them).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -91,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p for p in a.policies.split(",") if p] or [p for p in POLICIES.names() if not p.startswith("test-")]
     t0 = time.monotonic()
     todo = jobs(policies, [None, *id_only_predictors()])
+    results = []
     with ProcessPoolExecutor(a.jobs, initializer=_init, initargs=(str(a.trace), a.val_frac, a.seed)) as ex:
-        results = list(ex.map(_run, todo))
+        for r in ex.map(_run, todo):
+            results.append(r)
+            print(f"{r[0]} {r[1] or '-'} {r[2]:.3f} {r[3]:.4f} ({time.monotonic() - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
     _init(str(a.trace), a.val_frac, a.seed)
     held, train = _STATE["held"], _STATE["train"]
     print(f"routing: {held.meta.source}\n{held.n_prompts} held-out sequences, {held.n_tokens} tokens "
