@@ -73,16 +73,9 @@ def plan(model: str | None, gpu: str | None, ram: str | None, link: str | None, 
     from ggmoe.trace import load_traces
     from ggmoe.units import parse_bytes
 
-    if gpu is not None:
-        if traces or stats_path or moepic or out:
-            raise UsageError("--gpu answers from the GGUF header alone: leave out --traces, --stats, --moepic and -o")
+    if _gpu_mode(gpu, ram, link, vram, out, bool(traces or stats_path or moepic)):
         _advise(model, gpu, vram, ram, link, host, as_json)
         return
-    for flag, value in (("--ram", ram), ("--link", link)):
-        if value is not None:
-            raise UsageError(f"{flag} goes with --gpu")
-    if vram is None or out is None:
-        raise UsageError("give --vram and -o (or --gpu NAME to ask what to run on a GPU)")
     check_output(out, "-o", suffixes=(".toml",))
     if bool(traces) == (stats_path is not None):
         raise UsageError("give the routing to plan for: --traces FILE... or --stats FILE, one of them")
@@ -135,6 +128,21 @@ def plan(model: str | None, gpu: str | None, ram: str | None, link: str | None, 
     click.echo(f"estimated TPOT {p.tpot_s * 1e3:.3f} ms against {p.baseline_tpot_s * 1e3:.3f} ms for the "
                f"baseline ({baseline}): {p.baseline_tpot_s / p.tpot_s:.2f}x")
     click.echo(f"wrote {out}; use it with: ggmoe run --config {out} -p ...")
+
+
+def _gpu_mode(gpu: str | None, ram: str | None, link: str | None, vram: str | None, out: str | None,
+              routing: bool) -> bool:
+    """Whether this is ``plan --gpu`` (what to run on a GPU); UsageError for flags of the other mode."""
+    if gpu is not None:
+        if routing or out:
+            raise UsageError("--gpu answers from the GGUF header alone: leave out --traces, --stats, --moepic and -o")
+        return True
+    for flag, value in (("--ram", ram), ("--link", link)):
+        if value is not None:
+            raise UsageError(f"{flag} goes with --gpu")
+    if vram is None or out is None:
+        raise UsageError("give --vram and -o (or --gpu NAME to ask what to run on a GPU)")
+    return False
 
 
 def _advise(model: str | None, gpu: str, vram: str | None, ram: str | None, link: str | None, host: str,
