@@ -9,7 +9,8 @@ states, router probabilities nor token ids (an imported trace has none of them).
 
     ggmoe trace import /work/shared/real-routing/deepseek-v2-lite-esft/{intent,law} -o /tmp/ds2 \\
         --n-expert 64 --top-k 6 --n-layer 27
-    python tools/bench_real_routing.py --trace /tmp/ds2 --jobs 2 > table.md
+    python tools/bench_real_routing.py --trace /tmp/ds2 --jobs 2 --val-frac 0.25 > table.md
+    python tools/bench_real_routing.py --trace /tmp/ds2 --val-frac 0.25 --write-split /tmp/ds2-split
 """
 
 from __future__ import annotations
@@ -88,7 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
     ap.add_argument("--policies", default="", help="comma list (default: every registered policy)")
+    ap.add_argument("--write-split", type=Path, help="also write the split: DIR/held.npz and DIR/train.npz, then stop")
     a = ap.parse_args(argv)
+    if a.write_split is not None:
+        from ggmoe.trace.format import write_trace
+
+        _init(str(a.trace), a.val_frac, a.seed)
+        a.write_split.mkdir(parents=True, exist_ok=True)
+        for name in ("held", "train"):
+            write_trace(_STATE[name], a.write_split / f"{name}.npz", compress=True)
+        print(f"wrote {a.write_split}/held.npz ({_STATE['held'].n_tokens} tokens), train.npz")
+        return 0
     policies = [p for p in a.policies.split(",") if p] or [p for p in POLICIES.names() if not p.startswith("test-")]
     t0 = time.monotonic()
     todo = jobs(policies, [None, *id_only_predictors()])
