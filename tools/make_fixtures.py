@@ -16,6 +16,9 @@ Fixture names (ARCHES) and the llama.cpp architecture written to the file:
     mixtral   -> llama    (llama.expert_count > 0: Mixtral-style MoE)
     deepseek2 -> deepseek2 (MLA attention, layer 0 dense, one shared expert,
                             sigmoid routing with the exp_probs_b selection bias)
+    gptoss    -> gpt-oss   (llama.cpp's openai-moe tensor set: expert biases, router
+                            bias, attention sinks, sliding window on every other layer;
+                            softmax over the selected experts' biased logits)
 
 ``write_dense_fixture`` writes a plain ``llama`` model without experts, for
 tests that must reject non-MoE models.
@@ -116,6 +119,11 @@ class ArchSpec:
     n_layer_dense_lead: int = 0  # leading layers with a dense FFN instead of experts
     # deepseek-v3 style routing: sigmoid gating plus a selection-only bias exp_probs_b
     router_bias: bool = False
+    # gpt-oss (llama.cpp's openai-moe): biased router logits (ffn_gate_inp.bias), per-expert biases on every
+    # expert tensor, attention sinks, an output-projection bias, post_attention_norm as the FFN's norm, and
+    # sliding-window attention on every other layer
+    gpt_oss: bool = False
+    sliding_window: int = 0  # tokens; 0: none
 
     @property
     def arch_name(self) -> str:
@@ -134,6 +142,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
         n_layer_dense_lead=1,
         router_bias=True,
     ),
+    "gptoss": ArchSpec(gguf.MODEL_ARCH.GPT_OSS, qkv_bias=True, gpt_oss=True, sliding_window=8),
 }
 ARCHES: tuple[str, ...] = tuple(ARCH_SPECS)
 DENSE_NAME = "llama-dense"
@@ -292,6 +301,12 @@ def _attention_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec
         TensorSpec(tensor_name(T.ATTN_V, il), (shape.n_embd, n_kv), Role.WEIGHT),
         TensorSpec(tensor_name(T.ATTN_OUT, il), (n_q, shape.n_embd), Role.WEIGHT),
     ]
+    if spec.gpt_oss:
+        out += [
+            TensorSpec(tensor_name(T.ATTN_OUT, il, "bias"), (shape.n_embd,), Role.BIAS),
+            TensorSpec(tensor_name(T.ATTN_SINKS, il), (shape.n_head,), Role.BIAS),
+            TensorSpec(tensor_name(T.ATTN_POST_NORM, il), (shape.n_embd,), Role.NORM),
+        ]
     if spec.qkv_bias:
         out += [
             TensorSpec(tensor_name(T.ATTN_Q, il, "bias"), (n_q,), Role.BIAS),
@@ -309,6 +324,16 @@ def _attention_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec
 
 def _moe_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec]:
     e, d, f = shape.n_expert, shape.n_embd, shape.n_ff_exp
+    if spec.gpt_oss:  # post_attention_norm (an attention tensor) is the FFN's norm
+        return [
+            TensorSpec(tensor_name(T.FFN_GATE_INP, il), (d, e), Role.ROUTER),
+            TensorSpec(tensor_name(T.FFN_GATE_INP, il, "bias"), (e,), Role.BIAS),
+            *(TensorSpec(tensor_name(kind, il), (d, f, e) if kind != T.FFN_DOWN_EXP else (f, d, e), Role.EXPERT)
+              for kind in (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP)),
+            TensorSpec(tensor_name(T.FFN_GATE_EXP, il, "bias"), (f, e), Role.BIAS),
+            TensorSpec(tensor_name(T.FFN_UP_EXP, il, "bias"), (f, e), Role.BIAS),
+            TensorSpec(tensor_name(T.FFN_DOWN_EXP, il, "bias"), (d, e), Role.BIAS),
+        ]
     out = [
         TensorSpec(tensor_name(T.FFN_NORM, il), (d,), Role.NORM),
         TensorSpec(tensor_name(T.FFN_GATE_INP, il), (d, e), Role.ROUTER),
@@ -434,6 +459,8 @@ def _write_header_keys(w: gguf.GGUFWriter, plan: ModelPlan) -> None:
             w.add_expert_shared_count(shape.n_expert_shared)
         if spec.n_layer_dense_lead:
             w.add_leading_dense_block_count(spec.n_layer_dense_lead)
+        if spec.sliding_window:
+            w.add_sliding_window(spec.sliding_window)
         if spec.router_bias:
             w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
             w.add_expert_weights_norm(True)

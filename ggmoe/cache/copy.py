@@ -210,81 +210,72 @@ class ThreadedCopyBackend:
 
 
 class CopyStream(Protocol):
-    """One asynchronous copy stream (the GPU's: ``ggmoe.engine.slots.GgmlCopyBackend``)."""
+    """One asynchronous copy stream (the engine's ``GgmlCopyBackend`` over a GPU's events or the CPU build's
+    deferred stream). Readiness is a marker per issue, queried without blocking."""
 
     n_chunks: int  # chunks of one expert copy (one per expert tensor kind)
 
-    def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> None:
-        """Put chunk ``i`` of the copy on the stream; returns before it lands."""
+    def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> object:
+        """Put chunk ``i`` of the copy on the stream; returns its marker before it lands."""
 
-    def synchronize(self) -> None:
-        """Block until everything put on the stream so far has landed."""
+    def ready(self, marker: object) -> bool:
+        """Whether the chunk of ``marker`` has landed (never blocks)."""
 
-
-_NOT_ISSUED = 1 << 62  # the sequence number of a promoted copy until its chunks are on the stream
+    def wait_marker(self, marker: object) -> None:
+        """Block until the chunk of ``marker`` has landed."""
 
 
 class StreamCopyBackend(ThreadedCopyBackend):
-    """The GPU's copy queue on one stream: demand copies at once, the rest one chunk at a time behind them.
+    """The copy queue on one asynchronous stream: demand copies at once, the rest one chunk at a time.
 
     A demand copy (and a queued copy promoted because a layer waits for it) is put on the stream at once by
     the caller, all its chunks. Admissions and prefetches wait in the base class's queue; its worker puts
-    the most urgent one's next chunk on the stream, synchronizes (the GIL is free meanwhile), and picks
-    again. So the stream never holds more than one low-priority chunk ahead of a demand copy (urgent work
-    waits at most one chunk, as the simulator's link models it), and a queued copy can still be cancelled
-    (early preemption at the gate) or promoted. Readiness of a demand copy: every chunk put on the stream
-    before a ``synchronize`` has landed after it (a sequence number per chunk).
+    the most urgent one's next chunk on the stream, waits for that chunk's marker (the GIL is free
+    meanwhile), and picks again. So the stream never holds more than one low-priority chunk ahead of a
+    demand copy (urgent work waits at most one chunk, as the simulator's link models it), and a queued copy
+    can still be cancelled (early preemption at the gate) or promoted. Readiness of a demand copy: the
+    markers of its chunks, queried without blocking.
     """
 
     def __init__(self, stream: CopyStream) -> None:
         self.stream = stream
-        self._issue_lock = threading.Lock()  # one issuer at a time: stream order = sequence order
-        self._seq = 0  # chunks put on the stream so far
-        self._landed_seq = 0  # every chunk up to this one has landed
-        self._inline: dict[int, int] = {}  # demand handle id -> sequence number of its last chunk
+        self._issue_lock = threading.Lock()  # one issuer at a time: stream order = issue order
+        self._inline: dict[int, list[object] | None] = {}  # demand handle id -> its chunks' markers (None: not
+        # yet on the stream, a promoted copy being issued)
         super().__init__(self._worker_copy, chunks=stream.n_chunks, copy_chunk=self._worker_chunk)
 
-    def _issue(self, il: int, expert: int, slot: int, chunks: range) -> int:
+    def _issue(self, il: int, expert: int, slot: int, chunks: range) -> list[object]:
         with self._issue_lock:
-            for i in chunks:
-                self.stream.issue_chunk(il, expert, slot, i)
-                self._seq += 1
-            return self._seq
-
-    def _sync(self) -> None:
-        with self._issue_lock:
-            upto = self._seq
-        self.stream.synchronize()
-        with self._issue_lock:
-            self._landed_seq = max(self._landed_seq, upto)
+            return [self.stream.issue_chunk(il, expert, slot, i) for i in chunks]
 
     def _worker_chunk(self, il: int, expert: int, slot: int, i: int) -> None:
-        self._issue(il, expert, slot, range(i, i + 1))
-        self._sync()
+        for m in self._issue(il, expert, slot, range(i, i + 1)):
+            self.stream.wait_marker(m)
 
     def _worker_copy(self, il: int, expert: int, slot: int) -> None:
-        self._issue(il, expert, slot, range(self.chunks))
-        self._sync()
+        for m in self._issue(il, expert, slot, range(self.chunks)):
+            self.stream.wait_marker(m)
 
     def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
         if priority != Priority.DEMAND:
             return super().submit(il, expert, slot, priority, rank)
         h = CopyHandle(next(self._ids), il, expert, slot, Priority.DEMAND)
-        last = self._issue(il, expert, slot, range(self.chunks))
+        markers = self._issue(il, expert, slot, range(self.chunks))
         with self._cv:
-            self._inline[h.id] = last
+            self._inline[h.id] = markers
         return h
 
     def done(self, handle: CopyHandle) -> bool:
         with self._cv:
-            last = self._inline.get(handle.id)
-            if last is None:
+            if handle.id not in self._inline:
                 return handle.id in self._done
-            if last > self._landed_seq:
-                return False
-            del self._inline[handle.id]
+            markers = self._inline[handle.id]
+        if markers is None or not all(self.stream.ready(m) for m in markers):
+            return False
+        with self._cv:
+            self._inline.pop(handle.id, None)
             self._done.add(handle.id)
-            return True
+        return True
 
     def promote(self, handle: CopyHandle) -> None:
         """A layer waits for ``handle``: put a queued copy on the stream now; one the worker has begun goes on
@@ -296,13 +287,14 @@ class StreamCopyBackend(ThreadedCopyBackend):
             if queued and handle.id not in self._progress:
                 self._queue = [item for item in self._queue if item[2] != handle.id]
                 heapq.heapify(self._queue)
-                self._inline[handle.id] = _NOT_ISSUED  # never done until issued below
+                self._inline[handle.id] = None  # never done until issued below
             else:
                 queued = False
         if queued:
-            last = self._issue(handle.il, handle.expert, handle.slot, range(self.chunks))
+            markers = self._issue(handle.il, handle.expert, handle.slot, range(self.chunks))
             with self._cv:
-                self._inline[handle.id] = last
+                self._inline[handle.id] = markers
+                self._cv.notify_all()
             return
         super().promote(handle)
 
@@ -313,12 +305,13 @@ class StreamCopyBackend(ThreadedCopyBackend):
         for h in queued:  # the cache promotes before it waits; a direct caller may not have
             self.promote(h)
         with self._cv:
-            inline = [h for h in hs if h.id in self._inline]
+            # a copy another thread is promoting is on the stream once its markers are in
+            self._cv.wait_for(lambda: all(self._inline.get(h.id, ()) is not None for h in hs), timeout=60)
+            inline = [(h, self._inline[h.id]) for h in hs if h.id in self._inline]
             rest = [h for h in hs if h.id not in self._inline]
-            pending = any(self._inline[h.id] > self._landed_seq for h in inline)
-        if pending:
-            self._sync()
-        for h in inline:
+        for h, markers in inline:
+            for m in markers or ():
+                self.stream.wait_marker(m)
             self.done(h)
         super().wait(rest)
 

@@ -23,6 +23,30 @@ DECODE_MODES = ("auto", "async", "sync")
 TABLE_MAX_TOKENS = 4
 
 
+# Expert types ggml-cuda reads through an expert table: those MMVQ has a kernel for (patch 0008's
+# ggml_cuda_mmvq_has_type, mirroring mul_mat_vec_q_switch_type). ggml-cpu reads every type through a table.
+CUDA_TABLE_TYPES = frozenset({
+    "Q1_0", "Q2_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "NVFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+    "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS",
+})
+
+
+def table_type_note(backend: str, tensors: list[tuple[str, str]]) -> str | None:
+    """Why ``backend`` (a ggml device name: CPU, CUDA0, Vulkan0...) cannot read these expert weights through
+    an expert table, naming the first tensor it cannot read and its type; None when it can. ``tensors``:
+    (GGUF name, ggml type name) of every expert weight the cache holds."""
+    name = backend.upper()
+    if name.startswith("CPU"):
+        return None
+    if not name.startswith("CUDA"):
+        return f"the {backend or 'GPU'} backend has no expert-table matmul (ggml-cpu and ggml-cuda do)"
+    for tensor, gtype in tensors:
+        if gtype.upper() not in CUDA_TABLE_TYPES:
+            return (f"ggml-cuda reads expert tables with MMVQ, which has no kernel for {tensor} of type {gtype} "
+                    "(quantize the experts to a type such as Q4_K, Q8_0 or MXFP4)")
+    return None
+
+
 def check_decode_mode(name: str) -> str:
     return check_choice(name, DECODE_MODES, "decode mode")
 

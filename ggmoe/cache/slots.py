@@ -175,6 +175,17 @@ class BottomTable:
         self.n_loading += 1
         self.last_use[buffer] = clock
 
+    def drop(self, buffer: int) -> None:
+        """A copy into ``buffer`` was cancelled before any of it ran: the buffer is empty (its old expert was
+        unmapped when the copy was placed; the new one was never mapped)."""
+        if self.copy[buffer] is not None:
+            self.copy[buffer] = None
+            self.n_loading -= 1
+        e = self.expert_in[buffer]
+        if e >= 0:
+            self.buffer_of[e] = -1
+            self.expert_in[buffer] = -1
+
     def landed(self, buffer: int) -> None:
         if self.copy[buffer] is None:
             return

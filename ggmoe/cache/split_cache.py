@@ -58,6 +58,8 @@ class SplitLayers:
             self.land(cache, il)
             if table.n_loading:
                 cache._drop_stale_prefetches(il, table, need)
+            if bt is not None and bt.n_loading:
+                self._drop_stale_bottoms(cache, il, bt, need)
         slot_of, copy = table.slot_of_list, table.copy
         missing = []
         for e in need:
@@ -85,6 +87,19 @@ class SplitLayers:
         cache._admit_after(il, table, need, missing)
         self.land(cache, il)  # a synchronous backend (the CPU build's memcpy) has landed them already
         st.hook_s += cache.time.now() - t0
+
+    @staticmethod
+    def _drop_stale_bottoms(cache: ExpertCache, il: int, bt: BottomTable, need: list[int]) -> None:
+        """Early preemption at the gate for bottoms: prefetched bottoms of this layer still queued and not
+        needed now are cancelled and their buffers freed. Without it, on a queue that serves admissions first
+        (any asynchronous copy stream) queued bottoms hold every buffer forever and prefetching stops."""
+        used = set(need)
+        for b, h in enumerate(bt.copy):
+            if h is None or h.priority != Priority.PREFETCH or h.expert in used:
+                continue
+            if cache.copies.cancel(h):
+                cache.stats.layers[il].prefetch_dropped += 1
+                bt.drop(b)
 
     def land(self, cache: ExpertCache, il: int) -> None:
         """Copies into the layer's slots and bottom buffers that landed become readable."""

@@ -215,7 +215,8 @@ def stats_summary(eng: Any) -> str | None:
     return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.top_hits + t.misses} expert uses){split}, "
             f"{format_bytes(t.bytes_copied)} copied{host}{reads}{pre}, {t.native_calls} native calls"
             + (f"; {note}" if note else "")
-            + (f"\ndecode mode: {mode['decode_mode_in_effect']} ({mode['decode_mode_reason']})" if mode else ""))
+            + (f"\ndecode mode: {mode['decode_mode_in_effect']} ({mode['decode_mode_reason']}); copy stream: "
+               f"{mode['copy_stream']}" if mode else ""))
 
 
 def write_stats(eng: Any, path: str | None, extra: dict) -> None:

@@ -235,6 +235,33 @@ libggml_base.ggml_backend_tensor_set_2d_async.restype = None
 libggml_base.ggml_backend_synchronize.argtypes = [ctypes.c_void_p]
 libggml_base.ggml_backend_synchronize.restype = None
 
+# ggml_backend_event_t ggml_backend_event_new(ggml_backend_dev_t device);
+libggml_base.ggml_backend_event_new.argtypes = [ctypes.c_void_p]
+libggml_base.ggml_backend_event_new.restype = ctypes.c_void_p
+
+# void ggml_backend_event_free(ggml_backend_event_t event);
+libggml_base.ggml_backend_event_free.argtypes = [ctypes.c_void_p]
+libggml_base.ggml_backend_event_free.restype = None
+
+# void ggml_backend_event_record(ggml_backend_event_t event, ggml_backend_t backend);
+libggml_base.ggml_backend_event_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+libggml_base.ggml_backend_event_record.restype = None
+
+# void ggml_backend_event_synchronize(ggml_backend_event_t event);
+libggml_base.ggml_backend_event_synchronize.argtypes = [ctypes.c_void_p]
+libggml_base.ggml_backend_event_synchronize.restype = None
+
+
+def event_query_fn() -> ctypes._CFuncPtr | None:
+    """``bool ggml_backend_event_query(ggml_backend_event_t event)`` (patch 0008: a non-blocking readiness
+    query), or None when the installed engine predates it."""
+    fn = getattr(libggml_base, "ggml_backend_event_query", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_bool
+    return fn
+
+
 # void ggml_backend_free(ggml_backend_t backend);
 libggml_base.ggml_backend_free.argtypes = [ctypes.c_void_p]
 libggml_base.ggml_backend_free.restype = None

@@ -20,7 +20,7 @@ from ggmoe.engine import patch as _patched
 from ggmoe.engine.log import llama_log
 from ggmoe.errors import EngineError, ModelFileError
 from ggmoe.inspect import ModelFacts
-from ggmoe.inspect.names import CACHED_KINDS, EXPERT_TENSOR_PATTERN
+from ggmoe.inspect.names import EXPERT_TENSOR_PATTERN, expert_pattern
 
 llama_cpp = B.llama_cpp
 
@@ -99,13 +99,6 @@ class LoadedModel:
         self.model.close()
 
 
-def expert_pattern(layers: tuple[int, ...]) -> str:
-    """The regex of the expert tensors of ``layers`` only (matches no tensor when empty)."""
-    if not layers:
-        return r"^$"
-    return r"^blk\.(" + "|".join(str(int(il)) for il in sorted(layers)) + r")\.ffn_(" + "|".join(CACHED_KINDS) + r")_exps"
-
-
 def load_model(path: Path, n_gpu_layers: int, experts_on_host: bool,
                host_layers: tuple[int, ...] | None = None) -> LoadedModel:
     """Load the GGUF with the experts (of ``host_layers``, None: all) in host memory; ModelFileError with
@@ -149,7 +142,7 @@ def new_context(model: LoadedModel, n_ctx: int, n_batch: int, n_ubatch: int, n_t
 
 
 def expert_placement(model: LoadedModel, facts: ModelFacts) -> dict[str, str] | None:
-    """Buffer type name of every routed expert tensor, read from the tensor's buffer (patched engine).
+    """Buffer type name of every routed expert weight the cache holds, read from the tensor's buffer (patched engine).
 
     None: unknown. A stock build's API cannot look a model's tensors up by name (the patch adds
     ``llama_ggmoe_model_get_tensor``), and ggmoe does not guess placement from log lines.
@@ -159,7 +152,7 @@ def expert_placement(model: LoadedModel, facts: ModelFacts) -> dict[str, str] | 
     get = _patched.load().llama_ggmoe_model_get_tensor
     out = {}
     for layer in facts.layers:
-        for t in layer.tensors:
+        for t in layer.cached:
             addr = get(model.ptr, t.name.encode())
             if not addr:
                 raise EngineError(f"llama.cpp has no tensor {t.name} although the GGUF declares it")

@@ -33,7 +33,7 @@ LLAMA_GGMOE_ERR_ALLOC = -1006  # cache tensor has no memory
 LLAMA_GGMOE_ERR_SLOT = -1007  # the route callback wrote a slot outside [0, n_slots)
 LLAMA_GGMOE_ERR_NO_CB = -1008  # a cache layer ran without a route callback
 LLAMA_GGMOE_ERR_ARG = -1009  # NULL context or negative n_slots
-LLAMA_GGMOE_ERR_HOST = -1010  # the host path cannot serve the layer (per-expert biases, or no cache)
+LLAMA_GGMOE_ERR_HOST = -1010  # the host path cannot serve the layer (no cache, or fewer than 2 slots)
 
 # A route callback's answer for a selected expert: computed by the CPU from the model's host tensor.
 LLAMA_GGMOE_SLOT_HOST = -1

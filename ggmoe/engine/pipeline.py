@@ -25,7 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.cache import CacheConfig, CacheStats
-from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS, DecodeMode, choose_decode_mode, sync_reasons
+from ggmoe.cache.decode_mode import (
+    TABLE_MAX_TOKENS,
+    DecodeMode,
+    choose_decode_mode,
+    sync_reasons,
+    table_type_note,
+)
 from ggmoe.control import TokenController
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -53,17 +59,13 @@ def last_ubatch(n_tokens: int, n_ubatch: int) -> int:
 
 
 def backend_note(facts: ModelFacts, on_gpu: bool) -> str | None:
-    """Why the device cannot read experts through tables (None: it can). ggml-cpu reads every type through
-    them; ggml-cuda only quantized types (MMVQ); other GPU backends have no ``mul_mat_id_table``."""
+    """Why the device cannot read these experts through tables (None: it can): ggml-cpu reads every type;
+    ggml-cuda the types MMVQ has a kernel for; other GPU backends have no ``mul_mat_id_table``."""
     if not on_gpu:
         return None
     dev = B.libggml.ggml_backend_dev_by_type(B.GGML_BACKEND_DEVICE_TYPE_GPU)
-    name = B.libggml.ggml_backend_dev_name(dev).decode() if dev else ""
-    if not name.upper().startswith("CUDA"):
-        return f"the {name or 'GPU'} backend has no expert-table matmul (ggml-cpu and ggml-cuda do)"
-    if not facts.experts_quantized:
-        return "ggml-cuda reads expert tables in its quantized kernels only; these experts are not quantized"
-    return None
+    name = B.libggml.ggml_backend_dev_name(dev).decode() if dev else "GPU"
+    return table_type_note(name, [(t.name, t.ggml_type) for layer in facts.layers for t in layer.cached])
 
 
 class CachePipeline:
@@ -277,6 +279,7 @@ class CachePipeline:
         mode = self.decode_mode
         return {"decode_mode": mode.asked, "decode_mode_in_effect": self.mode_in_effect,
                 "decode_mode_reason": mode.reason,
+                "copy_stream": self.runtime.stream.stream.name,  # immediate, deferred or events (a GPU)
                 "table_writes": self.tables.writes if self.tables is not None else 0,
                 "controller_tokens": self.controller.tokens if self.controller is not None else 0}
 

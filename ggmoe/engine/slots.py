@@ -31,6 +31,7 @@ from ggmoe.cache.split import KindSplit, LayerSplit, Run, model_split
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
+from ggmoe.engine.streams import CopyStream, open_stream
 from ggmoe.errors import EngineError
 from ggmoe.inspect.facts import ModelFacts
 from ggmoe.inspect.names import CACHED_KINDS, expert_weight_name
@@ -136,19 +137,25 @@ class SlotTensors:
 
 
 class GgmlCopyBackend:
-    """The engine's copies: ggml's backend API, async on a second instance of the GPU when there is one.
+    """The engine's copies: ggml's backend API on a copy stream (``ggmoe.engine.streams``).
 
-    On a CPU-only build a copy is a synchronous ``ggml_backend_tensor_set`` (memcpy): it has landed when
-    ``submit`` returns. On a GPU it is a ``ggml_backend_tensor_set_async`` per expert tensor kind on the copy
-    stream; readiness is one ``ggml_backend_synchronize`` of that stream, which lands every copy issued so far.
-    Copies, once issued, cannot be cancelled.
+    ``submit`` puts the copy of every expert tensor kind on the stream and returns at once; ``done`` asks the
+    stream's readiness query (on a GPU an event recorded after the copy, queried without blocking), so a copy
+    is seen as landed only when it has, on every stream: immediate (the CPU build's memcpy), deferred (the
+    CPU build behaving like a GPU) or events (a GPU). ``wait`` blocks (the sync decode's demand copies).
+    Copies, once put, cannot be cancelled.
     """
 
-    def __init__(self, slots: SlotTensors, copy_backend: int | None = None) -> None:
+    def __init__(self, slots: SlotTensors, stream: CopyStream) -> None:
         self.pairs = slots.pairs
-        self.backend = copy_backend
+        self.stream = stream
         self._ids = itertools.count()
-        self._landed = -1  # every handle id up to this one has landed
+        self._markers: dict[int, object] = {}  # handle id -> its stream marker, until seen landed
+
+    @property
+    def backend(self) -> int | None:
+        """The GPU backend the copies are issued on (None on a CPU-only build)."""
+        return self.stream.handle
 
     def _write(self, p: _Pair, expert: int, slot: int, stream: int | None) -> None:
         """One expert tensor kind of ``expert`` into ``slot`` (a whole expert, a split layer's top, or for a
@@ -170,27 +177,39 @@ class GgmlCopyBackend:
                 B.libggml_base.ggml_backend_tensor_set_2d(t, src + r.src, at + r.dst, r.size, r.n, r.dst_stride,
                                                           r.src_stride)
 
+    def issue(self, il: int, expert: int, slot: int, chunks: range | None = None) -> object:
+        """Put expert tensor kinds ``chunks`` (default: all) of ``expert``'s copy into ``slot`` on the stream;
+        returns the stream's marker for them."""
+        pairs = self.pairs[il]
+        kinds = [pairs[i] for i in (chunks if chunks is not None else range(len(pairs))) if i < len(pairs)]
+
+        def work(stream: int | None) -> None:
+            for p in kinds:
+                self._write(p, expert, slot, stream)
+
+        return self.stream.put(work)
+
+    def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> object:
+        """Put chunk ``i`` (expert tensor kind ``i``) of ``expert``'s copy on the stream; its marker."""
+        return self.issue(il, expert, slot, range(i, i + 1))
+
+    def ready(self, marker: object) -> bool:
+        return self.stream.ready(marker)
+
+    def wait_marker(self, marker: object) -> None:
+        self.stream.wait(marker)
+
     def copy_now(self, il: int, expert: int, slot: int) -> None:
-        """Issue the copy of every expert tensor kind of ``expert`` into ``slot`` (async on a GPU)."""
-        for p in self.pairs[il]:
-            self._write(p, expert, slot, self.backend)
+        """Copy every expert tensor kind of ``expert`` into ``slot`` and block until it has landed."""
+        self.stream.wait(self.issue(il, expert, slot))
 
     def copy_chunk(self, il: int, expert: int, slot: int, i: int) -> None:
-        """Issue the copy of expert tensor kind ``i`` of ``expert`` into ``slot`` (one chunk of a copy)."""
-        pairs = self.pairs[il]
-        if i < len(pairs):
-            self._write(pairs[i], expert, slot, None)
-
-    def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> None:
-        """Put expert tensor kind ``i`` of ``expert``'s copy on the copy stream (a memcpy on a CPU-only build)."""
-        pairs = self.pairs[il]
-        if i < len(pairs):
-            self._write(pairs[i], expert, slot, self.backend)
+        """Copy expert tensor kind ``i`` of ``expert`` into ``slot`` and block until it has landed."""
+        self.stream.wait(self.issue_chunk(il, expert, slot, i))
 
     def synchronize(self) -> None:
-        """Block until every copy put on the stream has landed (the GIL is released meanwhile)."""
-        if self.backend:
-            B.libggml_base.ggml_backend_synchronize(self.backend)
+        """Block until every copy put on the stream has landed (never on the decode path)."""
+        self.stream.synchronize()
 
     @property
     def n_chunks(self) -> int:
@@ -198,28 +217,31 @@ class GgmlCopyBackend:
         return max(len(p) for p in self.pairs.values())
 
     def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
-        self.copy_now(il, expert, slot)
         h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
-        if not self.backend:
-            self._landed = h.id
+        self._markers[h.id] = self.issue(il, expert, slot)
         return h
 
     def done(self, handle: CopyHandle) -> bool:
-        return handle.id <= self._landed
+        m = self._markers.get(handle.id)
+        if m is None and handle.id not in self._markers:
+            return True  # seen landed before
+        if not self.stream.ready(m):
+            return False
+        self._markers.pop(handle.id, None)
+        return True
 
     def wait(self, handles: Iterable[CopyHandle]) -> None:
-        last = max((h.id for h in handles), default=-1)
-        if last > self._landed:  # one stream: synchronizing it lands every copy issued so far
-            B.libggml_base.ggml_backend_synchronize(self.backend)
-            self._landed = last
+        for h in handles:
+            if h.id in self._markers:
+                self.stream.wait(self._markers[h.id])
+                self._markers.pop(h.id, None)
 
     def cancel(self, handle: CopyHandle) -> bool:
         return False
 
     def close(self) -> None:
-        if self.backend:
-            B.libggml_base.ggml_backend_free(self.backend)
-            self.backend = None
+        """Land what is in flight (a deferred copy must not write freed slots), then release the stream."""
+        self.stream.close()
 
 
 def measure_costs(slots: SlotTensors, copies: GgmlCopyBackend, n_threads: int = 1, link_s: float = 0.0) -> MissCosts:
@@ -237,9 +259,7 @@ def measure_costs(slots: SlotTensors, copies: GgmlCopyBackend, n_threads: int = 
     t_copy = []
     for _ in range(5):
         t0 = time.perf_counter()
-        copies.copy_now(il, 0, 0)
-        if copies.backend:
-            B.libggml_base.ggml_backend_synchronize(copies.backend)
+        copies.copy_now(il, 0, 0)  # blocks until landed, on any stream
         t_copy.append(time.perf_counter() - t0 + link_s)
     words = [np.ctypeslib.as_array((ctypes.c_uint8 * p.nb2).from_address(p.host_data)) for p in slots.pairs[il]]
     words = [v.view(np.uint64) if v.size % 8 == 0 else v for v in words]
@@ -256,22 +276,23 @@ def measure_costs(slots: SlotTensors, copies: GgmlCopyBackend, n_threads: int = 
                      cpu_bytes_per_s=nbytes / max(cpu_s, 1e-9))
 
 
-def _device_bufts() -> tuple[int, int | None]:
-    """(buffer type for slots, copy backend): the GPU's when there is one, else CPU and none."""
+def _device_bufts() -> tuple[int, int | None, int | None]:
+    """(buffer type for slots, copy backend, its device): the GPU's when there is one, else CPU and none."""
     dev = B.libggml.ggml_backend_dev_by_type(B.GGML_BACKEND_DEVICE_TYPE_GPU)
     if dev:
         backend = B.libggml.ggml_backend_dev_init(dev, None)
         if not backend:
             raise EngineError("could not create a copy stream on the GPU")
-        return B.libggml.ggml_backend_dev_buffer_type(dev), backend
-    return B.libggml_cpu.ggml_backend_cpu_buffer_type(), None
+        return B.libggml.ggml_backend_dev_buffer_type(dev), backend, dev
+    return B.libggml_cpu.ggml_backend_cpu_buffer_type(), None, None
 
 
 def use_copy_queue(ggml: GgmlCopyBackend, config: CacheConfig, miss_policy: str) -> bool:
-    """Whether copies go through the priority queue (``StreamCopyBackend``): on a GPU's stream, when there
-    are low-priority copies (prefetches, or admissions of the host path) that a demand copy must not wait
-    behind. Otherwise every copy is a demand copy and the plain stream does (no worker thread)."""
-    return bool(ggml.backend) and config.copy_delay_s is None and (
+    """Whether copies go through the priority queue (``StreamCopyBackend``): on an asynchronous stream (a
+    GPU's, or the CPU build's deferred one), when there are low-priority copies (prefetches, or admissions of
+    the host path) that a demand copy must not wait behind. Otherwise every copy is a demand copy and the
+    plain stream does (no worker thread)."""
+    return ggml.stream.name != "immediate" and config.copy_delay_s is None and (
         config.prefetch is not None or miss_policy != "wait")
 
 
@@ -323,28 +344,34 @@ class CacheRuntime:
                 rc = P.llama_ggmoe_set_host_path(ctx_ptr, il, n)
                 if rc == _patched.LLAMA_GGMOE_ERR_HOST:
                     self.close()
-                    raise EngineError(f"layer {il} has per-expert biases: the host path cannot serve this "
-                                      "model; use --miss-policy wait")
+                    raise EngineError(f"layer {il} has {n} cache slots: the host path needs at least 2 (one "
+                                      "holds zeros); use more slots or --miss-policy wait")
             if rc != _patched.LLAMA_GGMOE_OK:
                 self.close()
                 raise EngineError(f"configuring the cache of layer {il} failed: {_patched.ERROR_NAMES.get(rc, rc)}")
 
     def _allocate(self, model_ptr: int, n_slots: dict[int, int], config: CacheConfig, zero_slot: bool) -> None:
-        """(Re)create the slot tensors and the copy backend over them (the GPU's copy stream when there is one)."""
+        """(Re)create the slot tensors and the copy backend over them (the GPU's copy stream when there is one,
+        else the CPU build's stream that ``GGMOE_COPY_STREAM`` names)."""
         self.close()
-        buft, backend = _device_bufts()
+        buft, backend, device = _device_bufts()
         try:
-            self.slots = SlotTensors(model_ptr, n_slots, buft, zero_slot=zero_slot, split=self.split,
-                                     n_bottom=self.n_bottom)
+            if config.copy_delay_s is not None and backend:
+                raise EngineError("copy_delay_s simulates a slow link on a CPU-only build; a GPU has a real one")
+            stream = open_stream(backend, device)
         except BaseException:
             if backend:
                 B.libggml_base.ggml_backend_free(backend)
             raise
-        self.copies = self._ggml = GgmlCopyBackend(self.slots, backend)
+        try:
+            self.slots = SlotTensors(model_ptr, n_slots, buft, zero_slot=zero_slot, split=self.split,
+                                     n_bottom=self.n_bottom)
+        except BaseException:
+            stream.close()
+            raise
+        self.copies = self._ggml = GgmlCopyBackend(self.slots, stream)
         self._link_s = 0.0  # s per expert copy that the simulated link adds (copy_delay_s per chunk)
         if config.copy_delay_s is not None:
-            if backend:
-                raise EngineError("copy_delay_s simulates a slow link on a CPU-only build; a GPU has a real one")
             ggml = self.copies
             self._link_s = config.copy_delay_s * ggml.n_chunks
             self.copies = ThreadedCopyBackend(ggml.copy_now, config.copy_delay_s, chunks=ggml.n_chunks,

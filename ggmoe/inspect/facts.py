@@ -24,7 +24,7 @@ import gguf
 
 from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.inspect import validate
-from ggmoe.inspect.names import BLK_TENSOR, EXPERT_TENSOR_BASES
+from ggmoe.inspect.names import BLK_TENSOR, EXPERT_TENSOR_BASES, is_cached_expert_tensor
 from ggmoe.inspect.reader import Header, TensorInfo, read_header
 
 Keys = gguf.Keys
@@ -56,9 +56,19 @@ class MoeLayer:
     tensors: tuple[ExpertTensor, ...]  # sorted by kind
 
     @property
+    def cached(self) -> tuple[ExpertTensor, ...]:
+        """The tensors the expert cache holds (``is_cached_expert_tensor``: the weights, not biases or scales)."""
+        return tuple(t for t in self.tensors if is_cached_expert_tensor(t.name))
+
+    @property
     def bytes_per_expert(self) -> int:
-        """Bytes of one expert of this layer, all its tensors together."""
-        return sum(t.bytes_per_expert for t in self.tensors)
+        """Bytes the cache holds of one expert of this layer: its weights (what a slot stores and a copy moves)."""
+        return sum(t.bytes_per_expert for t in self.cached)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of this layer's per-expert biases and scales (every expert's), which stay on the device."""
+        return sum(t.nbytes for t in self.tensors if not is_cached_expert_tensor(t.name))
 
     def tensor(self, kind: str) -> ExpertTensor:
         """The tensor of this layer with the given kind, e.g. "ffn_up_exps.weight"."""
@@ -98,8 +108,8 @@ class ModelFacts:
 
     @property
     def experts_quantized(self) -> bool:
-        """Whether every routed-expert tensor has a block-quantized type (not F32, F16 or BF16)."""
-        return all(t.ggml_type not in ("F32", "F16", "BF16", "F64") for layer in self.layers for t in layer.tensors)
+        """Whether every expert weight the cache holds has a block-quantized type (not F32, F16 or BF16)."""
+        return all(t.ggml_type not in ("F32", "F16", "BF16", "F64") for layer in self.layers for t in layer.cached)
 
     def bytes_per_expert(self, il: int) -> int:
         """Bytes of one expert of MoE layer `il` (all its expert tensors)."""
@@ -123,7 +133,12 @@ class ModelFacts:
         """
         if not 0 <= n_slots_per_layer <= self.n_expert:
             raise UsageError(f"cache slots per layer must be in 0..{self.n_expert}, got {n_slots_per_layer}")
-        return self.dense_bytes + n_slots_per_layer * self.expert_bytes_per_slot
+        return self.dense_bytes + self.expert_device_bytes + n_slots_per_layer * self.expert_bytes_per_slot
+
+    @property
+    def expert_device_bytes(self) -> int:
+        """Bytes of the routed experts' biases and scales, which stay on the device beside the dense weights."""
+        return sum(layer.device_bytes for layer in self.layers)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serializable form (lists for tuples, string keys)."""

@@ -25,8 +25,21 @@ CACHED_KINDS: tuple[str, ...] = ("up", "gate", "down", "gate_up")
 for _kind in CACHED_KINDS:
     assert f"ffn_{_kind}_exps" in EXPERT_TENSOR_BASES, _kind
 
-# llama.cpp's tensor_buft_overrides pattern (a std::regex search) matching every routed expert tensor.
-EXPERT_TENSOR_PATTERN = r"blk\.\d+\.ffn_(" + "|".join(CACHED_KINDS) + r")_exps"
+# llama.cpp's tensor_buft_overrides pattern (a std::regex search) matching every expert weight the cache
+# holds: ``blk.{il}.ffn_{kind}_exps.weight`` exactly. Per-expert biases and scales (gpt-oss) are small and stay
+# on the device with the dense weights, so a layer's decode graph splits no more than stock's.
+EXPERT_TENSOR_PATTERN = r"blk\.\d+\.ffn_(" + "|".join(CACHED_KINDS) + r")_exps\.weight$"
+
+
+
+def expert_pattern(layers: tuple[int, ...]) -> str:
+    """``EXPERT_TENSOR_PATTERN`` for the expert weights of ``layers`` only (matches no tensor when empty):
+    llama.cpp's --n-cpu-moe."""
+    if not layers:
+        return r"^$"
+    return (r"^blk\.(" + "|".join(str(int(il)) for il in sorted(layers)) + r")\.ffn_(" + "|".join(CACHED_KINDS)
+            + r")_exps\.weight$")
+
 
 # il, base ("ffn_up_exps"), suffix ("weight")
 BLK_TENSOR = re.compile(r"^blk\.(\d+)\.([^.]+)\.(.+)$")
@@ -37,7 +50,9 @@ def expert_weight_name(il: int, kind: str) -> str:
     return f"blk.{il}.ffn_{kind}_exps.weight"
 
 
-def is_expert_tensor(name: str) -> bool:
-    """Whether a GGUF tensor name is a routed expert tensor (weight, bias or scale)."""
+def is_cached_expert_tensor(name: str) -> bool:
+    """Whether the expert cache holds (copies, counts, budgets) this GGUF tensor: a routed expert weight of a
+    cached kind, ``blk.{il}.ffn_{kind}_exps.weight``. The one rule every command uses; biases and scales of
+    routed experts stay on the device and count as dense bytes."""
     m = BLK_TENSOR.match(name)
-    return m is not None and m[2] in EXPERT_TENSOR_BASES
+    return m is not None and m[3] == "weight" and m[2] in {f"ffn_{k}_exps" for k in CACHED_KINDS}

@@ -52,6 +52,11 @@ class CacheCollector(Collector):
                                  labels=["mode", "asked", "reason"])
         if cache.get("decode_mode_in_effect"):
             mode.add_metric([cache["decode_mode_in_effect"], cache["decode_mode"], cache["decode_mode_reason"]], 1)
+        stream = GaugeMetricFamily("ggmoe_copy_stream", "1 for the expert cache's copy stream in effect (events: "
+                                   "a GPU's, readiness by event query; immediate or deferred: the CPU build's)",
+                                   labels=["stream"])
+        if cache.get("copy_stream"):
+            stream.add_metric([cache["copy_stream"]], 1)
         top = CounterMetricFamily("ggmoe_cache_top_hits", "Split layers (MoEpic): distinct experts found with only "
                                   "their top segment resident (the bottom read from host memory), per MoE layer",
                                   labels=["il"])
@@ -77,7 +82,7 @@ class CacheCollector(Collector):
             occ.add_metric([il], cache["occupancy"].get(il, 0))
             slots.add_metric([il], cache["slots_per_layer"].get(il, 0))
         yield from (hits, misses, copied, rate, host, issued, precision, reads, lag, top, bottom_read, bottom_pre,
-                    occ, slots, mode)
+                    occ, slots, mode, stream)
 
 
 class Metrics:

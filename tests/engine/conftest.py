@@ -6,6 +6,22 @@ import pytest
 from make_fixtures import ARCHES, fixture_path
 
 
+COPY_STREAMS = ("immediate", "deferred")
+
+
+@pytest.fixture(autouse=True, params=COPY_STREAMS)
+def copy_stream(request, monkeypatch):
+    """Every engine test runs twice: on the CPU build's immediate copies, and on the deferred copy stream,
+    whose copies land later, on their own threads, out of order, seen only through the readiness query, as a
+    GPU's do (GGMOE_COPY_STREAM, inherited by the CLI's subprocesses). A test whose assertion holds only
+    for copies that land at once says why with ``@pytest.mark.immediate_copies("why")``."""
+    marker = request.node.get_closest_marker("immediate_copies")
+    if request.param == "deferred" and marker is not None:
+        pytest.skip(f"immediate copies only: {marker.args[0]}")
+    monkeypatch.setenv("GGMOE_COPY_STREAM", request.param)
+    return request.param
+
+
 @pytest.fixture(scope="session", params=ARCHES)
 def arch_model(request):
     """(arch, path) for every fixture architecture."""

@@ -34,7 +34,7 @@ def test_logits_equal_stock_with_misses_on_the_cpu(arch_model, stock_logits, mis
         for a, b in zip(got, ref, strict=True):
             assert np.abs(a - b).max() <= EXACT, (arch, n_slots, policy, miss_policy)
         if miss_policy == "cpu":
-            assert st.host_computed == st.misses > 0 and st.demand_copies == 0
+            assert st.host_computed >= st.misses > 0 and st.demand_copies == 0  # copies in flight too
 
 
 def test_cpu_misses_never_wait_for_a_slow_link(qwen3moe_model, stock_logits):

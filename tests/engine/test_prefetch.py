@@ -114,8 +114,7 @@ def test_worker_threads_keep_logits_exact(arch_model, stock_logits, monkeypatch,
     from ggmoe.cache.copy import StreamCopyBackend
     from ggmoe.engine import slots
 
-    if queue:
-        monkeypatch.setattr(slots, "use_copy_queue", lambda ggml, config, miss: True)
+    monkeypatch.setattr(slots, "use_copy_queue", lambda ggml, config, miss: queue)  # on any copy stream
     arch, path = arch_model
     facts = inspect_model(path)
     ref = stock_logits(path)

@@ -87,4 +87,9 @@ def test_gpu_smoke(tmp_path):
         if c["config"] == "lru":
             assert abs(c["hit_rate"] - lru_hit_rate(ids, c["slots"])) < 0.1, c
     times = json.loads((tmp_path / "smoke.json").read_text())["seconds"]
-    assert set(times) == {"pack", "model", "matrix"}
+    assert set(times) == {"pack", "model", "modes", "matrix"}
+    # every decode mode's greedy tokens equal stock's on the deferred copy stream (the GPU's semantics)
+    modes = json.loads((tmp_path / "modes.json").read_text())["modes"]
+    assert set(modes) == {"sync", "async", "host", "prefetch", "split", "split-async"}
+    assert all(m["ok"] and m["copy_stream"] == "deferred" for m in modes.values()), modes
+    assert modes["async"]["hits"] > 0

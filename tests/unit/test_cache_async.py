@@ -220,7 +220,8 @@ def test_threaded_backend_promotes_a_queued_copy():
 
 
 class FakeStream:
-    """A copy stream whose chunks land only at synchronize(); a gate holds the worker's first synchronize."""
+    """A copy stream whose chunks land only when some waiter waits (as a synchronize would land them); a gate
+    holds the worker's first wait. A chunk's marker is its position in stream order."""
 
     n_chunks = 3
 
@@ -234,12 +235,17 @@ class FakeStream:
     def issue_chunk(self, il, expert, slot, i):
         with self.lock:
             self.issued.append((expert, i))
+            return len(self.issued)
 
-    def synchronize(self):
+    def ready(self, marker):
+        with self.lock:
+            return marker <= self.landed
+
+    def wait_marker(self, marker):
         if threading.current_thread().name == "ggmoe-copies":
             self.gate.wait(5)  # the worker's chunk is "on the link" until the test opens the gate
         with self.lock:
-            self.landed = len(self.issued)
+            self.landed = max(self.landed, marker)  # in order: everything before it landed too
             self.syncs += 1
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.copy import CopyHandle, Priority
-from ggmoe.cache.decode_mode import choose_decode_mode, sync_reasons
+from ggmoe.cache.decode_mode import choose_decode_mode, sync_reasons, table_type_note
 from ggmoe.cache.policies import POLICIES
 from ggmoe.control import TokenController
 from ggmoe.errors import UsageError
@@ -126,3 +126,27 @@ def test_decode_mode_choice_is_explained():
         choose_decode_mode("async", sync_reasons("wait", True, None))
     with pytest.raises(UsageError, match="unknown decode mode"):
         choose_decode_mode("fastest", [])
+
+
+@pytest.mark.parametrize(("backend", "types", "refused"), [
+    ("CPU", ["TQ1_0", "F16"], None),  # ggml-cpu reads every type through a table
+    ("CUDA0", ["Q4_K", "Q6_K", "MXFP4", "Q8_0"], None),
+    ("CUDA0", ["Q4_K", "TQ2_0"], ("blk.1.ffn_gate_exps.weight", "TQ2_0")),
+    ("CUDA0", ["F16"], ("blk.0.ffn_up_exps.weight", "F16")),
+    ("CUDA0", ["TQ1_0"], ("blk.0.ffn_up_exps.weight", "TQ1_0")),
+    ("Vulkan0", ["Q4_K"], ("Vulkan0",)),
+])
+def test_the_table_path_refuses_what_the_backend_cannot_read(backend, types, refused):
+    """A type the table path cannot read is refused with one line naming the tensor and its type (on CUDA:
+    any type without an MMVQ kernel), never left to crash in the kernel."""
+    names = ["blk.0.ffn_up_exps.weight", "blk.1.ffn_gate_exps.weight", "blk.2.ffn_down_exps.weight",
+             "blk.3.ffn_up_exps.weight"]
+    note = table_type_note(backend, list(zip(names, types, strict=False)))  # fewer types than names
+    if refused is None:
+        assert note is None
+        return
+    assert note is not None and all(part in note for part in refused)
+    with pytest.raises(UsageError, match="async cannot run here") as e:
+        choose_decode_mode("async", [note])
+    assert all(part in str(e.value) for part in refused)
+    assert choose_decode_mode("auto", [note]).mode == "sync"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -366,14 +367,18 @@ def test_pipeline_states_and_collect(tmp_path):
         (res / model).mkdir()
         (res / model / "matrix.json").write_text("{}")
         (res / model / "matrix.md").write_text("#")
-    (res / "steps.json").write_text("{}")
+    (res / "steps.json").write_text('{"build": {"seconds": 1, "exit": 0}}')
+    (res / "modes.json").write_text('{"modes": {}}')
+    (res / "gpu-tests.log").write_text("3 passed\n")
     (res / "pipeline.log").write_text("log")
     (prefix / "build.log").write_text("x" * 1000 + "\n[5/9] nvcc\n")
     copied = gpu_pipeline.collect(res, prefix, out)
     assert sorted(copied) == sorted(p.name for p in out.iterdir())
     assert set(copied) == {"gpt-oss-20b.json", "gpt-oss-20b.md", "qwen3-30b-a3b.json", "qwen3-30b-a3b.md",
-                           "steps.json", "pipeline.log", "build-tail.log"}
+                           "loan.json", "pipeline.log", "build-tail.log"}
     assert len(copied) <= 8  # what the device tool brings back
+    loan = json.loads((out / "loan.json").read_text())
+    assert loan["steps"]["build"]["exit"] == 0 and loan["modes"] == {"modes": {}} and "3 passed" in loan["gpu_tests"]
 
 
 # (exit of the plain check, exit with libstdc++ preloaded or None: not tried, libstdc++ found,

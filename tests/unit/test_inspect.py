@@ -15,8 +15,10 @@ import gguf
 import numpy as np
 import pytest
 
+from ggmoe.cache.config import slots_for_budget
 from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.inspect import inspect_model
+from ggmoe.inspect.names import EXPERT_TENSOR_PATTERN, expert_pattern, is_cached_expert_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import make_fixtures  # noqa: E402
@@ -47,6 +49,11 @@ _QWEN2_SHEXP = (64 + 3 * 64 * 64) * 4  # gate_inp_shexp + gate/up/down_shexp (wi
 _ATTN_MLA = (64 + 32 + 32 + 64 * 32 + 32 * 96 + 64 * 40 + 16 * 32 * 4 + 32 * 16 * 4 + 64 * 64) * 4
 _DS2_DENSE_FFN = (64 + 3 * 64 * 128) * 4  # layer 0: ffn_norm + gate/up/down (n_ff 128)
 _DS2_MOE_EXTRA = (8 + 3 * 64 * 32) * 4  # exp_probs_b + one shared expert of width 32
+# gpt-oss: q/k/v biases, attn_output bias, attention sinks (one per head), post_attention_norm (its FFN
+# norm, no ffn_norm), router with its bias; per-expert biases are expert tensors the cache does not hold
+_GPTOSS_ATTN = _ATTN_GQA + (64 + 32 + 32 + 64 + 4 + 64) * 4
+_GPTOSS_FFN = (64 * 8 + 8) * 4
+GPTOSS_DEVICE_BYTES = (32 + 32 + 64) * 8 * 4  # per layer: gate/up/down expert biases, F32, all 8 experts
 ALL_MOE = (0, 1, 2, 3)
 CASES = [
     ("qwen3moe", "qwen3moe", 0, ALL_MOE, _GLOBAL + 4 * (_ATTN_GQA + _FFN_COMMON + _QWEN3_QK_NORM)),
@@ -66,6 +73,7 @@ CASES = [
         (1, 2, 3),
         _GLOBAL + 4 * _ATTN_MLA + _DS2_DENSE_FFN + 3 * (_FFN_COMMON + _DS2_MOE_EXTRA),
     ),
+    ("gptoss", "gpt-oss", 0, ALL_MOE, _GLOBAL + 4 * (_GPTOSS_ATTN + _GPTOSS_FFN)),
 ]
 CASE_IDS = [case[0] for case in CASES]
 
@@ -100,18 +108,36 @@ def test_facts_of_fixture(
     assert facts.dense_layers == tuple(il for il in range(4) if il not in moe_layers)
     n_moe = len(moe_layers)
     per_tensor = BYTES_PER_EXPERT_TENSOR[expert_type]
+    device = GPTOSS_DEVICE_BYTES if fixture == "gptoss" else 0  # expert biases: on the device, not cached
     for layer in facts.layers:
-        assert tuple(t.kind for t in layer.tensors) == EXPERT_KINDS
-        assert [t.bytes_per_expert for t in layer.tensors] == [per_tensor] * 3
+        assert tuple(t.kind for t in layer.cached) == EXPERT_KINDS  # the weights; biases never cached
+        assert [t.bytes_per_expert for t in layer.cached] == [per_tensor] * 3
         assert layer.tensor("ffn_up_exps.weight").shape == (64, 32, 8)
         assert layer.tensor("ffn_down_exps.weight").shape == (32, 64, 8)
         assert layer.bytes_per_expert == 3 * per_tensor
         assert facts.bytes_per_expert(layer.il) == 3 * per_tensor
-    assert facts.expert_bytes == n_moe * 8 * 3 * per_tensor
+        assert layer.device_bytes == device
+    assert facts.expert_bytes == n_moe * (8 * 3 * per_tensor + device)
     assert facts.dense_bytes == dense_bytes
-    assert facts.vram_bytes(0) == dense_bytes
-    assert facts.vram_bytes(2) == dense_bytes + 2 * n_moe * 3 * per_tensor
+    assert facts.vram_bytes(0) == dense_bytes + n_moe * device
+    assert facts.vram_bytes(2) == dense_bytes + n_moe * device + 2 * n_moe * 3 * per_tensor
     assert facts.vram_bytes(8) == dense_bytes + facts.expert_bytes
+    # --vram of exactly N slots buys N slots (budgets count the bytes the cache holds)
+    bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+    assert set(slots_for_budget(facts.cache_bytes(4), bpe, 8, 2).values()) == {4}
+
+
+@pytest.mark.parametrize(("name", "cached"), [
+    ("blk.0.ffn_up_exps.weight", True), ("blk.12.ffn_gate_up_exps.weight", True),
+    ("blk.3.ffn_down_exps.weight", True), ("blk.0.ffn_up_exps.bias", False), ("blk.0.ffn_down_exps.scale", False),
+    ("blk.0.ffn_up_shexp.weight", False), ("blk.0.ffn_gate_inp.weight", False), ("blk.0.ffn_up_exps.weight.x", False),
+])
+def test_one_rule_says_what_the_cache_holds(name: str, cached: bool) -> None:
+    """Expert weights go to host memory (the override pattern) and into the cache; biases and scales stay on the
+    device, so a layer's graph splits no more than stock's."""
+    assert is_cached_expert_tensor(name) == cached
+    assert (re.search(EXPERT_TENSOR_PATTERN, name) is not None) == cached
+    assert (re.search(expert_pattern((0, 3, 12)), name) is not None) == cached
 
 
 @pytest.mark.parametrize("fixture", CASE_IDS)

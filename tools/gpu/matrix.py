@@ -654,7 +654,46 @@ def write(out: Path, result: dict, cells: list[Cell]) -> None:
     (out / "matrix.md").write_text(markdown(result, cells))
 
 
+def cell_in_process(a, argv: list[str], routing: str, config: str, f: float | None, held: Path | None,
+                    train: Path | None) -> Cell:
+    """One cell in a fresh process with a time limit (--cell-timeout): a CUDA fault, an abort or a hang loses
+    this cell only, reported with why."""
+    fd, name = tempfile.mkstemp(prefix="ggmoe-cell-", suffix=".json")
+    os.close(fd)
+    out = Path(name)
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-cell",
+           f"{routing}:{config}:{'' if f is None else f}", "--cell-json", str(out),
+           *(["--cell-held", str(held)] if held else []), *(["--cell-train", str(train)] if train else [])]
+    t0 = time.monotonic()
+    err = None
+    try:
+        r = subprocess.run(cmd, timeout=a.cell_timeout, capture_output=True, text=True)
+        if r.returncode != 0 or not out.stat().st_size:
+            why = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+            tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
+            err = f"the cell's process failed ({why}): {tail}"[:600]
+    except subprocess.TimeoutExpired:
+        err = f"the cell's process ran past --cell-timeout {a.cell_timeout:.0f} s and was killed"
+    try:
+        if err is None:
+            return cell_from_dict(json.loads(out.read_text()))
+    finally:
+        out.unlink(missing_ok=True)
+    return Cell(str(a.model), routing_label(routing), config, f, None, 0.0, (), 0.0, 0.0, None, None, None,
+                wall_s=time.monotonic() - t0, error=err)
+
+
+def one_cell(a, facts, split: dict) -> int:
+    """--one-cell: run that cell here and write it to --cell-json (the parent's child process)."""
+    routing, config, f = a.one_cell.split(":")
+    cell = run_cell(a.model, facts, config, float(f) if f else None, routing, a.cell_held, a, a.cell_train,
+                    split)
+    a.cell_json.write_text(json.dumps(asdict(cell)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--trace", type=Path, help="the routing replayed (trace routing): a trace of the embedded model "
@@ -677,6 +716,13 @@ def main(argv: list[str] | None = None) -> int:
                          "this (a number or a fraction such as 1/2; default %(default)s)")
     ap.add_argument("--probe", type=Path, default=None,
                     help="the zero-copy probe's JSON (tools/gpu/zero_copy_probe.cu): each cell's bound")
+    ap.add_argument("--cell-timeout", type=float, default=300.0,
+                    help="seconds one cell's process may run (each cell runs in its own process)")
+    ap.add_argument("--in-process", action="store_true", help="run the cells in this process (tests)")
+    ap.add_argument("--one-cell", help=argparse.SUPPRESS)  # ROUTING:CONFIG:FRACTION, in a child process
+    ap.add_argument("--cell-json", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--cell-held", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--cell-train", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     t_start = time.monotonic()
     if not a.model.is_file():
@@ -692,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not all(0 < f <= 1 for f in fractions):
         raise SystemExit(f"error: unknown {sorted(bad) or a.fractions}; configs: {', '.join(CONFIGS)}; "
                          "routing: random, trace; fractions in (0, 1]")
+    if a.one_cell:
+        return one_cell(a, facts, split_layers(facts, Fraction(a.split_theta)) if any(
+            c in SPLIT for c in configs) else {})
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ggmoe-matrix-"))  # tiled traces: not into OUT (files back are few)
     held = train = None
@@ -741,7 +790,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.budget_s is not None and time.monotonic() - t_start > a.budget_s:
             skipped.append(f"{routing} {config} {'' if f is None else f'{f:.0%}'}".strip())
             continue
-        cell = run_cell(a.model, facts, config, f, routing, held, a, train, split)
+        cell = run_cell(a.model, facts, config, f, routing, held, a, train, split) if a.in_process else \
+            cell_in_process(a, argv, routing, config, f, held, train)
         cells = bounds([c for c in cells if c.key != cell.key] + [cell], probe)
         print(f"{routing:6} {config:12} {'' if f is None else f'{f:.0%}':>5}  "
               f"{cell.error or f'{cell.decode_tps:.1f} tok/s decode, {cell.prefill_tps:.0f} tok/s prefill'}"

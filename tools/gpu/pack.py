@@ -44,10 +44,12 @@ from ggmoe.errors import GgmoeError  # noqa: E402
 MAX_PACK_BYTES = 60 << 20  # bytes: the pack alone
 MAX_CARRY_BYTES = 62 << 20  # bytes: the pack and the working tree (the device tool's 64 MiB, less a margin)
 # Runtime dependencies beyond numpy of llama-cpp-python (diskcache, jinja2 -> markupsafe, typing-extensions),
-# gguf (pyyaml, tqdm; requests only for downloads, and it is there) and ggmoe (click, prometheus-client),
-# pinned to the versions this project tests with.
+# gguf (pyyaml, tqdm; requests only for downloads, and it is there) and ggmoe (click, prometheus-client), and
+# pytest for the GPU tier, pinned to the versions this project tests with.
 WHEELS = ("gguf==0.19.0", "diskcache==5.6.3", "jinja2==3.1.6", "markupsafe==3.0.3", "typing-extensions==4.16.0",
-          "click==8.5.1", "pyyaml==6.0.3", "tqdm==4.70.1", "prometheus-client==0.26.0")
+          "click==8.5.1", "pyyaml==6.0.3", "tqdm==4.70.1", "prometheus-client==0.26.0",
+          # the GPU tier (tests/gpu) runs there too
+          "pytest==9.0.3", "pluggy==1.6.0", "iniconfig==2.3.0", "packaging==26.2", "pygments==2.20.0")
 # manylinux tags pip must be told one by one (the device README's recipe)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")

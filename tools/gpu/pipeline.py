@@ -10,23 +10,30 @@ the commands; each command only waits and copies what is done into $OUT:
 
 Steps, in order of what matters most (a loan cut short still returns the first ones):
 
+    probe            tools/gpu/zero_copy_probe.cu built with nvcc and run (GPU only, before the build: it needs
+                     none): the SMs' read rate of pinned host memory against the copy engine's, for the
+                     matrix's bounds (RESULTS/probe.json)
     build            tools/gpu/build.py (CUDA, sm_90; skipped when a build of this pack is ready), with the
                      first model written beside it
     model M          tools/gpu/realshape.py --preset M
-    probe            tools/gpu/zero_copy_probe.cu built with nvcc and run (GPU only): the SMs' read rate of pinned
-                     host memory against the copy engine's, for the matrix's bounds (RESULTS/probe.json)
-    engine check     the first model loaded through ggmoe's Engine in a fresh process; if that dies by a
-                     signal, again with libstdc++ preloaded, kept for the matrix runs (the first loan's
-                     segfault: numpy loaded before libllama)
+    engine check     the first model loaded through ggmoe's Engine with the cache on (auto decode mode, half
+                     the experts) and 8 tokens decoded, in a fresh process; if that dies by a signal, again
+                     with libstdc++ preloaded, kept for the later runs (the first loan's segfault: numpy
+                     loaded before libllama)
+    modes            tools/gpu/modes.py on the first model: every decode mode's greedy tokens beside stock's,
+                     async hits at 50 %, each mode in its own process (RESULTS/modes.json)
+    gpu tests        pytest tests/gpu (the packed pytest), RESULTS/gpu-tests.log
     matrix M random  tools/gpu/matrix.py, the model's own router: its default configurations, MoEpic's split
-                     (split, split-async at 50 and 25 %, beside lru and async at the same VRAM) among them
+                     (split, split-async at 50 and 25 %, beside lru and async at the same VRAM) among them;
+                     each cell in its own process with a time limit (a CUDA fault loses one cell)
     matrix M trace   tools/gpu/matrix.py --append, trace-replay routing (benchmark only)
 
 for each model of --models (default gpt-oss-20b, then qwen3-30b-a3b). Results go to --results (default
-/tmp/ggmoe-results): RESULTS/M/matrix.{json,md}, steps.json (each step's seconds and exit status) and
-pipeline.log; --out copies them flat as M.json, M.md, steps.json, pipeline.log, probe.json and
-build-tail.log (the device tool brings back at most 8 files). Exit status of --wait: 0 finished, 3 still running, 2 a step
-failed, 4 never started.
+/tmp/ggmoe-results): RESULTS/M/matrix.{json,md}, steps.json (each step's seconds and exit status),
+probe.json, modes.json, gpu-tests.log and pipeline.log; --out copies them flat as M.json, M.md, loan.json
+(steps, probe, modes and the GPU tests' summary in one file), pipeline.log and build-tail.log (the device
+tool brings back at most 8 files). Exit status of --wait: 0 finished, 3 still running, 2 a step failed,
+4 never started.
 
 ``--cpu --models toy --matrix-args ...`` runs the same pipeline on a machine without a GPU (the smoke run).
 """
@@ -52,9 +59,15 @@ import build as gpu_build  # noqa: E402
 
 DEFAULT_RESULTS = Path("/tmp/ggmoe-results")
 # what the matrix does first: import ggmoe's engine (numpy and all), then load the model, experts on the host
-ENGINE_CHECK = ("import sys; from ggmoe.engine import Engine, EngineConfig; "
-                "eng = Engine(EngineConfig(model_path=sys.argv[1], n_ctx=64)); eng.close(); "
-                "print('engine check: loaded', sys.argv[1])")
+# with the cache on (the async decode at half the experts), a few tokens decoded: the loan's first question is
+# whether ggmoe's own path runs, not only whether llama.cpp loads
+ENGINE_CHECK = ("import sys; from ggmoe.cache import CacheConfig; from ggmoe.engine import Engine, EngineConfig; "
+                "from ggmoe.inspect import inspect_model; f = inspect_model(sys.argv[1]); "
+                "eng = Engine(EngineConfig(model_path=sys.argv[1], n_ctx=64, n_gpu_layers=-1, "
+                "cache=CacheConfig(n_slots=max(f.n_expert_used + 1, f.n_expert // 2), decode_mode='auto'))); "
+                "[eng.decode([t]) for t in range(3, 11)]; st = eng.cache_stats.total(); "
+                "print('engine check: loaded', sys.argv[1], eng.decode_mode, 'hits', st.hits, 'misses', st.misses); "
+                "eng.close()")
 DEFAULT_MODELS = "gpt-oss-20b,qwen3-30b-a3b"
 FINISHED, FAILED, RUNNING, NEVER = 0, 2, 3, 4
 
@@ -142,6 +155,24 @@ class Pipeline:
             self.preload = None
         return rc
 
+    def modes(self, model: Path) -> int:
+        """Every decode mode on ``model`` beside stock (tools/gpu/modes.py), into RESULTS/modes.json."""
+        cmd = [sys.executable, str(HERE / "modes.py"), "--model", str(model), "--out", str(self.results),
+               *(["--cpu"] if self.cpu else [])]
+        return self.run("modes", cmd, env=self.engine_env())
+
+    def gpu_tests(self) -> int:
+        """The GPU tier (tests/gpu, skipped without a GPU) with the packed pytest, into RESULTS/gpu-tests.log."""
+        env = self.engine_env()
+        env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{self.prefix / 'deps'}"
+        t0 = time.monotonic()
+        self.say("gpu tests: pytest tests/gpu")
+        with open(self.results / "gpu-tests.log", "w") as log:
+            rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+        self.record("gpu tests", t0, rc)
+        return rc
+
     def main(self) -> int:
         self.say(f"pipeline: models {', '.join(self.models)}; {'CPU' if self.cpu else 'CUDA'} build in {self.prefix}")
         # a copy: the working tree (and an uncarried gpu-pack) may be replaced by the next device command
@@ -166,6 +197,7 @@ class Pipeline:
             t0 = time.monotonic()
             writer = threading.Thread(target=lambda: self.record(f"model {first}", t0, proc.wait()))
             writer.start()
+        probe = None if self.cpu else self.zero_copy_probe()  # needs no build: first, so a short loan has it
         rc = self.run("build", build_cmd)
         while gpu_build.state(self.pack, self.prefix, self.cpu)[0] == gpu_build.RUNNING:  # started by another
             time.sleep(5)
@@ -175,7 +207,6 @@ class Pipeline:
             writer.join()
         if rc != 0 or code != gpu_build.READY:
             return FAILED
-        probe = None if self.cpu else self.zero_copy_probe()
         failed = False
         checked = False
         for preset in self.models:
@@ -188,6 +219,8 @@ class Pipeline:
                 if self.engine_check(path) != 0:
                     self.say("pipeline: the engine cannot load a model; no matrix")
                     return FAILED
+                failed |= self.modes(path) != 0
+                failed |= self.gpu_tests() != 0
             out = self.results / preset
             for routing in ("random", "trace"):
                 cmd = [sys.executable, str(HERE / "matrix.py"), "--model", str(path), "--trace", str(self.trace),
@@ -236,10 +269,21 @@ def collect(results: Path, prefix: Path, out: Path) -> list[str]:
             if src.is_file():
                 shutil.copy(src, out / f"{d.name}.{ext}")
                 copied.append(f"{d.name}.{ext}")
-    for name in ("steps.json", "pipeline.log", "probe.json"):
+    loan = {}
+    for key, name in (("steps", "steps.json"), ("probe", "probe.json"), ("modes", "modes.json")):
         if (results / name).is_file():
-            shutil.copy(results / name, out / name)
-            copied.append(name)
+            try:
+                loan[key] = json.loads((results / name).read_text())
+            except ValueError as e:
+                loan[key] = {"error": f"{name} is not JSON: {e}"}
+    if (results / "gpu-tests.log").is_file():
+        loan["gpu_tests"] = gpu_build._tail(results / "gpu-tests.log", lines=60, width=400)
+    if loan:
+        (out / "loan.json").write_text(json.dumps(loan, indent=2))
+        copied.append("loan.json")
+    if (results / "pipeline.log").is_file():
+        shutil.copy(results / "pipeline.log", out / "pipeline.log")
+        copied.append("pipeline.log")
     log = prefix / "build.log"
     if log.is_file():
         (out / "build-tail.log").write_text(gpu_build._tail(log, lines=200, width=400) + "\n")

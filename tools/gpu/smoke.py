@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,10 +26,12 @@ ROOT = HERE.parents[1]
 
 
 def step(*cmd: str) -> float:
-    """Run one step with this interpreter; returns its seconds."""
+    """Run one step with this interpreter; returns its seconds. The CPU build's copies land as a GPU's do
+    (GGMOE_COPY_STREAM=deferred, unless the caller chose a stream): the dry run proves the GPU's path."""
     print("$", " ".join(cmd), flush=True)
     t0 = time.monotonic()
-    subprocess.run([sys.executable, *cmd], check=True, cwd=ROOT)
+    env = {**os.environ, "GGMOE_COPY_STREAM": os.environ.get("GGMOE_COPY_STREAM", "deferred")}
+    subprocess.run([sys.executable, *cmd], check=True, cwd=ROOT, env=env)
     secs = time.monotonic() - t0
     print(f"  ({secs:.0f} s)", flush=True)
     return secs
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copy(out / "OUT" / "toy.md", out / "matrix" / "matrix.md")
     else:
         times["model"] = step(str(HERE / "realshape.py"), "--preset", "toy", "-o", str(out / "toy.gguf"))
+        times["modes"] = step(str(HERE / "modes.py"), "--model", str(out / "toy.gguf"), "--out", str(out), "--cpu",
+                              "--tokens", "12")
         times["matrix"] = step(str(HERE / "matrix.py"), "--model", str(out / "toy.gguf"), "--trace",
                                str(pack / "trace.npz"), "--out", str(out / "matrix"), *matrix_args)
     result = json.loads((out / "matrix" / "matrix.json").read_text())

@@ -1,0 +1,229 @@
+"""Copy streams: where the expert cache's copies run, and the one way their landing is seen.
+
+Engine layer (ctypes allowed). A stream takes copy work (a callable that writes
+part of an expert into its slot, given the backend handle to issue async copies
+on, or None to write at once) and returns a *marker* for it. ``ready(marker)``
+says without blocking whether that work has landed; it is the only way the cache
+learns that a copy landed, at token boundaries and in the sync path's queue.
+``wait(marker)`` blocks: only the sync decode's demand copies, the queue's own
+worker, measurements and teardown use it, never the async decode.
+
+- ``ImmediateStream`` (the CPU build's default): the work runs inside ``put`` (a
+  memcpy); every marker is ready at once.
+- ``EventStream`` (a GPU): ``put`` issues async copies on a second backend
+  instance of the device (its own CUDA stream) and records a ggml event after
+  them; ``ready`` is ``ggml_backend_event_query`` (patch 0008, cudaEventQuery).
+- ``DeferredStream`` (``GGMOE_COPY_STREAM=deferred``): the CPU build behaving
+  like a GPU. The work runs later, on worker threads, after a random delay, so
+  copies land out of order and a copy's slot is written while later decodes
+  run; only ``ready`` tells. A cache that assumed a copy lands when issued (or
+  at a synchronize nobody calls) strands its copies here, as it would on CUDA.
+
+``copy_stream_kind()`` reads the environment once per cache; ``--stats-json``
+and ``/metrics`` name the stream in effect.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+from ggmoe.engine import ggml as B
+from ggmoe.errors import EngineError, EngineNotPatchedError, UsageError
+
+Work = Callable[[int | None], None]  # writes part of a copy: on the given backend (async), or at once (None)
+
+COPY_STREAM_ENV = "GGMOE_COPY_STREAM"  # immediate | deferred (the CPU build); a GPU always uses its events
+COPY_DELAY_ENV = "GGMOE_COPY_DELAY_MS"  # the deferred stream's largest delay per copy, milliseconds
+COPY_STREAM_KINDS = ("immediate", "deferred")
+DEFERRED_DELAY_S = 0.0002  # s: the default largest delay of a deferred copy (a fixture decode step takes ~1 ms)
+DEFERRED_WORKERS = 2  # threads: copies overtake each other
+
+
+class CopyStream(Protocol):
+    name: str  # the stream in effect, as the statistics name it: immediate, deferred or events
+    handle: int | None  # the ggml backend async copies are issued on (a GPU's copy stream), else None
+
+    def put(self, work: Work) -> object:
+        """Run ``work`` on the stream; returns its marker at once (the copy may land later)."""
+
+    def ready(self, marker: object) -> bool:
+        """Whether the work of ``marker`` has landed; never blocks on a device that can be queried."""
+
+    def wait(self, marker: object) -> None:
+        """Block until the work of ``marker`` has landed."""
+
+    def synchronize(self) -> None:
+        """Block until everything put so far has landed."""
+
+    def close(self) -> None:
+        """Land what is in flight, then release the stream."""
+
+
+class ImmediateStream:
+    """The CPU build's default: a copy is a memcpy that has landed when ``put`` returns."""
+
+    name = "immediate"
+    handle = None
+
+    def put(self, work: Work) -> object:
+        work(None)
+        return None
+
+    def ready(self, marker: object) -> bool:
+        return True
+
+    def wait(self, marker: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class EventStream:
+    """A GPU's copy stream: async copies on ``backend``, a ggml event recorded after each put, queried."""
+
+    name = "events"
+
+    def __init__(self, backend: int, device: int) -> None:
+        self._query = B.event_query_fn()
+        if self._query is None:
+            raise EngineNotPatchedError("the installed engine lacks ggml_backend_event_query (patch 0008): run "
+                                        "`ggmoe engine build --install` to rebuild it")
+        self.handle = backend
+        self.device = device
+        self._free: list[int] = []  # events whose work landed, to record again
+        self._lock = threading.Lock()  # one issuer at a time: stream order is put order
+
+    def put(self, work: Work) -> object:
+        with self._lock:
+            work(self.handle)
+            ev = self._free.pop() if self._free else B.libggml_base.ggml_backend_event_new(self.device)
+            if not ev:
+                raise EngineError("could not create an event on the GPU's copy stream")
+            B.libggml_base.ggml_backend_event_record(ev, self.handle)
+            return [ev]  # a list, emptied (the event recycled) once seen landed
+
+    def ready(self, marker: object) -> bool:
+        if not marker:
+            return True
+        if not self._query(marker[0]):
+            return False
+        self._recycle(marker)
+        return True
+
+    def wait(self, marker: object) -> None:
+        if marker:
+            B.libggml_base.ggml_backend_event_synchronize(marker[0])
+            self._recycle(marker)
+
+    def _recycle(self, marker: list) -> None:
+        with self._lock:
+            if marker:
+                self._free.append(marker.pop())
+
+    def synchronize(self) -> None:
+        B.libggml_base.ggml_backend_synchronize(self.handle)
+
+    def close(self) -> None:
+        if self.handle:
+            B.libggml_base.ggml_backend_synchronize(self.handle)
+            for ev in self._free:
+                B.libggml_base.ggml_backend_event_free(ev)
+            self._free = []
+            B.libggml_base.ggml_backend_free(self.handle)
+            self.handle = None
+
+
+class DeferredStream:
+    """The CPU build as a GPU: each copy runs on one of ``workers`` threads after a random delay in
+    [0, ``max_delay_s``] (seeded), so copies land later than issued and out of order. A failed copy raises
+    from ``ready``/``wait`` (the decode that asked reports it)."""
+
+    name = "deferred"
+    handle = None
+
+    def __init__(self, max_delay_s: float = DEFERRED_DELAY_S, workers: int = DEFERRED_WORKERS, seed: int = 0) -> None:
+        self.max_delay_s = max_delay_s
+        self._rng = random.Random(seed)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ggmoe-deferred-copy")
+        self._pending: set[Future] = set()
+        self._lock = threading.Lock()
+        self.put_count = 0  # copies put (tests)
+
+    def _run(self, work: Work, delay_s: float) -> None:
+        if delay_s:
+            threading.Event().wait(delay_s)
+        work(None)
+
+    def put(self, work: Work) -> object:
+        with self._lock:
+            delay = self._rng.uniform(0.0, self.max_delay_s)
+            f = self._pool.submit(self._run, work, delay)
+            self._pending.add(f)
+            self.put_count += 1
+        f.add_done_callback(self._forget)
+        return f
+
+    def _forget(self, f: Future) -> None:
+        with self._lock:
+            self._pending.discard(f)
+
+    def ready(self, marker: object) -> bool:
+        if marker is None or not marker.done():
+            return marker is None
+        marker.result()  # a copy that raised: raised here
+        return True
+
+    def wait(self, marker: object) -> None:
+        if marker is not None:
+            marker.result()
+
+    def synchronize(self) -> None:
+        with self._lock:
+            pending = list(self._pending)
+        for f in pending:
+            f.exception()  # waits; a failure is raised by whoever asks about that copy
+
+    def close(self) -> None:
+        self.synchronize()
+        self._pool.shutdown(wait=True)
+
+
+def copy_stream_kind() -> str:
+    """The CPU build's copy stream from ``GGMOE_COPY_STREAM`` (default immediate)."""
+    kind = os.environ.get(COPY_STREAM_ENV, "").strip().lower() or "immediate"
+    if kind not in COPY_STREAM_KINDS:
+        raise UsageError(f"{COPY_STREAM_ENV}={kind!r}: expected one of {', '.join(COPY_STREAM_KINDS)}")
+    return kind
+
+
+def deferred_delay_s() -> float:
+    """The deferred stream's largest delay per copy, from ``GGMOE_COPY_DELAY_MS`` (seconds)."""
+    raw = os.environ.get(COPY_DELAY_ENV, "").strip()
+    if not raw:
+        return DEFERRED_DELAY_S
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not 0.0 <= ms <= 10_000.0:
+        raise UsageError(f"{COPY_DELAY_ENV}={raw!r}: expected milliseconds from 0 to 10000")
+    return ms / 1000.0
+
+
+def open_stream(gpu_backend: int | None, device: int | None) -> CopyStream:
+    """The copy stream for a cache: the GPU's events when there is a GPU copy backend, else the CPU build's
+    stream named by the environment."""
+    if gpu_backend:
+        return EventStream(gpu_backend, device)
+    if copy_stream_kind() == "deferred":
+        return DeferredStream(deferred_delay_s())
+    return ImmediateStream()

@@ -1,0 +1,141 @@
+"""Copy streams (ggmoe.engine.streams): a copy is seen landed only through the readiness query.
+
+The deferred stream is the CPU build behaving like a GPU's copy stream: copies land later, on their own
+threads, out of order. Interleavings are forced with events, never timed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ggmoe.cache import CacheConfig
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine.streams import (
+    DeferredStream,
+    ImmediateStream,
+    copy_stream_kind,
+    deferred_delay_s,
+    open_stream,
+)
+from ggmoe.errors import UsageError
+from ggmoe.inspect import inspect_model
+
+pytestmark = pytest.mark.engine
+
+
+def test_deferred_copies_land_later_and_out_of_order():
+    s = DeferredStream(max_delay_s=0.0, workers=2)
+    first_may_land, order = threading.Event(), []
+
+    def first(handle):
+        assert handle is None  # the CPU build writes at once, on the worker
+        first_may_land.wait(5)
+        order.append("first")
+
+    try:
+        a = s.put(first)
+        b = s.put(lambda h: order.append("second"))
+        s.wait(b)  # the second lands while the first is still in flight
+        assert s.ready(b) and not s.ready(a)
+        first_may_land.set()
+        s.wait(a)
+        assert s.ready(a) and order == ["second", "first"]
+    finally:
+        first_may_land.set()
+        s.close()
+
+
+def test_a_failed_copy_is_raised_by_whoever_asks_and_close_lands_what_is_in_flight():
+    s = DeferredStream(max_delay_s=0.0)
+    gate, done = threading.Event(), []
+
+    def boom(h):
+        raise OSError("link down")
+
+    def slow(h):
+        gate.wait(5)
+        done.append(1)
+
+    bad = s.put(boom)
+    pending = s.put(slow)
+    with pytest.raises(OSError, match="link down"):
+        s.wait(bad)
+    with pytest.raises(OSError, match="link down"):
+        s.ready(bad)
+    threading.Timer(0.05, gate.set).start()
+    s.close()  # waits for the copy in flight: it never writes freed slots
+    assert done == [1] and s.ready(pending)
+
+
+def test_immediate_stream_lands_inside_put():
+    s, seen = ImmediateStream(), []
+    m = s.put(seen.append)
+    assert seen == [None] and s.ready(m)
+
+
+@pytest.mark.parametrize(("env", "kind", "delay_ms"), [
+    ({}, "immediate", 0.2), ({"GGMOE_COPY_STREAM": "deferred"}, "deferred", 0.2),
+    ({"GGMOE_COPY_STREAM": " Deferred ", "GGMOE_COPY_DELAY_MS": "3"}, "deferred", 3.0),
+    ({"GGMOE_COPY_STREAM": "immediate", "GGMOE_COPY_DELAY_MS": "0"}, "immediate", 0.0),
+])
+def test_the_environment_names_the_stream(monkeypatch, env, kind, delay_ms):
+    monkeypatch.delenv("GGMOE_COPY_STREAM", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert copy_stream_kind() == kind
+    assert deferred_delay_s() == pytest.approx(delay_ms / 1000)
+    s = open_stream(None, None)
+    try:
+        assert s.name == kind
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("GGMOE_COPY_STREAM", "cuda", "GGMOE_COPY_STREAM='cuda': expected one of immediate, deferred"),
+    ("GGMOE_COPY_DELAY_MS", "-1", "GGMOE_COPY_DELAY_MS='-1': expected milliseconds"),
+    ("GGMOE_COPY_DELAY_MS", "fast", "GGMOE_COPY_DELAY_MS='fast': expected milliseconds"),
+])
+def test_a_bad_stream_setting_is_one_clear_error(monkeypatch, qwen3moe_model, key, value, match):
+    monkeypatch.setenv(key, value)
+    if key == "GGMOE_COPY_DELAY_MS":
+        monkeypatch.setenv("GGMOE_COPY_STREAM", "deferred")
+    with pytest.raises(UsageError, match=match):
+        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64, cache=CacheConfig(n_slots=4)))
+
+
+def test_the_async_cache_sees_a_copy_only_once_it_landed(qwen3moe_model, monkeypatch):
+    """A deferred copy held back by the test is not readable, token after token, until it lands; then the
+    next token boundary maps it and later tokens hit it. The logits never change."""
+    monkeypatch.setenv("GGMOE_COPY_STREAM", "deferred")
+    facts = inspect_model(qwen3moe_model)
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=128, gate_hook=False)) as stock:
+        ids = stock.tokenize("hello hello hello hello hello")
+        ref = [stock.decode([t]) for t in ids]
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=128, n_batch=64, n_ubatch=4,
+                             cache=CacheConfig(n_slots=facts.n_expert, decode_mode="async"))) as eng:
+        stream = eng._runtime.stream.stream
+        assert isinstance(stream, DeferredStream) and eng.decode_mode["copy_stream"] == "deferred"
+        hold = threading.Event()
+        put = stream.put
+        stream.put = lambda work: put(lambda h: (hold.wait(10), work(h)))  # every copy waits for the test
+        cache = eng._runtime.cache
+        got = [eng.decode([ids[0]])]
+        for t in ids[1:3]:
+            got.append(eng.decode([t]))
+        st = cache.stats.total()
+        assert st.admission_copies > 0 and st.landed == 0 and st.hits == 0  # nothing readable yet
+        assert any(c is not None for tb in cache.tables.values() for c in tb.copy)  # still in flight
+        held = st.admission_copies
+        hold.set()
+        stream.synchronize()  # the test waits; the cache still learns only at the next token boundary
+        for t in ids[3:]:
+            got.append(eng.decode([t]))
+        st = cache.stats.total()
+    # the held copies were seen at the next token boundary, none in the token that issued it
+    assert st.landed >= held and st.hits > 0 and st.lag_tokens >= st.landed
+    for a, b in zip(got, ref, strict=True):
+        assert np.array_equal(a, b)

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""One minute, every decode mode: greedy tokens beside stock's, and hits where the cache must hit.
+
+The GPU loan's first check after the engine loads (tools/gpu/pipeline.py, step "modes"): for one model,
+stock (every weight on the device, no hook) decodes --tokens greedy tokens; then each mode, at --fraction
+of the experts cached per layer, decodes the same, each in its own process with a time limit (a CUDA fault
+loses one mode):
+
+    sync         the route op per MoE layer, LRU, misses copied and waited for
+    async        the device-side expert tables, LRU admissions between tokens
+    host         sync with the host path (--miss-policy cpu: the CPU computes misses)
+    prefetch     sync with stride prefetching (reuse predictor, stride 1)
+    split        MoEpic's split (θ 1/2) in the sync decode
+    split-async  the split in the async decode
+
+A mode passes when its tokens equal stock's and, for async, its cache hit (hits > 0). Writes OUT/modes.json
+(per mode: tokens equal, hits, misses, decode mode in effect, copy stream, seconds, error) and prints a table;
+exit 1 if a mode failed. On the CPU build it runs as it would on a GPU with GGMOE_COPY_STREAM=deferred.
+
+    python tools/gpu/modes.py --model M.gguf --out DIR [--fraction 0.5] [--tokens 24] [--modes sync,async]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = ("sync", "async", "host", "prefetch", "split", "split-async")
+PROMPT = list(range(3, 40))  # token ids: a prompt every vocabulary has
+
+
+def engine_config(model: Path, mode: str | None, fraction: float, gpu: bool):
+    """The engine configuration of ``mode`` (None: stock, no hook) at ``fraction`` of the experts cached."""
+    from ggmoe.cache import CacheConfig
+    from ggmoe.control.prefetch import PrefetchConfig
+    from ggmoe.engine import EngineConfig
+    from ggmoe.inspect import inspect_model
+
+    layers = -1 if gpu else 0
+    if mode is None:
+        return EngineConfig(model_path=model, n_ctx=256, n_gpu_layers=layers, experts_on_host=False,
+                            gate_hook=False)
+    facts = inspect_model(model)
+    n = max(facts.n_expert_used + 1, round(fraction * facts.n_expert))
+    kw: dict = {"n_slots": n, "decode_mode": "async" if mode in ("async", "split-async") else "sync"}
+    if mode == "host":
+        kw["miss_policy"] = "cpu"
+    if mode == "prefetch":
+        kw["prefetch"] = PrefetchConfig("reuse", stride=1)
+    if mode.startswith("split"):
+        kw["layer_theta"] = {il: 0.5 for il in facts.moe_layers}
+    return EngineConfig(model_path=model, n_ctx=256, n_gpu_layers=layers, n_batch=64, n_ubatch=4,
+                        cache=CacheConfig(**kw))
+
+
+def greedy(model: Path, mode: str | None, fraction: float, tokens: int, gpu: bool) -> dict:
+    """Decode ``tokens`` greedy tokens after the prompt in ``mode``; the tokens and the cache's counts."""
+    import numpy as np
+
+    from ggmoe.engine import Engine
+
+    with Engine(engine_config(model, mode, fraction, gpu)) as eng:
+        logits = eng.decode(PROMPT)
+        out = []
+        for _ in range(tokens):
+            out.append(int(np.argmax(logits)))
+            logits = eng.decode([out[-1]])
+        st = eng.cache_stats.total() if mode is not None else None
+        info = eng.decode_mode if mode is not None else {}
+        stream = eng._runtime.stream.stream.name if mode is not None else None
+    return {"tokens": out, "hits": st.hits if st else None, "misses": st.misses if st else None,
+            "decode_mode": info.get("decode_mode_in_effect"), "copy_stream": stream}
+
+
+def run_mode(a, mode: str | None) -> dict:
+    """One mode in a child process with a time limit; its result, or why it failed."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--model", str(a.model), "--out", str(a.out),
+           "--fraction", str(a.fraction), "--tokens", str(a.tokens), "--one", mode or "stock",
+           *(["--cpu"] if a.cpu else [])]
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"ran past {a.timeout:.0f} s", "seconds": round(time.monotonic() - t0, 1)}
+    secs = round(time.monotonic() - t0, 1)
+    if r.returncode != 0:
+        why = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
+        return {"error": f"{why}: {tail}"[:600], "seconds": secs}
+    return {**json.loads(r.stdout.strip().splitlines()[-1]), "seconds": secs}
+
+
+def verdicts(stock: dict, results: dict[str, dict]) -> dict[str, dict]:
+    """Each mode's result with ``ok`` and, when not, ``why``: tokens equal stock's; async hits."""
+    out = {}
+    for mode, r in results.items():
+        why = r.get("error") or stock.get("error")
+        if why is None and r["tokens"] != stock["tokens"]:
+            first = next(i for i, (x, y) in enumerate(zip(r["tokens"], stock["tokens"], strict=True)) if x != y)
+            why = f"tokens differ from stock's from token {first}"
+        if why is None and mode == "async" and not r["hits"]:
+            why = "the async decode never hit its cache"
+        out[mode] = {**r, "ok": why is None, **({"why": why} if why else {})}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--fraction", type=float, default=0.5, help="experts cached per layer (0, 1]")
+    ap.add_argument("--tokens", type=int, default=24, help="greedy tokens decoded per mode")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds one mode's process may run")
+    ap.add_argument("--cpu", action="store_true", help="no GPU: every layer on the CPU")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: one mode, its JSON on the last stdout line
+    a = ap.parse_args(argv)
+    if a.one:
+        mode = None if a.one == "stock" else a.one
+        print(json.dumps(greedy(a.model, mode, a.fraction, a.tokens, not a.cpu)))
+        return 0
+    modes = [m for m in a.modes.split(",") if m]
+    if not a.model.is_file() or set(modes) - set(MODES) or not 0 < a.fraction <= 1:
+        raise SystemExit(f"error: need an existing --model, --modes from {', '.join(MODES)}, --fraction in (0, 1]")
+    a.out.mkdir(parents=True, exist_ok=True)
+    stock = run_mode(a, None)
+    result = verdicts(stock, {m: run_mode(a, m) for m in modes})
+    (a.out / "modes.json").write_text(json.dumps({"model": str(a.model), "fraction": a.fraction,
+                                                  "tokens": a.tokens, "stock": stock, "modes": result}, indent=2))
+    print(f"{'mode':12} {'ok':4} {'hits':>6} {'misses':>6} {'mode in effect':14} {'stream':9} {'s':>5}  why")
+    for m, r in result.items():
+        print(f"{m:12} {'yes' if r['ok'] else 'NO':4} {r.get('hits') or 0:>6} {r.get('misses') or 0:>6} "
+              f"{r.get('decode_mode') or '-':14} {r.get('copy_stream') or '-':9} {r['seconds']:>5.0f}  {r.get('why', '')}")
+    return 0 if all(r["ok"] for r in result.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
