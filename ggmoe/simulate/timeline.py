@@ -146,9 +146,11 @@ class LinkCopyBackend:
         self._settled = now
 
     def done(self, handle: CopyHandle) -> bool:
-        self._advance()
+        now = self.clock.now()
+        if self._queue and now != self._settled:  # _advance's own check, inlined: the async decode asks often
+            self._advance()
         t = self._landed.get(handle.id)
-        return t is not None and t <= self.clock.now()
+        return t is not None and t <= now
 
     def wait(self, handles: Iterable[CopyHandle]) -> None:
         handles = list(handles)
