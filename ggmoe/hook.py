@@ -19,10 +19,15 @@ class RouteEvent:
 
     il: int  # layer index
     ids: np.ndarray  # [n_tokens, n_expert_used] int32, selected experts in router order
-    probs: np.ndarray | None  # [n_tokens, n_expert] float32, router probabilities (after gating)
+    # [n_tokens, n_expert] float32, router probabilities: the gating's (softmax, sigmoid, ...); for gpt-oss's
+    # softmax over the selected experts' logits, the softmax of the logits over every expert
+    probs: np.ndarray | None
     hidden: np.ndarray | None  # [n_tokens, n_embd] float32, the MoE layer input
     # [n_tokens, n_scores] float32, the layer's in-graph predictor's logits (None without one)
     scores: np.ndarray | None = None
+    # [n_tokens, n_expert] float32, the raw router logits (with the router bias), where the graph hands them on
+    # (gpt-oss: ``ggmoe.inspect.gating.Gating.hook_gives_logits``); None otherwise or when probs were not read
+    logits: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -74,4 +79,5 @@ def _concat(events: list[RouteEvent]) -> RouteEvent:
         ids=np.concatenate([e.ids for e in events], axis=0),
         probs=cat([e.probs for e in events]),
         hidden=cat([e.hidden for e in events]),
+        logits=cat([e.logits for e in events]),
     )

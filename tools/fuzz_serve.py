@@ -2,9 +2,11 @@
 """Fuzz every route of a running ``ggmoe serve`` from the app's own OpenAPI schema (schemathesis + Hypothesis).
 
 For each operation in ``/openapi.json``, schema-valid bodies (positive) and schema-violating ones
-(negative) are sent; a response fails the run when it is a 5xx, when an error (4xx) lacks OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``, or when the server stops answering ``/health``.
-Generation lengths are capped (``max_tokens`` 8, ``n`` 2) so a run measures robustness, not decoding.
+(negative) are sent; a response fails the run when it is a 5xx, when an error (4xx) lacks its route's shape
+(OpenAI's ``{"error": {"message", "type", "param", "code"}}``; on ``/v1/messages`` Anthropic's
+``{"type": "error", "error": {"type", "message"}}``), or when the server stops answering ``/health``.
+Generation lengths are capped (``max_tokens`` 8, ``n_predict`` 8, ``n`` 2) so a run measures robustness,
+not decoding.
 
 Usage:
     python tools/fuzz_serve.py                          # starts the embedded model on a free port, 200 cases/op
@@ -29,7 +31,8 @@ from typing import Any
 
 import httpx
 
-CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 2, "min_tokens": 8}
+CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 2, "min_tokens": 8, "n_predict": 8}
+NATIVE = ("/completion", "/infill")  # llama-server's routes: n_predict -1 (the default) runs to the context's end
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
@@ -49,7 +52,11 @@ class Report:
         return "\n".join(lines)
 
 
-def _cap(body: Any) -> Any:
+def _cap(body: Any, path: str = "") -> Any:
+    if isinstance(body, dict) and path in NATIVE:
+        v = body.get("n_predict")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            body["n_predict"] = CAPS["n_predict"]
     if isinstance(body, dict):
         for key, cap in CAPS.items():
             v = body.get(key)
@@ -58,11 +65,20 @@ def _cap(body: Any) -> Any:
     return body
 
 
-def check(response: httpx.Response | Any) -> str | None:
+def check(response: httpx.Response | Any, path: str = "") -> str | None:
     """What is wrong with a response (None: nothing)."""
     status = response.status_code
     if status >= 500:
         return f"{status}: {response.text[:300]}"
+    if status >= 400 and path.startswith("/v1/messages"):
+        try:
+            body = response.json()
+            err = body["error"]
+        except (ValueError, KeyError, TypeError):
+            return f"{status} without Anthropic's error shape: {response.text[:300]}"
+        if body.get("type") != "error" or not isinstance(err, dict) or set(err) != {"type", "message"}:
+            return f"{status} with a malformed Anthropic error: {response.text[:300]}"
+        return None
     if status >= 400:
         try:
             err = response.json()["error"]
@@ -87,7 +103,7 @@ def _fuzz_operation(op: Any, mode: Any, base_url: str, headers: dict[str, str], 
     def run(case: Any) -> None:
         if time.monotonic() > stop_at:
             return
-        case.body = _cap(case.body)
+        case.body = _cap(case.body, op.path)
         try:
             resp = case.call(base_url=base_url, headers=headers, timeout=120)
         except Exception as e:  # the connection itself failed: the server died or hung
@@ -100,7 +116,7 @@ def _fuzz_operation(op: Any, mode: Any, base_url: str, headers: dict[str, str], 
             report.record.write(json.dumps({"op": label, "body": case.body if isinstance(case.body, dict | list)
                                             else None, "status": resp.status_code, "error": err},
                                            default=str) + "\n")
-        problem = check(resp)
+        problem = check(resp, op.path)
         if problem is not None:
             body = json.dumps(case.body, default=str)[:300] if case.body is not None else ""
             report.failures.append(f"{label} {mode.value}: {problem}  body={body}")

@@ -19,12 +19,21 @@ Fixture names (ARCHES) and the llama.cpp architecture written to the file:
     gptoss    -> gpt-oss   (llama.cpp's openai-moe tensor set: expert biases, router
                             bias, attention sinks, sliding window on every other layer;
                             softmax over the selected experts' biased logits)
+    glm4moe   -> glm4moe   (GLM-4.5 / GLM-4.5-Air: q/k/v biases, post-attention norm as the
+                            FFN norm, layer 0 dense, one shared expert, sigmoid routing with
+                            the exp_probs_b selection bias, weights normalised and scaled 2.5)
+    deepseek3 -> deepseek2 (DeepSeek-V3's shape: deepseek2 plus group-limited routing, 4
+                            groups of 2 experts with 2 used, weights scaled 2.5)
+    ernie45   -> ernie4_5-moe (ERNIE 4.5: layer 0 dense, a shared expert of its own width,
+                            softmax routing with the exp_probs_b selection bias, weights normalised)
+    llama4    -> llama4    (Llama 4: MoE on every other layer, dense FFNs between, a shared
+                            expert, top-1 routing with sigmoid weights applied before the FFN)
 
 ``write_dense_fixture`` writes a plain ``llama`` model without experts, for
 tests that must reject non-MoE models.
 
 Usage:
-    python tools/make_fixtures.py --out DIR [--arch A ...] [--expert-type f16|f32|q8_0] [--dense]
+    python tools/make_fixtures.py --out DIR [--arch A ...] [--expert-type f16|f32|q8_0|mxfp4] [--dense]
 
 As a module (tests):
     fixture_path("qwen3moe", expert_type="q8_0")  # generated on demand, cached
@@ -101,6 +110,7 @@ class SharedExpert(enum.Enum):
     PLAIN = (
         "plain"  # deepseek2: n_expert_shared experts fused into one FFN of width n_ff_exp * n_expert_shared
     )
+    WIDE = "wide"  # ernie4_5-moe: one FFN of width n_ff_shexp (expert_shared_feed_forward_length), no gate
 
 
 @dataclass(frozen=True)
@@ -117,13 +127,21 @@ class ArchSpec:
     mha: bool = False  # force n_head_kv == n_head
     mla: bool = False  # deepseek2 multi-head latent attention instead of Q/K/V projections
     n_layer_dense_lead: int = 0  # leading layers with a dense FFN instead of experts
-    # deepseek-v3 style routing: sigmoid gating plus a selection-only bias exp_probs_b
+    # the selection-only bias exp_probs_b (DeepSeek-V3 style; its gating comes from gating_keys or the arch)
     router_bias: bool = False
     # gpt-oss (llama.cpp's openai-moe): biased router logits (ffn_gate_inp.bias), per-expert biases on every
     # expert tensor, attention sinks, an output-projection bias, post_attention_norm as the FFN's norm, and
     # sliding-window attention on every other layer
     gpt_oss: bool = False
     sliding_window: int = 0  # tokens; 0: none
+    # glm4moe: attn_post_norm (not ffn_norm) normalises every layer's FFN input, dense layers' too
+    post_attn_norm_ffn: bool = False
+    # gating keys written (expert_gating_func, expert_weights_norm, expert_weights_scale); None: none written
+    gating_keys: tuple[gguf.ExpertGatingFuncType, bool, float] | None = None
+    expert_groups: tuple[int, int] = (0, 0)  # (expert_group_count, expert_group_used_count): group-limited routing
+    moe_layer_step: int = 0  # llama4's interleave_moe_layer_step: layer il has experts iff (il + 1) % step == 0
+    n_expert_used: int | None = None  # top-k when it is not the shape's (llama4 routes top-1)
+    shared_count_key: bool = True  # whether {arch}.expert_shared_count is written (llama4's loader has none)
 
     @property
     def arch_name(self) -> str:
@@ -141,14 +159,33 @@ ARCH_SPECS: dict[str, ArchSpec] = {
         mla=True,
         n_layer_dense_lead=1,
         router_bias=True,
+        gating_keys=(gguf.ExpertGatingFuncType.SIGMOID, True, 1.0),
     ),
     "gptoss": ArchSpec(gguf.MODEL_ARCH.GPT_OSS, qkv_bias=True, gpt_oss=True, sliding_window=8),
+    "glm4moe": ArchSpec(
+        gguf.MODEL_ARCH.GLM4_MOE, qkv_bias=True, shared_expert=SharedExpert.PLAIN, n_layer_dense_lead=1,
+        router_bias=True, post_attn_norm_ffn=True,
+        gating_keys=(gguf.ExpertGatingFuncType.SIGMOID, True, 2.5),
+    ),
+    "deepseek3": ArchSpec(
+        gguf.MODEL_ARCH.DEEPSEEK2, shared_expert=SharedExpert.PLAIN, mla=True, n_layer_dense_lead=1,
+        router_bias=True, gating_keys=(gguf.ExpertGatingFuncType.SIGMOID, True, 2.5), expert_groups=(4, 2),
+    ),
+    "ernie45": ArchSpec(
+        gguf.MODEL_ARCH.ERNIE4_5_MOE, shared_expert=SharedExpert.WIDE, n_layer_dense_lead=1, router_bias=True,
+        moe_layer_step=1,
+    ),
+    "llama4": ArchSpec(
+        gguf.MODEL_ARCH.LLAMA4, shared_expert=SharedExpert.PLAIN, moe_layer_step=2, n_expert_used=1,
+        shared_count_key=False,
+    ),
 }
 ARCHES: tuple[str, ...] = tuple(ARCH_SPECS)
 DENSE_NAME = "llama-dense"
 
 # --expert-type value -> ggml type of the routed expert tensors; everything else stays F32.
-EXPERT_TYPES: dict[str, QType] = {"f32": QType.F32, "f16": QType.F16, "q8_0": QType.Q8_0}
+# mxfp4: gpt-oss's own expert type (OCP microscaling FP4: 32 values of 4 bits and one E8M0 scale per block)
+EXPERT_TYPES: dict[str, QType] = {"f32": QType.F32, "f16": QType.F16, "q8_0": QType.Q8_0, "mxfp4": QType.MXFP4}
 
 # Standard deviations of the random weights. Inputs to every matmul are RMS-normed
 # (unit variance per element), so an [n_in -> n_out] matrix of std s gives outputs of
@@ -301,6 +338,8 @@ def _attention_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec
         TensorSpec(tensor_name(T.ATTN_V, il), (shape.n_embd, n_kv), Role.WEIGHT),
         TensorSpec(tensor_name(T.ATTN_OUT, il), (n_q, shape.n_embd), Role.WEIGHT),
     ]
+    if spec.post_attn_norm_ffn and not spec.gpt_oss:  # the FFN's norm, an attention tensor by name
+        out.append(TensorSpec(tensor_name(T.ATTN_POST_NORM, il), (shape.n_embd,), Role.NORM))
     if spec.gpt_oss:
         out += [
             TensorSpec(tensor_name(T.ATTN_OUT, il, "bias"), (shape.n_embd,), Role.BIAS),
@@ -335,7 +374,7 @@ def _moe_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec]:
             TensorSpec(tensor_name(T.FFN_DOWN_EXP, il, "bias"), (d, e), Role.BIAS),
         ]
     out = [
-        TensorSpec(tensor_name(T.FFN_NORM, il), (d,), Role.NORM),
+        *([] if spec.post_attn_norm_ffn else [TensorSpec(tensor_name(T.FFN_NORM, il), (d,), Role.NORM)]),
         TensorSpec(tensor_name(T.FFN_GATE_INP, il), (d, e), Role.ROUTER),
         *(
             [TensorSpec(tensor_name(T.FFN_EXP_PROBS_B, il, "bias"), (e,), Role.BIAS)]
@@ -349,7 +388,7 @@ def _moe_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec]:
     if spec.shared_expert is SharedExpert.GATED:
         out.append(TensorSpec(tensor_name(T.FFN_GATE_INP_SHEXP, il), (d,), Role.WEIGHT))
     if spec.shared_expert is not SharedExpert.NONE:
-        s = shape.n_ff_shexp if spec.shared_expert is SharedExpert.GATED else f * shape.n_expert_shared
+        s = f * shape.n_expert_shared if spec.shared_expert is SharedExpert.PLAIN else shape.n_ff_shexp
         out += [
             TensorSpec(tensor_name(T.FFN_GATE_SHEXP, il), (d, s), Role.WEIGHT),
             TensorSpec(tensor_name(T.FFN_UP_SHEXP, il), (d, s), Role.WEIGHT),
@@ -358,20 +397,29 @@ def _moe_tensors(spec: ArchSpec, shape: Shape, il: int) -> list[TensorSpec]:
     return out
 
 
-def _dense_ffn_tensors(shape: Shape, il: int) -> list[TensorSpec]:
+def _dense_ffn_tensors(shape: Shape, il: int, norm: bool = True) -> list[TensorSpec]:
+    """A dense FFN; ``norm``: with its own ffn_norm (not where attn_post_norm normalises its input)."""
     d, f = shape.n_embd, shape.n_ff
     return [
-        TensorSpec(tensor_name(T.FFN_NORM, il), (d,), Role.NORM),
+        *([TensorSpec(tensor_name(T.FFN_NORM, il), (d,), Role.NORM)] if norm else []),
         TensorSpec(tensor_name(T.FFN_GATE, il), (d, f), Role.WEIGHT),
         TensorSpec(tensor_name(T.FFN_UP, il), (d, f), Role.WEIGHT),
         TensorSpec(tensor_name(T.FFN_DOWN, il), (f, d), Role.WEIGHT),
     ]
 
 
+def is_moe_layer(spec: ArchSpec, il: int) -> bool:
+    """Whether layer ``il`` of a fixture has routed experts (leading dense layers; llama4's interleaving)."""
+    if il < spec.n_layer_dense_lead:
+        return False
+    return spec.moe_layer_step == 0 or (il + 1) % spec.moe_layer_step == 0
+
+
 def moe_tensor_specs(spec: ArchSpec, shape: Shape, n_vocab: int) -> list[TensorSpec]:
     out = _global_tensors(shape, n_vocab)
     for il in range(shape.n_layer):
-        ffn = _dense_ffn_tensors(shape, il) if il < spec.n_layer_dense_lead else _moe_tensors(spec, shape, il)
+        ffn = _moe_tensors(spec, shape, il) if is_moe_layer(spec, il) else _dense_ffn_tensors(
+            shape, il, norm=not spec.post_attn_norm_ffn)
         out += _attention_tensors(spec, shape, il) + ffn
     return out
 
@@ -431,6 +479,20 @@ def _write_mla_keys(w: gguf.GGUFWriter, shape: Shape) -> None:
     w.add_rope_dimension_count(shape.n_rot_mla)
 
 
+def _write_routing_keys(w: gguf.GGUFWriter, spec: ArchSpec) -> None:
+    """Gating, weight norm and scale, expert groups, MoE interleaving."""
+    gating = spec.gating_keys
+    if gating is not None:
+        w.add_expert_gating_func(gating[0])
+        w.add_expert_weights_norm(gating[1])
+        w.add_expert_weights_scale(gating[2])
+    if spec.expert_groups[0]:
+        w.add_expert_group_count(spec.expert_groups[0])
+        w.add_expert_group_used_count(spec.expert_groups[1])
+    if spec.moe_layer_step:
+        w.add_interleave_moe_layer_step(spec.moe_layer_step)
+
+
 def _write_header_keys(w: gguf.GGUFWriter, plan: ModelPlan) -> None:
     shape, spec, vocab = plan.shape, plan.spec, plan.vocab
     w.add_name(plan.name)
@@ -447,24 +509,21 @@ def _write_header_keys(w: gguf.GGUFWriter, plan: ModelPlan) -> None:
         w.add_rope_dimension_count(shape.n_embd_head)
     if plan.moe:
         w.add_expert_count(shape.n_expert)
-        w.add_expert_used_count(shape.n_expert_used)
+        w.add_expert_used_count(spec.n_expert_used or shape.n_expert_used)
         if spec.expert_ff_key:
             w.add_expert_feed_forward_length(shape.n_ff_exp)
             w.add_feed_forward_length(shape.n_ff)
         else:
             w.add_feed_forward_length(shape.n_ff_exp)
-        if spec.shared_expert is SharedExpert.GATED:
+        if spec.shared_expert in (SharedExpert.GATED, SharedExpert.WIDE):
             w.add_expert_shared_feed_forward_length(shape.n_ff_shexp)
-        if spec.shared_expert is SharedExpert.PLAIN:
+        if spec.shared_expert is SharedExpert.PLAIN and spec.shared_count_key:
             w.add_expert_shared_count(shape.n_expert_shared)
         if spec.n_layer_dense_lead:
             w.add_leading_dense_block_count(spec.n_layer_dense_lead)
         if spec.sliding_window:
             w.add_sliding_window(spec.sliding_window)
-        if spec.router_bias:
-            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-            w.add_expert_weights_norm(True)
-            w.add_expert_weights_scale(1.0)
+        _write_routing_keys(w, spec)
     else:
         w.add_feed_forward_length(shape.n_ff)
     w.add_tokenizer_model("gpt2")
@@ -681,6 +740,19 @@ def tools_fixture_path(cache_dir: Path | None = None) -> Path:
     return _cached("qwen3moe-tools", cache_dir, ("qwen3moe-tools", 0), lambda p: rewrite_gguf(
         fixture_path("qwen3moe", cache_dir), p,
         {"tokenizer.chat_template": (TOOLS_CHAT_TEMPLATE, gguf.GGUFValueType.STRING, None)}))
+
+
+# Fill-in-the-middle token ids of the FIM fixture: control bytes that no text prompt contains.
+FIM_TOKEN_IDS = {"pre": 1, "suf": 2, "mid": 3, "rep": 4, "sep": 5}
+
+
+def fim_fixture_path(cache_dir: Path | None = None) -> Path:
+    """The qwen3moe fixture with fill-in-the-middle tokens (``/infill``; ``FIM_TOKEN_IDS``, repo-level ones
+    included)."""
+    keys = {f"tokenizer.ggml.fim_{k}_token_id": (v, gguf.GGUFValueType.UINT32, None)
+            for k, v in FIM_TOKEN_IDS.items()}
+    return _cached("qwen3moe-fim", cache_dir, ("qwen3moe-fim", 0), lambda p: rewrite_gguf(
+        fixture_path("qwen3moe", cache_dir), p, keys))
 
 
 def dense_fixture_path(cache_dir: Path | None = None) -> Path:

@@ -351,6 +351,17 @@ class ExpertCache:
         return sorted(x for x in table.expert_in_list
                       if x >= 0 and x not in in_use and table.copy[table.slot_of_list[x]] is None)
 
+    def land_ready(self) -> None:
+        """Right before the next token launches (async decode): copies that landed since the last token boundary
+        become readable for it, so a copy that lands between two tokens serves the very next one instead of
+        the one after. A readiness query per copy in flight; nothing waits."""
+        with self.lock:
+            for il, table in self.tables.items():
+                if il in self.split:
+                    self.split.land(self, il)  # tops and bottom buffers
+                elif table.n_loading:
+                    self._land_done(table)
+
     def _land_done(self, table: SlotTable) -> None:
         """Mark every copy that has landed since the last look (their slots may be read and evicted again)."""
         for slot, h in enumerate(table.copy):

@@ -76,3 +76,23 @@ def effective_miss_policy(policy: str, costs: MissCosts | None, bytes_per_expert
     nb = max(bytes_per_expert.values(), default=0)
     return "wait", (f"auto: a copy ({costs.copy_s(nb) * 1e6:.0f} us per expert) is sooner than the CPU "
                     f"({costs.cpu_s(nb) * 1e6:.0f} us), so misses wait for copies and the host path is off")
+
+
+def host_path_refusal(split: bool, decode_mode: str) -> str | None:
+    """Why the host path cannot serve a cache (None: it can): ``split``, whether some layer's experts are split
+    (MoEpic); ``decode_mode``, the one asked for (sync, async, auto)."""
+    if split:
+        return "split experts read what is not cached from host memory through the expert table"
+    if decode_mode == "async":
+        return "--decode-mode async reads a miss from host memory over the link, never on the CPU inside a layer"
+    return None
+
+
+def auto_without_host_path(policy: str, split: bool, decode_mode: str) -> tuple[str, str | None]:
+    """The miss policy to build a cache with, before any cost model: ``auto`` becomes ``wait`` where the host
+    path cannot serve the cache, and says why (``cpu`` asked for explicitly is left to be refused)."""
+    policy = check_miss_policy(policy)
+    why = host_path_refusal(split, decode_mode) if policy == "auto" else None
+    if why is None:
+        return policy, None
+    return "wait", f"auto: {why}, so misses are not computed on the CPU (the host path is off)"

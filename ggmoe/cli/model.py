@@ -78,7 +78,9 @@ def verify_hook(model: str | None, prompt: str, as_json: bool, verbose: bool) ->
     if as_json:
         click.echo(json.dumps({**asdict(res), "ok": res.ok}, indent=2))
     else:
+        logits = f", max |dlogit| {res.max_logit_diff:.2e}" if facts.gating.hook_gives_logits else ""
+        click.echo(f"router: {facts.gating.describe()}")
         click.echo(f"{res.n_layers} MoE layers, {res.n_rows} token-layer rows: {res.n_mismatch} mismatches, "
-                   f"{res.n_ties} near ties, max |dp| {res.max_prob_diff:.2e} -> {'OK' if res.ok else 'FAIL'}")
+                   f"{res.n_ties} near ties, max |dp| {res.max_prob_diff:.2e}{logits} -> {'OK' if res.ok else 'FAIL'}")
     if not res.ok:
         sys.exit(1)

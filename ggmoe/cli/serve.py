@@ -157,20 +157,24 @@ def _run_until_stopped(run: Any) -> None:
               help="MoEpic's reconfiguration: every TOKENS generated tokens, between requests, run its configurator "
                    "on the recent routing and replace the cache (slots and top shares per layer, same VRAM) when "
                    "the estimate says it waits less. Needs a cache.")
+@click.option("--slot-save-path", type=click.Path(file_okay=False, dir_okay=True), metavar="DIR",
+              help="Directory where POST /slots/{id}?action=save|restore keeps slot files (llama-server's flag); "
+                   "created when missing. Without it, save and restore are refused.")
 @click.option("--reconfigure-hw", default="pcie4", show_default=True,
               help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST, or a .toml) the reconfiguration estimates with.")
 @_model_options
 @edge
 def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
           aliases: tuple[str, ...], strict_openai: bool, max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool,
-          reconfigure_every: int | None, reconfigure_hw: str, n_ctx: int | None,
+          reconfigure_every: int | None, slot_save_path: str | None, reconfigure_hw: str, n_ctx: int | None,
           threads: int | None, verbose: bool, **cache: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (one generation at a time).
 
     \b
-    Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings,
-            GET /v1/models (each also without /v1), POST /tokenize, POST /detokenize,
-            GET /props, GET /health (no key needed), GET /metrics (Prometheus).
+    Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models
+            (OpenAI); llama-server's POST /completion (and /completions), /infill, /embedding(s),
+            /tokenize, /detokenize, /apply-template, GET /props, GET /slots, POST /slots/{id};
+            GET /health (no key needed), GET /metrics (Prometheus).
     \b
     Examples:
       ggmoe serve                                  # the embedded model on 127.0.0.1:8080
@@ -200,6 +204,11 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 
         load_profile(reconfigure_hw)  # a bad profile fails now, before the model loads
     check_listen(host, port)
+    if slot_save_path is not None:
+        try:
+            Path(slot_save_path).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--slot-save-path {slot_save_path}: {e.strerror}") from e
     loopback = is_loopback(host)
     if not loopback and api_key is None:
         click.echo(f"warning: serving on {host} (not loopback) without an API key: anyone who can reach this "
@@ -208,7 +217,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
                              max_body_bytes=max_body_bytes, loopback_only=loopback,
                              cors_origins=cors_origin, aliases=aliases, strict_openai=strict_openai,
                              model_path=str(path), reconfigure_every=reconfigure_every or 0,
-                             reconfigure_hw=reconfigure_hw)
+                             reconfigure_hw=reconfigure_hw, slot_save_path=slot_save_path)
     opts = LoadOptions(str(path), n_ctx, threads, verbose, cache)
     llama, out = _load(opts, logits_all=logprobs)
     with llama:

@@ -170,7 +170,7 @@ class Engine:
         kind = self._hook_kind(config)
         self.observers = Observers()
         # cb_eval (a stock build): the hook is the context's scheduler callback; route: the pipeline's
-        self._hook: RouteOpHook | CbEvalHook | None = CbEvalHook(self.observers) if kind == "cb_eval" else None
+        self._hook: RouteOpHook | CbEvalHook | None = CbEvalHook(self.observers, self.facts.gating) if kind == "cb_eval" else None
         # route hook, cache runtime, decode mode, expert tables, controller, prefetcher (ggmoe.engine.pipeline)
         self.pipeline: CachePipeline | None = None
         self._model: LoadedModel | None = None

@@ -27,6 +27,7 @@ from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.errors import EngineError
 from ggmoe.hook import HookRequest, RouteEvent, RouteObserver
+from ggmoe.inspect.gating import Gating, true_probs
 
 _NAME_OFFSET = B.ggml_tensor.name.offset  # bytes from a ggml_tensor * to its name
 _HOOK_NAME = re.compile(rb"^ffn_moe_(topk|probs|logits)-(\d+)$")
@@ -71,11 +72,17 @@ class Observers:
 
 
 def build_event(il: int, ids: np.ndarray, request: HookRequest, probs: Callable[[], np.ndarray | None],
-                hidden: Callable[[], np.ndarray | None], scores: np.ndarray | None = None) -> RouteEvent:
+                hidden: Callable[[], np.ndarray | None], scores: np.ndarray | None = None,
+                gating: Gating | None = None) -> RouteEvent:
     """The one event builder: ids [n_tokens, k] int32 (a copy), probs/hidden read only when asked for,
-    the in-graph predictor's scores (a copy) when the layer has one."""
-    return RouteEvent(il=il, ids=ids, probs=probs() if request.probs else None,
-                      hidden=hidden() if request.hidden else None, scores=scores)
+    the in-graph predictor's scores (a copy) when the layer has one. The graph's probs become the router's
+    probabilities by the model's ``gating`` (gpt-oss's are its logits: converted, and kept as ``logits``)."""
+    graph_probs = probs() if request.probs else None
+    logits = None
+    if graph_probs is not None and gating is not None:
+        graph_probs, logits = true_probs(gating, graph_probs)
+    return RouteEvent(il=il, ids=ids, probs=graph_probs, hidden=hidden() if request.hidden else None,
+                      scores=scores, logits=logits)
 
 
 def _view(ptr: int, ctype: type, shape: tuple[int, int]) -> np.ndarray:
@@ -89,8 +96,9 @@ class RouteOpHook:
 
     kind = "route"
 
-    def __init__(self, observers: Observers | None = None) -> None:
+    def __init__(self, observers: Observers | None = None, gating: Gating | None = None) -> None:
         self.observers = observers if observers is not None else Observers()
+        self.gating = gating  # the model's: turns the graph's probs into probabilities (build_event)
         self.cache = None  # ggmoe.cache.ExpertCache, set when the engine has a cache
         self.error: BaseException | None = None
         self.times: list[float] | None = None  # seconds per callback, when benchmarking
@@ -159,7 +167,8 @@ class RouteOpHook:
                 observers.emit(build_event(
                     il, ids_np, observers.request,
                     lambda: _view(probs_p, ctypes.c_float, (n_tokens, n_expert)).copy() if probs_p else None,
-                    lambda: _view(inp_p, ctypes.c_float, (n_tokens, n_embd)).copy() if inp_p else None, scores))
+                    lambda: _view(inp_p, ctypes.c_float, (n_tokens, n_embd)).copy() if inp_p else None, scores,
+                    self.gating))
             if self.times is not None:
                 self.times.append(time.perf_counter() - t0)
             return 0
@@ -177,8 +186,9 @@ class CbEvalHook:
 
     kind = "cb_eval"
 
-    def __init__(self, observers: Observers | None = None) -> None:
+    def __init__(self, observers: Observers | None = None, gating: Gating | None = None) -> None:
         self.observers = observers if observers is not None else Observers()
+        self.gating = gating  # the model's (build_event)
         self.error: BaseException | None = None
         self._probs: dict[int, int] = {}  # il -> address of ffn_moe_probs-{il}
         self._logits: dict[int, int] = {}  # il -> address of ffn_moe_logits-{il}
@@ -229,7 +239,8 @@ class CbEvalHook:
             inp = ctypes.cast(logits_at, B.ggml_tensor_p).contents.src[1].contents
             return _read_2d(inp, np.float32, n_tokens, inp.ne[0])
 
-        return build_event(il, _read_2d(topk, np.int32, n_tokens, n_used), self.observers.request, probs, hidden)
+        return build_event(il, _read_2d(topk, np.int32, n_tokens, n_used), self.observers.request, probs, hidden,
+                           gating=self.gating)
 
 
 def _read_2d(t: B.ggml_tensor, dtype: type, rows: int, cols: int) -> np.ndarray:

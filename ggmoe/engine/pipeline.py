@@ -20,6 +20,7 @@ every micro-batch takes the route op (the sync path), with the tables kept curre
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,8 @@ from ggmoe.cache.decode_mode import (
     sync_reasons,
     table_type_note,
 )
+from ggmoe.cache.miss import auto_without_host_path
+from ggmoe.cache.split import model_split
 from ggmoe.control import TokenController
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -78,7 +81,7 @@ class CachePipeline:
         _patched.load()  # EngineNotPatchedError names the fix when the engine lacks the patch
         self._ctx_ptr = ctx_ptr
         self.facts = facts
-        self.hook = RouteOpHook(observers if isinstance(observers, Observers) else None)
+        self.hook = RouteOpHook(observers if isinstance(observers, Observers) else None, facts.gating)
         self.observers = self.hook.observers
         self.runtime: CacheRuntime | None = None
         self.prefetcher = None  # ggmoe.control.prefetch.Prefetcher when the cache prefetches
@@ -105,7 +108,13 @@ class CachePipeline:
         """Cache runtime, decode mode, tables, controller and prefetcher for ``cache`` on the context."""
         ctx_ptr, facts, model_path = self._ctx_ptr, self.facts, self._model_path
         route_inputs = self._route_inputs
-        self.runtime = CacheRuntime.for_model(self._model_ptr, ctx_ptr, cache, facts, self._n_threads)
+        # auto never asks for a host path that cannot serve this cache: it runs as wait and says why
+        miss, why = auto_without_host_path(cache.miss_policy, bool(model_split(facts, cache.layer_theta)),
+                                           cache.decode_mode)
+        self.runtime = CacheRuntime.for_model(self._model_ptr, ctx_ptr, replace(cache, miss_policy=miss), facts,
+                                              self._n_threads)
+        if why is not None:
+            self.runtime.miss_policy_note = why
         self.hook.cache = self.runtime.cache
         if cache.prefetch is not None:
             from ggmoe.control.prefetch import make_prefetcher
@@ -221,6 +230,8 @@ class CachePipeline:
         if self.prefetcher is not None:
             self.prefetcher.begin_step(list(tokens))
         tables = self.tables
+        if self.controller is not None and tables.enabled:
+            self.runtime.cache.land_ready()  # copies landed since the last token: readable for this one
         if tables is not None:
             tables.flush()  # what the controller (or anyone) changed since the last decode, before it runs
         n = last_ubatch(len(tokens), self.n_ubatch)

@@ -100,14 +100,19 @@ class EventStream:
         self.handle = backend
         self.device = device
         self._free: list[int] = []  # events whose work landed, to record again
+        self._made: list[int] = []  # every event created (freed at close, recycled or not)
         self._lock = threading.Lock()  # one issuer at a time: stream order is put order
 
     def put(self, work: Work) -> object:
         with self._lock:
             work(self.handle)
-            ev = self._free.pop() if self._free else B.libggml_base.ggml_backend_event_new(self.device)
-            if not ev:
-                raise EngineError("could not create an event on the GPU's copy stream")
+            if self._free:
+                ev = self._free.pop()
+            else:
+                ev = B.libggml_base.ggml_backend_event_new(self.device)
+                if not ev:
+                    raise EngineError("could not create an event on the GPU's copy stream")
+                self._made.append(ev)
             B.libggml_base.ggml_backend_event_record(ev, self.handle)
             return [ev]  # a list, emptied (the event recycled) once seen landed
 
@@ -135,9 +140,9 @@ class EventStream:
     def close(self) -> None:
         if self.handle:
             B.libggml_base.ggml_backend_synchronize(self.handle)
-            for ev in self._free:
+            for ev in self._made:
                 B.libggml_base.ggml_backend_event_free(ev)
-            self._free = []
+            self._free, self._made = [], []
             B.libggml_base.ggml_backend_free(self.handle)
             self.handle = None
 

@@ -2,8 +2,10 @@
 
 For each hooked event, the router of that layer applied to the hooked MoE input
 must give the hooked ids (as sets per token; a swap between two experts whose
-scores differ by less than ``tie_tol`` is a numerical tie, not an error) and
-probabilities close to the hooked ones.
+selection scores differ by less than ``tie_tol`` is a numerical tie, not an error),
+probabilities close to the hooked ones and, where the hook hands them (gpt-oss),
+logits close to the hooked ones. The router follows the model's gating
+(``ggmoe.inspect.gating``), so this checks that too.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ class HookCheck:
     n_mismatch: int  # rows whose id sets differ beyond a numerical tie
     n_ties: int  # rows whose id sets differ only at a near tie
     max_prob_diff: float  # max |p_hook - p_numpy|
+    max_logit_diff: float = 0.0  # max |logit_hook - logit_numpy| where the hook hands logits
 
     @property
     def ok(self) -> bool:
-        return self.n_rows > 0 and self.n_mismatch == 0 and self.max_prob_diff < 1e-2
+        return self.n_rows > 0 and self.n_mismatch == 0 and self.max_prob_diff < 1e-2 and self.max_logit_diff < 1e-2
 
 
 def check_hook(engine: Engine, routers: dict[int, Router], prompt_ids: list[int], n_expert_used: int,
@@ -38,11 +41,13 @@ def check_hook(engine: Engine, routers: dict[int, Router], prompt_ids: list[int]
         engine.decode(prompt_ids, all_logits=True)  # else the last layer routes one token
         events = rec.take()
     rows = mismatch = ties = 0
-    max_diff = 0.0
+    max_diff = max_logit = 0.0
     for il, ev in events.items():
         router = routers[il]
-        probs = router.probs(ev.hidden)
-        max_diff = max(max_diff, float(np.abs(probs - ev.probs).max()))
+        max_diff = max(max_diff, float(np.abs(router.probs(ev.hidden) - ev.probs).max()))
+        if ev.logits is not None:
+            max_logit = max(max_logit, float(np.abs(router.logits(ev.hidden) - ev.logits).max()))
+        score = router.selection_scores(ev.hidden)
         want = router.topk(ev.hidden, n_expert_used)
         for t in range(ev.n_tokens):
             rows += 1
@@ -50,9 +55,10 @@ def check_hook(engine: Engine, routers: dict[int, Router], prompt_ids: list[int]
             if a == b:
                 continue
             # A tie: the experts that differ score within tie_tol of the k-th best score.
-            kth = np.sort(probs[t])[-n_expert_used]
-            if all(abs(probs[t, e] - kth) <= tie_tol for e in a ^ b):
+            kth = np.sort(score[t])[-n_expert_used]
+            if all(abs(score[t, e] - kth) <= tie_tol for e in a ^ b):
                 ties += 1
             else:
                 mismatch += 1
-    return HookCheck(n_layers=len(events), n_rows=rows, n_mismatch=mismatch, n_ties=ties, max_prob_diff=max_diff)
+    return HookCheck(n_layers=len(events), n_rows=rows, n_mismatch=mismatch, n_ties=ties, max_prob_diff=max_diff,
+                     max_logit_diff=max_logit)

@@ -24,6 +24,7 @@ import gguf
 
 from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.inspect import validate
+from ggmoe.inspect.gating import Gating, gating_from_kv
 from ggmoe.inspect.names import BLK_TENSOR, EXPERT_TENSOR_BASES, is_cached_expert_tensor
 from ggmoe.inspect.reader import Header, TensorInfo, read_header
 
@@ -99,6 +100,7 @@ class ModelFacts:
     dense_bytes: int  # bytes of all other tensors
     n_tensors: int
     ggml_types: tuple[tuple[str, int], ...]  # (ggml type name, number of tensors of that type), by name
+    gating: Gating  # how the router gates, selects and weights (from the architecture and hparams)
 
     def layer(self, il: int) -> MoeLayer:
         for layer in self.layers:
@@ -157,6 +159,7 @@ class ModelFacts:
             "dense_layers": list(self.dense_layers),
             "n_tensors": self.n_tensors,
             "ggml_types": dict(self.ggml_types),
+            "gating": self.gating.to_dict(),
             "expert_bytes": self.expert_bytes,
             "dense_bytes": self.dense_bytes,
             "expert_bytes_per_slot": self.expert_bytes_per_slot,
@@ -190,6 +193,7 @@ class ModelFacts:
             f"file         {self.path} ({_size(self.file_bytes)}, {self.n_tensors} tensors)",
             f"layers       {self.n_layer} (MoE: {moe}; dense: {dense})",
             f"experts      {self.n_expert} per layer, top-{self.n_expert_used} per token{shared}",
+            f"router       {self.gating.describe()}",
             f"n_embd       {self.n_embd}",
             f"n_ff_exp     {self.n_ff_exp}",
             f"weights      experts {_size(self.expert_bytes)}, dense {_size(self.dense_bytes)}",
@@ -327,6 +331,7 @@ def _facts(path: Path, header: Header) -> ModelFacts:
         raise ModelFileError(f"{path}: declares {n_expert} experts but has no expert tensors (ffn_*_exps)")
     validate.check_layers(path, header.tensors, n_layer)  # before anything sized by n_layer
     validate.check_scalars(path, kv, arch)
+    validate.check_groups(path, kv, arch, n_expert)
     n_embd = _int_key(path, kv, Keys.LLM.EMBEDDING_LENGTH.format(arch=arch))
     moe_ils = tuple(layer.il for layer in layers)
     validate.check_per_layer_arrays(path, kv, arch, n_layer, n_expert, moe_ils)
@@ -360,6 +365,7 @@ def _facts(path: Path, header: Header) -> ModelFacts:
         dense_bytes=total_bytes - expert_bytes,
         n_tensors=len(header.tensors),
         ggml_types=tuple(sorted(types.items())),
+        gating=gating_from_kv(arch, kv),
     )
 
 

@@ -15,35 +15,69 @@ import gguf
 import numpy as np
 
 from ggmoe.errors import ModelFileError
+from ggmoe.inspect.gating import Gating, gate, gating_from_kv, softmax, true_probs
 from ggmoe.inspect.reader import TensorInfo, read_header
-
-_GATING = {int(gguf.ExpertGatingFuncType.SOFTMAX): "softmax", int(gguf.ExpertGatingFuncType.SIGMOID): "sigmoid"}
 
 
 @dataclass(frozen=True)
 class Router:
+    """Layer ``il``'s router and the model's gating (``ggmoe.inspect.gating``), as llama.cpp computes them."""
+
     il: int
     weight: np.ndarray  # [n_expert, n_embd] float32 (ffn_gate_inp)
     bias: np.ndarray | None  # [n_expert] float32 (ffn_gate_inp.bias), added to the logits
     selection_bias: np.ndarray | None  # [n_expert] float32 (exp_probs_b), only for choosing
-    gating: str  # softmax | sigmoid
+    gating: Gating
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [n_tokens, n_embd] -> router logits [n_tokens, n_expert] float32 (with the router bias)."""
+        logits = hidden.astype(np.float32) @ self.weight.T
+        return logits + self.bias if self.bias is not None else logits
 
     def probs(self, hidden: np.ndarray) -> np.ndarray:
-        """hidden [n_tokens, n_embd] -> router probabilities [n_tokens, n_expert] float32."""
-        logits = hidden.astype(np.float32) @ self.weight.T
-        if self.bias is not None:
-            logits = logits + self.bias
-        if self.gating == "sigmoid":
-            return 1.0 / (1.0 + np.exp(-logits))
-        z = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        return z / z.sum(axis=-1, keepdims=True)
+        """hidden [n_tokens, n_embd] -> router probabilities [n_tokens, n_expert] float32, as the hook reports
+        them (``gating.true_probs``: for softmax-weight gating the softmax of the logits over every expert)."""
+        return true_probs(self.gating, gate(self.gating.func, self.logits(hidden)))[0]
+
+    def selection_scores(self, hidden: np.ndarray) -> np.ndarray:
+        """The scores top-k selects on [n_tokens, n_expert]: the graph's probs plus the selection bias (the raw
+        logits for llama4), other groups at -inf under group-limited selection."""
+        logits = self.logits(hidden)
+        score = logits if self.gating.select_on_logits else gate(self.gating.func, logits)
+        if self.selection_bias is not None and not self.gating.select_on_logits:
+            score = score + self.selection_bias
+        return _group_mask(score, self.gating.n_expert_groups, self.gating.n_group_used)
 
     def topk(self, hidden: np.ndarray, k: int) -> np.ndarray:
         """Selected experts [n_tokens, k] int32, highest score first (as llama.cpp's argsort)."""
-        score = self.probs(hidden)
-        if self.selection_bias is not None:
-            score = score + self.selection_bias
-        return np.argsort(-score, axis=-1, kind="stable")[:, :k].astype(np.int32)
+        return np.argsort(-self.selection_scores(hidden), axis=-1, kind="stable")[:, :k].astype(np.int32)
+
+    def weights(self, hidden: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The routing weights [n_tokens, k] float32 of the selected experts ``ids`` [n_tokens, k]: their graph
+        probs, softmaxed over the selection (softmax-weight), normalised to sum 1, scaled."""
+        g = self.gating
+        w = np.take_along_axis(gate(g.func, self.logits(hidden)), np.asarray(ids, dtype=np.int64), axis=-1)
+        if g.func == "softmax_weight":
+            w = softmax(w)
+        if g.norm_w:
+            w = w / np.maximum(w.sum(axis=-1, keepdims=True), np.float32(6.103515625e-5))
+        if g.w_scale not in (0.0, 1.0):
+            w = w * np.float32(g.w_scale)
+        return w.astype(np.float32)
+
+
+def _group_mask(score: np.ndarray, n_groups: int, n_used: int) -> np.ndarray:
+    """Group-limited selection (DeepSeek-V3): experts outside the ``n_used`` groups whose two best scores sum
+    highest get -inf. ``n_groups`` <= 1: ``score`` unchanged."""
+    if n_groups <= 1:
+        return score
+    n_tokens, n_expert = score.shape
+    groups = score.reshape(n_tokens, n_groups, n_expert // n_groups)
+    top2 = np.sort(groups, axis=-1)[..., -2:].sum(axis=-1)  # [n_tokens, n_groups]
+    keep = np.argsort(-top2, axis=-1, kind="stable")[:, :n_used]
+    mask = np.full((n_tokens, n_groups), -np.inf, dtype=np.float32)
+    np.put_along_axis(mask, keep, 0.0, axis=-1)
+    return (groups + mask[..., None]).reshape(n_tokens, n_expert)
 
 
 def _read_tensor(t: TensorInfo) -> np.ndarray:
@@ -66,8 +100,7 @@ def load_routers(path: str | Path) -> dict[int, Router]:
     path = Path(path)
     header = read_header(path)
     arch = header.kv.get(gguf.Keys.General.ARCHITECTURE, "")
-    gf = header.kv.get(gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch))
-    gating = _GATING.get(gf, "softmax") if type(gf) is int else "softmax"
+    gating = gating_from_kv(arch, header.kv)
     tensors = {t.name: t for t in header.tensors}
     fmt = gguf.TENSOR_NAMES
     routers = {}

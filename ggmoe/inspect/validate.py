@@ -87,6 +87,21 @@ def check_scalars(path: Path, kv: dict[str, Any], arch: str) -> None:
         raise _fail(path, f"{ctx_key} {n_ctx} is above {MAX_CONTEXT} tokens")
 
 
+def check_groups(path: Path, kv: dict[str, Any], arch: str, n_expert: int) -> None:
+    """Group-limited routing as llama.cpp asserts it: fewer groups than experts, equal groups, and some but not
+    all groups used."""
+    groups = kv.get(Keys.LLM.EXPERT_GROUP_COUNT.format(arch=arch), 0)
+    used = kv.get(Keys.LLM.EXPERT_GROUP_USED_COUNT.format(arch=arch), 0)
+    if type(groups) is not int or type(used) is not int:
+        raise _fail(path, f"expert_group_count {groups!r:.30} and expert_group_used_count {used!r:.30} "
+                          "must be integers")
+    if groups < 0 or used < 0 or groups >= n_expert > 0:
+        raise _fail(path, f"expert_group_count {groups} (used {used}) is not in 0..{n_expert - 1}")
+    if groups > 1 and (n_expert % groups or not 0 < used < groups):
+        raise _fail(path, f"{groups} expert groups of {n_expert} experts with {used} used: the groups must be "
+                          "equal and some but not all used")
+
+
 def _shape(tensors: dict[str, TensorInfo], name: str) -> tuple[int, ...] | None:
     t = tensors.get(name)
     return t.shape if t is not None else None

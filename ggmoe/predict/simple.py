@@ -147,10 +147,8 @@ class SkipGate(Predictor):
         if self._hidden is None:
             return None
         r = self.routers[il_target]
-        scores = r.probs(self._hidden[None])[0]
-        if r.selection_bias is not None:
-            scores = scores + r.selection_bias  # what llama.cpp ranks by
-        return scores.astype(np.float32, copy=False)
+        scores = r.selection_scores(self._hidden[None])[0]  # what llama.cpp ranks by (its gating)
+        return np.maximum(scores, np.float32(-1e30)).astype(np.float32, copy=False)  # masked groups: finite
 
 
 def _routers_for(shape: ModelShape, model: str | Path | None) -> dict:

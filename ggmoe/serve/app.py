@@ -1,4 +1,6 @@
-"""The OpenAI-compatible app: FastAPI over llama-cpp-python's request types and ``Llama`` calls.
+"""The app: FastAPI over llama-cpp-python's request types and ``Llama`` calls, speaking OpenAI's API,
+llama-server's own routes (``ggmoe.serve.server_routes``, ``native``, ``slots``) and Anthropic's Messages API
+(``ggmoe.serve.anthropic``).
 
 llama-cpp-python's own ``create_app`` keeps its model in module globals and
 builds the ``Llama`` itself from settings, so it cannot serve a ``GgmoeLlama``
@@ -9,13 +11,16 @@ needs: a bounded queue, API keys compared in constant time, a Host check
 against DNS rebinding, body limits, OpenAI-shaped errors and Prometheus
 metrics.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health (never needs a key), GET /metrics.
+Routes here: POST /v1/chat/completions (and /chat/completions), POST /v1/completions, POST /v1/embeddings,
+GET /v1/models (and /models), GET /health (never needs a key), GET /metrics. Every generation, whatever its
+route, goes through ``_Server.execute``: the gate, the slot's state, the client watched, the stream framed as
+its route frames it (``Sse``).
 """
 
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -27,30 +32,38 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
-from fastapi.security import HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from ggmoe.errors import UsageError
-from ggmoe.serve import errors
+from ggmoe.serve import anthropic, errors
+from ggmoe.serve.anthropic import MessagesRequest
 from ggmoe.serve.asgi import BodyLimit, LoopbackHostOnly, RequestCounter
 from ggmoe.serve.errors import APIError
 from ggmoe.serve.gate import Gate
 from ggmoe.serve.generation import Run, Watch, api_error, check_request, plan_chat, plan_completion
 from ggmoe.serve.llama import GgmoeLlama
 from ggmoe.serve.metrics import Metrics
+from ggmoe.serve.native import NativeRun, infill_tokens, processors, prompt_tokens
 from ggmoe.serve.schema import (
     ChatRequest,
     CompletionRequest,
-    DetokenizeRequest,
     EmbeddingRequest,
-    TokenizeRequest,
+    Message,
+    NativeCompletionRequest,
+    NativeEmbeddingRequest,
+    Tool,
 )
+from ggmoe.serve.server_routes import add_anthropic_routes, add_llama_server_routes
+from ggmoe.serve.slots import SlotState
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
                     "/chat/completions", "/completions", "/models", "/v1/health", "/healthz", "/props",
-                    "/tokenize", "/detokenize", "/v1/embeddings", "/embeddings", "/openapi.json"})
+                    "/tokenize", "/detokenize", "/v1/embeddings", "/embeddings", "/openapi.json",
+                    "/completion", "/infill", "/apply-template", "/slots", "/embedding",
+                    "/v1/messages", "/v1/messages/count_tokens"})
 _DISCONNECT_POLL_S = 0.1  # seconds between checks that a non-streaming client is still there
 
 
@@ -69,6 +82,7 @@ class ServeSettings:
     # routing may replace the cache (ggmoe.serve.reconfigure); 0: off. The hardware profile it estimates with.
     reconfigure_every: int = 0
     reconfigure_hw: str = "pcie4"
+    slot_save_path: str | None = None  # where /slots/{id}?action=save|restore keep their files; None: refused
 
 
 log = logging.getLogger("ggmoe.serve")
@@ -84,6 +98,9 @@ class _Server:
         self.metrics = Metrics(llama.stats, lambda: self.gate.waiting, lambda: self.gate.running)
         self.n_ctx = llama.n_ctx()
         self.n_vocab = llama.n_vocab()
+        self.slots = [SlotState(0, self.n_ctx)]  # llama-server's slots (one: one generation at a time)
+        self._tasks = itertools.count()  # task ids, as /slots shows them
+        self.version = _version()
         self.reconfigurer = None  # ggmoe.serve.reconfigure.Reconfigurer when the settings ask for it
         if settings.reconfigure_every:
             self.reconfigurer = _reconfigurer(llama, settings)
@@ -123,31 +140,124 @@ class _Server:
             raise api_error(e) from e
         watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
         run = Run(plan, self.llama, watch, body.model or self.settings.model_id)
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        params = {k: v for k, v in plan.kwargs.items() if isinstance(v, int | float | str | list)}
+        return await self.execute(request, watch, body.stream, run.result, run.chunks, _openai_sse(usage),
+                                  params)
+
+    async def native(self, request: Request, body: NativeCompletionRequest, infill: bool) -> Any:
+        """llama-server's ``/completion`` (or ``/infill``): its prompt forms, fields and shapes."""
+        self.check_slot(body.id_slot)
+        watch = Watch(time.monotonic(), self.n_ctx, None, self.llama.is_eog)
+        try:
+            prompts = ([infill_tokens(body, self.llama, self.n_ctx)] if infill  # type: ignore[arg-type]
+                       else prompt_tokens(body.prompt, self.llama, self.n_vocab))
+            eog = self.llama.eog_tokens() if body.ignore_eos else []
+            run = NativeRun(body, prompts, self.llama, watch, self.settings.model_id, self.n_ctx,
+                            processors(body, self.llama, self.n_vocab, eog))
+        except Exception as e:  # a grammar or schema that does not convert
+            raise api_error(e) from e
+        return await self.execute(request, watch, body.stream, run.result, run.chunks, NATIVE_SSE,
+                                  run.settings())
+
+    async def anthropic(self, request: Request, body: MessagesRequest) -> Any:
+        """Anthropic's ``/v1/messages``: the request run as an OpenAI chat, the answer in Anthropic's shapes."""
+        arrival = time.monotonic()
+        chat = anthropic.chat_request(body)
+        check_request(chat, self.n_ctx, self.n_vocab, False)
+        try:
+            plan = plan_chat(chat, self.llama, self.n_ctx, False)
+        except Exception as e:  # a template that fails to render, a schema that does not convert
+            raise api_error(e) from e
+        watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
+        run = Run(plan, self.llama, watch, body.model)
+        is_eog = self.llama.is_eog
+
+        def stop(finish: str | None) -> tuple[str, str | None]:
+            text = self.llama.detokenize([t for t in watch.sampled if not is_eog(t)]).decode("utf-8", "replace")
+            ended = watch.last is not None and is_eog(watch.last)
+            return anthropic.stop_of(finish, text, body.stop_sequences or [], ended)
+
+        def result() -> dict[str, Any]:
+            r = run.result()
+            return anthropic.message(r, body.model, stop(r["choices"][0]["finish_reason"]))
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            return iter(anthropic.EventStream(run.chunks(), body.model, len(plan.prompt), stop,
+                                              lambda: watch.n_tokens))
+
+        params = {k: v for k, v in plan.kwargs.items() if isinstance(v, int | float | str | list)}
+        return await self.execute(request, watch, body.stream, result, chunks, ANTHROPIC_SSE, params)
+
+    def count_tokens(self, body: anthropic.CountTokensRequest) -> dict[str, int]:
+        """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens (tools included), no generation."""
+        chat = anthropic.chat_request(body)
+        try:
+            plan = plan_chat(chat, self.llama, 1 << 30, False)
+        except Exception as e:
+            raise api_error(e) from e
+        return {"input_tokens": len(plan.prompt)}
+
+    def render(self, messages: list[Message], tools: list[Tool] | None) -> str:
+        """The prompt the model's chat template makes of ``messages`` (``/apply-template``)."""
+        from ggmoe.serve import structured
+
+        formatter = self.llama.chat_formatter()
+        kw: dict[str, Any] = {}
+        if tools and structured.template_renders_tools(formatter.template):
+            kw["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        return formatter(messages=[m.for_template() for m in messages], **kw).prompt
+
+    def check_slot(self, id_slot: int, any_ok: bool = True) -> SlotState | None:
+        """The slot a request names (None for -1: any, where ``any_ok``); 400 for one this server does not have."""
+        if id_slot == -1 and any_ok:
+            return None
+        if not 0 <= id_slot < len(self.slots):
+            raise APIError(400, f"no slot {id_slot}: this server has {len(self.slots)} (ids 0 to "
+                                f"{len(self.slots) - 1})", param="id_slot", code="invalid_value")
+        return self.slots[id_slot]
+
+    async def execute(self, request: Request, watch: Watch, stream: bool, result: Callable[[], Any],
+                      chunks_of: Callable[[], Iterator[dict[str, Any]]], sse: Sse,
+                      params: dict[str, Any]) -> Any:
+        """One generation holding the model: its result, or its stream as server-sent events."""
         await self.gate.enter()
         lease = _Lease(self)
+        self.slots[0].begin(next(self._tasks), params, lambda: watch.n_tokens, watch.max_tokens)
         try:
-            if body.stream:
+            if stream:
                 # The first chunk is computed before the 200, so early errors keep their status.
-                chunks, first = await self._run(request, watch, lambda: _start(run.chunks))
+                chunks, first = await self._run(request, watch, lambda: _start(chunks_of))
                 lease.chunks = chunks
-                usage = body.stream_options is not None and body.stream_options.include_usage
-                return EventSourceResponse(self._events(first, chunks, watch, usage, lease), sep="\n",
+                return EventSourceResponse(self._events(first, chunks, watch, sse, lease), sep="\n",
                                            background=BackgroundTask(lease.release))
-            result = await self._run(request, watch, run.result)
+            out = await self._run(request, watch, result)
         except BaseException:
             await lease.release()
             raise
         await lease.release()
         self._observe(watch)
-        return result
+        return out
 
-    async def embed(self, request: Request, body: EmbeddingRequest) -> dict[str, Any]:
-        """OpenAI's embeddings: each input's mean-pooled final hidden state (normalised)."""
-        inp = body.input
+    async def holding(self, fn: Callable[[], Any]) -> Any:
+        """``fn`` in a worker thread while this request holds the model (slot actions)."""
+        await self.gate.enter()
+        lease = _Lease(self)
+        try:
+            return await anyio.to_thread.run_sync(fn)
+        finally:
+            await lease.release()
+
+    async def embed(self, request: Request, body: EmbeddingRequest | NativeEmbeddingRequest,
+                    native: bool = False) -> Any:
+        """OpenAI's embeddings (or llama-server's native list): each input's mean-pooled final hidden state
+        (normalised)."""
+        inp = body.inputs if isinstance(body, NativeEmbeddingRequest) else body.input
         if isinstance(inp, str) or (isinstance(inp, list) and inp and isinstance(inp[0], int)):
             inp = [inp]  # type: ignore[list-item]
         if not inp or any(isinstance(x, str | list) and len(x) == 0 for x in inp):
-            raise APIError(400, "input must not be empty", param="input", code="invalid_value")
+            raise APIError(400, "input must not be empty", param="content" if native else "input",
+                           code="invalid_value")
         texts = []
         for x in inp:
             if isinstance(x, list):
@@ -172,17 +282,20 @@ class _Server:
             vectors, n_tokens = await self._run(request, watch, lambda: self.llama.embed_mean(texts))
         finally:
             await lease.release()
+        if native:  # llama-server's: the pooled vector of each input, in a list of one
+            return [{"index": i, "embedding": [v]} for i, v in enumerate(vectors)]
         data = []
         for i, v in enumerate(vectors):
             emb: Any = v
-            if body.encoding_format == "base64":
+            if isinstance(body, EmbeddingRequest) and body.encoding_format == "base64":
                 import base64
 
                 import numpy as np
 
                 emb = base64.b64encode(np.asarray(v, dtype=np.float32).tobytes()).decode("ascii")
             data.append({"object": "embedding", "index": i, "embedding": emb})
-        return {"object": "list", "data": data, "model": body.model or self.settings.model_id,
+        model = body.model if isinstance(body, EmbeddingRequest) else None
+        return {"object": "list", "data": data, "model": model or self.settings.model_id,
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
     async def _run(self, request: Request, watch: Watch, fn: Callable[[], Any]) -> Any:
@@ -209,19 +322,17 @@ class _Server:
             await anyio.sleep(_DISCONNECT_POLL_S)
 
     async def _events(self, first: dict[str, Any] | None, chunks: Iterator[dict[str, Any]], watch: Watch,
-                      usage: bool, lease: _Lease) -> AsyncIterator[dict[str, str]]:
+                      sse: Sse, lease: _Lease) -> AsyncIterator[dict[str, str]]:
         """SSE events; when the client goes, the generation stops after the token being computed."""
         last = first
         try:
             chunk = first
             while chunk is not None:
-                yield {"data": json.dumps(chunk)}
+                yield sse.event(chunk)
                 last = chunk
                 chunk = await anyio.to_thread.run_sync(next, chunks, None)
-            if usage and last is not None:
-                yield {"data": json.dumps({"id": last["id"], "object": last["object"], "created": last["created"],
-                                           "model": last["model"], "choices": [], "usage": watch.usage()})}
-            yield {"data": "[DONE]"}
+            for event in sse.tail(last, watch):
+                yield event
             self._observe(watch)
         except anyio.get_cancelled_exc_class():
             watch.cancel.set()
@@ -230,7 +341,7 @@ class _Server:
         except Exception as e:  # after the 200 the error can only travel in the stream
             err = api_error(e)
             errors.log.warning("stream stopped: %s", e)
-            yield {"data": json.dumps(errors.error_body(err.message, err.type, err.param, err.code))}
+            yield sse.error(err)
         finally:
             with anyio.CancelScope(shield=True):
                 await lease.release()
@@ -243,6 +354,42 @@ class _Server:
             m.ttft.observe(watch.ttft)
         if watch.tpot is not None:
             m.tpot.observe(watch.tpot)
+
+
+@dataclass(frozen=True)
+class Sse:
+    """How a route frames its stream: each chunk, what follows the last one, an error after the 200."""
+
+    event: Callable[[dict[str, Any]], dict[str, str]]
+    tail: Callable[[dict[str, Any] | None, Watch], list[dict[str, str]]]
+    error: Callable[[APIError], dict[str, str]]
+
+
+def _data(chunk: dict[str, Any]) -> dict[str, str]:
+    return {"data": json.dumps(chunk)}
+
+
+def _error_data(err: APIError) -> dict[str, str]:
+    return {"data": json.dumps(errors.error_body(err.message, err.type, err.param, err.code))}
+
+
+def _openai_sse(usage: bool) -> Sse:
+    """OpenAI's: chunks, a usage chunk when asked, then ``[DONE]``."""
+
+    def tail(last: dict[str, Any] | None, watch: Watch) -> list[dict[str, str]]:
+        out = []
+        if usage and last is not None:
+            out.append(_data({"id": last["id"], "object": last["object"], "created": last["created"],
+                              "model": last["model"], "choices": [], "usage": watch.usage()}))
+        return [*out, {"data": "[DONE]"}]
+
+    return Sse(_data, tail, _error_data)
+
+
+NATIVE_SSE = Sse(_data, lambda last, watch: [], _error_data)  # llama-server's native routes: no [DONE]
+ANTHROPIC_SSE = Sse(lambda c: {"event": c["type"], "data": json.dumps(c)}, lambda last, watch: [],
+                    lambda err: {"event": "error",
+                                 "data": json.dumps(errors.anthropic_body(err.message, err.type, err.status))})
 
 
 def _start(chunks_of: Callable[[], Iterator[dict[str, Any]]]
@@ -268,6 +415,7 @@ class _Lease:
         if close is not None:
             await anyio.to_thread.run_sync(close)  # stops llama-cpp-python's generator
         self.server.llama.watch = None
+        self.server.slots[0].end()
         if self.server.reconfigurer is not None:
             await anyio.to_thread.run_sync(self.server.maybe_reconfigure)  # still holding the model
         self.server.gate.leave()
@@ -279,14 +427,15 @@ class _Authenticate:
     def __init__(self, api_key: str | None) -> None:
         self.api_key = api_key
         self.bearer = HTTPBearer(auto_error=False)  # FastAPI's parser of the Authorization header
+        self.x_api_key = APIKeyHeader(name="x-api-key", auto_error=False)  # what Anthropic's clients send
 
     async def __call__(self, request: Request) -> None:
         if self.api_key is None:
             return
         credentials = await self.bearer(request)
-        given = credentials.credentials if credentials is not None else ""
+        given = credentials.credentials if credentials is not None else (await self.x_api_key(request) or "")
         if not hmac.compare_digest(given.encode("utf-8"), self.api_key.encode("utf-8")):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key')",
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
@@ -330,7 +479,6 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
              "meta": {"n_ctx": server.n_ctx, "n_vocab": server.n_vocab, "aliases": names}} for name in names]}
 
     @app.post("/v1/completions", dependencies=auth)
-    @app.post("/completions", dependencies=auth, include_in_schema=False)
     async def completions(request: Request, body: CompletionRequest) -> Any:
         return await server.generate(request, body, chat=False)
 
@@ -339,47 +487,22 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
     async def chat_completions(request: Request, body: ChatRequest) -> Any:
         return await server.generate(request, body, chat=True)
 
-    @app.post("/tokenize", dependencies=auth)
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        tokens = llama.tokenize(body.content.encode("utf-8"), add_bos=body.add_special, special=True)
-        if not body.with_pieces:
-            return {"tokens": tokens}
-        return {"tokens": [{"id": t, "piece": llama.detokenize([t], special=True).decode("utf-8", "replace")}
-                           for t in tokens]}
-
-    @app.post("/detokenize", dependencies=auth)
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        bad = [t for t in body.tokens if not 0 <= t < server.n_vocab]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {server.n_vocab})",
-                           param="tokens", code="invalid_value")
-        return {"content": llama.detokenize(body.tokens, special=True).decode("utf-8", "replace")}
-
     @app.post("/v1/embeddings", dependencies=auth)
-    @app.post("/embeddings", dependencies=auth, include_in_schema=False)
     async def embeddings(request: Request, body: EmbeddingRequest) -> Any:
         return await server.embed(request, body)
-
-    @app.get("/props", dependencies=auth)
-    async def props() -> dict[str, Any]:
-        formatter = llama.chat_formatter()
-        return {"model_path": settings.model_path, "model_alias": settings.model_id, "total_slots": 1,
-                "chat_template": formatter.template, "bos_token": formatter.bos_token,
-                "eos_token": formatter.eos_token, "build_info": f"ggmoe {_version()}",
-                "modalities": {"vision": False, "audio": False},
-                "default_generation_settings": {"n_ctx": server.n_ctx, "model": settings.model_id, "params": {
-                    "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.1,
-                    "n_predict": -1}}}
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_llama_server_routes(app, server, auth)
+    add_anthropic_routes(app, server, auth)
+
     # Outermost last: count every response, then refuse foreign Hosts, then limit bodies.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
     if settings.loopback_only:
         app.add_middleware(LoopbackHostOnly)
     app.add_middleware(RequestCounter, count=lambda route, status: server.metrics.requests.labels(

@@ -1,8 +1,10 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status.
+"""Errors in each route's own shape with the right HTTP status.
 
-The server's one error edge: validation errors, HTTP errors and ggmoe's own
-request errors become this shape here; anything else is a 500 ``server_error``
-with the details in the server log, never in the response.
+OpenAI's (and llama-server's) ``{"error": {"message", "type", "param", "code"}}`` everywhere but under
+``/v1/messages``, where Anthropic's ``{"type": "error", "error": {"type", "message"}}`` is used. The
+server's one error edge: validation errors, HTTP errors and ggmoe's own request errors become these shapes
+here; anything else is a 500 (``server_error``, Anthropic's ``api_error``) with the details in the server
+log, never in the response.
 """
 
 from __future__ import annotations
@@ -41,7 +43,19 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(e: APIError) -> JSONResponse:
+# OpenAI error type -> Anthropic's (https://docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPES = {"server_error": "api_error", "unavailable_error": "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_body(message: str, type: str, status: int = 400) -> dict[str, Any]:
+    etype = "request_too_large" if status == 413 else _ANTHROPIC_TYPES.get(type, type)
+    return {"type": "error", "error": {"type": etype, "message": message}}
+
+
+def error_response(e: APIError, path: str = "") -> JSONResponse:
+    if path.startswith(ANTHROPIC_PREFIX):
+        return JSONResponse(anthropic_body(e.message, e.type, e.status), status_code=e.status, headers=e.headers)
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
@@ -54,33 +68,33 @@ def _param(loc: tuple[Any, ...]) -> str | None:
 def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
     first = errs[0] if errs else {"loc": (), "msg": "invalid request", "type": ""}
+    path = request.url.path
     if first.get("type") == "json_invalid":
-        return JSONResponse(error_body("the request body is not valid JSON", "invalid_request_error", None,
-                                       "invalid_json"), status_code=400)
+        return error_response(APIError(400, "the request body is not valid JSON", code="invalid_json"), path)
     param = _param(tuple(first.get("loc", ())))
     msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errs) > 1:
         msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
-    return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_value"), status_code=400)
+    return error_response(APIError(400, msg, param=param, code="invalid_value"), path)
 
 
 def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     etype = _TYPES.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
-    return JSONResponse(error_body(str(exc.detail), etype), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return error_response(APIError(exc.status_code, str(exc.detail), type=etype,
+                                   headers=getattr(exc, "headers", None)), request.url.path)
 
 
 def _api(request: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("internal error on %s %s", request.method, request.url.path)
-    return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+    return error_response(APIError(500, "internal server error", type="server_error"), request.url.path)
 
 
 def install(app: FastAPI) -> None:
-    """Register the handlers that give every error the OpenAI shape."""
+    """Register the handlers that give every error its route's shape."""
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(APIError, _api)

@@ -6,7 +6,7 @@ own template by llama-cpp-python's sandboxed Jinja2 formatter, tools included), 
 the context (llama-server's behaviour) unless strict, the grammar (GBNF, a JSON schema, a forced tool call)
 and the ``create_completion`` keyword arguments. ``Run`` executes a plan, streaming or not, ``n`` times,
 and shapes the answer: logprobs from a ``LogprobRecorder``, tool calls parsed back out of the text,
-``finish_reason`` ``tool_calls``, a first chunk with ``content: ""``. ``Watch`` is the
+``finish_reason`` ``tool_calls``, a first chunk with ``content: null`` (as llama-server sends it). ``Watch`` is the
 ``GenerationWatch`` of one request: timestamps tokens (TTFT, TPOT), counts them for the usage of a stream
 and stops the generation when the client has gone.
 """
@@ -97,6 +97,8 @@ class Watch:
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.on_each: Callable[[int], None] | None = None  # also told every sampled token (logprobs)
+        self.last: int | None = None  # the last sampled token (an end token included)
+        self.sampled: list[int] = []  # every sampled token (which stop sequence ended a generation)
 
     def on_prompt(self, n_prompt: int) -> None:
         self.n_prompt = n_prompt
@@ -110,6 +112,8 @@ class Watch:
         if self.t_first is None:
             self.t_first = now
         self.t_last = now
+        self.last = token
+        self.sampled.append(token)
         if not self.is_eog(token):
             if self.max_tokens is not None and self.n_run >= self.max_tokens:
                 return False  # llama-cpp-python can overrun max_tokens while it completes a UTF-8 character
@@ -153,6 +157,7 @@ class Plan:
     family: str | None = None  # tool-call format, when tools may be called
     tool_names: set[str] = field(default_factory=set)
     forced_tool: bool = False  # a grammar forces a call
+    parallel_tools: bool = False  # parallel_tool_calls: true (llama-server's default: false)
 
 
 def _sampling(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
@@ -199,7 +204,7 @@ def _processors(body: CompletionRequest | ChatRequest, llama: Any) -> list[Any]:
     return out
 
 
-def _grammar(llama: Any, text: str, param: str) -> llama_cpp.LlamaGrammar:
+def grammar_of(llama: Any, text: str, param: str) -> llama_cpp.LlamaGrammar:
     if not llama.grammar_parses(text):
         raise APIError(400, f"{param}: llama.cpp could not parse this GBNF grammar (it needs a 'root' rule)",
                        param=param, code="invalid_value")
@@ -223,7 +228,7 @@ def plan_completion(body: CompletionRequest, llama: Any, n_ctx: int, strict: boo
     if body.suffix is not None:
         kw["suffix"] = body.suffix
     if body.grammar is not None:
-        kw["grammar"] = _grammar(llama, body.grammar, "grammar")
+        kw["grammar"] = grammar_of(llama, body.grammar, "grammar")
     echo_lp = body.echo and body.logprobs is not None
     echo = None
     if echo_lp:
@@ -268,24 +273,26 @@ def plan_chat(body: ChatRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
     if result.stopping_criteria is not None:
         kw["stopping_criteria"] = result.stopping_criteria
     forced = use_tools and (choice == "required" or not isinstance(choice, str))
+    parallel = bool(body.parallel_tool_calls)
     if forced:
         chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice.function.name]
-        kw["grammar"] = _grammar(llama, structured.tool_grammar(family, chosen), "tools")
+        kw["grammar"] = grammar_of(llama, structured.tool_grammar(family, chosen, parallel), "tools")
     elif body.response_format is not None and body.response_format.type != "text":
         rf = body.response_format
         if rf.type == "json_schema":
             text = structured.schema_grammar(rf.json_schema.schema_, rf.json_schema.strict)
         elif rf.schema_ is not None:
-            text = structured.schema_grammar(rf.schema_, False)
+            text = structured.schema_grammar(rf.schema_, False, refuse=True)
         else:
             text = structured.json_object_grammar()
-        kw["grammar"] = _grammar(llama, text, "response_format")
+        kw["grammar"] = grammar_of(llama, text, "response_format")
     elif body.grammar is not None:
-        kw["grammar"] = _grammar(llama, body.grammar, "grammar")
+        kw["grammar"] = grammar_of(llama, body.grammar, "grammar")
     top = (body.top_logprobs or 0) if body.logprobs else None
     return Plan(chat=True, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
                 seed=body.seed, top_logprobs=top, family=family,
-                tool_names={t["function"]["name"] for t in tools} if use_tools else set(), forced_tool=forced)
+                tool_names={t["function"]["name"] for t in tools} if use_tools else set(), forced_tool=forced,
+                parallel_tools=parallel)
 
 
 def _logit_bias(body: CompletionRequest | ChatRequest, llama: Any) -> dict[int, float]:
@@ -358,10 +365,11 @@ class Run:
         finish = c["finish_reason"]
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if self.plan.family is not None:
-            parsed = structured.parse_tool_calls(self.plan.family, text, self.plan.tool_names)
+            parsed = structured.parse_tool_calls(self.plan.family, text, self.plan.tool_names,
+                                                 self.plan.parallel_tools)
+            message["content"] = parsed.content  # the markup (a partial tag included) never reaches it
             if parsed.tool_calls:
-                message = {"role": "assistant", "content": parsed.content, "refusal": None,
-                           "tool_calls": parsed.tool_calls}
+                message["tool_calls"] = parsed.tool_calls
                 finish = "tool_calls"
         lp = chat_logprobs(self._entries(text)) if self.recorder is not None else None
         return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
@@ -408,7 +416,7 @@ class Run:
     def _chat_chunks(self, i: int) -> Iterator[dict[str, Any]]:
         stream = self._call(i, stream=True)
         first = next(stream, None)  # the prefill and first token, before anything is sent
-        yield self._chat_chunk(i, {"role": "assistant", "content": ""})
+        yield self._chat_chunk(i, {"role": "assistant", "content": None})
         family = self.plan.family
         text = ""  # everything generated
         emitted = 0  # characters of text sent as content
@@ -439,14 +447,15 @@ class Run:
                 yield from content(upto)
             chunk = next(stream, None)
         if family is not None:
-            parsed = structured.parse_tool_calls(family, text, self.plan.tool_names)
+            parsed = structured.parse_tool_calls(family, text, self.plan.tool_names, self.plan.parallel_tools)
             if parsed.tool_calls:
                 calls = [{"index": k, **call} for k, call in enumerate(parsed.tool_calls)]
                 yield self._chat_chunk(i, {"tool_calls": calls})
                 yield self._chat_chunk(i, {}, None, "tool_calls")
                 return
-            if len(text) > emitted:
-                yield from content(len(text))
+            text = parsed.content or ""  # the markup (a partial tag included) never reaches the content
+        if len(text) > emitted:
+            yield from content(len(text))
         yield self._chat_chunk(i, {}, None, finish)
 
 

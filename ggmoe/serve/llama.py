@@ -220,6 +220,24 @@ class GgmoeLlama(llama_cpp.Llama):
             pooled.append((v / norm if norm > 0 else v).tolist())
         return pooled, n
 
+    def fim_tokens(self) -> dict[str, int]:
+        """The fill-in-the-middle tokens (pre, suf, mid, pad, rep, sep); -1 where the model has none."""
+        v = self._model.vocab
+        c = llama_cpp
+        return {"pre": c.llama_vocab_fim_pre(v), "suf": c.llama_vocab_fim_suf(v), "mid": c.llama_vocab_fim_mid(v),
+                "pad": c.llama_vocab_fim_pad(v), "rep": c.llama_vocab_fim_rep(v), "sep": c.llama_vocab_fim_sep(v)}
+
+    def add_bos_token(self) -> bool:
+        """Whether the model's tokenizer puts a BOS token before a text prompt."""
+        return bool(self._model.add_bos_token())
+
+    def eog_tokens(self) -> list[int]:
+        """Every token that ends a generation (what ``ignore_eos`` masks), found once and kept."""
+        eog = self.__dict__.get("_ggmoe_eog")
+        if eog is None:
+            eog = self.__dict__["_ggmoe_eog"] = [t for t in range(self.n_vocab()) if self.is_eog(t)]
+        return eog
+
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation (EOS, EOT...), as ``_create_completion`` tests it."""
         return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))

@@ -17,7 +17,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 MAX_N = 8  # choices per request at most (they are generated one after another)
 MAX_STOP = 4  # OpenAI's cap on stop sequences
@@ -289,3 +289,110 @@ class EmbeddingRequest(BaseModel):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
+
+
+# -- llama-server's native routes (/completion, /infill, /apply-template, /slots)
+TokenOrText = StrictInt | str
+MAX_NATIVE_STOP = 16  # stop strings per native request (llama-server sets no cap; 16 keeps the scan cheap)
+
+
+class NativeCompletionRequest(BaseModel):
+    """llama-server's ``/completion``: its field names and defaults, the samplers llama-cpp-python has."""
+
+    model_config = ConfigDict(extra="allow")  # llama-server ignores fields it does not know; so does ggmoe
+    prompt: str | list[TokenOrText | list[TokenOrText]] = Field(
+        description="A string, token ids, a mix of both, or a list of such prompts (one result each).")
+    n_predict: int = Field(default=-1, ge=-1, description="Tokens to generate; -1: until the context is full.")
+    temperature: float = Field(default=0.8, ge=0.0, le=100.0)
+    top_k: int = Field(default=40, ge=0)
+    top_p: float = Field(default=0.95, ge=0.0, le=1.0)
+    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
+    typical_p: float = Field(default=1.0, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(default=1.0, ge=0.0, le=100.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    mirostat: int = Field(default=0, ge=0, le=2)
+    mirostat_tau: float = Field(default=5.0, ge=0.0, le=100.0)
+    mirostat_eta: float = Field(default=0.1, ge=0.0, le=10.0)
+    seed: int = Field(default=-1, ge=-1, le=2 ** 64 - 1, description="-1: a random seed.")
+    stop: list[str] = Field(default_factory=list, max_length=MAX_NATIVE_STOP)
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    n_probs: int = Field(default=0, ge=0, le=100)
+    logit_bias: list[tuple[TokenOrText, float | bool]] | dict[str, float | bool] | None = None
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+    return_tokens: bool = False
+    stream: bool = False
+    id_slot: int = Field(default=-1, ge=-1)
+    n_indent: int = Field(default=0, ge=0, description="Stop at a new line indented less than this (code).")
+    t_max_predict_ms: int = Field(default=0, ge=0, description="After this long and a new line, stop (FIM).")
+    response_fields: list[str] | None = Field(default=None, max_length=64,
+                                              description="Only these fields (a/b unnests b of a).")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("a stop string must not be empty")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_tokens(cls, data: Any) -> Any:
+        # llama-server reads max_tokens when n_predict is not given
+        if isinstance(data, dict) and "n_predict" not in data and "max_tokens" in data:
+            return {**data, "n_predict": data["max_tokens"]}
+        return data
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> NativeCompletionRequest:
+        if self.grammar is not None and self.json_schema is not None:
+            raise ValueError("give either grammar or json_schema, not both")
+        return self
+
+
+class ExtraChunk(BaseModel):
+    """One context file of ``/infill``'s ``input_extra`` (what llama.vscode sends)."""
+
+    filename: str  # both required, as llama-server requires them
+    text: str
+
+
+class InfillRequest(NativeCompletionRequest):
+    """llama-server's ``/infill``: the code around the cursor, context files, and ``/completion``'s options."""
+
+    prompt: str = Field(default="", description="Text put after the FIM middle token (the start of the fill).")
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list)
+
+
+class ApplyTemplateRequest(BaseModel):
+    """llama-server's ``/apply-template``: the messages as ``/v1/chat/completions`` takes them."""
+
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+
+
+class SlotFileRequest(BaseModel):
+    """``/slots/{id}?action=save|restore``: a file name inside ``--slot-save-path``."""
+
+    filename: str | None = Field(default=None, min_length=1, max_length=255)
+
+
+class NativeEmbeddingRequest(BaseModel):
+    """llama-server's ``/embedding`` and ``/embeddings``: ``content`` (or OpenAI's ``input``)."""
+
+    content: str | list[str] | list[int] | list[list[int]] | None = None
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+
+    @model_validator(mode="after")
+    def _given(self) -> NativeEmbeddingRequest:
+        if self.content is None and self.input is None:
+            raise ValueError("give content (or input)")
+        return self
+
+    @property
+    def inputs(self) -> Any:
+        return self.content if self.content is not None else self.input

@@ -90,16 +90,18 @@ def _rules(schema: dict[str, Any], name: str, param: str) -> str:
                        code="invalid_value") from e
 
 
-def schema_grammar(schema: dict[str, Any], strict: bool | None, param: str = "response_format") -> str:
+def schema_grammar(schema: dict[str, Any], strict: bool | None, param: str = "response_format",
+                   refuse: bool = False) -> str:
     """GBNF for JSON that follows ``schema``; a schema the converter lacks parts of falls back to any JSON
-    object unless ``strict``, which then refuses it (400)."""
+    object unless ``strict`` or ``refuse``, which then refuse it (400)."""
     if not isinstance(schema, dict):
         raise APIError(400, f"{param}: the schema must be a JSON object", param=param, code="invalid_value")
     try:
         return json_schema_to_gbnf(json.dumps(_strict(schema) if strict else schema))
     except Exception as e:
-        if strict:
-            raise APIError(400, f"{param}: strict mode needs a schema llama.cpp's converter supports: {e!r}",
+        if strict or refuse:
+            why = "strict mode needs" if strict else "the schema must be"
+            raise APIError(400, f"{param}: {why} a schema llama.cpp's converter supports: {e!r}",
                            param=param, code="invalid_value") from e
         return JSON_GBNF
 
@@ -117,27 +119,30 @@ def _lit(s: str) -> str:
     return json.dumps(s)  # a GBNF string literal: the same escapes as JSON
 
 
-def tool_grammar(family: str, tools: list[dict[str, Any]]) -> str:
-    """GBNF forcing exactly one call of one of ``tools`` in the family's format."""
+def tool_grammar(family: str, tools: list[dict[str, Any]], parallel: bool = False) -> str:
+    """GBNF forcing one call of one of ``tools`` in the family's format (one or more when ``parallel``)."""
+    more = "+" if parallel else ""
     if family == "gpt-oss":
         alts = []
         rules = []
         for i, t in enumerate(tools):
             rules.append(_rules(_args_schema(t), f"args{i}", "tools"))
             alts.append(f"{_lit('<|channel|>commentary to=functions.' + t['function']['name'])} "
-                        f"{_lit(' <|constrain|>json<|message|>')} args{i}")
-        return "\n".join(rules) + "\nroot ::= " + " | ".join(alts) + "\n"
+                        f"{_lit(' <|constrain|>json<|message|>')} args{i} {_lit('<|call|>') if parallel else ''}")
+        return "\n".join(rules) + "\none ::= " + " | ".join(alts) + f"\nroot ::= one{more}\n"
     args_key = "parameters" if family == "llama3" else "arguments"
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                args_key: _args_schema(t)},
               "required": ["name", args_key], "additionalProperties": False} for t in tools]
     body = _rules(calls[0] if len(calls) == 1 else {"anyOf": calls}, "call", "tools")
     if family == "hermes":
-        root = f"root ::= {_lit('<tool_call>' + chr(10))} call {_lit(chr(10) + '</tool_call>')}"
+        block = f"{_lit('<tool_call>' + chr(10))} call {_lit(chr(10) + '</tool_call>')}"
+        root = f"root ::= {block} ({_lit(chr(10))} {block})*" if parallel else f"root ::= {block}"
     elif family == "mistral":
-        root = f"root ::= {_lit('[TOOL_CALLS] [')} call {_lit(']')}"
+        tail = f" ({_lit(', ')} call)*" if parallel else ""
+        root = f"root ::= {_lit('[TOOL_CALLS] [')} call{tail} {_lit(']')}"
     else:
-        root = "root ::= call"
+        root = f"root ::= call ({_lit('; ')} call)*" if parallel else "root ::= call"
     return body + "\n" + root + "\n"
 
 
@@ -174,87 +179,123 @@ def _objects(text: str, start: int) -> tuple[list[Any], int]:
         out.append(value)
 
 
-def parse_tool_calls(family: str, text: str, names: set[str]) -> Parsed:
-    """The tool calls the model wrote in ``text`` and the content around them; no calls: the text as it is.
-
-    Only calls to tools in ``names`` count; text that fails to parse stays content.
-    """
+def _parse_hermes(text: str) -> tuple[list[dict[str, Any]], str]:
     calls: list[dict[str, Any]] = []
-    content = text
-    if family == "hermes":
-        pieces = []
-        pos = 0
-        for m in re.finditer(r"<tool_call>", text):
-            if m.start() < pos:
-                continue
-            values, end = _objects(text, m.end())
-            close = text.find("</tool_call>", end)
-            got = [c for v in values if isinstance(v, dict)
-                   for c in [_call(v.get("name"), v.get("arguments", v.get("parameters")))] if c]
-            if not got:
-                continue
-            calls += got
-            pieces.append(text[pos:m.start()])
-            pos = close + len("</tool_call>") if close >= 0 else end
-        pieces.append(text[pos:])
-        content = "".join(pieces) if calls else text
-    elif family == "llama3":
-        body = text.replace("<|python_tag|>", "")
-        stripped = body.lstrip()
-        if stripped.startswith("{"):
-            values, end = _objects(stripped, 0)
-            calls = [c for v in values if isinstance(v, dict)
-                     for c in [_call(v.get("name"), v.get("parameters", v.get("arguments")))] if c]
-            if calls:
-                content = stripped[end:]
-    elif family == "mistral":
-        i = text.find("[TOOL_CALLS]")
-        if i >= 0:
-            rest = text[i + len("[TOOL_CALLS]"):]
-            values, _ = _objects(rest, 0)
-            for v in values:
-                for item in v if isinstance(v, list) else [v]:
-                    if isinstance(item, dict):
-                        c = _call(item.get("name"), item.get("arguments"))
-                        if c:
-                            calls.append(c)
-            for m in re.finditer(r"([A-Za-z0-9_.\-]+)\[ARGS\]", rest):
-                values, _ = _objects(rest, m.end())
-                if values:
-                    c = _call(m.group(1), values[0])
-                    if c:
-                        calls.append(c)
-            if calls:
-                content = text[:i]
-    elif family == "gpt-oss":
-        for m in re.finditer(r"to=functions\.([A-Za-z0-9_.\-]+)[^<]*(?:<\|constrain\|>\w*)?<\|message\|>", text):
-            values, _ = _objects(text, m.end())
-            if values:
-                c = _call(m.group(1), values[0])
-                if c:
-                    calls.append(c)
-        final = re.search(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|end\|>|<\|return\|>|$)", text, re.S)
-        if calls:
-            content = final.group(1) if final else ""
+    pieces = []
+    pos = 0
+    for m in re.finditer(r"<tool_call>", text):
+        if m.start() < pos:
+            continue
+        values, end = _objects(text, m.end())
+        close = text.find("</tool_call>", end)
+        got = [c for v in values if isinstance(v, dict)
+               for c in [_call(v.get("name"), v.get("arguments", v.get("parameters")))] if c]
+        if not got:
+            continue
+        calls += got
+        pieces.append(text[pos:m.start()])
+        pos = close + len("</tool_call>") if close >= 0 else end
+    pieces.append(text[pos:])
+    return calls, "".join(pieces) if calls else text
+
+
+def _parse_llama3(text: str) -> tuple[list[dict[str, Any]], str]:
+    stripped = text.replace("<|python_tag|>", "").lstrip()
+    if not stripped.startswith("{"):
+        return [], text
+    values, end = _objects(stripped, 0)
+    calls = [c for v in values if isinstance(v, dict)
+             for c in [_call(v.get("name"), v.get("parameters", v.get("arguments")))] if c]
+    return calls, stripped[end:] if calls else text
+
+
+def _parse_mistral(text: str) -> tuple[list[dict[str, Any]], str]:
+    i = text.find("[TOOL_CALLS]")
+    if i < 0:
+        return [], text
+    calls: list[dict[str, Any]] = []
+    rest = text[i + len("[TOOL_CALLS]"):]
+    values, _ = _objects(rest, 0)
+    for v in values:
+        for item in v if isinstance(v, list) else [v]:
+            c = _call(item.get("name"), item.get("arguments")) if isinstance(item, dict) else None
+            if c:
+                calls.append(c)
+    for m in re.finditer(r"([A-Za-z0-9_.\-]+)\[ARGS\]", rest):
+        values, _ = _objects(rest, m.end())
+        c = _call(m.group(1), values[0]) if values else None
+        if c:
+            calls.append(c)
+    return calls, text[:i] if calls else text
+
+
+def _parse_gpt_oss(text: str) -> tuple[list[dict[str, Any]], str]:
+    calls: list[dict[str, Any]] = []
+    for m in re.finditer(r"to=functions\.([A-Za-z0-9_.\-]+)[^<]*(?:<\|constrain\|>\w*)?<\|message\|>", text):
+        values, _ = _objects(text, m.end())
+        c = _call(m.group(1), values[0]) if values else None
+        if c:
+            calls.append(c)
+    final = re.search(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|end\|>|<\|return\|>|$)", text, re.S)
+    return calls, (final.group(1) if final else "") if calls else text
+
+
+_PARSERS = {"hermes": _parse_hermes, "llama3": _parse_llama3, "mistral": _parse_mistral, "gpt-oss": _parse_gpt_oss}
+
+
+def parse_tool_calls(family: str, text: str, names: set[str], parallel: bool = True) -> Parsed:
+    """The tool calls the model wrote in ``text`` (the first only unless ``parallel``) and the content around
+    them, the family's markup removed from it (partial markers included); no calls: the text so cleaned.
+
+    Only calls to tools in ``names`` count.
+    """
+    calls, content = _PARSERS[family](text)
     calls = [c for c in calls if c["function"]["name"] in names]
     if not calls:
-        return Parsed(text, [])
-    content = content.strip()
-    return Parsed(content or None, calls)
+        return Parsed(strip_markup(family, text), [])
+    content = strip_markup(family, content).strip()
+    return Parsed(content or None, calls if parallel else calls[:1])
+
+
+MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "mistral": ("[TOOL_CALLS]", "[ARGS]"),
+           "gpt-oss": ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"), "llama3": ("<|python_tag|>",)}
+
+
+def _partial_tail(text: str, markers: tuple[str, ...]) -> int:
+    """Characters at the end of ``text`` that begin one of ``markers`` (two at least; 0: none)."""
+    best = 0
+    for marker in markers:
+        for k in range(len(marker) - 1, 1, -1):
+            if k > best and text.endswith(marker[:k]):
+                best = k
+    return best
+
+
+def strip_markup(family: str, text: str) -> str:
+    """Content with the family's tool-call markup removed: whole markers, an unclosed hermes call that did not
+    parse (to the end) and a marker cut off at the end (``</tool`` when the generation stopped inside it)."""
+    markers = MARKERS[family]
+    if family == "hermes":
+        i = text.rfind("<tool_call>")
+        if i >= 0 and "</tool_call>" not in text[i:]:
+            text = text[:i]
+    for marker in markers:
+        text = text.replace(marker, "")
+    cut = _partial_tail(text, markers)
+    return text[:len(text) - cut] if cut else text
 
 
 def safe_prefix(family: str, text: str) -> int:
     """How much of ``text`` (what a stream generated so far) is surely content, not the start of a tool call:
     a stream sends that much and holds the rest back until the end."""
     if family == "hermes":
-        i = text.find("<tool_call>")
-        if i >= 0:
-            return i
-        marker = "<tool_call>"
-        for k in range(len(marker) - 1, 0, -1):
-            if text.endswith(marker[:k]):
-                return len(text) - k
-        return len(text)
+        found = [i for i in (text.find(m) for m in MARKERS["hermes"]) if i >= 0]
+        if found:
+            return min(found)
+        cut = _partial_tail(text, MARKERS["hermes"])
+        if not cut and text.endswith("<"):
+            cut = 1
+        return len(text) - cut
     s = text.lstrip()
     marker = {"mistral": "[TOOL_CALLS]", "gpt-oss": "<|channel|>", "llama3": "{"}[family]
     if family == "llama3" and (s.startswith("<|python_tag|>") or "<|python_tag|>".startswith(s)):

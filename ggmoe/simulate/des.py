@@ -42,7 +42,7 @@ from ggmoe.cache import ExpertCache
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
-from ggmoe.cache.miss import SLOT_HOST, effective_miss_policy
+from ggmoe.cache.miss import SLOT_HOST, MissCosts, auto_without_host_path, effective_miss_policy
 from ggmoe.cache.policies import make_policy
 from ggmoe.cache.split import LayerSplit
 from ggmoe.control import TokenController
@@ -177,6 +177,14 @@ class _Costs:
         return self.p.copy_s(self.n_expert * self.bpe[il], COPIES_PER_EXPERT) if self.p else 0.0
 
 
+def _miss_policy(config: SimConfig, split: bool, costs: MissCosts | None, bytes_per_expert: Mapping[int, int]
+                 ) -> str:
+    """The miss policy the engine would run: ``auto`` without a host path that cannot serve the cache, then
+    ``auto`` as ``wait`` where the cost model never prefers the CPU."""
+    asked, _ = auto_without_host_path(config.miss_policy, split, config.decode_mode)
+    return effective_miss_policy(asked, costs, bytes_per_expert)[0]
+
+
 def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
              profile: HardwareProfile | None = None, train: Trace | None = None, n_chunks: int = 3,
              model_path: str | None = None) -> SimResult:
@@ -191,7 +199,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     link = LinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks, split)
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
-    miss_policy, _ = effective_miss_policy(config.miss_policy, miss_costs, bytes_per_expert)  # as the engine
+    miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert)  # as the engine
     pred = build_predictor(config, trace, train, model_path) if config.predictor else None
     n_pre = config.n_prefetch if config.n_prefetch is not None else min(2 * m.n_expert_used, m.n_expert)
     cache = ExpertCache(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,

@@ -105,7 +105,9 @@ def _search(run: Callable[[SimConfig], SimResult], even: dict[int, int], uneven:
     cfg, res = best_of([base, replace(base, n_slots=uneven)])
     allocation = "uneven" if cfg.n_slots == uneven and uneven != even else "even"
     cfg, res = best_of([replace(cfg, policy=p) for p in POLICY_CANDIDATES])
-    cfg, res = best_of([replace(cfg, predictor=p, stride=s) for p, s in PREFETCH_CANDIDATES])
+    # a stride reaches that many layers ahead: a model with fewer MoE layers (Llama 4's interleaving) skips it
+    cfg, res = best_of([replace(cfg, predictor=p, stride=s) for p, s in PREFETCH_CANDIDATES
+                        if p is None or s < len(even)])
     cfg, res = best_of([replace(cfg, miss_policy=m) for m in MISS_CANDIDATES])
     return cfg, res, tried, allocation
 

@@ -39,7 +39,8 @@ def merge_traces(traces: list[Trace]) -> Trace:
 
     return replace(first, token_ids=cat("token_ids"), positions=cat("positions"), stage=cat("stage"),
                    prompt_offsets=offsets.astype(np.int64), ids=cat("ids"), probs=cat("probs"),
-                   hidden=cat("hidden") if with_hidden else None)
+                   hidden=cat("hidden") if with_hidden else None,
+                   logits=cat("logits") if all(t.logits is not None for t in traces) else None)
 
 
 def load_traces(paths: list[str | Path] | tuple[str | Path, ...], hidden: bool = True) -> Trace:
@@ -66,4 +67,5 @@ def select_prompts(trace: Trace, prompts: np.ndarray) -> Trace:
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     return replace(trace, token_ids=trace.token_ids[rows], positions=trace.positions[rows],
                    stage=trace.stage[rows], prompt_offsets=offsets, ids=trace.ids[rows],
-                   probs=trace.probs[rows], hidden=trace.hidden[rows] if trace.hidden is not None else None)
+                   probs=trace.probs[rows], hidden=trace.hidden[rows] if trace.hidden is not None else None,
+                   logits=trace.logits[rows] if trace.logits is not None else None)

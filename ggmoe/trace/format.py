@@ -1,6 +1,6 @@
 """The trace format: per processed token and MoE layer, the router's decision.
 
-Format ``ggmoe-trace`` version 1, one uncompressed ``.npz`` (read and written
+Format ``ggmoe-trace`` version 2, one uncompressed ``.npz`` (read and written
 with ``allow_pickle=False``). Arrays, with T processed tokens, L MoE layers,
 k = n_expert_used, E = n_expert:
 
@@ -15,30 +15,41 @@ name                dtype         shape              meaning
                                                      ``prompt_offsets[p]:prompt_offsets[p+1]``
 ``layers``          int32         [L]                il of each MoE layer, ascending
 ``ids``             int16         [T, L, k]          selected expert ids, router order
-``probs``           float16       [T, L, E]          router probabilities after gating
+``probs``           float16       [T, L, E]          router probabilities, never negative: the
+                                                     gating's (meta ``gating``); for gpt-oss's
+                                                     ``softmax_weight`` the softmax of the logits
+                                                     over every expert
+``logits``          float16       [T, L, E]          raw router logits with the router bias
+                                                     (optional: where the graph hands them, gpt-oss)
 ``hidden``          float16       [T, L, n_embd]     MoE layer input (optional)
 ==================  ============  =================  ==========================================
 
 Every processed token has one row: the prompt tokens of a prefill and each token
 fed in a decode step. The last sampled token of a prompt is never fed, so it has
 no row. A reader validates every dtype, shape and id range.
+
+Version 1 (before ggmoe knew the gating) stored what the graph hands on under ``probs``: the
+probabilities for every architecture but gpt-oss, whose ``probs`` were its logits. A version 1 trace
+is read as version 2: a gpt-oss one's ``probs`` become ``logits`` and their softmax the ``probs``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from ggmoe.errors import TraceFormatError
 from ggmoe.hook import RouteEvent
+from ggmoe.inspect.gating import GATING_FUNCS, gating_from_kv, softmax
 from ggmoe.npzfile import NpzMembers
 from ggmoe.outputs import atomic_write
 
 FORMAT = "ggmoe-trace"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # versions this reader takes
 STAGE_PREFILL = 0
 STAGE_DECODE = 1
 # What an imported trace may lack (``TraceMeta.lacks``), and what needs it:
@@ -63,6 +74,7 @@ class TraceMeta:
     max_tokens: int  # decode steps asked per prompt
     ggmoe_version: str
     n_ubatch: int = 512  # tokens per micro-batch the engine used (replays chunk prefills alike)
+    gating: str = "softmax"  # the model's gating function (ggmoe.inspect.gating.Gating.func)
     source: str = ""  # where the routing came from: "" recorded by ggmoe, else the imported log (trace import)
     lacks: tuple[str, ...] = ()  # what the routing log did not hold (LACKS): placeholders fill those arrays
     format: str = FORMAT
@@ -80,6 +92,7 @@ class Trace:
     ids: np.ndarray  # [T, L, k] int16
     probs: np.ndarray  # [T, L, E] float16
     hidden: np.ndarray | None  # [T, L, n_embd] float16
+    logits: np.ndarray | None = None  # [T, L, E] float16, raw router logits (gpt-oss), else None
 
     @property
     def n_tokens(self) -> int:
@@ -119,6 +132,8 @@ def write_trace(trace: Trace, path: str | Path, compress: bool = False) -> Path:
               "layers": trace.layers.astype(np.int32)}
     if trace.hidden is not None:
         arrays["hidden"] = trace.hidden.astype(np.float16)
+    if trace.logits is not None:
+        arrays["logits"] = trace.logits.astype(np.float16)
     _write_arrays(path, trace.meta, arrays, compress)
     return Path(path)
 
@@ -130,7 +145,7 @@ class TraceWriter:
         self.meta = meta
         self.keep_hidden = keep_hidden
         self._rows: dict[str, list[np.ndarray]] = {k: [] for k in
-                                                   ("token_ids", "positions", "stage", "ids", "probs", "hidden")}
+                                                   ("token_ids", "positions", "stage", "ids", "probs", "hidden", "logits")}
         self._offsets = [0]
         self._layers: list[int] | None = None
         self._n = 0
@@ -154,6 +169,10 @@ class TraceWriter:
         r["probs"].append(np.stack([events[il].probs for il in layers], axis=1).astype(np.float16))
         if self.keep_hidden:
             r["hidden"].append(np.stack([events[il].hidden for il in layers], axis=1).astype(np.float16))
+        if all(events[il].logits is not None for il in layers):
+            r["logits"].append(np.stack([events[il].logits for il in layers], axis=1).astype(np.float16))
+        elif r["logits"]:
+            raise TraceFormatError("router logits stopped coming between steps")
         self._n += n
 
     def end_prompt(self) -> None:
@@ -164,6 +183,8 @@ class TraceWriter:
             raise TraceFormatError("nothing was traced")
         if self._offsets[-1] != self._n:
             self.end_prompt()
+        if self._rows["logits"] and len(self._rows["logits"]) != len(self._rows["ids"]):
+            raise TraceFormatError("router logits came for some steps only")
         arrays = {k: np.concatenate(v, axis=0) for k, v in self._rows.items() if v}
         arrays["prompt_offsets"] = np.asarray(self._offsets, dtype=np.int64)
         arrays["layers"] = np.asarray(self._layers, dtype=np.int32)
@@ -174,9 +195,10 @@ class TraceWriter:
 _META_TYPES: dict[str, type | tuple[type, ...]] = {
     "model_fingerprint": str, "model_name": str, "arch": str, "n_layer": int, "n_expert": int,
     "n_expert_used": int, "n_embd": int, "mode": str, "max_tokens": int, "ggmoe_version": str, "n_ubatch": int,
-    "source": str, "lacks": list, "format": str, "version": int,
+    "gating": str, "source": str, "lacks": list, "format": str, "version": int,
 }
-_META_DEFAULTS = ("n_ubatch", "source", "lacks")  # fields older traces may not have
+# fields with a default (gating: version 1 has none; source, lacks: recorded traces leave them out)
+_OPTIONAL = {"n_ubatch", "gating", "source", "lacks"}
 _META_MAX = 1 << 20  # bytes of metadata JSON; a real trace's is a few hundred
 
 
@@ -192,15 +214,16 @@ def _meta(raw: np.ndarray) -> TraceMeta:
         raise TraceFormatError(f"bad trace metadata: a JSON {type(d).__name__}, expected an object")
     if d.get("format") != FORMAT:
         raise TraceFormatError(f"not a ggmoe trace (format {str(d.get('format'))[:40]!r})")
-    if d.get("version") != VERSION:
-        raise TraceFormatError(f"trace format version {str(d.get('version'))[:20]} is not supported (this is {VERSION})")
+    if d.get("version") not in READS or isinstance(d.get("version"), bool):
+        raise TraceFormatError(f"trace format version {str(d.get('version'))[:20]} is not supported (this ggmoe reads "
+                               f"versions {READS[0]}-{READS[-1]}; record the trace again with `ggmoe trace`)")
     unknown = sorted(set(d) - set(_META_TYPES))
     if unknown:
         raise TraceFormatError(f"bad trace metadata: unknown field {unknown[0][:40]!r}")
     for key, typ in _META_TYPES.items():
         if key not in d:
-            if key in _META_DEFAULTS:
-                continue
+            if key in _OPTIONAL:
+                continue  # has a default
             raise TraceFormatError(f"bad trace metadata: missing {key}")
         v = d[key]
         if not isinstance(v, typ) or isinstance(v, bool):
@@ -216,6 +239,10 @@ def _meta(raw: np.ndarray) -> TraceMeta:
     if bad:
         raise TraceFormatError(f"bad trace metadata: lacks {str(bad[0])[:40]!r}; known: {', '.join(LACKS)}")
     d["lacks"] = tuple(lacks)
+    if d.get("gating", "softmax") not in GATING_FUNCS.values():
+        raise TraceFormatError(f"bad trace metadata: unknown gating {str(d['gating'])[:40]!r}")
+    if d["version"] == 1:  # before the gating was recorded: the architecture's, as this ggmoe reads it
+        d["gating"] = gating_from_kv(d["arch"], {}).func
     return TraceMeta(**d)
 
 
@@ -223,6 +250,17 @@ def trace_lacks(meta: TraceMeta, what: str, needed_by: str) -> None:
     """TraceFormatError in one line when ``needed_by`` needs ``what`` (a key of LACKS) and the trace lacks it."""
     if what in meta.lacks:
         raise TraceFormatError(f"{needed_by} needs {what}: the trace ({meta.source or meta.model_name}) has none")
+
+
+def _v1_probs(meta: TraceMeta, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, TraceMeta]:
+    """A version 1 trace's ``probs`` -> (probs, logits, meta) of version 2: a softmax-weight model's (gpt-oss)
+    were its router logits."""
+    if meta.version != 1:
+        return probs, None, meta
+    meta = replace(meta, version=VERSION)
+    if meta.gating != "softmax_weight":
+        return probs, None, meta
+    return softmax(probs.astype(np.float32)).astype(np.float16), probs, meta
 
 
 def _expect(name: str, a: np.ndarray, dtype: type, shape: tuple) -> None:
@@ -251,7 +289,17 @@ def load_trace(path: str | Path, hidden: bool = True) -> Trace:
             raise fail(f"missing arrays {missing}")
         a = {k: z.read(k, np.dtype(dtypes[k])) for k in need}
         h = z.read("hidden", np.dtype(np.float16)) if hidden and "hidden" in z.names else None
+        logits = z.read("logits", np.dtype(np.float16)) if "logits" in z.names else None
     meta = _meta(a["meta"])
+    _check_arrays(meta, a, h, logits)
+    probs, v1_logits, meta = _v1_probs(meta, a["probs"])
+    return Trace(meta=meta, token_ids=a["token_ids"], positions=a["positions"], stage=a["stage"],
+                 prompt_offsets=a["prompt_offsets"], layers=a["layers"], ids=a["ids"], probs=probs, hidden=h,
+                 logits=logits if v1_logits is None else v1_logits)
+
+
+def _check_arrays(meta: TraceMeta, a: dict[str, np.ndarray], h: np.ndarray | None,
+                  logits: np.ndarray | None) -> None:
     t = a["token_ids"].shape[0] if a["token_ids"].ndim == 1 else -1
     n_l = a["layers"].shape[0] if a["layers"].ndim == 1 else -1
     _expect("token_ids", a["token_ids"], np.int32, (None,))
@@ -263,6 +311,8 @@ def load_trace(path: str | Path, hidden: bool = True) -> Trace:
     _expect("probs", a["probs"], np.float16, (t, n_l, meta.n_expert))
     if h is not None:
         _expect("hidden", h, np.float16, (t, n_l, meta.n_embd))
+    if logits is not None:
+        _expect("logits", logits, np.float16, (t, n_l, meta.n_expert))
     ids, offs = a["ids"], a["prompt_offsets"]
     if ids.size and (ids.min() < 0 or ids.max() >= meta.n_expert):
         raise TraceFormatError(f"expert ids outside [0, {meta.n_expert})")
@@ -272,5 +322,6 @@ def load_trace(path: str | Path, hidden: bool = True) -> Trace:
         raise TraceFormatError("layers must be ascending layer indices below n_layer")
     if np.any(a["stage"] > STAGE_DECODE):
         raise TraceFormatError("stage must be 0 (prefill) or 1 (decode)")
-    return Trace(meta=meta, token_ids=a["token_ids"], positions=a["positions"], stage=a["stage"],
-                 prompt_offsets=offs, layers=a["layers"], ids=ids, probs=a["probs"], hidden=h)
+    if meta.version > 1 and not np.all(a["probs"] >= 0):  # NaN fails too
+        raise TraceFormatError("probs holds negative or NaN values: router logits are not probabilities "
+                               "(a version 2 trace keeps logits under `logits`)")

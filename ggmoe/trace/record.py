@@ -83,6 +83,7 @@ def trace_meta(engine: Engine, mode: str, max_tokens: int) -> TraceMeta:
         model_name=Path(engine.config.model_path).name, arch=f.arch, n_layer=f.n_layer,
         n_expert=f.n_expert, n_expert_used=f.n_expert_used, n_embd=f.n_embd,
         mode=mode, max_tokens=max_tokens, ggmoe_version=__version__, n_ubatch=engine.config.n_ubatch,
+        gating=f.gating.func,
     )
 
 

@@ -71,4 +71,4 @@ def map_trace(trace: Trace, layers: tuple[int, ...], n_expert: int, k: int, n_la
                    source=f"mapped from {m.source or m.model_name} ({m.n_expert} experts top-{m.n_expert_used}, "
                           f"{l_t} layers)", lacks=tuple(sorted(set(m.lacks) | {"probs", "hidden"})))
     return replace(trace, meta=meta, layers=np.asarray(layers, dtype=np.int32), ids=ids,
-                   probs=np.zeros((trace.n_tokens, len(layers), n_expert), dtype=np.float16), hidden=None)
+                   probs=np.zeros((trace.n_tokens, len(layers), n_expert), dtype=np.float16), hidden=None, logits=None)

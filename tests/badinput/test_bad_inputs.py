@@ -210,7 +210,7 @@ def _npz(arrays: dict[str, np.ndarray]) -> bytes:
 def _good_trace_arrays() -> dict[str, np.ndarray]:
     meta = {"model_fingerprint": "0" * 16, "model_name": "m", "arch": "qwen3moe", "n_layer": 2, "n_expert": 4,
             "n_expert_used": 2, "n_embd": 8, "mode": "greedy", "max_tokens": 2, "ggmoe_version": "0",
-            "n_ubatch": 512, "format": "ggmoe-trace", "version": 1}
+            "n_ubatch": 512, "gating": "softmax", "format": "ggmoe-trace", "version": 2}
     t, layers = 6, 2
     rng = np.random.default_rng(0)
     return {
@@ -280,7 +280,13 @@ TRACE_FILES: dict[str, bytes] = {
     "meta n_expert_used above n_expert": _with(meta=_meta(n_expert_used=9)),
     "meta n_layer huge": _with(meta=_meta(n_layer=2**40)),
     "meta unknown format": _with(meta=_meta(format="other")),
-    "meta version 2": _with(meta=_meta(version=2)),
+    "meta version 3": _with(meta=_meta(version=3)),
+    "meta version true": _with(meta=_meta(version=True)),
+    "meta gating unknown": _with(meta=_meta(gating="tanh")),
+    "negative probs": _with(probs=np.full((6, 2, 4), -1.0, dtype=np.float16)),
+    "nan probs": _with(probs=np.full((6, 2, 4), np.nan, dtype=np.float16)),
+    "logits wrong shape": _with(logits=np.zeros((6, 2, 5), dtype=np.float16)),
+    "logits wrong dtype": _with(logits=np.zeros((6, 2, 4), dtype=np.float32)),
     "meta unknown field": _with(meta=_meta(extra=1)),
     "meta deeply nested": _with(meta=np.frombuffer(b"[" * 100000 + b"]" * 100000, dtype=np.uint8)),
     "ids wrong dtype": _with(ids=np.zeros((6, 2, 2), dtype=np.int64)),

@@ -48,6 +48,13 @@ MODEL_CASES: dict[str, dict[str, tuple]] = {
     "head_count array with a wrong length": {f"{A}.attention.head_count": ([4, 4], VT.ARRAY, VT.UINT32)},
     "context_length 0": {f"{A}.context_length": (0, VT.UINT32, None)},
     "context_length u32 max": {f"{A}.context_length": (2**32 - 1, VT.UINT32, None)},
+    "expert_group_count 3 (8 experts)": {f"{A}.expert_group_count": (3, VT.UINT32, None),
+                                         f"{A}.expert_group_used_count": (1, VT.UINT32, None)},
+    "expert_group_count 8 = expert_count": {f"{A}.expert_group_count": (8, VT.UINT32, None),
+                                            f"{A}.expert_group_used_count": (1, VT.UINT32, None)},
+    "expert_group_used_count 0 of 4 groups": {f"{A}.expert_group_count": (4, VT.UINT32, None)},
+    "expert_group_used_count 4 of 4 groups": {f"{A}.expert_group_count": (4, VT.UINT32, None),
+                                              f"{A}.expert_group_used_count": (4, VT.UINT32, None)},
     "architecture missing": {"general.architecture": None},
     "architecture not MoE": {"general.architecture": ("gpt2", VT.STRING, None)},
 }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from make_fixtures import ARCHES, fixture_path
 
-
 COPY_STREAMS = ("immediate", "deferred")
 
 

@@ -37,7 +37,7 @@ def _engine(path, n_slots, policy="lru", mode="async", n_ubatch=4, **cache_kw) -
 
 
 @pytest.mark.parametrize("policy", ["lru", "test-random"])
-def test_async_logits_equal_stock_path(arch_model, stock_logits, policy):
+def test_async_logits_equal_stock_path(arch_model, stock_logits, policy, copy_stream):
     arch, path = arch_model
     facts = inspect_model(path)
     ref = stock_logits(path)
@@ -50,7 +50,8 @@ def test_async_logits_equal_stock_path(arch_model, stock_logits, policy):
         for a, b in zip(got, ref, strict=True):
             assert np.abs(a - b).max() <= EXACT, (arch, n_slots, policy)
         assert ctl.tokens >= 2 * 6  # every decode step went through the controller
-        assert st.hits > 0
+        if copy_stream == "immediate" or n_slots > facts.n_expert_used:  # with k slots a late copy may never hit
+            assert st.hits > 0
         if n_slots < facts.n_expert:  # prefills fill what fits; decode steps then miss and admit
             assert st.host_reads > 0 and st.admission_copies > 0
 

@@ -184,3 +184,27 @@ def test_cli_trace_rejects_prompts_before_running(qwen3moe_model, tmp_path, text
                                   str(tmp_path / "t"), *args])
     assert r.exit_code == 2 and "prompt 2: " in r.output and message in r.output, r.output
     assert not (tmp_path / "t" / "trace.npz").exists()
+
+
+def test_cli_trace_records_probabilities_per_gating(arch_model, tmp_path):
+    """Every family's trace holds probabilities under probs (never logits) and, where the graph hands them
+    (gpt-oss), the logits under logits: both agree with the selected experts."""
+    arch, path = arch_model
+    facts = inspect_model(path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "The cat sat on the mat and looked at the dog."}\n')
+    r = CliRunner().invoke(main, ["trace", str(path), "--prompts", str(prompts), "-o", str(tmp_path / "t"),
+                                  "--max-tokens", "4", "--no-hidden"])
+    assert r.exit_code == 0, r.output
+    tr = load_trace(tmp_path / "t")
+    assert tr.meta.version == 2 and tr.meta.gating == facts.gating.func
+    assert tr.probs.min() >= 0
+    assert (tr.logits is not None) == facts.gating.hook_gives_logits
+    if facts.gating.func in ("softmax", "softmax_weight"):
+        assert np.allclose(tr.probs.astype(np.float32).sum(axis=2), 1.0, atol=1e-2)
+    if tr.logits is not None:  # gpt-oss selects on its biased logits: the top-k of the stored logits
+        k = facts.n_expert_used
+        top = np.argsort(-tr.logits.astype(np.float32), axis=-1)[..., :k]
+        agree = np.mean([set(a) == set(b) for a, b in zip(top.reshape(-1, k).tolist(),
+                                                          tr.ids.reshape(-1, k).tolist(), strict=True)])
+        assert agree > 0.98

@@ -84,6 +84,7 @@ def test_logits_stay_exact_with_the_predictor_in_the_graph(arch_model, stock_log
     assert st.pred_total > 0
 
 
+@pytest.mark.immediate_copies("two runs' counts are equal only when copies land at once")
 def test_prefetches_follow_the_same_scores_in_the_graph_and_in_numpy(tmp_path):
     model = default_model_path()
     pred = random_predictor_file(model, tmp_path / "p.npz", stride=2, hidden=64, seed=7)

@@ -51,6 +51,7 @@ def test_cpu_misses_never_wait_for_a_slow_link(qwen3moe_model, stock_logits):
     assert st.wait_s < 0.02 * st.admission_copies / 2  # far less than waiting for the admissions
 
 
+@pytest.mark.immediate_copies("the replay's counts equal a run's only when copies land at once")
 def test_run_stats_equal_replay_with_misses_on_the_cpu(qwen3moe_model, tmp_path):
     stats, tr = tmp_path / "s.json", tmp_path / "trace"
     r = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox", "-n", "16",
@@ -95,3 +96,26 @@ def test_auto_follows_the_hardware_profile(stock_logits, tmp_path, hw, on_cpu):
     # a CPU that is never sooner than a copy: auto runs as wait, without the host path, and says why
     assert in_effect == ("auto" if on_cpu else "wait")
     assert (note is None) if on_cpu else ("sooner than the CPU" in note)
+
+
+@pytest.mark.parametrize("case, why", [
+    ("async", "--decode-mode async reads a miss from host memory"),
+    ("split", "split experts read what is not cached"),
+])
+def test_auto_chooses_wait_where_the_host_path_cannot_serve(arch_model, stock_logits, case, why):
+    """auto on a slow link (egpu: the CPU is sooner) never errors out where the host path cannot serve the
+    cache (an asked-for async decode; MoEpic's split layers): it runs as wait and says why."""
+    arch, path = arch_model
+    facts = inspect_model(path)
+    extra = {"decode_mode": "async"} if case == "async" else {
+        "layer_theta": dict.fromkeys(facts.moe_layers, 0.5)}
+    cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
+                       cache=CacheConfig(n_slots=facts.n_expert_used, miss_policy="auto", hw_profile="egpu",
+                                         **extra))
+    with Engine(cfg) as eng:
+        got = run_sequences(eng)
+        in_effect, note = eng.miss_policy
+        st = eng.cache_stats.total()
+    for a, b in zip(got, stock_logits(path), strict=True):
+        assert np.abs(a - b).max() <= EXACT, arch
+    assert in_effect == "wait" and why in note and st.host_computed == 0

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from make_fixtures import ARCHES, fixture_path, rewrite_gguf
+from make_fixtures import ARCH_SPECS, ARCHES, SHAPE, fixture_path, rewrite_gguf
 
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
@@ -431,7 +431,8 @@ def test_route_op_reports_what_the_stock_graph_computes(arch, P, session):
         # the last layer runs only the output token (llama.cpp drops the others before its FFN), except in
         # gpt-oss, whose graph drops them only for masked next-token embeddings
         n_tokens = 1 if il == s.eng.n_layer - 1 and arch != "gptoss" else len(PROMPT)
-        assert ids.shape == (n_tokens, 2) and probs.shape == (n_tokens, 8) and inp.shape == (n_tokens, 64)
+        k = ARCH_SPECS[arch].n_expert_used or SHAPE.n_expert_used  # llama4 routes top-1
+        assert ids.shape == (n_tokens, k) and probs.shape == (n_tokens, 8) and inp.shape == (n_tokens, 64)
         assert np.array_equal(ids, tap.seen[("topk", il)])
         assert np.array_equal(probs, tap.seen[("probs", il)])
         assert np.array_equal(inp, tap.seen[("inp", il)])

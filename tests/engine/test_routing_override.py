@@ -11,7 +11,7 @@ from ggmoe.hook import HookRequest, RouteRecorder
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_the_cache_and_the_observers_see_the_override(qwen3moe_model, mode):
+def test_the_cache_and_the_observers_see_the_override(qwen3moe_model, mode, copy_stream):
     """sync: the route op hands the override's experts to the cache; async: the device reads the forced
     routing through the tables and the controller sees it after each token."""
     rec = RouteRecorder(HookRequest(probs=False, hidden=False))
@@ -37,9 +37,11 @@ def test_the_cache_and_the_observers_see_the_override(qwen3moe_model, mode):
     assert calls and {il for il, _ in calls} == set(eng.facts.moe_layers)
     assert all(set(ev.ids.ravel().tolist()) == set(range(k)) for ev in events.values())
     for calls_, hits, misses in stats.values():
-        assert calls_ == 6
-        assert misses == k  # loaded once, then every call hits
-        assert hits == k * (calls_ - 1)
+        assert calls_ == 6 and hits + misses == k * calls_
+        if mode == "sync" or copy_stream == "immediate":
+            assert misses == k  # loaded once, then every call hits
+        else:  # the async admissions are seen once they landed, a token or more later
+            assert misses >= k and hits > 0
     assert any(set(ev.ids.ravel().tolist()) != set(range(k)) for ev in after.values())
 
 

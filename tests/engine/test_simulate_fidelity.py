@@ -15,6 +15,11 @@ from ggmoe.inspect import inspect_model
 from ggmoe.simulate.des import SimConfig, simulate
 from ggmoe.trace import load_trace
 
+# the simulator lands a copy when its modelled time says; the engine's counts equal its replay only when the
+# engine's copies land at once too (on the deferred stream they land when the threads run)
+pytestmark = pytest.mark.immediate_copies("the simulator's replay equals the engine's counts only when copies "
+                                          "land at once")
+
 FIELDS = ("calls", "native_calls", "hits", "misses", "host_computed", "admission_copies", "prefetch_issued",
           "prefetch_hits", "prefetch_wasted", "pred_correct", "pred_total")
 

@@ -63,6 +63,7 @@ def test_split_logits_equal_stock_every_arch(arch_model, stock_logits, mode):
         assert st.top_hits > 0 and st.bottom_read_bytes > 0, (arch, mode, name)  # tops found, bottoms read
 
 
+@pytest.mark.immediate_copies("two runs' counts are equal only when copies land at once")
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_theta_one_is_whole_expert_caching(qwen3moe_model, mode):
     """θ = 1 rounds to the whole expert: not split, the same counts as a cache without θ."""
@@ -112,7 +113,7 @@ def test_split_under_racing_copies(qwen3moe_model, stock_logits):
 
 
 @pytest.mark.parametrize("predictor", ["skip-gate", "reuse"])
-def test_prefetched_bottoms_equal_stock(arch_model, stock_logits, predictor):
+def test_prefetched_bottoms_equal_stock(arch_model, stock_logits, predictor, copy_stream):
     """MoEpic's prefetch (sync mode): bottoms of predicted experts copied into bottom buffers and read there,
     the rest read from host memory: the logits are stock's either way."""
     arch, path = arch_model
@@ -127,7 +128,8 @@ def test_prefetched_bottoms_equal_stock(arch_model, stock_logits, predictor):
         st = eng.cache_stats.total()
     _check(got, ref, (arch, predictor))
     assert st.bottom_prefetches > 0 and st.bottom_prefetch_bytes > 0
-    assert st.bottom_hits > 0  # some bottoms were read from their buffers
+    if copy_stream == "immediate":  # a stride-1 prefetch lands within one layer of a fixture only at once
+        assert st.bottom_hits > 0  # some bottoms were read from their buffers
     if predictor == "reuse":
         assert st.top_hits > 0  # and some from host memory
 
@@ -161,6 +163,14 @@ def test_split_tables_feed_the_matmuls(qwen3moe_model, theta):
         assert np.abs(before - after).max() > 1e-3
 
 
+def _land_all(eng: Engine) -> None:
+    """Wait for every copy in flight into the cache's slots and bottom buffers (their next access sees them)."""
+    cache = eng._runtime.cache
+    handles = [h for t in cache.tables.values() for h in t.copy if h is not None]
+    handles += [h for bt in cache.split.bottoms.values() for h in bt.copy if h is not None]
+    cache.copies.wait(handles)
+
+
 def test_prefetched_bottom_buffers_feed_the_matmuls(qwen3moe_model):
     """Zeroed bottom buffers change the logits of a step that reads bottoms there (skip-gate's prefetches,
     MoEpic's own predictor: the next layer's router on this layer's hidden state)."""
@@ -172,6 +182,8 @@ def test_prefetched_bottom_buffers_feed_the_matmuls(qwen3moe_model):
         eng.decode(ids)
         bottoms = [p.bottom for ps in eng._runtime.slots.pairs.values() for p in ps]
         assert all(bottoms)
+        eng.decode([ids[1]])  # prefetches this token's bottoms
+        _land_all(eng)  # landed (on any copy stream): the same token reads them from their buffers
         ref = eng.decode([ids[1]]).copy()
         hits0 = eng.cache_stats.total().bottom_hits
         _zero(bottoms)

@@ -10,9 +10,11 @@ from server_process import API_KEY, MAX_QUEUE, N_CTX, Server, start_server, stop
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Iterator[Server]:
-    """The embedded model behind an API key, a small queue and an expert cache with prefetching."""
-    s = start_server(tmp_path_factory.mktemp("serve"), "--api-key", API_KEY, "--max-queue", str(MAX_QUEUE),
-                     "--n-ctx", str(N_CTX), "--cache-slots", "8", "--predictor", "reuse")
+    """The embedded model behind an API key, a small queue, an expert cache with prefetching and a directory
+    for slot files."""
+    tmp = tmp_path_factory.mktemp("serve")
+    s = start_server(tmp, "--api-key", API_KEY, "--max-queue", str(MAX_QUEUE), "--n-ctx", str(N_CTX),
+                     "--cache-slots", "8", "--predictor", "reuse", "--slot-save-path", str(tmp / "slots"))
     yield s
     rc = stop_server(s)
     assert rc == 0, open(s.log).read()

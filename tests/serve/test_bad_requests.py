@@ -64,6 +64,9 @@ CASES = [
      400, "invalid_request_error", "invalid_value", "messages"),
     ("assistant-without-content-or-calls", CHAT, {"messages": [*MSG, {"role": "assistant"}]}, 400,
      "invalid_request_error", "invalid_value", "messages"),
+    ("json-object-invalid-schema", CHAT, {"messages": MSG, "response_format": {
+        "type": "json_object", "schema": {"$ref": "https://example.com/schema.json"}}}, 400,
+     "invalid_request_error", "invalid_value", "response_format"),
     ("json-schema-without-schema", CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400,
      "invalid_request_error", "invalid_value", "response_format"),
     ("tool-choice-unknown-tool", CHAT, {"messages": MSG, "tools": [

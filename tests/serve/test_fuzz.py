@@ -7,7 +7,10 @@ from fuzz_serve import fuzz
 from server_process import API_KEY
 
 EXAMPLES = 15  # per operation and generation mode
-TIME_LIMIT_S = 60.0
+TIME_LIMIT_S = 120.0
+# llama-server's native routes and Anthropic's: the run must reach each of them
+NEW_ROUTES = {"POST /completion", "POST /infill", "POST /embedding", "POST /apply-template", "GET /props",
+              "GET /slots", "POST /slots/{id_slot}", "POST /v1/messages", "POST /v1/messages/count_tokens"}
 
 
 def test_fuzzing_every_route_finds_no_500_and_no_malformed_error(server):
@@ -16,3 +19,4 @@ def test_fuzzing_every_route_finds_no_500_and_no_malformed_error(server):
     assert any(status >= 400 for _, status in report.statuses), report.summary()  # invalid bodies were sent
     assert any(status == 200 for _, status in report.statuses), report.summary()
     assert not report.failures, report.summary()
+    assert NEW_ROUTES <= {route for route, _ in report.statuses}, report.summary()

@@ -74,7 +74,7 @@ def test_sdk_logprobs_streaming_with_usage(oai):
                                          stream=True, logprobs=True, top_logprobs=1,
                                          stream_options={"include_usage": True})
     chunks = list(stream)
-    assert chunks[0].choices[0].delta.content == "" and chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content is None and chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
     tokens = [e.token for ch in chunks if ch.choices and ch.choices[0].logprobs
@@ -169,13 +169,16 @@ def test_any_model_name_and_models_created(server, oai):
     assert r.choices[0].message.content is not None
 
 
-@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
-def test_routes_without_the_v1_prefix(server, path):
-    body = {"messages": MSG} if "chat" in path else {"prompt": "Once"}
+def test_routes_without_the_v1_prefix(server):
+    """/chat/completions and /models are OpenAI's without the prefix too; /completions and /embeddings answer
+    in llama-server's own shapes, as llama-server does (tests/serve/test_llama_server.py)."""
     with server.client() as c:
-        r = c.post(path, json={**body, "max_tokens": 2})
+        r = c.post("/chat/completions", json={"messages": MSG, "max_tokens": 2})
         assert r.status_code == 200, r.text
+        assert r.json()["object"] == "chat.completion"
         assert c.get("/models").json()["data"][0]["id"] == "tiny-moe"
+        r = c.post("/completions", json={"prompt": "Once", "max_tokens": 2})
+        assert r.status_code == 200 and "content" in r.json() and "choices" not in r.json()
 
 
 def test_tokenize_detokenize_round_trip(server):

@@ -41,14 +41,40 @@ def test_each_family_parses_its_calls(family, text, content):
 
 @pytest.mark.parametrize("family,text", [
     ("hermes", "The weather is fine."),
-    ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),  # not an offered tool
-    ("hermes", "<tool_call>{not json</tool_call>"),
     ("llama3", "{\"answer\": 42}"),
     ("mistral", "no calls here"),
 ])
 def test_text_without_a_valid_call_stays_content(family, text):
     parsed = structured.parse_tool_calls(family, text, NAMES)
     assert parsed.tool_calls == [] and parsed.content == text
+
+
+@pytest.mark.parametrize("text,content", [
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', '{"name": "rm_rf", "arguments": {}}'),
+    ("<tool_call>{not json</tool_call>", "{not json"),
+    ("Let me look. <tool_call>\n{\"name\": \"get_wea", "Let me look. "),  # cut off inside a call
+    ("Sure.</tool", "Sure."),
+    ("Sure. <tool_ca", "Sure. "),
+])
+def test_markup_never_reaches_the_content(text, content):
+    parsed = structured.parse_tool_calls("hermes", text, NAMES)
+    assert parsed.tool_calls == [] and parsed.content == content
+
+
+def test_a_call_cut_off_in_its_close_tag_leaves_no_partial_tag():
+    """serve-dropin on the tools fixture: the generation stopped inside the close tag, and ``</tool`` stayed."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool'
+    parsed = structured.parse_tool_calls("hermes", text, NAMES)
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather"] and parsed.content is None
+    parsed = structured.parse_tool_calls("hermes", "Checking.\n" + text, NAMES)
+    assert parsed.content == "Checking."
+
+
+def test_parallel_tool_calls_gives_every_call_or_the_first():
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+            '<tool_call>{"name": "search", "arguments": {"q": "rain"}}</tool_call>')
+    assert len(structured.parse_tool_calls("hermes", text, NAMES, parallel=True).tool_calls) == 2
+    assert len(structured.parse_tool_calls("hermes", text, NAMES, parallel=False).tool_calls) == 1
 
 
 @pytest.mark.parametrize("template,family", [
@@ -66,6 +92,8 @@ def test_a_stream_holds_back_what_may_become_a_call():
     assert structured.safe_prefix("hermes", "Hello there") == len("Hello there")
     assert structured.safe_prefix("hermes", "Hello <tool") == len("Hello ")
     assert structured.safe_prefix("hermes", "Hi <tool_call>{") == len("Hi ")
+    assert structured.safe_prefix("hermes", "Hi </tool") == len("Hi ")
+    assert structured.safe_prefix("hermes", "Hi <") == len("Hi ")
     assert structured.safe_prefix("llama3", ' {"na') == 0
     assert structured.safe_prefix("llama3", "Sunny") == len("Sunny")
 
@@ -76,9 +104,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
              "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("family", structured.FAMILIES)
-def test_tool_grammars_are_valid_gbnf(family):
-    text = structured.tool_grammar(family, TOOLS)
+def test_tool_grammars_are_valid_gbnf(family, parallel):
+    text = structured.tool_grammar(family, TOOLS, parallel)
     assert "root ::=" in text
     llama_cpp.LlamaGrammar.from_string(text, verbose=False)  # the Python side; the server trial-parses too
 
@@ -92,3 +121,6 @@ def test_strict_schemas_admit_no_extra_properties_and_bad_ones_are_refused():
     assert e.value.status == 400
     assert structured.schema_grammar({"$ref": "https://example.com/schema.json"}, strict=False) \
         == structured.json_object_grammar()
+    with pytest.raises(APIError) as e:  # json_object with a schema: an invalid one is refused, never ignored
+        structured.schema_grammar({"$ref": "https://example.com/schema.json"}, strict=False, refuse=True)
+    assert e.value.status == 400

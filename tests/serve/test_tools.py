@@ -91,7 +91,7 @@ def test_streamed_tool_call(tools_server):
         events = sse_events(c, "/v1/chat/completions", {"messages": ASK, "tools": [WEATHER], "seed": 3,
                                                          "tool_choice": "required", "max_tokens": 120})
     chunks = [e for e in events if isinstance(e, dict)]
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     calls = [tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls") or []]
     assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Oslo", "Paris")
@@ -136,3 +136,27 @@ def test_generations_that_end_at_the_context_stop_there(tools_server):
             assert usage["completion_tokens"] == 40 * extra.get("n", 1)  # up to the last position
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 7, "min_tokens": 7})
         assert r.json()["usage"]["completion_tokens"] == 7
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_may_give_several_calls(tools_server, stream):
+    """parallel_tool_calls: true lets the forced grammar repeat the call; every call is kept and valid, and no
+    markup (a tag cut off at max_tokens included) reaches the content."""
+    body = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": True,
+            "max_tokens": 200, "seed": 5}
+    with tools_server.client(key=None) as c:
+        if stream:
+            chunks = [e for e in sse_events(c, "/v1/chat/completions", body) if isinstance(e, dict)]
+            calls = [tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls") or []]
+            content = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
+            assert [tc["index"] for tc in calls] == list(range(len(calls)))
+        else:
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            calls = r.json()["choices"][0]["message"]["tool_calls"]
+            content = r.json()["choices"][0]["message"]["content"] or ""
+    assert len(calls) >= 1 and len({tc["id"] for tc in calls}) == len(calls)
+    for tc in calls:
+        assert tc["function"]["name"] in ("get_weather", "get_time")
+        json.loads(tc["function"]["arguments"])
+    assert "<tool" not in content and "</tool" not in content

@@ -197,3 +197,19 @@ def test_inspect_figures_and_vram_budgets_are_inverse():
         if n > facts.n_expert_used:
             assert set(slots_for_budget(facts.cache_bytes(n) - 1, bpe, facts.n_expert,
                                         facts.n_expert_used).values()) == {n - 1}
+
+
+@pytest.mark.parametrize("policy, split, mode, want, why", [
+    ("auto", False, "auto", "auto", None),
+    ("auto", False, "sync", "auto", None),
+    ("auto", True, "auto", "wait", "split experts"),
+    ("auto", False, "async", "wait", "--decode-mode async"),
+    ("cpu", True, "async", "cpu", None),  # asked for explicitly: the engine refuses it, auto never errors
+    ("wait", True, "async", "wait", None),
+])
+def test_auto_without_host_path(policy, split, mode, want, why):
+    from ggmoe.cache.miss import auto_without_host_path
+
+    got, note = auto_without_host_path(policy, split, mode)
+    assert got == want
+    assert (note is None) if why is None else (why in note and note.startswith("auto: "))

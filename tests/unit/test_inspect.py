@@ -54,6 +54,12 @@ _DS2_MOE_EXTRA = (8 + 3 * 64 * 32) * 4  # exp_probs_b + one shared expert of wid
 _GPTOSS_ATTN = _ATTN_GQA + (64 + 32 + 32 + 64 + 4 + 64) * 4
 _GPTOSS_FFN = (64 * 8 + 8) * 4
 GPTOSS_DEVICE_BYTES = (32 + 32 + 64) * 8 * 4  # per layer: gate/up/down expert biases, F32, all 8 experts
+# glm4moe: q/k/v biases and post_attention_norm (the FFN norm of every layer, no ffn_norm); layer 0 a dense FFN
+_GLM_ATTN = _ATTN_GQA + _QWEN2_QKV_BIAS + 64 * 4
+_GLM_DENSE_FFN = 3 * 64 * 128 * 4
+_GLM_MOE = 64 * 8 * 4 + _DS2_MOE_EXTRA  # router, exp_probs_b, shared expert
+# llama4: MoE on layers 1 and 3 (router, ffn_norm, a shared expert of width 32), dense FFNs on 0 and 2
+_LLAMA4_MOE = _FFN_COMMON + 3 * 64 * 32 * 4
 ALL_MOE = (0, 1, 2, 3)
 CASES = [
     ("qwen3moe", "qwen3moe", 0, ALL_MOE, _GLOBAL + 4 * (_ATTN_GQA + _FFN_COMMON + _QWEN3_QK_NORM)),
@@ -74,7 +80,15 @@ CASES = [
         _GLOBAL + 4 * _ATTN_MLA + _DS2_DENSE_FFN + 3 * (_FFN_COMMON + _DS2_MOE_EXTRA),
     ),
     ("gptoss", "gpt-oss", 0, ALL_MOE, _GLOBAL + 4 * (_GPTOSS_ATTN + _GPTOSS_FFN)),
+    ("glm4moe", "glm4moe", 1, (1, 2, 3), _GLOBAL + 4 * _GLM_ATTN + _GLM_DENSE_FFN + 3 * _GLM_MOE),
+    ("deepseek3", "deepseek2", 1, (1, 2, 3),
+     _GLOBAL + 4 * _ATTN_MLA + _DS2_DENSE_FFN + 3 * (_FFN_COMMON + _DS2_MOE_EXTRA)),
+    ("ernie45", "ernie4_5-moe", 1, (1, 2, 3),
+     _GLOBAL + 4 * _ATTN_GQA + _DS2_DENSE_FFN + 3 * (_FFN_COMMON + (8 + 3 * 64 * 64) * 4)),
+    ("llama4", "llama4", 1, (1, 3), _GLOBAL + 4 * _ATTN_GQA + 2 * _DS2_DENSE_FFN + 2 * _LLAMA4_MOE),
 ]
+# top-k per fixture (Llama 4 routes top-1)
+TOP_K = {"llama4": 1}
 CASE_IDS = [case[0] for case in CASES]
 
 
@@ -102,7 +116,8 @@ def test_facts_of_fixture(
     facts = inspect_model(path)
 
     assert facts.arch == arch
-    assert (facts.n_layer, facts.n_expert, facts.n_expert_used) == (4, 8, 2)
+    k = TOP_K.get(fixture, 2)
+    assert (facts.n_layer, facts.n_expert, facts.n_expert_used) == (4, 8, k)
     assert (facts.n_embd, facts.n_ff_exp, facts.n_expert_shared) == (64, 32, n_shared)
     assert facts.moe_layers == moe_layers
     assert facts.dense_layers == tuple(il for il in range(4) if il not in moe_layers)
@@ -124,7 +139,7 @@ def test_facts_of_fixture(
     assert facts.vram_bytes(8) == dense_bytes + facts.expert_bytes
     # --vram of exactly N slots buys N slots (budgets count the bytes the cache holds)
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
-    assert set(slots_for_budget(facts.cache_bytes(4), bpe, 8, 2).values()) == {4}
+    assert set(slots_for_budget(facts.cache_bytes(4), bpe, 8, k).values()) == {4}
 
 
 @pytest.mark.parametrize(("name", "cached"), [
@@ -233,7 +248,7 @@ def test_router_is_not_degenerate(fixture_dir: Path, arch: str) -> None:
     embd = np.asarray(tensors["token_embd.weight"].data, dtype=np.float32)  # [n_vocab, n_embd]
     router = np.asarray(tensors[f"blk.{il}.ffn_gate_inp.weight"].data, dtype=np.float32)  # [n_expert, n_embd]
     x = embd / np.sqrt((embd**2).mean(axis=1, keepdims=True) + SHAPE.rms_eps)
-    top2 = np.sort(np.argsort(x @ router.T, axis=1)[:, -2:], axis=1)  # [n_vocab, 2]
+    top2 = np.sort(np.argsort(x @ router.T, axis=1)[:, -2:], axis=1)  # [n_vocab, 2] (top-1 routers too)
     pairs = {tuple(p) for p in top2.tolist()}
     usage = np.bincount(top2.ravel(), minlength=SHAPE.n_expert)
     assert len(pairs) >= 15  # of 28 possible

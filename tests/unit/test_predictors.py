@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ggmoe.errors import UsageError
+from ggmoe.inspect.gating import Gating
 from ggmoe.inspect.router import Router
 from ggmoe.predict import PREDICTORS, ModelShape, Predictor, make_predictor
 from ggmoe.predict.eam import EAMCollection
@@ -14,6 +15,8 @@ from ggmoe.predict.expert_map import MapStore, select_count
 from ggmoe.trace import load_trace
 from ggmoe.trace.data import load_traces, merge_traces, select_prompts, split_prompts
 from predictors.synthetic import planted_trace, synthetic_meta
+
+SOFTMAX = Gating(func="softmax", norm_w=False, w_scale=0.0, n_expert_groups=0, n_group_used=0)
 
 K, M = 2, 4  # n_expert_used, prefetch set
 
@@ -235,7 +238,7 @@ def _router_trace(tmp_path, noise: float, seed: int = 0):
     meta = synthetic_meta(n_layer=4, n_expert=8, k=2, n_embd=16)
     rng = np.random.default_rng(seed)
     routers = {il: Router(il=il, weight=rng.standard_normal((8, 16)).astype(np.float32), bias=None,
-                          selection_bias=None, gating="softmax") for il in range(4)}
+                          selection_bias=None, gating=SOFTMAX) for il in range(4)}
     w = TraceWriter(meta, keep_hidden=True)
     for _ in range(4):
         for _t in range(10):
@@ -315,7 +318,7 @@ def test_metrics_count_overlaps(tmp_path):
     with pytest.raises(UsageError, match="prefetch 9"):
         evaluate(_Fixed(_shape(trace), 1), trace, prefetch=9)
     zero = {il: Router(il=il, weight=np.zeros((8, 4), np.float32), bias=None, selection_bias=None,
-                       gating="softmax") for il in range(3)}
+                       gating=SOFTMAX) for il in range(3)}
     with pytest.raises(UsageError, match="needs MoE input hidden states"):
         evaluate(PREDICTORS.get("skip-gate")(_shape(trace), 1, routers=zero), trace, 4)
 

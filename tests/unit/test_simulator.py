@@ -143,6 +143,9 @@ def test_auto_picks_the_cheaper():
     mid_cpu = dataclasses.replace(PROFILE, cpu_bytes_per_s=BPE / 3e-3)
     r = simulate(tr, SimConfig({0: 2}, miss_policy="auto"), {0: BPE}, mid_cpu)
     assert r.host_computed == 3 and r.exposed_copy_s == 0.0
+    # where the host path cannot serve (an async decode; split layers) auto reads misses as the engine does
+    assert simulate(tr, SimConfig({0: 2}, miss_policy="auto", decode_mode="async"), {0: BPE}, fast_cpu
+                    ).host_computed == 0
 
 
 def test_an_oracle_prefetch_one_layer_ahead_hides_the_copy_when_the_gpu_is_slow_enough():

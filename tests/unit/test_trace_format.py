@@ -145,3 +145,70 @@ def test_recorder_joins_micro_batches():
     rec.on_route(one)
     rec.on_route(b[0])
     assert rec.take()[0].hidden is None
+
+
+def _gptoss_events(rng: np.random.Generator, n: int) -> dict[int, RouteEvent]:
+    """gpt-oss's hook: probabilities (softmax of the logits) and the raw logits under their own name."""
+    out = {}
+    for il in LAYERS:
+        logits = (rng.standard_normal((n, E)) * 3).astype(np.float32)
+        z = np.exp(logits - logits.max(axis=1, keepdims=True))
+        ids = np.argsort(-logits, axis=1)[:, :K].astype(np.int32)
+        out[il] = RouteEvent(il=il, ids=ids, probs=z / z.sum(axis=1, keepdims=True), hidden=None, logits=logits)
+    return out
+
+
+GPTOSS = replace(META, arch="gpt-oss", gating="softmax_weight")
+
+
+def test_logits_round_trip(tmp_path):
+    rng = np.random.default_rng(3)
+    w = TraceWriter(GPTOSS, keep_hidden=False)
+    ev = _gptoss_events(rng, 4)
+    w.add_step([1, 2, 3, 4], 0, STAGE_PREFILL, ev)
+    tr = load_trace(w.save(tmp_path / "t.npz"))
+    assert tr.meta.version == 2 and tr.meta.gating == "softmax_weight"
+    assert np.allclose(tr.logits[:, 0], ev[LAYERS[0]].logits, atol=1e-2)
+    assert np.allclose(tr.probs.astype(np.float32).sum(axis=2), 1.0, atol=1e-2)
+
+
+def _as_v1(path, probs):
+    """Rewrite a trace as version 1 wrote it: no gating field, the graph's values under probs, no logits."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files if k != "logits"}
+    d = json.loads(arrays["meta"].tobytes())
+    del d["gating"]
+    d["version"] = 1
+    arrays["meta"] = np.frombuffer(json.dumps(d).encode(), dtype=np.uint8)
+    arrays["probs"] = probs
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize("arch, gating, converts", [
+    ("qwen3moe", "softmax", False),
+    ("deepseek2", "softmax", False),
+    ("gpt-oss", "softmax_weight", True),
+])
+def test_reads_version_1(tmp_path, arch, gating, converts):
+    """Version 1 stored the graph's probs: gpt-oss's were logits, read back as logits and their softmax."""
+    rng = np.random.default_rng(4)
+    w = TraceWriter(replace(META, arch=arch), keep_hidden=False)
+    w.add_step([1, 2, 3], 0, STAGE_PREFILL, _gptoss_events(rng, 3))
+    path = w.save(tmp_path / "t.npz")
+    stored = (rng.standard_normal((3, len(LAYERS), E)) * 3).astype(np.float16)
+    _as_v1(path, stored)
+    tr = load_trace(path)
+    assert tr.meta.version == 2 and tr.meta.gating == gating
+    if converts:
+        assert np.array_equal(tr.logits, stored)
+        assert np.allclose(tr.probs.astype(np.float32).sum(axis=2), 1.0, atol=1e-2) and tr.probs.min() >= 0
+    else:
+        assert tr.logits is None and np.array_equal(tr.probs, stored)
+
+
+def test_refuses_logits_as_probs(tmp_path):
+    """A version 2 trace whose probs are negative holds logits: refused, so no predictor normalises them."""
+    path, _ = _write(tmp_path)
+    _rewrite(path, probs=np.full((14, 3, E), -1.0, np.float16))
+    with pytest.raises(TraceFormatError, match="not probabilities"):
+        load_trace(path)

@@ -75,14 +75,15 @@ def tile_probs(probs: np.ndarray, n_layer: int, factor: int) -> np.ndarray:
 
 
 def tile_trace(trace: Trace, layers: tuple[int, ...], n_expert: int, k: int, fingerprint: str) -> Trace:
-    """The trace as the model's: its layers, experts and fingerprint (hidden states dropped)."""
+    """The trace as the model's: its layers, experts and fingerprint (hidden states and raw logits dropped)."""
     factor, reps = expert_map(trace.meta.n_expert, trace.meta.n_expert_used, n_expert, k)
     meta = dataclasses.replace(trace.meta, model_fingerprint=fingerprint, n_layer=max(layers) + 1,
                                n_expert=n_expert, n_expert_used=k,
                                model_name=f"{trace.meta.model_name} (tiled: {ROUTING_NAME})")
     return dataclasses.replace(trace, meta=meta, layers=np.asarray(layers, dtype=np.int32),
                                ids=tile_ids(trace.ids, len(layers), factor, reps).astype(np.int16),
-                               probs=tile_probs(trace.probs, len(layers), factor), hidden=None)
+                               probs=tile_probs(trace.probs, len(layers), factor), hidden=None,
+                               logits=None)  # raw router logits do not tile: the probabilities do
 
 
 def routing_name(trace: Trace) -> str:
