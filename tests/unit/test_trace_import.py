@@ -120,17 +120,20 @@ def test_commands_refuse_what_an_imported_trace_lacks_in_one_line(tmp_path, pred
     assert r.exit_code == 2 and "--model" in r.output and "--hw none" in r.output
 
 
-def test_simulate_counts_an_imported_trace_without_a_gguf(tmp_path):
+@pytest.mark.parametrize("jobs", ["1", "2"])  # 2: configurations in forked worker processes, the same results
+def test_simulate_counts_an_imported_trace_without_a_gguf(tmp_path, jobs):
     src = _layer_files(tmp_path, _routing(4, (30, 30)))
     out = tmp_path / "t"
     CliRunner().invoke(main, ["trace", "import", str(src), "-o", str(out), "--n-expert", str(E), "--top-k", str(K)])
     r = CliRunner().invoke(main, ["simulate", str(out), "--hw", "none", "--cache-slots", "4", "--policy",
-                                  "lru,belady", "--decode-mode", "sync,async", "--jobs", "1", "--json"])
+                                  "lru,belady", "--decode-mode", "sync,async", "--jobs", jobs, "--json"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.output[r.output.index("{"):])
     hits = {(x["policy"], x["decode_mode"]): x["hit_rate"] for x in res["results"]}
     assert hits[("belady", "sync")] == hits[("belady", "async")] >= hits[("lru", "sync")] == hits[("lru", "async")]
     assert res["routing"].startswith("layer-files:")
+    assert [(x["policy"], x["decode_mode"]) for x in res["results"]] == [
+        ("lru", "sync"), ("lru", "async"), ("belady", "sync"), ("belady", "async")]  # in the order asked
 
 
 def _bad_layer_files(tmp_path, case: str):
