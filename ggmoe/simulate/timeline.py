@@ -93,14 +93,16 @@ class LinkCopyBackend:
             heapq.heappop(r)
         return r[0][2] if r else None
 
-    def _make_ready(self, start: float) -> None:
-        """Jobs submitted by ``start`` join the ready heap."""
+    def _make_ready(self, start: float) -> bool:
+        """Jobs submitted by ``start`` join the ready heap; whether any did."""
         p = self._pending
+        pushed = False
         while p and (not p[0].live or p[0].submitted <= start):
             job = p.popleft()
             if job.live:
-                job.ready = True
+                job.ready = pushed = True
                 heapq.heappush(self._ready, (job.key, job.handle.id, job))
+        return pushed
 
     def _step(self, until: float | None) -> int | None:
         """Run the most urgent job available at the link's time, chunk after chunk while no more urgent job
@@ -132,8 +134,7 @@ class LinkCopyBackend:
             start = self._busy_until
             if until is not None and start >= until:
                 return -1
-            self._make_ready(start)
-            if self._top() is not job:
+            if self._make_ready(start) and self._top() is not job:  # nothing new: the job is still the most urgent
                 return -1
 
     def _advance(self) -> None:
