@@ -56,9 +56,6 @@ class ExpertCache:
         # the copy queue's optional hooks, looked up once rather than per call (None: the backend has no queue)
         self._promote = getattr(self.copies, "promote", None)
         self._remaining = getattr(self.copies, "remaining_s", None)
-        # a backend that can tell at once that no copy landed since it last said so (the simulator's link):
-        # the readiness query per slot is then skipped (the engine's backends have none: every slot is asked)
-        self._landed_any = getattr(self.copies, "landed_any", None)
         self.miss_policy = check_miss_policy(miss_policy)
         self.costs = costs  # for "auto"
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
@@ -367,8 +364,6 @@ class ExpertCache:
 
     def _land_done(self, table: SlotTable) -> None:
         """Mark every copy that has landed since the last look (their slots may be read and evicted again)."""
-        if self._landed_any is not None and not self._landed_any():
-            return
         for slot, h in enumerate(table.copy):
             if h is not None and self.copies.done(h):
                 table.landed(slot)

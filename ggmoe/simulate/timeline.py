@@ -61,10 +61,6 @@ class LinkCopyBackend:
         self._landed: dict[int, float] = {}  # handle id -> landing time (s)
         self._busy_until = 0.0  # s: the link is busy with a chunk until then
         self._settled = -1.0  # clock time by which every chunk that could start has run (until a submission)
-        # copies landed and not yet reported landed (by done or wait): (landing time s, handle id), a heap with
-        # the reported ones dropped lazily; landed_any() answers from it without asking copy by copy
-        self._unreported: list[tuple[float, int]] = []
-        self._reported: set[int] = set()
         self.busy_s = 0.0  # s the link spent copying
         self.late_prefetches = 0  # prefetch copies a layer had to wait for (not landed in time)
 
@@ -83,7 +79,6 @@ class LinkCopyBackend:
         h = CopyHandle(next(self._ids), il, expert, slot, priority if type(priority) is Priority else Priority(priority))
         if self.profile is None:
             self._landed[h.id] = self.clock.now()
-            heapq.heappush(self._unreported, (self.clock.now(), h.id))
             return h
         job = _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks, self._chunk_s(h))
         self._queue[h.id] = job
@@ -135,7 +130,6 @@ class LinkCopyBackend:
                 job.live = False
                 del self._queue[job.handle.id]
                 self._landed[job.handle.id] = self._busy_until
-                heapq.heappush(self._unreported, (self._busy_until, job.handle.id))
                 return job.handle.id
             start = self._busy_until
             if until is not None and start >= until:
@@ -157,22 +151,7 @@ class LinkCopyBackend:
         if self._queue and now != self._settled:  # _advance's own check, inlined: the async decode asks often
             self._advance()
         t = self._landed.get(handle.id)
-        if t is not None and t <= now:
-            self._reported.add(handle.id)
-            return True
-        return False
-
-    def landed_any(self) -> bool:
-        """Whether a copy has landed by now that ``done`` or ``wait`` has not reported yet (False: every
-        ``done`` would answer False). A copy dropped without being asked about keeps this True: slower,
-        never wrong."""
-        now = self.clock.now()
-        if self._queue and now != self._settled:
-            self._advance()
-        u, rep = self._unreported, self._reported
-        while u and u[0][1] in rep:
-            rep.discard(heapq.heappop(u)[1])
-        return bool(u) and u[0][0] <= now
+        return t is not None and t <= now
 
     def wait(self, handles: Iterable[CopyHandle]) -> None:
         handles = list(handles)
@@ -189,7 +168,6 @@ class LinkCopyBackend:
         last = max((self._landed.get(h.id, 0.0) for h in handles), default=0.0)
         if last > self.clock.now():
             self.clock.advance(last - self.clock.now())
-        self._reported.update(h.id for h in handles if h.id in self._landed)
 
     def _done_now(self, h: CopyHandle) -> bool:
         t = self._landed.get(h.id)
