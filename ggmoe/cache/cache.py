@@ -404,6 +404,8 @@ class ExpertCache:
         """Copies of ``missing`` into free slots or the policy's victims (never a slot this call reads)."""
         in_use = set(need)  # never evict what this call uses
         bpe = self.slot_bytes[il]
+        st = self.stats.layers[il]
+        policy, submit, token = self.policy, self.copies.submit, self.token
         handles = []
         cand: list[int] | None = None  # victims, computed once (a miss's own copy is in use, so never one)
         for e in missing:
@@ -417,18 +419,19 @@ class ExpertCache:
                         break  # every other slot is in use or still loading: no room for a low-priority copy
                     self._land_all(table)  # a demand copy may take a slot whose copy landed
                     cand = self._victims(table, in_use)
-                victim = self.policy.victim(il, cand, self.clock)
+                victim = policy.victim(il, cand, self.clock)
                 cand.remove(victim)
                 slot = table.slot_of_list[victim]
-                self.policy.on_evict(il, victim)
-                self.stats.layers[il].evictions += 1
-            self._note_eviction(il, table, slot)
+                policy.on_evict(il, victim)
+                st.evictions += 1
+            if table.prefetched[slot]:
+                self._note_eviction(il, table, slot)
             table.unmap(slot)  # the expert table stops pointing at the slot before the copy may write it
-            h = self.copies.submit(il, e, slot, priority)
+            h = submit(il, e, slot, priority)
             self._submitted[h.id] = self.time.now()
-            self._submit_token[h.id] = self.token
+            self._submit_token[h.id] = token
             table.place(e, slot, h)
             handles.append(h)
-            self.policy.on_insert(il, e, self.clock)
-            self.stats.layers[il].bytes_copied += bpe
+            policy.on_insert(il, e, self.clock)
+            st.bytes_copied += bpe
         return handles

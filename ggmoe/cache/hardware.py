@@ -70,14 +70,52 @@ def profile_names() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
 
 
+def compose_profile(spec: str, parts_file: Path | None = None) -> tuple[HardwareProfile, dict[str, str]]:
+    """``GPU/LINK/HOST`` (``ggmoe.cache.parts``) as a profile, and the source of every figure."""
+    from ggmoe.cache import parts as P
+
+    names = spec.split("/")
+    if len(names) != 3 or not all(names):
+        raise UsageError(f"hardware {spec!r}: compose it as GPU/LINK/HOST, e.g. rtx4090/pcie4x16/ddr5-5600x2")
+    table = P.load_parts(parts_file or P.PARTS_FILE)
+    gpu, slot, host = P.part(table, "gpu", names[0]), P.part(table, "link", names[1]), P.part(table, "host", names[2])
+    link = P.effective_link(gpu, slot)
+    scale = 1008.0e9 / gpu.memory_bytes_per_s
+    profile = HardwareProfile(
+        name=spec, description=f"{gpu.name} on {link.name} (slot {slot.name}), host {host.name}: composed from "
+                               "public specifications (estimates)",
+        copy_bytes_per_s=link.bytes_per_s, copy_latency_s=link.latency_s,
+        gpu_bytes_per_s=P.GPU_SHARE * gpu.memory_bytes_per_s, gpu_launch_s=P.GPU_LAUNCH_S,
+        gpu_layer_s=P.LAYER_S_AT_4090 * scale, cpu_bytes_per_s=P.CPU_SHARE * host.memory_bytes_per_s,
+        cpu_latency_s=P.CPU_LATENCY_S, hook_s=P.HOOK_S)
+    sources = {"copy_bytes_per_s": link.source, "copy_latency_s": f"{link.name}: {link.latency_s * 1e6:g} us "
+               "per copy (ggmoe/cache/parts.py)",
+               "gpu_bytes_per_s": f"{gpu.source}; x {P.GPU_SHARE} for a memory-bound matvec",
+               "gpu_launch_s": "the pcie4 profile's kernel launch", "gpu_layer_s": "the pcie4 profile's 60 us on "
+               f"an RTX 4090 x 1008 GB/s / {gpu.name}'s {gpu.memory_bytes_per_s / 1e9:g} GB/s",
+               "cpu_bytes_per_s": f"{host.source}; x {P.CPU_SHARE} for a quantized matvec",
+               "cpu_latency_s": "the pcie4 profile's", "hook_s": "measured on the H100 loan (h100 profile)"}
+    return profile, sources
+
+
+def gpu_vram(name: str) -> int:
+    """Bytes of VRAM of a GPU of the parts file (UsageError naming the known ones otherwise)."""
+    from ggmoe.cache import parts as P
+
+    return P.part(P.load_parts(), "gpu", name).vram_bytes
+
+
 def load_profile(spec: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
-    """A built-in profile by name, or a profile TOML file; UsageError with one clear line otherwise."""
+    """A built-in profile by name, ``GPU/LINK/HOST`` composed from parts (``ggmoe.cache.parts``), or a profile
+    TOML file; UsageError with one clear line otherwise."""
+    if isinstance(spec, str) and "/" in spec and not spec.endswith(".toml") and not Path(spec).is_file():
+        return compose_profile(spec)[0]
     path = Path(spec)
     if not path.suffix and str(spec) in profile_names():
         path = PROFILES_DIR / f"{spec}.toml"
     if not path.is_file():
-        raise UsageError(f"unknown hardware profile {str(spec)!r}: give one of {', '.join(profile_names())} "
-                         "or a profile .toml file")
+        raise UsageError(f"unknown hardware profile {str(spec)!r}: give one of {', '.join(profile_names())}, "
+                         "GPU/LINK/HOST (e.g. rtx4090/pcie4x16/ddr5-5600x2) or a profile .toml file")
     data = read_toml(path, str(path), "profile", MAX_PROFILE_BYTES)
     values: dict[str, float] = {}
     for attr, (table, key, low) in _FIELDS.items():

@@ -163,12 +163,12 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--config", "config", type=click.Path(dir_okay=False),
                       help="A plan file from `ggmoe plan` (slots per layer, policy, predictor, miss policy) "
                            "instead of the cache flags.")(fn)
-    fn = click.option("--hw", help="Hardware profile (pcie4, h100, egpu, or a .toml file) as the cost model of "
+    fn = click.option("--hw", help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST such as rtx4090/pcie4x16/ddr5-5600x2, or a .toml file) as the cost model of "
                                    "--miss-policy auto, instead of measuring this machine at startup.")(fn)
     fn = click.option("--predict-in-background", "predict_background", is_flag=True,
                       help="Run the predictor on a worker thread, off the route callback's critical path.")(fn)
     fn = click.option("--predictor-train", "predictor_train", multiple=True, type=click.Path(),
-                      help="Training traces for a predictor that learns (token, eam, expert-map); repeat.")(fn)
+                      help="Training traces for a predictor that learns (token, eam, expert-map, transition); repeat.")(fn)
     fn = click.option("--prefetch-threshold", type=FiniteFloat(),
                       help="Prefetch only experts whose predicted score reaches this (fMoE's threshold).")(fn)
     fn = click.option("--prefetch", "n_prefetch", type=click.IntRange(min=1, max=4096),
@@ -176,7 +176,7 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--stride", default=2, show_default=True, type=click.IntRange(min=1, max=1024),
                       help="Predict and prefetch the MoE layer this many layers ahead.")(fn)
     fn = click.option("--predictor",
-                      help="Prefetch with this predictor: reuse, skip-gate, token, eam, expert-map, or PRED.npz "
+                      help="Prefetch with this predictor: reuse, skip-gate, token, eam, expert-map, transition, or PRED.npz "
                            "from `ggmoe train-predictor`.")(fn)
     fn = click.option("--miss-policy", type=click.Choice(["wait", "cpu", "auto"]),
                       help="An expert not on the device: wait for its copy (default), compute it on the CPU "

@@ -21,14 +21,21 @@ if TYPE_CHECKING:
 
 @click.command()
 @model_arg
-@click.option("--vram", required=True, help="Budget for cached experts over all layers, e.g. 4GiB.")
-@click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, a .toml).")
+@click.option("--gpu", help="What to run on this GPU (rtx3090, rtx4090, rtx5090, rtx4060ti16, rtx5060ti16, a6000, "
+                            "l40s, h100): from the GGUF header alone, estimated beside llama.cpp's ways.")
+@click.option("--ram", help="With --gpu: the host's RAM, e.g. 64GiB (checked against the weights).")
+@click.option("--link", help="With --gpu: the slot, e.g. pcie4x16, pcie3x4, tb4 (default: the card's own).")
+@click.option("--host", default="ddr5-5600x2", show_default=True,
+              help="With --gpu: the host memory (ddr4-3200x2, ddr5-5600x2, ddr5-6000x2, epyc7742).")
+@click.option("--vram", help="Budget for cached experts over all layers, e.g. 4GiB; with --gpu: the GPU's VRAM "
+                             "to use (default: all of it).")
+@click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST e.g. rtx4090/pcie4x16/ddr5-5600x2, a .toml).")
 @click.option("--traces", multiple=True, type=click.Path(),
               help="Traces of the model (what ggmoe trace -o wrote: the directory or its trace.npz): "
                    "candidates are simulated on them.")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False),
               help="Routing statistics (--stats-out) instead of traces: a static plan, estimated analytically.")
-@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="The plan file (.toml).")
+@click.option("-o", "--out", type=click.Path(dir_okay=False), help="The plan file (.toml); not with --gpu.")
 @click.option("--predictor-s", type=FiniteFloat(min=0.0),
               help="Seconds per predictor call (default: measured on this machine while simulating).")
 @click.option("--moepic", is_flag=True,
@@ -37,8 +44,9 @@ if TYPE_CHECKING:
                    "simulated beside the even LRU split. Needs --traces.")
 @click.option("--json", "as_json", is_flag=True, help="Print the choice and every candidate as JSON.")
 @edge
-def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_path: str | None, out: str,
-         predictor_s: float | None, moepic: bool, as_json: bool) -> None:
+def plan(model: str | None, gpu: str | None, ram: str | None, link: str | None, host: str, vram: str | None,
+         hw: str, traces: tuple[str, ...], stats_path: str | None, out: str | None, predictor_s: float | None,
+         moepic: bool, as_json: bool) -> None:
     """Choose slots per layer, policy, predictor and miss policy for a VRAM budget, by simulation.
 
     The plan is written as TOML that run, trace, serve and chat take with --config FILE; the estimated
@@ -51,6 +59,8 @@ def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_p
       ggmoe plan --vram 6MiB --traces traces/trace.npz -o plan.toml
       ggmoe run -p "def fib(n):" --config plan.toml
       ggmoe plan model.gguf --vram 8GiB --hw egpu --stats routing.npz -o plan.toml
+      ggmoe plan Qwen3-30B-A3B-Q4_K_M.gguf --gpu rtx4090 --ram 64GiB --link pcie4x16
+      ggmoe plan Qwen3-30B-A3B-Q4_K_M.gguf --gpu rtx5060ti16 --link tb4 --json
     """
     from ggmoe.cache.config import CacheConfig
     from ggmoe.cache.hardware import load_profile
@@ -63,6 +73,9 @@ def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_p
     from ggmoe.trace import load_traces
     from ggmoe.units import parse_bytes
 
+    if _gpu_mode(gpu, ram, link, vram, out, bool(traces or stats_path or moepic)):
+        _advise(model, gpu, vram, ram, link, host, as_json)
+        return
     check_output(out, "-o", suffixes=(".toml",))
     if bool(traces) == (stats_path is not None):
         raise UsageError("give the routing to plan for: --traces FILE... or --stats FILE, one of them")
@@ -115,6 +128,50 @@ def plan(model: str | None, vram: str, hw: str, traces: tuple[str, ...], stats_p
     click.echo(f"estimated TPOT {p.tpot_s * 1e3:.3f} ms against {p.baseline_tpot_s * 1e3:.3f} ms for the "
                f"baseline ({baseline}): {p.baseline_tpot_s / p.tpot_s:.2f}x")
     click.echo(f"wrote {out}; use it with: ggmoe run --config {out} -p ...")
+
+
+def _gpu_mode(gpu: str | None, ram: str | None, link: str | None, vram: str | None, out: str | None,
+              routing: bool) -> bool:
+    """Whether this is ``plan --gpu`` (what to run on a GPU); UsageError for flags of the other mode."""
+    if gpu is not None:
+        if routing or out:
+            raise UsageError("--gpu answers from the GGUF header alone: leave out --traces, --stats, --moepic and -o")
+        return True
+    for flag, value in (("--ram", ram), ("--link", link)):
+        if value is not None:
+            raise UsageError(f"{flag} goes with --gpu")
+    if vram is None or out is None:
+        raise UsageError("give --vram and -o (or --gpu NAME to ask what to run on a GPU)")
+    return False
+
+
+def _advise(model: str | None, gpu: str, vram: str | None, ram: str | None, link: str | None, host: str,
+            as_json: bool) -> None:
+    """``plan --gpu``: the ways to run the model on the GPU, estimated (ggmoe.simulate.advise)."""
+    import dataclasses
+
+    from ggmoe.inspect import inspect_model
+    from ggmoe.simulate.advise import advise
+    from ggmoe.units import parse_bytes
+
+    facts = inspect_model(model_path(model))
+    a = advise(facts, gpu, parse_bytes(vram) if vram else None, parse_bytes(ram) if ram else None, link, host)
+    if as_json:
+        d = dataclasses.asdict(a)
+        d["estimates"] = "decode_tok_s and prefill_tok_s are simulator estimates (docs/simulator.md)"
+        click.echo(json.dumps(d, indent=2))
+        return
+    click.echo(f"{Path(a.model).name} on {a.profile} (link {a.link}), {a.vram_bytes / 2**30:.1f} GiB VRAM: "
+               f"{a.expert_budget_bytes / 2**30:.1f} GiB for experts")
+    click.echo(f"routing replayed: {a.routing}")
+    click.echo("estimates (simulator; not measured):")
+    for w in a.ways:
+        dec = f"{w.decode_tok_s:7.1f}" if w.decode_tok_s else "      -"
+        pre = f"{w.prefill_tok_s:8.0f}" if w.prefill_tok_s else "       -"
+        click.echo(f"  {w.name:<54} decode {dec} tok/s  prefill {pre} tok/s  {w.detail}")
+    for n in a.notes:
+        click.echo(f"note: {n}")
+    click.echo(f"run ({a.choice.name}, est. {a.choice.decode_tok_s:.1f} tok/s decode):\n  {a.choice.run}")
 
 
 MOEPIC_BASELINE = "LRU, whole experts, even split, no prefetching"

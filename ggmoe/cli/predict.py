@@ -20,10 +20,10 @@ _traces_arg = click.argument("traces", nargs=-1, required=True, type=click.Path(
 @click.command("eval-predictor")
 @_traces_arg
 @click.option("-p", "--predictor", "specs", multiple=True, required=True,
-              help="A PRED.npz file (mlp) or a name: skip-gate, token, reuse, eam, expert-map, oracle; "
+              help="A PRED.npz file (mlp) or a name: skip-gate, token, reuse, eam, expert-map, transition, oracle; "
                    "repeat to compare several.")
 @click.option("--train", "train_paths", multiple=True, type=click.Path(),
-              help="Training traces for the data-driven predictors (token, eam, expert-map); TRACES are then "
+              help="Training traces for the data-driven predictors (token, eam, expert-map, transition); TRACES are then "
                    "all held out. Without it TRACES are split by prompt (--val-frac, --seed) as train-predictor "
                    "splits them, so an mlp trained on TRACES is scored on its own validation prompts.")
 @click.option("--stride", default=1, show_default=True, type=click.IntRange(min=1),

@@ -50,7 +50,7 @@ def _types(facts: Any) -> str:
 @click.option("--traces", multiple=True, required=True, type=click.Path(),
               help="Traces of one of the models (routing is taken as shared by the quantization levels).")
 @click.option("--vram", required=True, help="Budget for cached experts over all layers, e.g. 4GiB.")
-@click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, a .toml).")
+@click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST e.g. rtx4090/pcie4x16/ddr5-5600x2, a .toml).")
 @click.option("--policy", default="lru", show_default=True)
 @click.option("--miss-policy", default="wait", show_default=True)
 @click.option("--json", "as_json", is_flag=True)

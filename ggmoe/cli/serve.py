@@ -161,7 +161,7 @@ def _run_until_stopped(run: Any) -> None:
               help="Directory where POST /slots/{id}?action=save|restore keeps slot files (llama-server's flag); "
                    "created when missing. Without it, save and restore are refused.")
 @click.option("--reconfigure-hw", default="pcie4", show_default=True,
-              help="Hardware profile (pcie4, h100, egpu, or a .toml) the reconfiguration estimates with.")
+              help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST, or a .toml) the reconfiguration estimates with.")
 @_model_options
 @edge
 def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,

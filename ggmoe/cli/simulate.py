@@ -115,6 +115,65 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
     plt.close(fig)
 
 
+_SHARED: tuple = ()  # what every configuration of one simulate call shares (set before the workers fork)
+
+
+def _run_one(cfg: Any) -> Any:
+    from ggmoe.simulate.des import simulate as run
+
+    trace, bpe, profile, train, model = _SHARED
+    return run(trace, cfg, bpe, profile, train, model_path=model)
+
+
+def run_configs(configs: list[Any], shared: tuple, jobs: int | None) -> list[Any]:
+    """``des.simulate`` of every configuration, in order; ``jobs`` worker processes (forked, so the traces are
+    not copied; default: the CPUs this process may use), one process for one configuration or ``jobs=1``."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    global _SHARED
+    _SHARED = shared
+    n = min(jobs or len(os.sched_getaffinity(0)), len(configs))
+    with click.progressbar(length=len(configs), label="simulating", file=sys.stderr) as bar:
+        if n <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            out = []
+            for cfg in configs:
+                out.append(_run_one(cfg))
+                bar.update(1)
+            return out
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as ex:
+            futures = [ex.submit(_run_one, cfg) for cfg in configs]
+            out = []
+            for f in futures:
+                out.append(f.result())
+                bar.update(1)
+            return out
+
+
+def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: str) -> tuple[Any, Path | None]:
+    """(facts, GGUF path) of the model the traces route: ``--model`` (or the embedded model), checked by
+    fingerprint; an imported trace made without a GGUF is checked by shape, and runs without one for counts
+    (its shape from the trace, no bytes: ``need_bytes`` refuses that, naming ``counts_flag``)."""
+    from ggmoe.inspect import inspect_model
+    from ggmoe.inspect.fingerprint import model_fingerprint
+    from ggmoe.trace.imports import TraceShape, check_trace_fits
+
+    imported = bool(trace.meta.source) and not trace.meta.model_fingerprint
+    if imported and model is None:
+        if need_bytes:
+            raise UsageError(f"the trace was imported without a model ({trace.meta.source}): give the GGUF its "
+                             f"routing belongs to with --model for times, or {counts_flag} for counts")
+        return TraceShape.of(trace), None
+    path = model_path(model, "--model")
+    facts = inspect_model(path)
+    if imported:
+        check_trace_fits(trace, facts.n_expert, facts.n_expert_used, facts.moe_layers, Path(path).name)
+    elif trace.meta.model_fingerprint != model_fingerprint(path):
+        raise UsageError(f"the traces come from another model than {Path(path).name}: give it with --model")
+    return facts, path
+
+
 @click.command()
 @click.argument("traces", nargs=-1, required=True, type=click.Path())
 @click.option("--model", "model", help="The GGUF the traces come from (bytes per expert); default: the "
@@ -124,7 +183,7 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
               help="Share of each layer's experts cacheable, e.g. 0.25,0.5 (repeat or comma list).")
 @click.option("--vram", multiple=True, help="Cache budget over all layers, e.g. 4GiB (repeat or comma list).")
 @click.option("--policy", multiple=True, help="Eviction policies (repeat or comma list; default lru).")
-@click.option("--predictor", multiple=True, help="Predictors (none, reuse, skip-gate, token, eam, expert-map, "
+@click.option("--predictor", multiple=True, help="Predictors (none, reuse, skip-gate, token, eam, expert-map, transition, "
                                                  "oracle, PRED.npz); repeat or comma list; default none.")
 @click.option("--stride", default=2, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--prefetch", "n_prefetch", type=click.IntRange(1, 4096),
@@ -138,14 +197,16 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
                    "(repeat or comma list; default 1, whole experts). At each size the split layers get as many "
                    "tops as the whole experts' bytes hold.")
 @click.option("--hw", default="pcie4", show_default=True,
-              help="Hardware profile (pcie4, h100, egpu, a .toml from ggmoe calibrate), or none: counts only.")
+              help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST e.g. rtx4090/pcie4x16/ddr5-5600x2, a .toml from ggmoe calibrate), or none: counts only.")
 @click.option("--predictor-train", multiple=True, type=click.Path(),
-              help="Training traces for predictors that learn (eam, expert-map, token).")
+              help="Training traces for predictors that learn (eam, expert-map, token, transition).")
 @click.option("--predictor-s", type=FiniteFloat(min=0.0),
               help="Seconds per predictor call on the critical path (default: measured on this machine).")
 @click.option("--stats-in", type=click.Path(dir_okay=False),
               help="Routing statistics saved by --stats-out: --policy static pins their hottest experts; the "
                    "predictor they were saved with starts from what it learnt.")
+@click.option("--jobs", type=click.IntRange(1, 256),
+              help="Worker processes, one configuration each at a time (default: the CPUs this process may use).")
 @click.option("--json", "as_json", is_flag=True, help="Print every result as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of hit rate and TPOT.")
 @edge
@@ -153,8 +214,8 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
              cache_fraction: tuple[str, ...], vram: tuple[str, ...], policy: tuple[str, ...],
              predictor: tuple[str, ...], stride: int, n_prefetch: int | None, miss_policy: tuple[str, ...],
              decode_mode: tuple[str, ...], theta: tuple[str, ...], hw: str,
-             predictor_train: tuple[str, ...], predictor_s: float | None, stats_in: str | None, as_json: bool,
-             plot_path: str | None) -> None:
+             predictor_train: tuple[str, ...], predictor_s: float | None, stats_in: str | None, jobs: int | None,
+             as_json: bool, plot_path: str | None) -> None:
     """Replay traces through the cache, copy queue and prefetcher on a hardware cost model.
 
     Every combination of the sizes, policies, predictors and miss policies given is simulated and shown
@@ -169,17 +230,16 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe simulate traces/trace.npz --vram 4MiB --miss-policy wait,auto --json
       ggmoe simulate traces/trace.npz --cache-fraction 0.5 --decode-mode sync,async --hw h100
       ggmoe simulate traces/trace.npz --cache-fraction 0.25 --theta 1,0.5 --decode-mode async --hw h100
+      ggmoe trace import esft/intent esft/law -o ds2/ --n-expert 64 --top-k 6 && \
+        ggmoe simulate ds2/ --hw none --cache-fraction 0.125,0.25,0.5 --policy lru,belady --jobs 2
     """
     from ggmoe.cache.hardware import load_profile
     from ggmoe.cache.miss import check_miss_policy
     from ggmoe.cache.policies import POLICIES
     from ggmoe.cache.split import split_at
     from ggmoe.cli.warm import read_stats_in
-    from ggmoe.inspect import inspect_model
-    from ggmoe.inspect.fingerprint import model_fingerprint
     from ggmoe.predict.base import check_predictor
     from ggmoe.simulate.des import SimConfig, build_predictor
-    from ggmoe.simulate.des import simulate as run
     from ggmoe.trace import load_traces
 
     if plot_path is not None:
@@ -201,20 +261,18 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
             raise UsageError(f"unknown decode mode {mode!r} for the simulator; choose sync or async")
     thetas = _numbers(theta, float, "--theta") or [1.0]
     profile = None if hw == "none" else load_profile(hw)
-    path = model_path(model, "--model")
-    facts = inspect_model(path)
     trace = load_traces(list(traces))
-    if trace.meta.model_fingerprint != model_fingerprint(path):
-        raise UsageError(f"the traces come from another model than {Path(path).name}: give it with --model")
+    facts, path = trace_model(trace, model, profile is not None, "--hw none")
+    if path is None and (vram or stats_in or thetas != [1.0]):
+        raise UsageError("--vram, --stats-in and --theta need the model's bytes per expert: give --model")
     train = load_traces(list(predictor_train)) if predictor_train else None
     options: dict[str, dict] = {}
-    warm = read_stats_in(stats_in, facts, Path(path))
+    warm = read_stats_in(stats_in, facts, Path(path)) if path is not None else None
     if "static" in policies:
         if warm is None:
             raise UsageError("--policy static pins the hottest experts of saved statistics: give --stats-in FILE")
         options["static"] = {"counts": warm.counts_by_layer()}
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
-    results, rows = [], []
     # async runs without a predictor and with misses read from host memory (miss policy wait), as the engine's
     combos = [c for c in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors,
                                            misses, modes, thetas)
@@ -229,25 +287,28 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     for pred in predictors:  # refuse what cannot run before simulating any
         if pred is not None:
             check = SimConfig(n_slots=combos[0][0][1], predictor=pred, stride=stride, predictor_state=state(pred))
-            build_predictor(check, trace, train, str(path), fit=False)
+            build_predictor(check, trace, train, str(path) if path else None, fit=False)
     if plot_path is not None:
         pyplot()
-    with click.progressbar(combos, label="simulating", file=sys.stderr) as bar:
-        for (label, slots), pol, pred, miss, mode, th in bar:
-            split, n_slots = split_at(facts, slots, th)  # the same VRAM as the whole-expert row
-            cfg = SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
-                            stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
-                            predictor_state=state(pred), decode_mode=mode, split=split)
-            r = run(trace, cfg, bpe, profile, train, model_path=str(path))
-            results.append(r)
-            rows.append(_row(label, r, th))
+    configs = []
+    for (_, slots), pol, pred, miss, mode, th in combos:
+        split, n_slots = split_at(facts, slots, th)  # the same VRAM as the whole-expert row
+        configs.append(SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
+                                 stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
+                                 predictor_state=state(pred), decode_mode=mode, split=split))
+    shared = (trace, bpe, profile, train, str(path) if path else None)
+    results = run_configs(configs, shared, jobs)
+    rows = [_row(label, r, th) for ((label, _), *_rest, th), r in zip(combos, results, strict=True)]
     if plot_path is not None:
         plot(plot_path, rows, results)
     if as_json:
-        click.echo(json.dumps({"traces": list(traces), "model": str(path), "profile": hw,
+        click.echo(json.dumps({"traces": list(traces), "model": str(path) if path else None, "profile": hw,
+                               "routing": trace.meta.source or "recorded by ggmoe",
                                "estimates": "tpot_s and ttft_s are estimates from the profile's cost model",
                                "results": [dataclasses.asdict(r) for r in results]}, indent=2))
         return
+    if trace.meta.source:
+        click.echo(f"routing: {trace.meta.source}")
     click.echo(f"{trace.n_tokens} tokens of {trace.n_prompts} prompts; profile {hw}"
                + ("" if profile else " (counts only: no times)"))
     click.echo(render_table(rows))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import click
+import numpy as np
 
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
@@ -24,10 +26,11 @@ from ggmoe.cli.options import (
     write_stats,
 )
 from ggmoe.cli.warm import read_stats_in, stats_options, stats_out, warm_start
+from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output_dir
 
 
-@click.command()
+@click.command("record")
 @model_arg
 @click.option("--prompts", "prompts_file", required=True, type=click.Path(dir_okay=False),
               help='JSONL file, one {"prompt": ...} or {"text": ...} per line.')
@@ -49,7 +52,7 @@ from ggmoe.outputs import check_output_dir
 @threads_opt
 @verbose_opt
 @edge
-def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode: str, prefill_tokens: int,
+def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode: str, prefill_tokens: int,
           temp: float, seed: int, no_hidden: bool, cache_slots: int | None, vram: str | None, policy: str | None,
           stats_json: str | None, decode_mode: str | None, miss_policy: str | None, predictor: str | None,
           stride: int,
@@ -59,7 +62,7 @@ def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode:
     """Record per-token routing (ids, router probabilities, MoE inputs) into OUT/trace.npz.
 
     \b
-    Examples:
+    Examples (``ggmoe trace ...`` is ``ggmoe trace record ...``):
       ggmoe trace model.gguf --prompts prompts.jsonl -o traces/ --max-tokens 64
       ggmoe trace --prompts docs.jsonl -o traces/ --mode teacher --prefill-tokens 32
     """
@@ -88,3 +91,103 @@ def trace(model: str | None, prompts_file: str, out: str, max_tokens: int, mode:
         if routing_out is not None:
             routing_out.save(eng.prefetcher, cache.prefetch.predictor if cache and cache.prefetch else None)
     click.echo(str(written))
+
+
+class _TraceGroup(click.Group):
+    """``ggmoe trace [record] ...`` records; ``ggmoe trace import ...`` imports a public routing log."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or args[0] not in (*self.commands, "-h", "--help"):
+            args = ["record", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_TraceGroup)
+def trace() -> None:
+    """Routing traces: record them through the engine, or import public routing logs.
+
+    \b
+    Examples:
+      ggmoe trace model.gguf --prompts prompts.jsonl -o traces/        # = ggmoe trace record ...
+      ggmoe trace import routing/intent routing/law -o traces/ds2lite --n-expert 64 --top-k 6
+      ggmoe trace import routing.jsonl -o traces/mine --model model.gguf
+    """
+
+
+trace.add_command(record)
+
+
+@trace.command("import")
+@click.argument("sources", nargs=-1, required=True, type=click.Path())
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output directory (gets trace.npz).")
+@click.option("--form", type=click.Choice(["auto", "layer-files", "jsonl"]), default="auto", show_default=True,
+              help="The log's form: a directory of per-layer text files, or per-token JSONL records.")
+@click.option("--model", "model", help="The GGUF the routing belongs to: its header gives the shape, checked "
+                                       "against the log, and ties the trace to it (no weights are read).")
+@click.option("--n-expert", type=click.IntRange(1, 1 << 16), help="Routed experts per layer (without --model).")
+@click.option("--top-k", type=click.IntRange(1, 1 << 16), help="Experts selected per token (without --model).")
+@click.option("--n-layer", type=click.IntRange(1, 1 << 16),
+              help="Layers of the model, dense ones included (without --model; default: the log's last + 1).")
+@click.option("--note", default="", help="Where the log comes from (origin, licence): kept in the trace.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+@edge
+def import_(sources: tuple[str, ...], out: str, form: str, model: str | None, n_expert: int | None,
+            top_k: int | None, n_layer: int | None, note: str, as_json: bool) -> None:
+    """Import public routing logs (SOURCES, merged in order) into OUT/trace.npz.
+
+    Forms and their mapping to the trace: docs/simulator.md, "Real routing in". An imported trace holds
+    ids (and the selected experts' weights when given), never hidden states; commands that need what it
+    lacks refuse it in one line.
+
+    \b
+    Examples:
+      ggmoe trace import /data/esft/intent /data/esft/law -o traces/ds2 --n-expert 64 --top-k 6 --n-layer 27
+      ggmoe trace import routing.jsonl.gz -o traces/q3 --model Qwen3-30B-A3B-Q4_K_M.gguf --json
+    """
+    import json
+
+    from ggmoe.trace.data import merge_traces
+    from ggmoe.trace.format import LACKS, write_trace
+    from ggmoe.trace.imports import import_routing, source_form
+
+    check_output_dir(out, "-o", members=("trace.npz",))
+    for s in sources:  # a path of an unknown form fails before the shape is asked for
+        source_form(Path(s), form)
+    shape = _import_shape(model, n_expert, top_k, n_layer)
+    parts = [import_routing(s, shape, form) for s in sources]
+    tr = merge_traces(parts)
+    tr = dataclasses.replace(tr, meta=dataclasses.replace(
+        tr.meta, source="; ".join(p.meta.source for p in parts) + (f" ({note})" if note else ""),
+        max_tokens=int(np.diff(tr.prompt_offsets).max())))
+    written = write_trace(tr, Path(out) / "trace.npz", compress=True)  # probabilities: mostly zeros
+    info = {"trace": str(written), "tokens": tr.n_tokens, "sequences": tr.n_prompts,
+            "layers": tr.layers.tolist(), "n_expert": tr.meta.n_expert, "top_k": tr.meta.n_expert_used,
+            "source": tr.meta.source, "lacks": {k: LACKS[k] for k in tr.meta.lacks}}
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"{written}: {tr.n_tokens} tokens, {tr.n_prompts} sequences, {len(tr.layers)} MoE layers, "
+               f"{tr.meta.n_expert} experts, top-{tr.meta.n_expert_used}")
+    for k in tr.meta.lacks:
+        click.echo(f"  lacks {LACKS[k]}")
+
+
+def _import_shape(model: str | None, n_expert: int | None, top_k: int | None, n_layer: int | None):
+    """The model's shape: from the GGUF header of --model, or from --n-expert/--top-k[/--n-layer]."""
+    from ggmoe.trace.imports import RoutingShape
+
+    if model is not None:
+        if n_expert or top_k or n_layer:
+            raise UsageError("--n-expert, --top-k and --n-layer come from --model's header: give one or the other")
+        from ggmoe.inspect.fingerprint import model_fingerprint
+
+        path = model_path(model, "--model")
+        f = model_facts(path)
+        return RoutingShape(n_layer=f.n_layer, n_expert=f.n_expert, n_expert_used=f.n_expert_used,
+                            moe_layers=f.moe_layers, fingerprint=model_fingerprint(path), name=f.name, arch=f.arch,
+                            n_embd=f.n_embd)
+    if n_expert is None or top_k is None:
+        raise UsageError("give the model's shape: --model MODEL.gguf, or --n-expert and --top-k")
+    if top_k > n_expert:
+        raise UsageError(f"--top-k {top_k} is above --n-expert {n_expert}")
+    return RoutingShape(n_layer=n_layer or 0, n_expert=n_expert, n_expert_used=top_k)

@@ -3,7 +3,7 @@
 Importing this package registers every built-in predictor family in ``PREDICTORS``.
 """
 
-from ggmoe.predict import eam, expert_map, mlp, simple  # noqa: F401 - registration
+from ggmoe.predict import eam, expert_map, mlp, simple, transition  # noqa: F401 - registration
 from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor, make_predictor
 
 __all__ = ["PREDICTORS", "ModelShape", "Predictor", "make_predictor"]

@@ -37,7 +37,7 @@ import numpy as np
 from ggmoe.errors import UsageError
 from ggmoe.params import Param, check_params
 from ggmoe.registry import Registry
-from ggmoe.trace.format import Trace, TraceMeta
+from ggmoe.trace.format import Trace, TraceMeta, trace_lacks
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,15 @@ class FoldedNet:
 
 
 
+def check_trace_inputs(pred: Predictor, meta: TraceMeta) -> None:
+    """TraceFormatError in one line when the predictor reads what the trace lacks (an imported trace)."""
+    who = f"predictor {pred.name!r}"
+    for what, need in (("hidden", pred.needs_hidden), ("probs", pred.needs_probs),
+                       ("token_ids", pred.needs_tokens)):
+        if need:
+            trace_lacks(meta, what, who)
+
+
 class Predictor:
     """Base class; the defaults make a predictor that knows nothing (all scores zero)."""
 
@@ -95,6 +104,7 @@ class Predictor:
     needs_hidden: ClassVar[bool] = False  # observe() must get hidden states
     needs_probs: ClassVar[bool] = False  # observe() must get router probabilities
     needs_truth: ClassVar[bool] = False  # offline only: reveal() gets the token's true ids
+    needs_tokens: ClassVar[bool] = False  # begin_step() must get the real token ids (an imported trace may lack them)
     # the keyword options of __init__ after (shape, stride), with types and bounds (ggmoe.params): --opt and
     # the library's options are checked against them before any predictor is built
     PARAMS: ClassVar[tuple[Param, ...]] = ()

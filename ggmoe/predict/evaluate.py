@@ -32,7 +32,7 @@ import numpy as np
 from ggmoe.errors import UsageError
 from ggmoe.outputs import atomic_write
 from ggmoe.params import check_params
-from ggmoe.predict.base import ModelShape, Predictor, make_predictor, predictor_class
+from ggmoe.predict.base import ModelShape, Predictor, check_trace_inputs, make_predictor, predictor_class
 from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, Trace
 
 STAGES = {"all": None, "prefill": STAGE_PREFILL, "decode": STAGE_DECODE}
@@ -81,6 +81,7 @@ def _check(pred: Predictor, trace: Trace, prefetch: int) -> None:
         raise UsageError(f"the trace's MoE layers {trace.layers.tolist()} are not the predictor's {list(shape.layers)}")
     if trace.meta.model_fingerprint != shape.model_fingerprint:
         raise UsageError("the trace was recorded with another model than the predictor was built for")
+    check_trace_inputs(pred, trace.meta)
     if pred.needs_hidden and trace.hidden is None:
         raise UsageError(f"predictor {pred.name!r} needs MoE input hidden states; the trace has none "
                          "(recorded with --no-hidden)")

@@ -82,6 +82,7 @@ class TokenFrequency(Predictor):
     """
 
     needs_fit = True
+    needs_tokens = True
 
     def __init__(self, shape: ModelShape, stride: int = 1) -> None:
         super().__init__(shape, stride)

@@ -50,6 +50,7 @@ from ggmoe.control.prefetch import Prefetcher
 from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
+from ggmoe.predict.base import check_trace_inputs
 from ggmoe.simulate.replay import micro_batches, next_uses
 from ggmoe.simulate.timeline import LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace
@@ -114,6 +115,7 @@ class SimResult:
     link_busy_s: float  # s the simulated link copied (and, async, held by zero-copy reads)
     stats: dict = field(default_factory=dict)  # CacheStats.to_dict()
     decode_mode: str = "sync"  # sync or async
+    ttft_each_s: tuple[float, ...] = ()  # estimate: each prompt's time to its first token, in order
 
 
 def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
@@ -123,6 +125,7 @@ def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_
     shape = ModelShape.from_trace(trace.meta, trace.layers)
     options = {"model": model_path} if config.predictor == "skip-gate" else {}
     pred = make_predictor(config.predictor, shape, config.stride, **options)
+    check_trace_inputs(pred, trace.meta)
     if pred.needs_hidden and trace.hidden is None:
         raise UsageError(f"predictor {config.predictor!r} reads hidden states: the traces have none "
                          "(record them without --no-hidden)")
@@ -140,15 +143,19 @@ def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_
 
 
 class _Costs:
-    """The profile's figures for one trace (zero without a profile)."""
+    """The profile's figures for one trace (zero without a profile), per layer computed once."""
 
     def __init__(self, profile: HardwareProfile | None, bytes_per_expert: Mapping[int, int], n_expert: int) -> None:
         self.p = profile
         self.bpe = bytes_per_expert
         self.n_expert = n_expert
+        p = profile
+        self._gpu = {il: p.gpu_expert_s(b) for il, b in bytes_per_expert.items()} if p else {}
+        self._cpu = {il: p.cpu_expert_s(b) for il, b in bytes_per_expert.items()} if p else {}
+        self._hook = p.hook_s if p else 0.0
 
     def hook(self) -> float:
-        return self.p.hook_s if self.p else 0.0
+        return self._hook
 
     def layer(self, n_tokens: int) -> float:
         """Attention and router of a micro-batch of ``n_tokens`` (before the route op)."""
@@ -156,10 +163,10 @@ class _Costs:
 
     def experts(self, il: int, n_experts: int) -> float:
         """``n_experts`` distinct experts computed on the GPU."""
-        return n_experts * self.p.gpu_expert_s(self.bpe[il]) if self.p and n_experts else 0.0
+        return n_experts * self._gpu[il] if n_experts and self.p else 0.0
 
     def cpu(self, il: int, n_experts: int) -> float:
-        return n_experts * self.p.cpu_expert_s(self.bpe[il]) if self.p and n_experts else 0.0
+        return n_experts * self._cpu[il] if n_experts and self.p else 0.0
 
     def zero_copy(self, nbytes: int) -> float:
         """``nbytes`` of expert weights read by the GPU from pinned host memory (misses and bottoms)."""
@@ -211,12 +218,14 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
     batches = list(micro_batches(trace))
-    future = _future(trace, cache, layers, batches, ids, pos) if policy.needs_future else None
+    is_async = [controller is not None and r.stop - r.start <= TABLE_MAX_TOKENS for r in batches]
+    future = _future(trace, cache, layers, batches, is_async, ids, pos) if policy.needs_future else None
     decode_s = prefill_s = 0.0
     ttft: list[float] = []
     first_pending: float | None = None  # a prompt's prefill time, until its first decode step
     fi = 0
-    for rows in batches:
+    step = _Step(clock, cache, link, costs, prefetcher, pred, config, profile is not None)
+    for bi, rows in enumerate(batches):
         n_tok = rows.stop - rows.start
         prefill = bool(trace.stage[rows.start] == STAGE_PREFILL)
         if prefetcher is not None:
@@ -224,37 +233,14 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
                 pred.reveal(ids[rows.start])
             prefetcher.begin_step([int(t) for t in trace.token_ids[rows]])
         t0 = clock.now()
-        if controller is not None and n_tok <= TABLE_MAX_TOKENS:
+        if is_async[bi]:
+            if future is not None:  # the controller's calls, one per layer in order, as _future counted them
+                for il in layers:
+                    policy.set_future(il, future[fi])
+                    fi += 1
             _async_step(clock, cache, link, controller, costs, layers, ids[rows], pos)
         else:
-            for il in layers:
-                clock.advance(costs.layer(n_tok) + costs.hook())  # attention and router, then the route op
-                sel = ids[rows, pos[il]]  # [n_tok, k]
-                need = len(set(sel.ravel().tolist()))
-                if not cache.fits(il, n_tok):
-                    cache.observe(il, sel)
-                    clock.advance(costs.native_upload(il) + costs.experts(il, need))
-                    continue
-                flat = sel.ravel().tolist()
-                lst = cache.stats.layers[il]
-                read0, miss0 = lst.host_read_bytes, lst.misses  # a split layer reads misses and bottoms in place
-                if future is None:
-                    slots = cache.route_flat(il, flat)
-                else:
-                    slots = cache.route_flat(il, flat, next_use=future[fi])
-                    fi += 1
-                n_host = len({e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST})
-                if prefetcher is not None:
-                    tp = time.perf_counter()
-                    probs = trace.probs[rows, pos[il]].astype(np.float32) if pred.needs_probs else None
-                    hidden = trace.hidden[rows, pos[il]].astype(np.float32) if pred.needs_hidden else None
-                    prefetcher.on_route(RouteEvent(il=il, ids=sel, probs=probs, hidden=hidden))
-                    pred_s = time.perf_counter() - tp if config.predictor_s is None else config.predictor_s
-                    clock.advance(pred_s if profile is not None else 0.0)
-                read_s = costs.zero_copy(lst.host_read_bytes - read0)
-                link.occupy(read_s)
-                in_place = lst.misses - miss0 if il in cache.split else 0  # whole misses: bound by the link
-                clock.advance(max(costs.experts(il, need - n_host - in_place) + read_s, costs.cpu(il, n_host)))
+            fi = _sync_step(step, trace, rows, ids[rows], layers, future, fi)
         dt = clock.now() - t0
         if prefill:
             prefill_s += dt
@@ -267,6 +253,57 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     if prefetcher is not None:
         prefetcher.close()
     return _result(config, trace, cache, link, profile, bytes_per_expert, decode_s, prefill_s, ttft)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every sync micro-batch of one simulation shares."""
+
+    clock: ManualClock
+    cache: ExpertCache
+    link: LinkCopyBackend
+    costs: _Costs
+    prefetcher: Prefetcher | None
+    pred: Any
+    config: SimConfig
+    timed: bool  # a profile is given: the predictor's time counts
+
+
+def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers: list[int],
+               future: list[dict[int, float]] | None, fi: int) -> int:
+    """One micro-batch on the sync path (the route op per MoE layer); returns the next index into ``future``."""
+    clock, cache, costs, pred = st.clock, st.cache, st.costs, st.pred
+    n_tok = rows.stop - rows.start
+    flats = sel_all.transpose(1, 0, 2).reshape(len(layers), -1).tolist()  # per layer, the ids token after token
+    before = costs.layer(n_tok) + costs.hook()  # attention and router, then the route op
+    for j, il in enumerate(layers):
+        clock.advance(before)
+        flat = flats[j]
+        need = len(set(flat))
+        if not cache.fits(il, n_tok):
+            cache.observe(il, sel_all[:, j])
+            clock.advance(costs.native_upload(il) + costs.experts(il, need))
+            continue
+        lst = cache.stats.layers[il]
+        read0, miss0 = lst.host_read_bytes, lst.misses  # a split layer reads misses and bottoms in place
+        if future is None:
+            slots = cache.route_flat(il, flat)
+        else:
+            slots = cache.route_flat(il, flat, next_use=future[fi])
+            fi += 1
+        n_host = len({e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST}) if SLOT_HOST in slots else 0
+        if st.prefetcher is not None:
+            tp = time.perf_counter()
+            probs = trace.probs[rows, j].astype(np.float32) if pred.needs_probs else None
+            hidden = trace.hidden[rows, j].astype(np.float32) if pred.needs_hidden else None
+            st.prefetcher.on_route(RouteEvent(il=il, ids=sel_all[:, j], probs=probs, hidden=hidden))
+            pred_s = time.perf_counter() - tp if st.config.predictor_s is None else st.config.predictor_s
+            clock.advance(pred_s if st.timed else 0.0)
+        read_s = costs.zero_copy(lst.host_read_bytes - read0)
+        st.link.occupy(read_s)
+        in_place = lst.misses - miss0 if il in cache.split else 0  # whole misses: bound by the link
+        clock.advance(max(costs.experts(il, need - n_host - in_place) + read_s, costs.cpu(il, n_host)))
+    return fi
 
 
 def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, controller: TokenController,
@@ -305,10 +342,12 @@ def _read_in_place(cache: ExpertCache, il: int, need: set[int]) -> int:
     return out
 
 
-def _future(trace: Trace, cache: ExpertCache, layers: list[int], batches: Sequence[slice], ids: np.ndarray,
-            pos: dict[int, int]) -> list[dict[int, float]]:
-    routed = [(il, sorted(set(ids[rows, pos[il]].ravel().tolist()))) for rows in batches for il in layers
-              if cache.fits(il, rows.stop - rows.start)]
+def _future(trace: Trace, cache: ExpertCache, layers: list[int], batches: Sequence[slice], is_async: list[bool],
+            ids: np.ndarray, pos: dict[int, int]) -> list[dict[int, float]]:
+    """Next uses (``replay.next_uses``) over the cache's calls in the order the replay makes them: every layer
+    of an async micro-batch (the controller's ``after_token``), the routed layers of a sync one."""
+    routed = [(il, sorted(set(ids[rows, pos[il]].ravel().tolist()))) for rows, a in zip(batches, is_async, strict=True)
+              for il in layers if a or cache.fits(il, rows.stop - rows.start)]
     return next_uses(routed, trace.meta.n_expert)
 
 
@@ -328,7 +367,8 @@ def _result(config: SimConfig, trace: Trace, cache: ExpertCache, link: LinkCopyB
         native_calls=t.native_calls, decode_tokens=n_decode, prefill_tokens=n_prefill,
         tpot_s=decode_s / n_decode if profile is not None and n_decode else None,
         ttft_s=float(np.mean(ttft)) if profile is not None and ttft else None,
-        link_busy_s=link.busy_s, stats=cache.stats.to_dict(), decode_mode=config.decode_mode)
+        link_busy_s=link.busy_s, stats=cache.stats.to_dict(), decode_mode=config.decode_mode,
+        ttft_each_s=tuple(ttft) if profile is not None else ())
 
 
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")

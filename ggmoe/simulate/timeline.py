@@ -16,10 +16,11 @@ engine's counts).
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.copy import CopyHandle, Priority, bottom_buffer
@@ -27,14 +28,16 @@ from ggmoe.cache.hardware import HardwareProfile
 from ggmoe.cache.split import LayerSplit
 
 
-@dataclass(order=True)
+@dataclass(eq=False)
 class _Job:
-    key: tuple[int, float, int]  # (priority, rank, id): the heap's order
-    handle: CopyHandle = field(compare=False)
-    submitted: float = field(compare=False)  # s
-    chunks_left: int = field(compare=False)
-    started: bool = field(compare=False, default=False)
-    cancelled: bool = field(compare=False, default=False)
+    key: tuple[int, float, int]  # (priority, rank, id): the lower, the more urgent
+    handle: CopyHandle
+    submitted: float  # s
+    chunks_left: int
+    chunk_s: float  # s one chunk takes on the link
+    started: bool = False
+    live: bool = True  # neither finished nor cancelled
+    ready: bool = False  # in the ready heap (submitted by a chunk's start)
 
 
 class LinkCopyBackend:
@@ -49,9 +52,15 @@ class LinkCopyBackend:
         self.profile = profile
         self.n_chunks = max(1, n_chunks)
         self._ids = itertools.count()
-        self._queue: list[_Job] = []  # not yet finished, not cancelled
+        # Jobs not finished nor cancelled, by handle id. Submissions come at a clock that never goes back, so
+        # jobs not yet submitted by the link's time wait in submission order (_pending); the others sit in a
+        # heap by key (_ready: entries (key, id, job); an entry whose job is gone or whose key changed is stale)
+        self._queue: dict[int, _Job] = {}
+        self._pending: collections.deque[_Job] = collections.deque()
+        self._ready: list[tuple[tuple[int, float, int], int, _Job]] = []
         self._landed: dict[int, float] = {}  # handle id -> landing time (s)
         self._busy_until = 0.0  # s: the link is busy with a chunk until then
+        self._settled = -1.0  # clock time by which every chunk that could start has run (until a submission)
         self.busy_s = 0.0  # s the link spent copying
         self.late_prefetches = 0  # prefetch copies a layer had to wait for (not landed in time)
 
@@ -67,46 +76,82 @@ class LinkCopyBackend:
         return p.copy_latency_s + self.copy_bytes(h) / self.n_chunks / p.copy_bytes_per_s
 
     def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
-        h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
+        h = CopyHandle(next(self._ids), il, expert, slot, priority if type(priority) is Priority else Priority(priority))
         if self.profile is None:
             self._landed[h.id] = self.clock.now()
             return h
-        heapq.heappush(self._queue, _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks))
+        job = _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks, self._chunk_s(h))
+        self._queue[h.id] = job
+        self._pending.append(job)
+        self._settled = -1.0
         return h
 
-    def _step(self, until: float | None) -> bool:
-        """Run one chunk of the most urgent job available at the link's time; False when none can run
-        before ``until`` (None: whenever)."""
-        while self._queue and self._queue[0].cancelled:
-            heapq.heappop(self._queue)
-        if not self._queue:
-            return False
-        start = max(self._busy_until, min(j.submitted for j in self._queue if not j.cancelled))
+    def _top(self) -> _Job | None:
+        """The most urgent ready job (stale heap entries dropped)."""
+        r = self._ready
+        while r and (not r[0][2].live or r[0][0] != r[0][2].key):
+            heapq.heappop(r)
+        return r[0][2] if r else None
+
+    def _make_ready(self, start: float) -> bool:
+        """Jobs submitted by ``start`` join the ready heap; whether any did."""
+        p = self._pending
+        pushed = False
+        while p and (not p[0].live or p[0].submitted <= start):
+            job = p.popleft()
+            if job.live:
+                job.ready = pushed = True
+                heapq.heappush(self._ready, (job.key, job.handle.id, job))
+        return pushed
+
+    def _step(self, until: float | None) -> int | None:
+        """Run the most urgent job available at the link's time, chunk after chunk while no more urgent job
+        has been submitted by the next chunk's start (the same order as one chunk per call: after every chunk
+        the most urgent available job runs); the handle id of a job that finished, -1 if none finished, None
+        when nothing can run before ``until`` (None: whenever)."""
+        if self._top() is not None:  # ready jobs were submitted by an earlier chunk's start: the link decides
+            start = self._busy_until
+        else:
+            while self._pending and not self._pending[0].live:
+                self._pending.popleft()
+            if not self._pending:
+                return None
+            start = max(self._busy_until, self._pending[0].submitted)
         if until is not None and start >= until:
-            return False
-        ready = [j for j in self._queue if not j.cancelled and j.submitted <= start]
-        job = min(ready)  # most urgent among those submitted by then
+            return None
+        self._make_ready(start)
+        job = self._top()
         job.started = True
-        dt = self._chunk_s(job.handle)
-        self._busy_until = start + dt
-        self.busy_s += dt
-        job.chunks_left -= 1
-        if job.chunks_left == 0:
-            self._queue.remove(job)
-            heapq.heapify(self._queue)
-            self._landed[job.handle.id] = self._busy_until
-        return True
+        while True:
+            self._busy_until = start + job.chunk_s
+            self.busy_s += job.chunk_s
+            job.chunks_left -= 1
+            if job.chunks_left == 0:
+                job.live = False
+                del self._queue[job.handle.id]
+                self._landed[job.handle.id] = self._busy_until
+                return job.handle.id
+            start = self._busy_until
+            if until is not None and start >= until:
+                return -1
+            if self._make_ready(start) and self._top() is not job:  # nothing new: the job is still the most urgent
+                return -1
 
     def _advance(self) -> None:
         """Run every chunk that starts before now (a chunk started finishes, even past now)."""
         now = self.clock.now()
-        while self._step(now):
+        if not self._queue or now == self._settled:
+            return
+        while self._step(now) is not None:
             pass
+        self._settled = now
 
     def done(self, handle: CopyHandle) -> bool:
-        self._advance()
+        now = self.clock.now()
+        if self._queue and now != self._settled:  # _advance's own check, inlined: the async decode asks often
+            self._advance()
         t = self._landed.get(handle.id)
-        return t is not None and t <= self.clock.now()
+        return t is not None and t <= now
 
     def wait(self, handles: Iterable[CopyHandle]) -> None:
         handles = list(handles)
@@ -114,9 +159,12 @@ class LinkCopyBackend:
         for h in handles:
             if h.priority == Priority.PREFETCH and not self._done_now(h):
                 self.late_prefetches += 1
-        while any(h.id not in self._landed for h in handles if not self._cancelled(h)):
-            if not self._step(None):
+        pending = {h.id for h in handles if h.id in self._queue}  # neither landed nor cancelled
+        while pending:
+            done = self._step(None)
+            if done is None:
                 break
+            pending.discard(done)
         last = max((self._landed.get(h.id, 0.0) for h in handles), default=0.0)
         if last > self.clock.now():
             self.clock.advance(last - self.clock.now())
@@ -125,27 +173,25 @@ class LinkCopyBackend:
         t = self._landed.get(h.id)
         return t is not None and t <= self.clock.now()
 
-    def _cancelled(self, h: CopyHandle) -> bool:
-        return h.id not in self._landed and not any(j.handle.id == h.id for j in self._queue)
-
     def cancel(self, handle: CopyHandle) -> bool:
         self._advance()
-        for j in self._queue:
-            if j.handle.id == handle.id and not j.started:
-                j.cancelled = True
-                self._queue.remove(j)
-                heapq.heapify(self._queue)
-                return True
+        j = self._queue.get(handle.id)
+        if j is not None and not j.started:
+            j.live = False
+            del self._queue[handle.id]
+            return True
         return False
 
     def promote(self, handle: CopyHandle) -> None:
         """Serve a queued copy at demand priority from now on (a layer waits for it)."""
+        if handle.priority == Priority.DEMAND:  # served first already (promoted ones keep their handle's)
+            return
         self._advance()
-        for j in self._queue:
-            if j.handle.id == handle.id and j.key[0] > Priority.DEMAND:
-                j.key = (int(Priority.DEMAND), j.key[1], j.key[2])
-                heapq.heapify(self._queue)
-                return
+        j = self._queue.get(handle.id)
+        if j is not None and j.key[0] > Priority.DEMAND:
+            j.key = (int(Priority.DEMAND), j.key[1], j.key[2])
+            if j.ready:  # a new entry; the old one is stale
+                heapq.heappush(self._ready, (j.key, j.handle.id, j))
 
     def remaining_s(self, handle: CopyHandle) -> float | None:
         """Seconds until ``handle`` lands if the link served it next (0: landed; None: unknown)."""
@@ -154,9 +200,9 @@ class LinkCopyBackend:
             return 0.0
         if handle.id in self._landed:  # its last chunk is running
             return self._landed[handle.id] - self.clock.now()
-        for j in self._queue:
-            if j.handle.id == handle.id:
-                return j.chunks_left * self._chunk_s(handle) + max(0.0, self._busy_until - self.clock.now())
+        j = self._queue.get(handle.id)
+        if j is not None:
+            return j.chunks_left * j.chunk_s + max(0.0, self._busy_until - self.clock.now())
         return None
 
     def occupy(self, seconds: float) -> None:
@@ -170,3 +216,5 @@ class LinkCopyBackend:
 
     def close(self) -> None:
         self._queue.clear()
+        self._pending.clear()
+        self._ready.clear()

@@ -52,6 +52,13 @@ VERSION = 2
 READS = (1, 2)  # versions this reader takes
 STAGE_PREFILL = 0
 STAGE_DECODE = 1
+# What an imported trace may lack (``TraceMeta.lacks``), and what needs it:
+LACKS = {
+    "hidden": "MoE inputs (hidden states): predictors that read them (mlp, skip-gate) cannot run",
+    "token_ids": "token ids: the token predictor cannot run",
+    "probs": "the router's full distribution (only the selected experts' weights, or none): predictors that "
+             "read router probabilities (expert-map) cannot run",
+}
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,8 @@ class TraceMeta:
     ggmoe_version: str
     n_ubatch: int = 512  # tokens per micro-batch the engine used (replays chunk prefills alike)
     gating: str = "softmax"  # the model's gating function (ggmoe.inspect.gating.Gating.func)
+    source: str = ""  # where the routing came from: "" recorded by ggmoe, else the imported log (trace import)
+    lacks: tuple[str, ...] = ()  # what the routing log did not hold (LACKS): placeholders fill those arrays
     format: str = FORMAT
     version: int = VERSION
 
@@ -104,14 +113,19 @@ class Trace:
         return int(hits[0])
 
 
-def _write_arrays(path: str | Path, meta: TraceMeta, arrays: dict[str, np.ndarray]) -> None:
-    arrays = {**arrays, "meta": np.frombuffer(json.dumps(asdict(meta)).encode(), dtype=np.uint8)}
+def _write_arrays(path: str | Path, meta: TraceMeta, arrays: dict[str, np.ndarray], compress: bool = False) -> None:
+    d = asdict(meta)
+    for key in ("source", "lacks"):  # a recorded trace's metadata stays readable by earlier versions
+        if not d[key]:
+            del d[key]
+    arrays = {**arrays, "meta": np.frombuffer(json.dumps(d).encode(), dtype=np.uint8)}
     with atomic_write(path) as f:  # never a half-written trace under the final name
-        np.savez(f, **arrays)
+        (np.savez_compressed if compress else np.savez)(f, **arrays)
 
 
-def write_trace(trace: Trace, path: str | Path) -> Path:
-    """Write a ``Trace`` (e.g. a selection or a transformation of a loaded one) in the same format."""
+def write_trace(trace: Trace, path: str | Path, compress: bool = False) -> Path:
+    """Write a ``Trace`` (e.g. a selection or a transformation of a loaded one) in the same format;
+    ``compress``: deflated members (an imported trace's probabilities are mostly zeros)."""
     arrays = {"token_ids": trace.token_ids.astype(np.int32), "positions": trace.positions.astype(np.int32),
               "stage": trace.stage.astype(np.uint8), "ids": trace.ids.astype(np.int16),
               "probs": trace.probs.astype(np.float16), "prompt_offsets": trace.prompt_offsets.astype(np.int64),
@@ -120,7 +134,7 @@ def write_trace(trace: Trace, path: str | Path) -> Path:
         arrays["hidden"] = trace.hidden.astype(np.float16)
     if trace.logits is not None:
         arrays["logits"] = trace.logits.astype(np.float16)
-    _write_arrays(path, trace.meta, arrays)
+    _write_arrays(path, trace.meta, arrays, compress)
     return Path(path)
 
 
@@ -181,9 +195,10 @@ class TraceWriter:
 _META_TYPES: dict[str, type | tuple[type, ...]] = {
     "model_fingerprint": str, "model_name": str, "arch": str, "n_layer": int, "n_expert": int,
     "n_expert_used": int, "n_embd": int, "mode": str, "max_tokens": int, "ggmoe_version": str, "n_ubatch": int,
-    "gating": str, "format": str, "version": int,
+    "gating": str, "source": str, "lacks": list, "format": str, "version": int,
 }
-_OPTIONAL = {"n_ubatch", "gating"}  # fields with a default (gating: version 1 has none)
+# fields with a default (gating: version 1 has none; source, lacks: recorded traces leave them out)
+_OPTIONAL = {"n_ubatch", "gating", "source", "lacks"}
 _META_MAX = 1 << 20  # bytes of metadata JSON; a real trace's is a few hundred
 
 
@@ -219,11 +234,22 @@ def _meta(raw: np.ndarray) -> TraceMeta:
             raise TraceFormatError(f"bad trace metadata: {key} {d[key]} is not in {low}..{1 << 20}")
     if d["n_expert_used"] > d["n_expert"]:
         raise TraceFormatError("bad trace metadata: n_expert_used > n_expert")
+    lacks = d.get("lacks", [])
+    bad = [x for x in lacks if not isinstance(x, str) or x not in LACKS]
+    if bad:
+        raise TraceFormatError(f"bad trace metadata: lacks {str(bad[0])[:40]!r}; known: {', '.join(LACKS)}")
+    d["lacks"] = tuple(lacks)
     if d.get("gating", "softmax") not in GATING_FUNCS.values():
         raise TraceFormatError(f"bad trace metadata: unknown gating {str(d['gating'])[:40]!r}")
     if d["version"] == 1:  # before the gating was recorded: the architecture's, as this ggmoe reads it
         d["gating"] = gating_from_kv(d["arch"], {}).func
     return TraceMeta(**d)
+
+
+def trace_lacks(meta: TraceMeta, what: str, needed_by: str) -> None:
+    """TraceFormatError in one line when ``needed_by`` needs ``what`` (a key of LACKS) and the trace lacks it."""
+    if what in meta.lacks:
+        raise TraceFormatError(f"{needed_by} needs {what}: the trace ({meta.source or meta.model_name}) has none")
 
 
 def _v1_probs(meta: TraceMeta, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, TraceMeta]:

@@ -53,8 +53,10 @@ def test_quant_types_and_sizes_of_the_presets():
     for name, preset in PRESETS.items():
         plan, _ = plan_for(name)
         experts = [t for t in plan.tensors if "_exps" in t.name]
-        assert experts and all(tensor_type(t, preset.expert_type) == preset.expert_type for t in experts)
-        assert all(tensor_bytes(t, tensor_type(t, preset.expert_type)) > 0 for t in plan.tensors)
+        want = {t.name: preset.down_type if preset.down_type and "ffn_down" in t.name else preset.expert_type
+                for t in experts}
+        assert experts and all(tensor_type(t, preset.expert_type, preset.down_type) == want[t.name] for t in experts)
+        assert all(tensor_bytes(t, tensor_type(t, preset.expert_type, preset.down_type)) > 0 for t in plan.tensors)
     # gpt-oss-20b: 24 layers x 32 experts x 3 x 2880 x 2880 MXFP4 weights (17 bytes per 32)
     plan, preset = plan_for("gpt-oss-20b")
     total = sum(tensor_bytes(t, tensor_type(t, preset.expert_type)) for t in plan.tensors if "_exps" in t.name)

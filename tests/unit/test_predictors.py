@@ -47,7 +47,7 @@ def _shape(trace) -> ModelShape:
 
 
 def test_registry_has_every_builtin():
-    assert PREDICTORS.names() == ["eam", "expert-map", "mlp", "oracle", "reuse", "skip-gate", "token"]
+    assert PREDICTORS.names() == ["eam", "expert-map", "mlp", "oracle", "reuse", "skip-gate", "token", "transition"]
     with pytest.raises(UsageError, match="unknown predictor 'nope'"):
         PREDICTORS.get("nope")
 

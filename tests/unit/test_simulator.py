@@ -338,3 +338,25 @@ def test_the_async_decode_refuses_what_needs_the_sync_mode():
         simulate(tr, SimConfig({0: 2}, decode_mode="async", miss_policy="cpu"), {0: BPE}, PROFILE)
     with pytest.raises(UsageError, match="decode mode"):
         simulate(tr, SimConfig({0: 2}, decode_mode="fast"), {0: BPE}, PROFILE)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "belady"])
+def test_without_a_profile_the_async_replay_counts_what_the_sync_one_counts(policy):
+    """A decode stream with copies landing at once: the async decode's hits are the sync decode's (Belady
+    gets the future of the controller's calls as it gets the route op's)."""
+    rng = np.random.default_rng(5)
+    tr = trace([[sorted(rng.choice(8, size=2, replace=False).tolist()) for _ in range(3)] for _ in range(60)],
+               n_prefill=0)
+    bpe = dict.fromkeys(range(3), BPE)
+    a, s = (simulate(tr, SimConfig(dict.fromkeys(range(3), 3), policy=policy, decode_mode=mode), bpe, None)
+            for mode in ("async", "sync"))
+    assert (a.stats["total"]["hits"], a.stats["total"]["misses"]) == (s.stats["total"]["hits"],
+                                                                      s.stats["total"]["misses"])
+
+
+def test_belady_runs_in_the_async_replay_with_a_profile():
+    rng = np.random.default_rng(6)
+    tr = trace([[sorted(rng.choice(8, size=2, replace=False).tolist())] for _ in range(80)], n_prefill=0)
+    hit = {p: simulate(tr, SimConfig({0: 3}, policy=p, decode_mode="async"), {0: BPE}, PROFILE).hit_rate
+           for p in ("lru", "belady")}
+    assert hit["belady"] >= hit["lru"] > 0.0

@@ -36,7 +36,7 @@ import gguf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matrix import split_theta  # noqa: E402
 from realshape import PRESETS, plan_for, tensor_bytes, tensor_type  # noqa: E402
-from trace_routing import ROUTING_NAME, tile_trace  # noqa: E402
+from trace_routing import model_trace, routing_name  # noqa: E402
 
 from ggmoe.cache.hardware import load_profile  # noqa: E402
 from ggmoe.cache.split import LayerSplit, layer_split, tops_in  # noqa: E402
@@ -100,7 +100,8 @@ def estimate(preset: str, trace_path: Path, hw: str, fractions: list[float], the
              split_fractions: list[float] | None = None) -> dict:
     p = PRESETS[preset]
     layers = tuple(range(p.shape.n_layer))
-    trace = tile_trace(load_traces([str(trace_path)]), layers, p.shape.n_expert, p.shape.n_expert_used, preset)
+    src = load_traces([str(trace_path)])
+    trace = model_trace(src, layers, p.shape.n_expert, p.shape.n_expert_used, preset)
     bpe = dict.fromkeys(layers, expert_bytes(preset))
     profile = load_profile(hw)
     rows: dict[str, float] = {}
@@ -136,7 +137,7 @@ def estimate(preset: str, trace_path: Path, hw: str, fractions: list[float], the
                 r = simulate(trace, SimConfig(dict.fromkeys(layers, tops), decode_mode=mode, split=sp), bpe, profile)
                 split_rows.append(_row(r, "split" if mode == "sync" else "split-async", mode, f, tops,
                                        tops * s.top_bytes * len(layers), s.n_top / s.n_ff, ref.tpot_s * 1e3))
-    out = {"preset": preset, "what": p.what, "bytes_per_expert": bpe[0], "profile": hw, "routing": ROUTING_NAME,
+    out = {"preset": preset, "what": p.what, "bytes_per_expert": bpe[0], "profile": hw, "routing": routing_name(src),
            "tpot_ms_estimate": {k: v * 1e3 for k, v in rows.items()}}
     if split_rows:
         out["split"] = {"geometry": [{"theta": s.n_top / s.n_ff, "n_top": s.n_top, "n_ff": s.n_ff,

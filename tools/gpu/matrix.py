@@ -77,7 +77,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tools/: random_predictor
-from trace_routing import ROUTING_NAME, TraceRouting, split_tiled  # noqa: E402
+from trace_routing import ROUTING_NAME, TraceRouting, routing_name, split_tiled  # noqa: E402
 
 from ggmoe.cache import CacheConfig  # noqa: E402
 from ggmoe.control.prefetch import PrefetchConfig  # noqa: E402
@@ -155,8 +155,11 @@ def describe(facts) -> str:
             f"x {facts.n_ff_exp}, top-{facts.n_expert_used}, {facts.file_bytes / 2**30:.2f} GiB; tensors {types}")
 
 
+TRACE_ROUTING = [ROUTING_NAME]  # what the trace given with --trace is (routing_name), set by main
+
+
 def routing_label(routing: str) -> str:
-    return ROUTING_NAME if routing == "trace" else "random"
+    return TRACE_ROUTING[0] if routing == "trace" else "random"
 
 
 def n_slots_for(fraction: float, n_expert: int, k: int) -> int:
@@ -693,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path)
-    ap.add_argument("--trace", type=Path, help="a trace of the embedded model (for trace-replay routing)")
+    ap.add_argument("--trace", type=Path, help="the routing replayed (trace routing): a trace of the embedded model "
+                    "(tiled), or an imported real routing (ggmoe trace import; mapped to the model's shape)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--routing", default="random,trace", help="random, trace or both (comma list)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
@@ -742,7 +746,9 @@ def main(argv: list[str] | None = None) -> int:
     held = train = None
     if "trace" in routings:
         if a.trace is None or not a.trace.is_file():
-            raise SystemExit("error: trace routing needs --trace (a trace of the embedded model: gpu-pack/trace.npz)")
+            raise SystemExit("error: trace routing needs --trace (a trace of the embedded model: gpu-pack/trace.npz, "
+                             "or an imported real routing: gpu-pack/real-routing.npz)")
+        TRACE_ROUTING[0] = routing_name(load_trace(a.trace, hidden=False))
         train, held = split_tiled(a.trace, tuple(facts.moe_layers), facts.n_expert, facts.n_expert_used,
                                   model_fingerprint(a.model), work / "tiled")
     cells: list[Cell] = []
@@ -756,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": f"{a.runs} x {a.decode_tokens} decoded tokens (median), {a.prefill_tokens}-token prefill, "
                 f"{a.threads} threads"})
     if "trace" in routings or any(not c.is_random for c in cells):
-        result["routing_note"] = ROUTING_NAME
+        result["routing_note"] = TRACE_ROUTING[0]
     probe = None
     if a.probe is not None and a.probe.is_file():
         probe = json.loads(a.probe.read_text())

@@ -12,6 +12,9 @@ pyyaml, tqdm, requests, click and typing-extensions, and nothing can be download
                                  others are carried at the versions tested here, so the run does not depend
                                  on the image's)
     gpu-pack/trace.npz           a held-out, teacher-forced trace of the embedded model (trace-replay routing)
+    gpu-pack/real-routing.npz    with --real-routing DIR...: public real routing (ggmoe trace import of the
+                                 per-layer files, e.g. ../shared/real-routing/deepseek-v2-lite-esft/{intent,law}),
+                                 deflated; matrix.py --trace gpu-pack/real-routing.npz maps it to each shape
     gpu-pack/MANIFEST.json       what is in it, with sizes and the engine build key
 
 and fails if the pack is over 60 MiB, or over what the device tool's 64 MiB leaves beside the working
@@ -120,6 +123,16 @@ def tree_bytes() -> int:
     return sum(f.stat().st_size for f in files if f.is_file() and not f.is_symlink())
 
 
+def make_real_routing(out: Path, dirs: list[Path]) -> None:
+    """Public routing logs (per-layer files of DeepSeek-V2-Lite: 27 layers, 64 experts, top-6) as one trace."""
+    from ggmoe.trace.data import merge_traces
+    from ggmoe.trace.format import write_trace
+    from ggmoe.trace.imports import RoutingShape, import_routing
+
+    shape = RoutingShape(n_layer=27, n_expert=64, n_expert_used=6)
+    write_trace(merge_traces([import_routing(d, shape, "layer-files") for d in dirs]), out, compress=True)
+
+
 def make_trace(out: Path, docs: int, prefill_tokens: int = 64, steps: int = 64) -> None:
     """A held-out, teacher-forced trace of the embedded model: ``docs`` code documents never used in training
     (tools/trace_corpus.py's choice), their first ``prefill_tokens`` as the prefill, then ``steps`` tokens
@@ -147,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-trace", action="store_true", help="skip the trace (trace routing then needs one)")
     ap.add_argument("--trace-docs", type=int, default=24, help="held-out documents traced (64 + 64 tokens each)")
     ap.add_argument("--python-version", default="3.12", help="the GPU machine's Python (wheel tags)")
+    ap.add_argument("--real-routing", nargs="*", type=Path, default=[],
+                    help="directories of per-layer routing files (DeepSeek-V2-Lite's: 64 experts, top-6) to pack")
     a = ap.parse_args(argv)
     out: Path = a.out
     try:
@@ -158,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         download_wheels(out / "wheels", a.python_version)
         if not a.no_trace:
             make_trace(out / "trace.npz", a.trace_docs)
+        if a.real_routing:
+            make_real_routing(out / "real-routing.npz", a.real_routing)
         files = {str(f.relative_to(out)): f.stat().st_size for f in sorted(out.rglob("*")) if f.is_file()}
         total = sum(files.values())
         cuda_args = build_engine.BASE_CMAKE_ARGS + ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90",

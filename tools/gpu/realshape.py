@@ -8,11 +8,14 @@ loads and runs in llama.cpp like any other: every kernel, copy and sync is
 real; only the text is noise, and the routing nearly uniform (the benchmark's
 trace-replay routing mode replaces it by real routing).
 
-Presets (architecture qwen3moe, whose MoE llama.cpp runs like the originals'):
+Presets (architecture qwen3moe, whose MoE llama.cpp runs like the originals', unless named):
 
     gpt-oss-20b    24 layers, n_embd 2880, 32 experts of width 2880, top-4; experts MXFP4 (gpt-oss's own
                    expert type: 2880 is not a multiple of Q4_K's 256-element block), ~10 GB
     qwen3-30b-a3b  48 layers, n_embd 2048, 128 experts of width 768, top-8; experts Q4_K, ~16 GB
+    deepseek-v2-lite  27 layers (layer 0 dense), n_embd 2048, MLA, 64 experts of width 1408 + 2 shared, top-6;
+                   experts Q4_K, ffn_down Q5_0 (architecture deepseek2, softmax router), ~10 GB: the shape of
+                   the shared real routing (../shared/real-routing)
     toy            4 layers, n_embd 256, 32 experts of width 512, top-4; experts Q4_K (CI, the smoke run; 512
                    neurons: two Q4_K blocks of 256, so MoEpic's split at θ 1/2 fits the down tensor's blocks)
     toy-mxfp4      4 layers, n_embd 320, 32 experts of width 320, top-4; experts MXFP4 (CI)
@@ -23,11 +26,14 @@ adds the same time to every configuration of a benchmark).
 
 Usage:
     python tools/gpu/realshape.py --preset gpt-oss-20b -o /tmp/models/gpt-oss-shape.gguf
+    python tools/gpu/realshape.py --preset qwen3-30b-a3b --header-only -o /tmp/models/q3.gguf   # sparse: for
+                                                                  # inspect, plan --gpu and simulate, in 0.1 s
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -60,6 +66,8 @@ class Preset:
     shape: Shape
     expert_type: QType
     what: str  # one line for the docs and the results
+    arch: str = "qwen3moe"  # a key of ARCH_SPECS, or "deepseek2-softmax" (DeepSeek-V2's softmax router)
+    down_type: QType | None = None  # ffn_down_exps' type where its rows do not fit expert_type's block
 
 
 PRESETS: dict[str, Preset] = {
@@ -69,6 +77,19 @@ PRESETS: dict[str, Preset] = {
     "qwen3-30b-a3b": Preset(Shape(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, n_ff_exp=768, n_ff=768,
                                   n_expert=128, n_expert_used=8, n_ctx_train=4096), QType.Q4_K,
                             "Qwen3-30B-A3B's MoE shape: 48 layers, n_embd 2048, 128 experts x 768, top-8, Q4_K"),
+    # DeepSeek-V2-Lite (huggingface.co/deepseek-ai/DeepSeek-V2-Lite, config.json): 27 layers, layer 0 dense
+    # (intermediate 10944), n_embd 2048, 16 heads, MLA (kv_lora_rank 512, rope 64, nope 128, v 128; Lite has no
+    # q_lora: a rank of 1536 stands for its 2048x3072 q projection), 64 routed experts x 1408 + 2 shared,
+    # top-6. Experts Q4_K with ffn_down in Q5_0 (1408 is not a multiple of Q4_K's 256: llama.cpp's
+    # quantizer falls back so), ~10 GB as a Q4_K_M file of it is. The shared routing of
+    # /work/shared/real-routing is this model's.
+    "deepseek-v2-lite": Preset(Shape(n_layer=27, n_embd=2048, n_head=16, n_head_kv=16, n_ff_exp=1408, n_ff=10944,
+                                     n_expert=64, n_expert_used=6, n_expert_shared=2, n_ctx_train=32768,
+                                     q_lora_rank=1536, kv_lora_rank=512, n_rot_mla=64, n_embd_head_qk_nope=128,
+                                     n_embd_head_v_mla=128),
+                               QType.Q4_K, "DeepSeek-V2-Lite's shape: 27 layers (1 dense), n_embd 2048, 64 experts x "
+                               "1408 + 2 shared, top-6, Q4_K (down Q5_0)", arch="deepseek2-softmax",
+                               down_type=QType.Q5_0),
     "toy": Preset(Shape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff_exp=512, n_ff=256, n_expert=32,
                         n_expert_used=4, n_ctx_train=2048), QType.Q4_K,
                   "toy: 4 layers, n_embd 256, 32 experts x 512, top-4, Q4_K"),
@@ -149,9 +170,9 @@ BLOCKS = {QType.Q8_0: q8_0_blocks, QType.Q4_K: q4_k_blocks, QType.MXFP4: mxfp4_b
 # --------------------------------------------------------------------------- tensors
 
 
-def tensor_type(t: TensorSpec, expert_type: QType) -> QType:
+def tensor_type(t: TensorSpec, expert_type: QType, down_type: QType | None = None) -> QType:
     if t.role is Role.EXPERT:
-        return expert_type
+        return down_type if down_type is not None and "ffn_down" in t.name else expert_type
     if t.role in (Role.NORM, Role.ROUTER, Role.BIAS) or len(t.ne) == 1:
         return QType.F32
     return QType.Q8_0
@@ -196,7 +217,7 @@ def plan_for(preset: str, seed: int = 0) -> tuple[ModelPlan, Preset]:
     if preset not in PRESETS:
         raise SystemExit(f"error: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     p = PRESETS[preset]
-    spec = ARCH_SPECS["qwen3moe"]
+    spec = ARCH_SPECS.get(p.arch) or dataclasses.replace(ARCH_SPECS["deepseek2"], router_bias=False)
     vocab = make_vocab()
     plan = ModelPlan(spec=spec, shape=p.shape, vocab=vocab,
                      tensors=tuple(moe_tensor_specs(spec, p.shape, vocab.n_vocab)),
@@ -205,16 +226,16 @@ def plan_for(preset: str, seed: int = 0) -> tuple[ModelPlan, Preset]:
     return plan, p
 
 
-def write_model(preset: str, out: Path, seed: int = 0) -> tuple[Path, int, float]:
-    """Write the preset to ``out`` (atomically); returns (path, bytes, seconds)."""
+def write_model(preset: str, out: Path, seed: int = 0, header_only: bool = False) -> tuple[Path, int, float]:
+    """Write the preset to ``out`` (atomically); returns (path, bytes, seconds). ``header_only``: the header
+    and tensor infos, then a sparse hole of the data's size (zeros; for inspect, plan and simulate, which
+    read headers only; seconds instead of minutes, no disk used)."""
     t0 = time.monotonic()
     plan, p = plan_for(preset, seed)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    payload = Payload(rng, min(POOL_BYTES, max(1 << 20, sum(tensor_bytes(t, tensor_type(t, p.expert_type))
-                                                            for t in plan.tensors))))
-    types = [tensor_type(t, p.expert_type) for t in plan.tensors]
+    types = [tensor_type(t, p.expert_type, p.down_type) for t in plan.tensors]
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
@@ -227,9 +248,16 @@ def write_model(preset: str, out: Path, seed: int = 0) -> tuple[Path, int, float
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for t, q in zip(plan.tensors, types, strict=True):
-            w.write_tensor_data(tensor_data(t, q, rng, payload))
-        w.close()
+        if header_only:
+            w.close()
+            _sparse_data(Path(tmp), sum(_padded(tensor_bytes(t, q), w.data_alignment)
+                                        for t, q in zip(plan.tensors, types, strict=True)), w.data_alignment)
+        else:
+            payload = Payload(rng, min(POOL_BYTES, max(1 << 20, sum(tensor_bytes(t, q)
+                                                                    for t, q in zip(plan.tensors, types, strict=True)))))
+            for t, q in zip(plan.tensors, types, strict=True):
+                w.write_tensor_data(tensor_data(t, q, rng, payload))
+            w.close()
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -237,13 +265,26 @@ def write_model(preset: str, out: Path, seed: int = 0) -> tuple[Path, int, float
     return out, out.stat().st_size, time.monotonic() - t0
 
 
+def _padded(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def _sparse_data(path: Path, data_bytes: int, align: int) -> None:
+    """Pad the header to the data alignment and extend the file by the tensors' bytes as a hole."""
+    with path.open("r+b") as f:
+        f.seek(0, os.SEEK_END)
+        f.truncate(_padded(f.tell(), align) + data_bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
     ap.add_argument("-o", "--out", required=True, type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--header-only", action="store_true",
+                    help="header and tensor infos, the data a sparse hole of zeros (inspect, plan, simulate)")
     a = ap.parse_args(argv)
-    path, nbytes, secs = write_model(a.preset, a.out, a.seed)
+    path, nbytes, secs = write_model(a.preset, a.out, a.seed, a.header_only)
     print(f"wrote {path}: {nbytes / 2**30:.2f} GiB in {secs:.1f} s ({PRESETS[a.preset].what})")
     return 0
 

@@ -16,8 +16,12 @@ probabilities get them spread the same way; those that need hidden states
 (mlp, skip-gate) are not available in this mode: the trace's hidden size is
 not the model's.
 
-Every result produced in this mode says so (``ROUTING_NAME``); it is never a
-default.
+An imported public routing (``ggmoe trace import``, e.g. DeepSeek-V2-Lite's real routing in
+../shared/real-routing) is mapped to the model's shape instead (``ggmoe.trace.remap``), and results name
+its source (``routing_name``).
+
+Every result produced in this mode says so (``ROUTING_NAME``, or ``routing_name`` of the trace); it is
+never a default.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 from ggmoe.trace import Trace, load_trace
 from ggmoe.trace.data import select_prompts, split_prompts
 from ggmoe.trace.format import write_trace
+from ggmoe.trace.remap import map_trace
 
 ROUTING_NAME = "trace-replay routing (benchmark only: experts from a trace of the embedded model)"
 
@@ -81,11 +86,28 @@ def tile_trace(trace: Trace, layers: tuple[int, ...], n_expert: int, k: int, fin
                                logits=None)  # raw router logits do not tile: the probabilities do
 
 
+def routing_name(trace: Trace) -> str:
+    """What every result replaying ``trace`` says about its routing: the real routing's source, or the tiling."""
+    if trace.meta.source:
+        return (f"trace-replay routing (benchmark only: real routing, {trace.meta.source}, "
+                "mapped to the model's shape by ggmoe.trace.remap)")
+    return ROUTING_NAME
+
+
+def model_trace(trace: Trace, layers: tuple[int, ...], n_expert: int, k: int, fingerprint: str) -> Trace:
+    """The routing the model replays: an imported (public, real) routing mapped to its shape
+    (``ggmoe.trace.remap``: layers spread, experts in blocks, weight order); a trace of the embedded model tiled."""
+    if not trace.meta.source:
+        return tile_trace(trace, layers, n_expert, k, fingerprint)
+    mapped = map_trace(trace, layers, n_expert, k, max(layers) + 1)
+    return dataclasses.replace(mapped, meta=dataclasses.replace(mapped.meta, model_fingerprint=fingerprint))
+
+
 def split_tiled(trace_path: str | Path, layers: tuple[int, ...], n_expert: int, k: int, fingerprint: str,
                 out_dir: Path, held_out: float = 0.25, seed: int = 0) -> tuple[Path, Path]:
-    """Tile a trace for the model and split it by prompt: (train.npz, held-out.npz) written to ``out_dir``."""
+    """The model's routing (``model_trace``) split by prompt: (train.npz, held-out.npz) written to ``out_dir``."""
     trace = load_trace(trace_path)
-    tiled = tile_trace(trace, layers, n_expert, k, fingerprint)
+    tiled = model_trace(trace, layers, n_expert, k, fingerprint)
     train_p, held_p = split_prompts(tiled.n_prompts, held_out, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     train, held = out_dir / "train.npz", out_dir / "held-out.npz"

@@ -1,0 +1,172 @@
+"""``ggmoe plan MODEL --gpu NAME``: what to run on a machine, from the GGUF header and a composed profile.
+
+Reads the model's header only (``inspect_model``: no weights; split GGUFs too), composes the machine's
+profile (``GPU/LINK/HOST``, ``ggmoe.cache.parts``), and estimates on the simulator, on the same routing and
+cost model, the ways to run the model at the same VRAM:
+
+- ggmoe: LRU slots per layer, the async decode (misses read in place, admitted between tokens) or the sync
+  decode with the host path (``--miss-policy auto``); no predictor (those that pay here learn from the
+  model's own traces: ``ggmoe plan --traces``);
+- llama.cpp's own ``--moe-cache-mib`` (per-layer slots, LRU, misses copied and waited for, a device sync
+  per layer), ``--n-cpu-moe`` (whole layers' experts in VRAM, the rest on the CPU), ``-ot exps=CPU``, and
+  all experts in VRAM where they fit.
+
+The routing replayed is the model's own when it is at hand (``ggmoe plan --traces``); here it is the real
+routing sample shipped in ``ggmoe/data/routing-sample`` (DeepSeek-V2-Lite, deepseek-ai/ESFT, MIT) mapped to
+the model's shape (``ggmoe.trace.remap``): one prompt of ``PREFILL_TOKENS`` tokens, then ``DECODE_TOKENS``
+decoded. Every figure is an estimate, and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from ggmoe.cache.config import slots_for_budget
+from ggmoe.cache.hardware import HardwareProfile, compose_profile, gpu_vram
+from ggmoe.cache.parts import PARTS_FILE, effective_link, load_parts, part
+from ggmoe.errors import UsageError
+from ggmoe.inspect.facts import ModelFacts
+from ggmoe.simulate.des import SimConfig, baseline, simulate
+from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, Trace
+from ggmoe.trace.imports import RoutingShape, import_routing
+from ggmoe.trace.remap import map_trace
+
+SAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "routing-sample"
+SAMPLE_SHAPE = RoutingShape(n_layer=27, n_expert=64, n_expert_used=6)
+SAMPLE_NOTE = "DeepSeek-V2-Lite routing sample, deepseek-ai/ESFT 579a771, MIT"
+PREFILL_TOKENS = 512  # tokens of each prompt's prefill
+DECODE_TOKENS = 96  # tokens decoded after each prompt
+N_PROMPTS = 2  # prompts replayed: the first warms the cache, the last one's prefill is reported
+RESERVE_BYTES = 3 << 29  # 1.5 GiB of VRAM not for weights: CUDA context, compute buffers, a 4k-token KV cache
+DEFAULT_HOST = "ddr5-5600x2"
+
+
+@dataclass(frozen=True)
+class Way:
+    """One way to run the model on the machine, estimated."""
+
+    name: str  # e.g. "ggmoe, async decode"
+    decode_tok_s: float | None  # estimate; None: it does not fit
+    prefill_tok_s: float | None  # estimate, a PREFILL_TOKENS-token prompt
+    detail: str  # what it keeps where
+    run: str  # the command line, or why it cannot run
+
+
+@dataclass(frozen=True)
+class Advice:
+    model: str
+    profile: str  # GPU/LINK/HOST as composed
+    link: str  # the link the GPU gets (the slower of the slot and its own interface)
+    vram_bytes: int
+    ram_bytes: int | None
+    expert_budget_bytes: int  # VRAM for cached experts: vram - dense weights - RESERVE_BYTES
+    slots_per_layer: int  # 0: no cache fits
+    choice: Way
+    ways: tuple[Way, ...]
+    routing: str  # the routing the estimates replay
+    notes: tuple[str, ...]
+
+
+def sample_trace(facts: ModelFacts) -> Trace:
+    """The shipped routing sample mapped to the model: ``N_PROMPTS`` prompts, each ``PREFILL_TOKENS`` of prefill
+    then ``DECODE_TOKENS`` decoded (the first warms the cache; the last prompt's prefill is the one reported)."""
+    src = import_routing(SAMPLE_DIR, SAMPLE_SHAPE, "layer-files", SAMPLE_NOTE)
+    tr = map_trace(src, tuple(facts.moe_layers), facts.n_expert, facts.n_expert_used, facts.n_layer)
+    per = PREFILL_TOKENS + DECODE_TOKENS
+    n = min(tr.n_tokens, N_PROMPTS * per)
+    pos = np.arange(n) % per
+    stage = np.where(pos < PREFILL_TOKENS, STAGE_PREFILL, STAGE_DECODE).astype(np.uint8)
+    offsets = np.array([*range(0, n, per), n], dtype=np.int64)
+    return replace(tr, token_ids=tr.token_ids[:n], positions=pos.astype(np.int32), stage=stage,
+                   prompt_offsets=offsets, ids=tr.ids[:n], probs=tr.probs[:n])
+
+
+def _tok_s(tpot_s: float | None, ttft_s: float | None) -> tuple[float | None, float | None]:
+    """(decode, prefill) tokens per second from TPOT and the reported prompt's time to its first token."""
+    decode = 1.0 / tpot_s if tpot_s else None
+    prefill = PREFILL_TOKENS / (ttft_s - tpot_s) if ttft_s and tpot_s and ttft_s > tpot_s else None
+    return decode, prefill
+
+
+def _ggmoe_ways(tr: Trace, facts: ModelFacts, bpe: dict[int, int], budget: int, profile: HardwareProfile,
+                model: str, hw: str) -> list[Way]:
+    slots = slots_for_budget(budget, bpe, facts.n_expert, facts.n_expert_used)
+    n = next(iter(slots.values()))
+    out = []
+    for name, mode, miss in (("ggmoe, async decode", "async", "wait"), ("ggmoe, sync decode + host path", "sync",
+                                                                          "auto"),
+                             ("llama.cpp --moe-cache-mib (LRU, sync, misses copied)", "sync", "wait")):
+        r = simulate(tr, SimConfig(slots, policy="lru", miss_policy=miss, decode_mode=mode), bpe, profile)
+        dec, pre = _tok_s(r.tpot_s, r.ttft_each_s[-1] if r.ttft_each_s else None)
+        if name.startswith("llama.cpp"):
+            run = f"llama-server -m {model} --moe-cache-mib {budget >> 20} (llama.cpp mainline)"
+        else:
+            run = (f"ggmoe serve {model} --vram {budget} --policy lru --decode-mode {mode} --miss-policy {miss} "
+                   f"--hw {hw}")
+        out.append(Way(name, dec, pre, f"{n} of {facts.n_expert} experts per layer cached; hit rate "
+                                        f"{r.hit_rate:.0%}", run))
+    return out
+
+
+def _stock_ways(tr: Trace, facts: ModelFacts, bpe: dict[int, int], budget: int, profile: HardwareProfile,
+                model: str) -> list[Way]:
+    out = []
+    b = baseline(tr, "n-cpu-moe", bpe, profile, budget)
+    n_cpu = len(facts.moe_layers) - b.gpu_layers
+    out.append(Way("llama.cpp --n-cpu-moe", *_tok_s(b.tpot_s, b.ttft_s),
+                   f"{b.gpu_layers} of {len(facts.moe_layers)} MoE layers' experts in VRAM",
+                   f"llama-server -m {model} -ngl 99 --n-cpu-moe {n_cpu}"))
+    b = baseline(tr, "stock-cpu", bpe, profile)
+    out.append(Way("llama.cpp -ot exps=CPU", *_tok_s(b.tpot_s, b.ttft_s), "every expert on the CPU",
+                   f"llama-server -m {model} -ngl 99 -ot exps=CPU"))
+    fits = budget >= facts.expert_bytes
+    b = baseline(tr, "stock-vram", bpe, profile)
+    out.append(Way("all experts in VRAM", *(_tok_s(b.tpot_s, b.ttft_s) if fits else (None, None)),
+                   "every expert on the GPU" if fits else
+                   f"does not fit: experts {facts.expert_bytes / 2**30:.1f} GiB, VRAM for them "
+                   f"{budget / 2**30:.1f} GiB", f"llama-server -m {model} -ngl 99" if fits else "-"))
+    return out
+
+
+def advise(facts: ModelFacts, gpu: str, vram: int | None = None, ram: int | None = None, link: str | None = None,
+           host: str = DEFAULT_HOST, parts_file: Path = PARTS_FILE) -> Advice:
+    """The ways to run ``facts``'s model on GPU/LINK/HOST at ``vram`` bytes (default: the GPU's), estimated."""
+    table = load_parts(parts_file)
+    g = part(table, "gpu", gpu)
+    slot = part(table, "link", link or g.interface)
+    spec = f"{gpu}/{slot.name}/{host}"
+    profile, _ = compose_profile(spec, parts_file)
+    vram = gpu_vram(gpu) if vram is None else vram
+    if vram <= 0:
+        raise UsageError(f"--vram {vram}: must be positive")
+    budget = vram - facts.dense_bytes - RESERVE_BYTES
+    if budget < 0:
+        raise UsageError(f"{Path(facts.path).name} cannot run on {gpu} with {vram / 2**30:.1f} GiB of VRAM: its "
+                         f"dense weights ({facts.dense_bytes / 2**30:.1f} GiB) and {RESERVE_BYTES / 2**30:.1f} GiB "
+                         "for the context do not fit")
+    bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+    tr = sample_trace(facts)
+    model = Path(facts.path).name
+    notes = []
+    if ram is not None and ram < facts.expert_bytes + facts.dense_bytes:
+        notes.append(f"the weights ({(facts.expert_bytes + facts.dense_bytes) / 2**30:.1f} GiB) do not fit "
+                     f"{ram / 2**30:.1f} GiB of RAM: host experts would be read from disk; the estimates assume RAM")
+    ways = _stock_ways(tr, facts, bpe, budget, profile, model)
+    slots = 0
+    if budget >= facts.n_expert_used * facts.expert_bytes_per_slot:
+        ways = _ggmoe_ways(tr, facts, bpe, budget, profile, model, spec) + ways
+        slots = min(budget // facts.expert_bytes_per_slot, facts.n_expert)
+    else:
+        notes.append(f"no expert cache fits: {budget / 2**30:.2f} GiB of VRAM after the dense weights "
+                     f"({facts.dense_bytes / 2**30:.1f} GiB) and {RESERVE_BYTES / 2**30:.1f} GiB for the context; "
+                     f"a cache needs top-k = {facts.n_expert_used} slots per layer "
+                     f"({facts.n_expert_used * facts.expert_bytes_per_slot / 2**30:.2f} GiB)")
+    # the fastest decode; all in VRAM where it is as fast (nothing to configure)
+    choice = max((w for w in ways if w.decode_tok_s is not None),
+                 key=lambda w: (round(w.decode_tok_s, 6), w.name == "all experts in VRAM"))
+    return Advice(model=str(facts.path), profile=spec, link=effective_link(g, slot).name,
+                  vram_bytes=vram, ram_bytes=ram, expert_budget_bytes=budget, slots_per_layer=int(slots),
+                  choice=choice, ways=tuple(ways), routing=tr.meta.source, notes=tuple(notes))
