@@ -326,19 +326,25 @@ class ExpertCache:
                 self.n_prefetched[il] -= 1
                 st.prefetch_hits += 1
 
-    def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
-        """Early preemption at the gate: prefetches for this layer still queued and not needed are cancelled."""
+    def cancel_stale(self, il: int, handles: list[CopyHandle | None], need: list[int]) -> list[int]:
+        """Early preemption at the gate: the positions in ``handles`` (a layer's copies in flight, by slot or
+        bottom buffer) of prefetches still queued that this call does not need, now cancelled (never written)."""
         used = set(need)
-        for slot, h in enumerate(table.copy):
-            if h is None or h.priority != Priority.PREFETCH or h.expert in used:
-                continue
-            if self.copies.cancel(h):
+        out = []
+        for i, h in enumerate(handles):
+            if h is not None and h.priority == Priority.PREFETCH and h.expert not in used and self.copies.cancel(h):
                 self.stats.layers[il].prefetch_dropped += 1
-                if table.prefetched[slot]:
-                    self.n_prefetched[il] -= 1
-                table.drop(slot)
                 self._submitted.pop(h.id, None)
                 self._submit_token.pop(h.id, None)
+                out.append(i)
+        return out
+
+    def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
+        """Prefetches for this layer still queued and not needed are cancelled; their slots are free again."""
+        for slot in self.cancel_stale(il, table.copy, need):
+            if table.prefetched[slot]:
+                self.n_prefetched[il] -= 1
+            table.drop(slot)
 
     def score_prediction(self, il: int, predicted: list[int]) -> None:
         """Remember the top-k predicted for layer ``il``'s next call, to score it when that call comes."""

@@ -93,13 +93,8 @@ class SplitLayers:
         """Early preemption at the gate for bottoms: prefetched bottoms of this layer still queued and not
         needed now are cancelled and their buffers freed. Without it, on a queue that serves admissions first
         (any asynchronous copy stream) queued bottoms hold every buffer forever and prefetching stops."""
-        used = set(need)
-        for b, h in enumerate(bt.copy):
-            if h is None or h.priority != Priority.PREFETCH or h.expert in used:
-                continue
-            if cache.copies.cancel(h):
-                cache.stats.layers[il].prefetch_dropped += 1
-                bt.drop(b)
+        for b in cache.cancel_stale(il, bt.copy, need):
+            bt.drop(b)
 
     def land(self, cache: ExpertCache, il: int) -> None:
         """Copies into the layer's slots and bottom buffers that landed become readable."""
