@@ -74,7 +74,7 @@ def test_config_with_cache_flags_is_refused(traced, tmp_path):
     assert r.returncode == 2 and "--config sets the cache" in r.stderr
 
 
-def test_plan_writes_moepics_split_and_run_runs_it(traced, tmp_path):
+def test_plan_writes_moepics_split_and_run_runs_it(traced, tmp_path, copy_stream):
     """--moepic writes the configurator's split ([cache.theta], lcp, skip-gate prefetching of bottoms) as a
     plan that read_plan round-trips and run loads; a budget below k whole experts per layer plans the split
     only (no baseline)."""
@@ -106,7 +106,8 @@ def test_plan_writes_moepics_split_and_run_runs_it(traced, tmp_path):
     run = json.loads(stats.read_text())
     assert run["policy"] == "lcp"
     split = [str(il) for il in cfg.layer_theta]
-    assert sum(run["layers"][il]["top_hits"] + run["layers"][il]["hits"] for il in split) > 0
+    if copy_stream == "immediate":  # 8 tokens: on the deferred stream the queue may land nothing in time
+        assert sum(run["layers"][il]["top_hits"] + run["layers"][il]["hits"] for il in split) > 0
     assert sum(run["layers"][il]["bottom_prefetches"] for il in split) > 0
 
     # 1 MiB: whole experts cannot give k slots per layer; halves can
