@@ -50,7 +50,7 @@ def test_async_logits_equal_stock_path(arch_model, stock_logits, policy, copy_st
         for a, b in zip(got, ref, strict=True):
             assert np.abs(a - b).max() <= EXACT, (arch, n_slots, policy)
         assert ctl.tokens >= 2 * 6  # every decode step went through the controller
-        if copy_stream == "immediate" or n_slots > facts.n_expert_used:  # with k slots a late copy may never hit
+        if copy_stream == "immediate":  # deferred copies land when their threads run: a short run may see none
             assert st.hits > 0
         if n_slots < facts.n_expert:  # prefills fill what fits; decode steps then miss and admit
             assert st.host_reads > 0 and st.admission_copies > 0
