@@ -76,7 +76,8 @@ class TraceMeta:
     n_ubatch: int = 512  # tokens per micro-batch the engine used (replays chunk prefills alike)
     gating: str = "softmax"  # the model's gating function (ggmoe.inspect.gating.Gating.func)
     source: str = ""  # where the routing came from: "" recorded by ggmoe, else the imported log (trace import)
-    lacks: tuple[str, ...] = ()  # what the routing log did not hold (LACKS): placeholders fill those arrays
+    lacks: tuple[str, ...] = ()  # what the routing log did not hold (keys of LACKS); those arrays are filled but
+    # never read as data: a command that needs one refuses the trace in one line (require)
     format: str = FORMAT
     version: int = VERSION
 
