@@ -74,7 +74,17 @@ class Prefetcher:
         self._in_request = False  # the predictor has begun a request that has not ended
         self._queue: queue.SimpleQueue | None = None
         self._worker: threading.Thread | None = None
+        # the async decode's stride prefetch: the mailbox's reader calls ``observe_layer`` while the graph runs,
+        # the controller's per-token events are ignored, and prefetches take free slots only (no eviction
+        # while a graph may read a slot)
+        self.via_mailbox = False
+        self.free_only = False
         if background:
+            self.start_background()
+
+    def start_background(self) -> None:
+        """Predict on a worker thread from now on (the sync decode's ``--predict-in-background``)."""
+        if self._queue is None:
             self._queue = queue.SimpleQueue()
             self._worker = threading.Thread(target=self._work, name="ggmoe-prefetch", daemon=True)
             self._worker.start()
@@ -133,11 +143,19 @@ class Prefetcher:
             self._prefetch(il, self.predictor.predict(il), n)
 
     def on_route(self, event: RouteEvent) -> None:
-        if not self._decoding or event.n_tokens != 1:
+        if self.via_mailbox or not self._decoding or event.n_tokens != 1:
             return
+        if self.predictor.needs_hidden and event.hidden is None and event.scores is None:
+            return  # the route op was not asked for the input (the async decode's prefetcher reads the mailbox)
         target = self._next.get(event.il)
         calls = self.cache.stats.layers[target].calls if target in self.cache.tables else None
         self._do(self._observe, event, target, calls)
+
+    def observe_layer(self, event: RouteEvent) -> None:
+        """The async decode's stride prefetch: layer ``event.il`` of a decode token has started (its routing and
+        input rows from the mailbox, read while the graph runs); predict ``stride`` layers ahead and prefetch."""
+        if self._decoding and event.n_tokens == 1:
+            self._observe(event, self._next.get(event.il), None)
 
     def scores_from_graph(self) -> None:
         """The engine computes the predictor's nets in the graph: the route events bring their logits, so the
@@ -170,7 +188,7 @@ class Prefetcher:
         # fMoE's priority p / (l - l_now): likelier experts of nearer layers are copied first
         d = self.predictor.stride
         self.cache.prefetch(target, top, ranks=[-v / d for v in top_scores],
-                            if_calls=calls if self._queue is not None else None)
+                            if_calls=calls if self._queue is not None else None, free_only=self.free_only)
 
 
 def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, model_path: str) -> Prefetcher:

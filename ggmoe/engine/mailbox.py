@@ -1,7 +1,7 @@
 """The mailbox: each table-mode MoE layer's routing reaches the host while the device goes on (patch 0010).
 
 Engine layer (ctypes allowed). Three arrays in host memory the device can write (on a GPU the pinned host
-buffer of its device, on the CPU build plain host memory), registered with ``llama_ggmoe_set_mailbox``:
+buffer of its device, on the CPU build plain host memory), registered with ``llama_ggmoe_set_mailbox`` whenever table mode comes on (``attach``):
 
 - ``seq`` I64 ``[n_layer]``: cleared by the host before each decode; layer ``il``'s first expert matmul stores
   ``2*n + (hidden written)`` there after it wrote the rest (release order; on CUDA a system-wide fence);
@@ -68,13 +68,16 @@ class Mailbox:
             self.hidden = _array(hid, np.float32, (n_layer, max_tokens, n_embd)) if hid is not None else None
             self.seq.fill(0)
             data = lambda t: ctypes.cast(t, B.ggml_tensor_p).contents.data if t else None  # noqa: E731
-            rc = _patched.load().llama_ggmoe_set_mailbox(ctx_ptr, data(seq), data(ids), data(hid), max_tokens,
-                                                         n_embd if hid is not None else 0)
-            if rc != _patched.LLAMA_GGMOE_OK:
-                raise EngineError(f"registering the mailbox failed: {_patched.ERROR_NAMES.get(rc, rc)}")
+            self._args = (data(seq), data(ids), data(hid), max_tokens, n_embd if hid is not None else 0)
         except BaseException:
             self.arena.close()
             raise
+
+    def attach(self) -> None:
+        """Register with the context: after table mode came on (turning it off drops the mailbox)."""
+        rc = _patched.load().llama_ggmoe_set_mailbox(self.ctx_ptr, *self._args)
+        if rc != _patched.LLAMA_GGMOE_OK:
+            raise EngineError(f"registering the mailbox failed: {_patched.ERROR_NAMES.get(rc, rc)}")
 
     def clear(self) -> None:
         """Before a decode: no layer has written (the previous decode's graph has finished)."""
