@@ -274,10 +274,7 @@ def chat(model: str | None, max_tokens: int, temp: float, seed: int | None, syst
         try:
             run_chat(llama, ChatOptions(max_tokens=max_tokens, temperature=temp, seed=seed, system=system), input,
                      write)
-        except ValueError as e:  # llama-cpp-python's own length check runs before ggmoe.context's
-            if not str(e).startswith("Requested tokens"):
-                raise
+        except ContextLengthError:  # the conversation outgrew the context: the stats so far, then the error
             _write_stats(llama, opts, out)
-            raise ContextLengthError(f"the conversation does not fit the context: {e} (raise --n-ctx, or "
-                                     "/reset before it fills)") from None
+            raise
         _write_stats(llama, opts, out)
