@@ -119,7 +119,7 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
         if routing_out is not None:
             eng.add_observer(routing_out.collector)
         if trace_out:
-            from ggmoe.trace.record import trace_generation
+            from ggmoe.engine.record import trace_generation
 
             gen = trace_generation(eng, text, max_tokens, temp, seed, Path(trace_out) / "trace.npz", on_text=stream)
         else:

@@ -66,9 +66,25 @@ def test_cmake_args_from_the_environment_come_last_and_change_the_key(monkeypatc
 def test_the_patch_series_is_found_in_a_clone_and_named_when_missing(monkeypatch, tmp_path):
     from pathlib import Path
 
-    clone = Path(be.__file__).resolve().parent.parent / "patches"
+    clone = Path(be.__file__).resolve().parents[2] / "patches"  # ggmoe/engine/build.py -> the clone
     assert be.find_patch_dir() == clone and be.patch_files()[0].name.startswith("0001-")
     monkeypatch.setattr(be, "PATCH_DIR", tmp_path)
     with pytest.raises(be.BuildError, match="no patch series found"):
         be.patch_files()
 
+
+
+def test_a_failed_build_step_is_one_error_line_at_the_cli(monkeypatch, tmp_path):
+    """In the package a BuildError is an EngineError: the CLI's edge prints it as it is (exit 2), with no
+    second name and no traceback."""
+    from click.testing import CliRunner
+
+    from ggmoe.cli import main
+    from ggmoe.engine import build
+    from ggmoe.errors import EngineError
+
+    assert issubclass(build.BuildError, EngineError)
+    monkeypatch.setattr(build, "PATCH_DIR", tmp_path)
+    r = CliRunner().invoke(main, ["engine", "build", "--check-patches"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.output.startswith(f"error: no patch series found (looked in {tmp_path})")
