@@ -30,7 +30,6 @@ from ggmoe.serve.errors import APIError, domain_error, log
 from ggmoe.serve.logprobs import LogprobRecorder, chat_logprobs, completion_logprobs, plain
 from ggmoe.serve.schema import ChatRequest, CompletionRequest
 
-MAX_LOGPROBS = 20  # OpenAI's cap on (top_)logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
