@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -12,6 +12,12 @@ from ggmoe.cli.edge import edge
 from ggmoe.cli.options import model_path, threads_opt
 from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output
+
+if TYPE_CHECKING:
+    from ggmoe.cache.hardware import HardwareProfile
+    from ggmoe.inspect import ModelFacts
+    from ggmoe.simulate.des import SimResult
+    from ggmoe.trace import Trace
 
 
 @click.command()
@@ -40,8 +46,8 @@ def quantize(src: str, out: str, type_name: str, threads: int | None) -> None:
     click.echo(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB)")
 
 
-def _level(path: Path, trace: Any, budget: int, policies: tuple[str, str],
-           profile: Any) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+def _level(path: Path, trace: Trace, budget: int, policies: tuple[str, str],
+           profile: HardwareProfile) -> tuple[dict[str, Any], SimResult | None, dict[str, Any]]:
     """One quantization level at ``budget`` bytes under ``policies`` (policy, miss policy): its table row,
     its simulation (None: no cache fits) and its JSON record."""
     from ggmoe.cache.config import slots_for_budget
@@ -69,7 +75,7 @@ def _level(path: Path, trace: Any, budget: int, policies: tuple[str, str],
                     "tpot_s_estimate": r.tpot_s, "cache_bytes": r.cache_bytes}
 
 
-def _types(facts: Any) -> str:
+def _types(facts: ModelFacts) -> str:
     names = sorted({t.ggml_type for layer in facts.layers for t in layer.tensors})
     return "/".join(names)
 
