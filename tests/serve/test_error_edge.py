@@ -5,10 +5,12 @@ mapped by class: a ``UsageError`` is the request's 400, never a 500.
 The routes here raise each error where a route's code would (directly, or through ``api_error`` as the app
 does for what a llama call raised); the app around them is a bare FastAPI app with the edge installed, so
 no model is needed. The clients are the openai and anthropic SDKs and raw httpx (llama-server's routes).
+A real server started with ``--logprobs`` checks the other side of a refusal no longer mapped from text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -16,6 +18,7 @@ import openai
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from server_process import N_CTX, Server, start_server, stop_server
 
 from ggmoe.errors import ContextLengthError, EngineError, ModelFileError, UsageError
 from ggmoe.serve import errors
@@ -109,3 +112,21 @@ def test_domain_error_maps_by_class_not_text(e, status, code):
     got = errors.domain_error(e, param="messages")
     assert (got.status, got.code, got.message) == (status, code, str(e))
     assert got.param == ("messages" if status == 400 else None)
+
+
+@pytest.fixture(scope="module")
+def logprobs_server(tmp_path_factory) -> Iterator[Server]:
+    s = start_server(tmp_path_factory.mktemp("logprobs"), "--n-ctx", str(N_CTX), "--logprobs")
+    yield s
+    assert stop_server(s) == 0, open(s.log).read()
+
+
+def test_echo_logprobs_run_with_the_flag(logprobs_server):
+    """The other side of the 400 that ``echo`` with ``logprobs`` gets without ``--logprobs`` (checked before
+    llama-cpp-python, not mapped from its ValueError's text): with the flag the prompt's logprobs come back."""
+    client = openai.OpenAI(base_url=logprobs_server.url + "/v1", api_key="none", max_retries=0)
+    r = client.completions.create(model="m", prompt="The quick brown fox", max_tokens=2, temperature=0, echo=True,
+                                  logprobs=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("The quick brown fox")
+    assert len(lp.tokens) == len(lp.token_logprobs) > 2 and lp.token_logprobs[0] is None  # the first has no context
