@@ -256,4 +256,3 @@ def _read_2d(t: B.ggml_tensor, dtype: type, rows: int, cols: int) -> np.ndarray:
     return view.copy()
 
 
-HOOKS: dict[str, type[RouteOpHook] | type[CbEvalHook]] = {"route": RouteOpHook, "cb_eval": CbEvalHook}
