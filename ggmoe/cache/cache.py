@@ -365,7 +365,10 @@ class ExpertCache:
                 st.evictions += 1
             self._note_eviction(il, table, slot)
             table.unmap(slot)  # the expert table stops pointing at the slot before the copy may write it
-            h = self.copies.submit(il, e, slot, Priority.PREFETCH, rank_of.get(e, 0.0))
+            # into a running graph (the async decode's stride prefetch): its layer runs within milliseconds, so
+            # it goes before admissions meant for later tokens
+            h = self.copies.submit(il, e, slot, Priority.DEMAND if free_only else Priority.PREFETCH,
+                                   rank_of.get(e, 0.0))
             self._submitted[h.id] = self.time.now()
             self._submit_token[h.id] = self.token
             table.place(e, slot, h)

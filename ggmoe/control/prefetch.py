@@ -168,8 +168,13 @@ class Prefetcher:
         self.predictor.observe(event.il, event.ids[0], probs, hidden)
         if event.scores is not None:
             self.predictor.observe_scores(event.il, event.scores[0])
-        if target is not None:
+        if target is not None and not (self.free_only and self._full(target)):
             self._prefetch(target, self.predictor.predict(target), calls)
+
+    def _full(self, target: int) -> bool:
+        """No free slot in ``target`` (a prefetch into a running graph could go nowhere): skip predicting."""
+        table = self.cache.tables.get(target)
+        return table is None or not table.free
 
     def _prefetch(self, target: int, scores: np.ndarray | None, calls: int | None = None) -> None:
         if scores is None or target not in self.cache.tables:
