@@ -26,6 +26,13 @@ from ggmoe.cache.stats import CacheStats, LayerStats
 from ggmoe.errors import UsageError
 
 
+def keep_free_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: int, n_prefetch: int) -> dict[int, int]:
+    """Free slots kept per layer between tokens for the async decode's stride prefetch (into a running graph a
+    prefetch takes only a slot no entry points at): ``min(n_prefetch, n_slots - n_expert_used)``, none where
+    every expert fits. The engine's pipeline and the simulator both use this."""
+    return {il: 0 if n >= n_expert else min(n_prefetch, n - n_expert_used) for il, n in n_slots.items()}
+
+
 class ExpertCache:
     """Slot tables for every MoE layer, driven by a policy; ``route`` maps ids to slots."""
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.cache import CacheConfig, CacheStats
+from ggmoe.cache.cache import keep_free_slots
 from ggmoe.cache.decode_mode import (
     TABLE_MAX_TOKENS,
     DecodeMode,
@@ -196,9 +197,8 @@ class CachePipeline:
             mailbox.close()
             raise
         self.runtime.stream.flip = self.tables.entry_flip
-        n_pf = self.prefetcher.n_prefetch
-        self._keep_free = {il: (0 if n >= facts.n_expert else min(n_pf, n - facts.n_expert_used))
-                           for il, n in cache.n_slots.items()}
+        self._keep_free = keep_free_slots(cache.n_slots, facts.n_expert, facts.n_expert_used,
+                                          self.prefetcher.n_prefetch)
         # it asks the route op for nothing: its inputs come from the mailbox (a request would turn table mode off)
         self.prefetcher.request = HookRequest(probs=False, hidden=False)
         self.observers.add(self.prefetcher)
