@@ -361,7 +361,18 @@ class CachePipeline:
                 "decode_mode_reason": mode.reason,
                 "copy_stream": self.runtime.stream.stream.name,  # immediate, deferred or events (a GPU)
                 "table_writes": self.tables.writes if self.tables is not None else 0,
-                "controller_tokens": self.controller.tokens if self.controller is not None else 0}
+                "controller_tokens": self.controller.tokens if self.controller is not None else 0,
+                **self._prefetch_description()}
+
+    def _prefetch_description(self) -> dict[str, object]:
+        """Where the prefetcher runs and its budget (none without a predictor)."""
+        pf = self.prefetcher
+        if pf is None:
+            return {}
+        return {"prefetch": {"predictor": pf.predictor.name, "stride": pf.predictor.stride,
+                             "runs_on": "mailbox" if self.stride is not None and pf.via_mailbox else "route op",
+                             "experts_per_layer": pf.limit if pf.free_only else pf.n_prefetch,
+                             "keep_free": dict(self.runtime.cache.keep_free) if self.stride is not None else {}}}
 
     # -- lifecycle
     def detach(self) -> None:
