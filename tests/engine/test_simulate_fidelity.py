@@ -196,19 +196,21 @@ def test_a_learning_predictor_counts_equal_the_engine(qwen3moe_model, tmp_path, 
 
 
 def test_simulate_both_decode_modes(tmp_path):
-    """`ggmoe simulate --decode-mode sync,async`: both rows side by side; async refuses a predictor-only choice."""
+    """`ggmoe simulate --decode-mode sync,async`: both rows side by side, with and without a predictor (async:
+    the mailbox's stride prefetch); async refuses a host-path-only choice."""
     tr = _trace(tmp_path, ["def main():"], 12)
     r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.5", "--decode-mode", "sync,async",
                                   "--predictor", "none,reuse", "--hw", "h100", "--json"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.output[r.output.index("{"):])["results"]
     modes = sorted((x["decode_mode"], x["predictor"] or "none") for x in res)
-    assert modes == [("async", "none"), ("sync", "none"), ("sync", "reuse")]
+    assert modes == [("async", "none"), ("async", "reuse"), ("sync", "none"), ("sync", "reuse")]
     by = {(x["decode_mode"], x["predictor"]): x for x in res}
     assert by[("async", None)]["stats"]["total"]["host_reads"] > 0 and by[("async", None)]["tpot_s"] > 0
+    assert by[("async", "reuse")]["stats"]["total"]["prefetch_issued"] > 0
     r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.5", "--decode-mode", "async",
-                                  "--predictor", "reuse"])
-    assert r.exit_code == 2 and "needs --predictor none" in r.output
+                                  "--miss-policy", "cpu"])
+    assert r.exit_code == 2 and "needs --miss-policy wait" in r.output
 
 
 SPLIT_FIELDS = (*FIELDS, "top_hits", "bottom_hits", "bottom_read_bytes", "bottom_prefetches",
