@@ -208,6 +208,10 @@ class ExpertCache:
             if table.n_loading:
                 self._land_done(table)
             self.policy.on_access(il, need, self.clock)
+            if il in self.predicted:  # the stride prefetcher's guess for this layer, scored as in sync
+                guess = self.predicted.pop(il)
+                st.pred_total += len(guess)
+                st.pred_correct += len(set(guess) & set(need))
             if self.n_prefetched[il]:
                 self._count_prefetch_hits(il, table, [e for e in need if e not in missing])
             self._admit_after(il, table, need, missing)
