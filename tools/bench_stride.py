@@ -125,6 +125,9 @@ def main() -> int:
     ap.add_argument("--link-us", type=float, default=40.0, help="simulated link: microseconds per tensor kind copied")
     ap.add_argument("--stream-delay-ms", type=float, default=0.0,
                     help="the deferred stream's own largest random delay per copy (GGMOE_COPY_DELAY_MS)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="GGMOE_MAILBOX_LOCKSTEP=1: each layer waits until the mailbox's reader handled it (the CPU "
+                         "build cannot give the reader the idle cores a GPU machine has; hit rates only)")
     ap.add_argument("--speed", action="store_true", help="decode speed with every expert cached instead")
     ap.add_argument("--threads", type=int, default=None,
                     help="compute threads (speed: default the core count; hit rates: default 1, so that on the CPU "
@@ -145,16 +148,20 @@ def main() -> int:
     # the link is --link-us; the deferred stream adds no random delay of its own (copies still land on its
     # threads, out of order, seen only through the readiness query)
     os.environ["GGMOE_COPY_DELAY_MS"] = str(a.stream_delay_ms)
+    if a.lockstep:  # the device waits for the host at each layer: a host that keeps pace, as on a GPU machine
+        os.environ["GGMOE_MAILBOX_LOCKSTEP"] = "1"
     docs = [d for f in a.docs for d in read_prompts(f)[: a.docs_per_file]]
     threads = a.threads if a.threads_set else 1
     rows = hit_rows(a.model, docs, a.predictor, a.share, a.stride, a.link_us * 1e-6, threads)
     out = {**machine, "docs": len(docs), "share": a.share, "link_us": a.link_us, "threads": threads,
+           "lockstep": a.lockstep,
            "stream_delay_ms": a.stream_delay_ms, "rows": rows}
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
     print(f"| configuration | mode | hit rate | prefetches used / issued (late) |   ({len(docs)} docs, "
-          f"{rows[0]['slots']} slots/layer, link {a.link_us:g} us/kind, deferred stream)")
+          f"{rows[0]['slots']} slots/layer, link {a.link_us:g} us/kind, deferred stream"
+          f"{', mailbox lockstep' if a.lockstep else ''})")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['mode']} | {r['hit_rate']:.1%} | {r['prefetch_hits']} / {r['prefetch_issued']} "
