@@ -2,13 +2,15 @@
 """Stride prefetch on the async decode against the sync decode's, on the CPU build behaving like a GPU.
 
     python tools/bench_stride.py DOCS.jsonl [DOCS2.jsonl ...] --predictor PRED.npz [--model M.gguf]
-        [--docs-per-file 10] [--share 0.25] [--stride 2] [--link-us 40] [--json]
+        [--docs-per-file 10] [--share 0.25] [--stride 2] [--link-us 10] [--stream deferred|immediate]
+        [--lockstep] [--json]
     python tools/bench_stride.py --speed --predictor PRED.npz [--model M.gguf] [--threads 2]
 
 Hit rates: every configuration runs the same held-out documents teacher-forced (64 prefill tokens, then
 the document's next 64 tokens one decode step each) on the deferred copy stream (copies land later, on
 their own threads, seen only through the readiness query) with a simulated link (``copy_delay_s``: each
-expert tensor kind's copy waits ``--link-us`` microseconds on one copy thread, in priority order), at
+expert tensor kind's copy waits ``--link-us`` microseconds on one copy thread, in priority order; or
+``--stream immediate --link-us -1``: copies land when issued, the predictor's ceiling), at
 ``--share`` of each layer's experts cached: sync LRU, sync LRU + the predictor (stride prefetch inside the
 layers), async LRU, and async + the predictor (the mailbox: stride prefetch while the graph runs). A
 prefetched expert its layer then read from its slot counts as a hit; the async decode's hits are what was
@@ -68,7 +70,7 @@ def _hits(model: Path, docs: list[str], cache: CacheConfig, threads: int) -> dic
             "admission_copies": t.admission_copies, "pred_accuracy": t.pred_accuracy, "wall_s": wall}
 
 
-def hit_rows(model: Path, docs: list[str], predictor: str, share: float, stride: int, link_s: float,
+def hit_rows(model: Path, docs: list[str], predictor: str, share: float, stride: int, link_s: float | None,
              threads: int) -> list[dict]:
     facts = inspect_model(model)
     n = max(facts.n_expert_used, round(share * facts.n_expert))
@@ -122,7 +124,11 @@ def main() -> int:
     ap.add_argument("--docs-per-file", type=int, default=10)
     ap.add_argument("--share", type=float, default=0.25, help="share of each layer's experts cached")
     ap.add_argument("--stride", type=int, default=2)
-    ap.add_argument("--link-us", type=float, default=40.0, help="simulated link: microseconds per tensor kind copied")
+    ap.add_argument("--link-us", type=float, default=10.0,
+                    help="simulated link: microseconds per tensor kind copied, on one copy thread (-1: no simulated "
+                         "link, copies go straight to the stream)")
+    ap.add_argument("--stream", choices=("deferred", "immediate"), default="deferred",
+                    help="the CPU build's copy stream (immediate with --link-us -1: copies land when issued)")
     ap.add_argument("--stream-delay-ms", type=float, default=0.0,
                     help="the deferred stream's own largest random delay per copy (GGMOE_COPY_DELAY_MS)")
     ap.add_argument("--lockstep", action="store_true",
@@ -144,7 +150,7 @@ def main() -> int:
         return 0
     if not a.docs:
         ap.error("give DOCS.jsonl files (or --speed)")
-    os.environ["GGMOE_COPY_STREAM"] = "deferred"  # the CPU build behaving like a GPU
+    os.environ["GGMOE_COPY_STREAM"] = a.stream  # deferred: the CPU build behaving like a GPU
     # the link is --link-us; the deferred stream adds no random delay of its own (copies still land on its
     # threads, out of order, seen only through the readiness query)
     os.environ["GGMOE_COPY_DELAY_MS"] = str(a.stream_delay_ms)
@@ -152,15 +158,17 @@ def main() -> int:
         os.environ["GGMOE_MAILBOX_LOCKSTEP"] = "1"
     docs = [d for f in a.docs for d in read_prompts(f)[: a.docs_per_file]]
     threads = a.threads if a.threads_set else 1
-    rows = hit_rows(a.model, docs, a.predictor, a.share, a.stride, a.link_us * 1e-6, threads)
-    out = {**machine, "docs": len(docs), "share": a.share, "link_us": a.link_us, "threads": threads,
+    link_s = a.link_us * 1e-6 if a.link_us >= 0 else None
+    rows = hit_rows(a.model, docs, a.predictor, a.share, a.stride, link_s, threads)
+    out = {**machine, "docs": len(docs), "share": a.share, "link_us": a.link_us, "stream": a.stream,
+           "threads": threads,
            "lockstep": a.lockstep,
            "stream_delay_ms": a.stream_delay_ms, "rows": rows}
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
     print(f"| configuration | mode | hit rate | prefetches used / issued (late) |   ({len(docs)} docs, "
-          f"{rows[0]['slots']} slots/layer, link {a.link_us:g} us/kind, deferred stream"
+          f"{rows[0]['slots']} slots/layer, link {a.link_us:g} us/kind, {a.stream} stream"
           f"{', mailbox lockstep' if a.lockstep else ''})")
     print("|---|---|---|---|")
     for r in rows:
