@@ -77,7 +77,8 @@ class GgmoeLlama(llama_cpp.Llama):
     """A ``llama_cpp.Llama`` with the experts in host memory and, optionally, ggmoe's expert cache."""
 
     def __init__(self, model_path: str, *, cache: CacheConfig | None = None, experts_on_host: bool = True,
-                 observers: Sequence[RouteObserver] = (), n_seq_max: int = 1, **kwargs: Any) -> None:
+                 observers: Sequence[RouteObserver] = (), n_seq_max: int = 1, kv_unified: bool = True,
+                 **kwargs: Any) -> None:
         from ggmoe.engine.llama_attach import HostExpertOverride
 
         if cache is not None and not experts_on_host:
@@ -85,6 +86,7 @@ class GgmoeLlama(llama_cpp.Llama):
         if isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or not 1 <= n_seq_max <= MAX_SEQUENCES:
             raise UsageError(f"n_seq_max {n_seq_max!r}: give 1 to {MAX_SEQUENCES} sequences")
         self._n_seq_max = n_seq_max  # read by the context_params setter, before the context is made
+        self._kv_unified = kv_unified
         self._ggmoe = None  # LlamaAttachment, once the context exists
         self._placement = HostExpertOverride() if experts_on_host else None
         self.watch: GenerationWatch | None = None
@@ -129,12 +131,15 @@ class GgmoeLlama(llama_cpp.Llama):
 
     @context_params.setter
     def context_params(self, params: llama_cpp.llama_context_params) -> None:
-        # Several sequences in one unified KV cache, as llama-server keeps its slots (--kv-unified): each
-        # slot's share of n_ctx is enforced by the server. (Separate streams per sequence, llama.cpp's other
-        # layout, made a 4-sequence decode 2.3x slower in wall time on the 2-core CPU build: docs/serving.md.)
+        # Several sequences: in one unified KV cache (llama-server's --kv-unified; each slot's share of n_ctx
+        # is enforced by the server), or each in its own stream of n_ctx / n_seq_max cells (padded to 256).
         params.n_seq_max = self.__dict__.get("_n_seq_max", 1)
-        params.kv_unified = True
+        params.kv_unified = self.__dict__.get("_kv_unified", True)
         self.__dict__["_ggmoe_context_params"] = params
+
+    def n_ctx_seq(self) -> int:
+        """The tokens one sequence may hold in llama.cpp's KV cache (the whole context when unified)."""
+        return int(llama_cpp.llama_n_ctx_seq(self._ctx.ctx))
 
     def decode_sequences(self, entries: Sequence[Any]) -> list[np.ndarray]:
         """One ``llama_decode`` of several sequences' tokens (``ggmoe.engine.sequences.SeqEntry``), the

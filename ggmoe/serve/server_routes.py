@@ -124,11 +124,12 @@ def add_llama_server_routes(app: FastAPI, server: Any, auth: list[Depends]) -> N
                           body: SlotFileRequest | None = None) -> dict[str, Any]:
         server.check_slot(id_slot, any_ok=False)
         if action == "erase":
-            return {"id_slot": id_slot, **await server.holding(lambda: erase_slot(llama))}
+            return {"id_slot": id_slot, **await server.holding(erase_slot, id_slot)}
         if body is None or body.filename is None:
             raise APIError(400, f"action={action} needs a JSON body with a filename", param="filename",
                            code="invalid_value")
         save_dir = server.settings.slot_save_path
         path = slot_path(Path(save_dir) if save_dir else None, body.filename)
         work = save_slot if action == "save" else restore_slot
-        return {"id_slot": id_slot, "filename": body.filename, **await server.holding(lambda: work(llama, path))}
+        return {"id_slot": id_slot, "filename": body.filename,
+                **await server.holding(lambda slot_llama: work(slot_llama, path), id_slot)}

@@ -1,0 +1,372 @@
+"""``--parallel N``: N slots decoding together, one ``llama_decode`` per step for all of them.
+
+llama-server's slots over one context: each slot is a sequence (``seq_id`` = slot id) of one unified KV
+cache, holding at most its share of ``n_ctx`` (``n_ctx // N`` tokens, enforced here as llama-server enforces
+``n_ctx_slot``). Each request runs, as with one slot, llama-cpp-python's ``create_completion`` (stop strings,
+streaming, grammars, logits processors, seeds), but on its slot's ``SlotLlama``: a view of the shared
+``GgmoeLlama`` with its own tokens, sampler chain and watch, whose ``eval`` hands its tokens to the
+``Batcher`` instead of calling ``llama_decode``.
+
+The ``Batcher``'s thread makes one micro-batch of the tokens every active slot has handed in (it waits,
+at most ``MAX_WAIT_S``, until each active slot has: a step is one token from each), decodes it through
+``GgmoeLlama.decode_sequences`` (the ggmoe pipeline around it, so the expert cache sees the union of the
+slots' experts; up to ``TABLE_MAX_TOKENS`` tokens read through the expert tables), and gives each slot a
+copy of its logits row. The slot samples from that row with its own sampler chain
+(``ggmoe.engine.sequences.sample_row``, what ``llama_sampler_sample`` does on the context's row).
+Prompts (several tokens) are decoded in their own micro-batches, apart from the one-token steps.
+
+What a slot cannot do (the prompt's logprobs, which need every position's logits; embeddings, which clear
+the KV cache; slot save and restore) runs on the whole model once every slot is idle (the gate's
+exclusive hold), after which every slot's prompt cache is forgotten.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from ggmoe.engine.sequences import SeqEntry, sample_row, seq_state, set_seq_state
+from ggmoe.errors import ContextLengthError, UsageError
+from ggmoe.serve.llama import GgmoeLlama
+
+MAX_WAIT_S = 0.05  # seconds a step waits for an active slot that has not handed in its token yet
+MIN_SLOT_CTX = 16  # tokens: a smaller share of the context per slot is a typo
+
+
+@dataclass
+class _Job:
+    entry: SeqEntry
+    done: bool = False
+    row: np.ndarray | None = None  # float32, n_vocab: the logits of the entry's last token
+    error: BaseException | None = None
+
+
+@dataclass
+class BatchStats:
+    """What the batcher decoded since start (for /metrics)."""
+
+    decodes: int = 0  # llama_decode calls
+    tokens: int = 0  # tokens in them
+    steps: int = 0  # decodes of one-token entries (generation steps)
+    step_sequences: int = 0  # sequences in those steps (mean batch: step_sequences / steps)
+    by_width: dict[int, int] = field(default_factory=dict)  # steps by number of sequences
+
+
+class Batcher:
+    """One thread that runs every slot's decodes on the shared context, several sequences per call."""
+
+    def __init__(self, llama: GgmoeLlama, max_wait_s: float = MAX_WAIT_S) -> None:
+        self.llama = llama
+        self.max_wait_s = max_wait_s
+        self.stats = BatchStats()
+        self._cv = threading.Condition()
+        self._active: set[int] = set()  # slots inside a generation (a step waits for their tokens)
+        self._pending: dict[int, _Job] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="ggmoe-batcher", daemon=True)
+        self._thread.start()
+
+    def join(self, seq_id: int) -> None:
+        """``seq_id`` is generating: each step waits (briefly) for its token."""
+        with self._cv:
+            self._active.add(seq_id)
+
+    def leave(self, seq_id: int) -> None:
+        with self._cv:
+            self._active.discard(seq_id)
+            self._cv.notify_all()
+
+    def decode(self, entry: SeqEntry) -> np.ndarray:
+        """Decode ``entry`` in the next micro-batch; its last token's logits (raises the decode's error)."""
+        job = _Job(entry)
+        with self._cv:
+            if self._closed:
+                raise UsageError("the server is shutting down")
+            self._pending[entry.seq_id] = job
+            self._cv.notify_all()
+            while not job.done:
+                self._cv.wait()
+        if job.error is not None:
+            raise job.error
+        return job.row  # type: ignore[return-value]
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    # -- the thread
+    def _take(self) -> list[_Job] | None:
+        """The jobs of the next step (None once closed): every pending one, after waiting up to
+        ``max_wait_s`` for the active slots that have not handed theirs in."""
+        with self._cv:
+            while not self._closed and not self._pending:
+                self._cv.wait()
+            deadline = time.monotonic() + self.max_wait_s
+            while not self._closed and not self._active <= self._pending.keys():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            jobs = list(self._pending.values())
+            self._pending.clear()
+            if self._closed:
+                for j in jobs:
+                    j.error, j.done = UsageError("the server is shutting down"), True
+                self._cv.notify_all()
+                return None
+            return jobs
+
+    def _loop(self) -> None:
+        while True:
+            jobs = self._take()
+            if jobs is None:
+                return
+            for group in self._groups(jobs):
+                self._run(group)
+
+    def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
+        """One-token entries together (a generation step), then prompts packed up to ``n_batch`` tokens."""
+        steps = [j for j in jobs if len(j.entry.tokens) == 1]
+        groups = [steps] if steps else []
+        n_batch = self.llama.n_batch
+        for j in sorted((j for j in jobs if len(j.entry.tokens) > 1), key=lambda j: j.entry.seq_id):
+            if groups and groups[-1] is not steps and \
+                    sum(len(g.entry.tokens) for g in groups[-1]) + len(j.entry.tokens) <= n_batch:
+                groups[-1].append(j)
+            else:
+                groups.append([j])
+        return groups
+
+    def _run(self, group: list[_Job]) -> None:
+        s = self.stats
+        try:
+            rows = self.llama.decode_sequences([j.entry for j in group])
+        except BaseException as e:  # noqa: BLE001 - every slot of the decode raises it from its eval
+            for j in group:
+                j.error = e
+        else:
+            for j, row in zip(group, rows, strict=True):
+                j.row = row
+        s.decodes += 1
+        s.tokens += sum(len(j.entry.tokens) for j in group)
+        if len(group[0].entry.tokens) == 1:
+            s.steps += 1
+            s.step_sequences += len(group)
+            s.by_width[len(group)] = s.by_width.get(len(group), 0) + 1
+        with self._cv:
+            for j in group:
+                j.done = True
+            self._cv.notify_all()
+
+
+class _SeqContext:
+    """The shared ``LlamaContext`` as one slot sees it: KV removals of "every sequence" (-1) act on its
+    own, its context is its share, and it never decodes by itself."""
+
+    def __init__(self, ctx: Any, seq_id: int, n_ctx: int) -> None:
+        self._inner = ctx
+        self.seq_id = seq_id
+        self._n_ctx = n_ctx
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    def kv_cache_seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        return self._inner.kv_cache_seq_rm(self.seq_id if seq_id < 0 else seq_id, p0, p1)
+
+    def kv_cache_clear(self) -> None:
+        self._inner.kv_cache_seq_rm(self.seq_id, 0, -1)
+
+    def decode(self, batch: Any) -> None:
+        raise UsageError("a slot decodes through the batcher")
+
+
+class SlotLlama(GgmoeLlama):
+    """One slot's view of a shared ``GgmoeLlama``: its sequence, tokens, sampler and watch; decodes go
+    through the ``Batcher``. Never closes the model (the server's ``GgmoeLlama`` owns it)."""
+
+    seq_id: int
+    batcher: Batcher
+
+    @classmethod
+    def of(cls, main: GgmoeLlama, seq_id: int, n_ctx: int, batcher: Batcher) -> SlotLlama:
+        self = cls.__new__(cls)
+        shared = {k: v for k, v in main.__dict__.items() if k not in ("_stack", "_ggmoe_seq_batch")}
+        self.__dict__.update(shared)
+        self.seq_id, self.batcher = seq_id, batcher
+        self._ctx = _SeqContext(main._ctx, seq_id, n_ctx)
+        self._n_ctx = n_ctx
+        self.input_ids = np.zeros(n_ctx, dtype=np.intc)
+        self._row = np.zeros(main._n_vocab, dtype=np.single)
+        self.scores = self._row[None, :]  # Llama._scores[-1]: the last logits (stopping criteria read it)
+        self.n_tokens = 0
+        self._requires_eval = True
+        self._sampler = None
+        self.watch = None
+        return self
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        self._ctx.kv_cache_seq_rm(self.seq_id, self.n_tokens, -1)
+        for i in range(0, len(tokens), self.n_batch):
+            chunk = tuple(int(t) for t in tokens[i:i + self.n_batch])
+            n_past = self.n_tokens
+            if n_past + len(chunk) > self._n_ctx:
+                raise ContextLengthError(f"slot {self.seq_id}: {n_past + len(chunk)} tokens do not fit its "
+                                         f"share of the context ({self._n_ctx} tokens)")
+            try:
+                row = self.batcher.decode(SeqEntry(self.seq_id, n_past, chunk))
+            except BaseException:
+                self.n_tokens = 0  # this sequence's KV entries are meaningless now
+                self._requires_eval = True
+                raise
+            self.input_ids[n_past:n_past + len(chunk)] = chunk
+            self._row = row
+            self.scores = row[None, :]
+            self.n_tokens += len(chunk)
+            self._requires_eval = False
+
+    def sample(self, idx: int | None = None, **kwargs: Any) -> int:
+        """Llama.sample on the slot's own logits row (the last token decoded: ``idx`` is the last position)."""
+        if idx is not None and idx != self.n_tokens - 1:
+            raise UsageError("a slot samples only after its last decoded token")
+        tmp = self._sampler is None
+        if tmp:
+            self._sampler = self._init_sampler(**kwargs)
+        try:
+            return sample_row(self._sampler.sampler, self._row)
+        finally:
+            if tmp:
+                self._sampler = None
+
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Any:
+        self.batcher.join(self.seq_id)
+        try:
+            yield from super().generate(tokens, *args, **kwargs)
+        finally:
+            self.batcher.leave(self.seq_id)
+
+    def save_state(self) -> llama_cpp.LlamaState:
+        """The slot's tokens and its sequence's KV cells (``llama_state_seq_get_data``), not the whole context's."""
+        data = seq_state(self._ctx.ctx, self.seq_id)
+        return llama_cpp.LlamaState(input_ids=self.input_ids.copy(), scores=self._row[None, :].copy(),
+                                    n_tokens=self.n_tokens, llama_state=data, llama_state_size=len(data),
+                                    seed=self._seed)
+
+    def load_state(self, state: llama_cpp.LlamaState) -> None:
+        """The slot's tokens and KV cells from ``save_state``'s record (RuntimeError when llama.cpp refuses)."""
+        self._ctx.kv_cache_seq_rm(self.seq_id, 0, -1)
+        self.forget()
+        if not set_seq_state(self._ctx.ctx, self.seq_id, bytes(state.llama_state)):
+            self._ctx.kv_cache_seq_rm(self.seq_id, 0, -1)
+            raise RuntimeError("llama.cpp refused the sequence state")
+        n = int(state.n_tokens)
+        self.input_ids[:n] = state.input_ids[:n]
+        self.n_tokens = n
+
+    def forget(self) -> None:
+        """Drop the slot's prompt cache (its KV cells may have been cleared by a whole-model operation)."""
+        self.n_tokens = 0
+        self._requires_eval = True
+
+    def close(self) -> None:
+        pass  # the shared model, context and cache are the server's GgmoeLlama's
+
+
+class SlotPool:
+    """The N ``SlotLlama`` of a model loaded with ``n_seq_max = N`` and their batcher."""
+
+    def __init__(self, llama: GgmoeLlama, n_slots: int) -> None:
+        if llama._is_recurrent or llama._is_hybrid:
+            raise UsageError("--parallel > 1 needs a transformer model (this one is recurrent or hybrid)")
+        n_seq = llama.context_params.n_seq_max
+        if n_seq < n_slots:
+            raise UsageError(f"the model was loaded with n_seq_max {n_seq}: too few for {n_slots} slots")
+        # each slot's share, as llama-server's n_ctx_slot (a stream's cells when the KV cache is split)
+        self.n_ctx = min(llama.n_ctx() // n_slots, llama.n_ctx_seq())
+        if self.n_ctx < MIN_SLOT_CTX:
+            raise UsageError(f"--n-ctx {llama.n_ctx()} gives each of {n_slots} slots {self.n_ctx} tokens: give a "
+                             f"context of at least {MIN_SLOT_CTX} tokens per slot")
+        self.llama = llama
+        self.batcher = Batcher(llama)
+        self.slots = [SlotLlama.of(llama, i, self.n_ctx, self.batcher) for i in range(n_slots)]
+
+    def pick(self, free: Sequence[int], prompt: Sequence[int] | None, wanted: int = -1) -> int:
+        """The free slot for a request: the one it names, else the one whose cached tokens share the longest
+        prefix with its prompt (llama-server's slot similarity), else the first free one."""
+        if wanted in free:
+            return wanted
+        if not prompt:
+            return free[0]
+
+        def common(i: int) -> int:
+            ids = self.slots[i]._input_ids
+            n = min(len(ids), len(prompt))
+            if n == 0:
+                return 0
+            diff = np.flatnonzero(ids[:n] != np.asarray(prompt[:n], dtype=np.intc))
+            return int(diff[0]) if diff.size else n
+
+        return max(free, key=lambda i: (common(i), -i))
+
+    def forget_all(self) -> None:
+        """After a whole-model operation: every slot's prompt cache is gone."""
+        for s in self.slots:
+            s.forget()
+        self.llama.reset()
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
+_END = object()
+
+
+class Pump:
+    """An iterator run in its own thread, its items queued: a slot's generation never waits for its client.
+    ``close`` sets ``cancel`` (the generation stops at its next token) and waits for the thread."""
+
+    def __init__(self, items: Iterator[Any], cancel: threading.Event) -> None:
+        self._items = items
+        self._cancel = cancel
+        self._queue: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
+        self._ended = False
+        self._thread = threading.Thread(target=self._produce, name="ggmoe-slot-stream", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            for item in self._items:
+                self._queue.put((item, None))
+            self._queue.put((_END, None))
+        except BaseException as e:  # noqa: BLE001 - raised to the consumer by __next__
+            self._queue.put((_END, e))
+
+    def __iter__(self) -> Pump:
+        return self
+
+    def __next__(self) -> Any:
+        if self._ended:
+            raise StopIteration
+        item, err = self._queue.get()
+        if item is _END:
+            self._ended = True
+            if err is not None:
+                raise err
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self._cancel.set()
+        self._thread.join()
