@@ -7,8 +7,9 @@ streaming, grammars, logits processors, seeds), but on its slot's ``SlotLlama``:
 ``GgmoeLlama`` with its own tokens, sampler chain and watch, whose ``eval`` hands its tokens to the
 ``Batcher`` instead of calling ``llama_decode``.
 
-The ``Batcher``'s thread makes one micro-batch of the tokens every active slot has handed in (it waits,
-at most ``MAX_WAIT_S``, until each active slot has: a step is one token from each), decodes it through
+The ``Batcher`` makes one micro-batch of the tokens every active slot has handed in (it waits, at most
+``MAX_WAIT_S``, until each active slot has: a step is one token from each; the slot that completes the step
+decodes it in its own thread, so no thread hands work to another per token), decodes it through
 ``GgmoeLlama.decode_sequences`` (the ggmoe pipeline around it, so the expert cache sees the union of the
 slots' experts; up to ``TABLE_MAX_TOKENS`` tokens read through the expert tables), and gives each slot a
 copy of its logits row. The slot samples from that row with its own sampler chain
@@ -38,6 +39,7 @@ from ggmoe.serve.llama import GgmoeLlama
 
 MAX_WAIT_S = 0.05  # seconds a step waits for an active slot that has not handed in its token yet
 MIN_SLOT_CTX = 16  # tokens: a smaller share of the context per slot is a typo
+_POLL_S = 0.005  # seconds: past its wait, a slot looks this often whether it may decode the step itself
 
 
 @dataclass
@@ -46,6 +48,8 @@ class _Job:
     done: bool = False
     row: np.ndarray | None = None  # float32, n_vocab: the logits of the entry's last token
     error: BaseException | None = None
+    event: threading.Event = field(default_factory=threading.Event)  # set when done, or to lead
+    lead: list[_Job] | None = None  # the step this job's thread is to decode
 
 
 @dataclass
@@ -60,78 +64,93 @@ class BatchStats:
 
 
 class Batcher:
-    """One thread that runs every slot's decodes on the shared context, several sequences per call."""
+    """Every slot's decodes on the shared context, several sequences per ``llama_decode``.
+
+    No thread of its own: the slot whose token completes a step (every active slot has handed one in, or
+    its wait for the others passed ``max_wait_s``) decodes the step in its own thread; each waiting slot is
+    woken once, by its own event, when its row is ready or when it is to decode the next step. One slot
+    alone decodes with no thread handoff at all."""
 
     def __init__(self, llama: GgmoeLlama, max_wait_s: float = MAX_WAIT_S) -> None:
         self.llama = llama
         self.max_wait_s = max_wait_s
         self.stats = BatchStats()
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._active: set[int] = set()  # slots inside a generation (a step waits for their tokens)
         self._pending: dict[int, _Job] = {}
+        self._leading = False  # a slot's thread is decoding a step
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="ggmoe-batcher", daemon=True)
-        self._thread.start()
 
     def join(self, seq_id: int) -> None:
         """``seq_id`` is generating: each step waits (briefly) for its token."""
-        with self._cv:
+        with self._lock:
             self._active.add(seq_id)
 
     def leave(self, seq_id: int) -> None:
-        with self._cv:
+        with self._lock:
             self._active.discard(seq_id)
-            self._cv.notify_all()
+            self._hand_over()
 
     def decode(self, entry: SeqEntry) -> np.ndarray:
-        """Decode ``entry`` in the next micro-batch; its last token's logits (raises the decode's error)."""
+        """Decode ``entry`` in the next step; its last token's logits (raises the decode's error)."""
         job = _Job(entry)
-        with self._cv:
-            if self._closed:
-                raise UsageError("the server is shutting down")
-            self._pending[entry.seq_id] = job
-            self._cv.notify_all()
-            while not job.done:
-                self._cv.wait()
+        jobs = self._wait_or_lead(job)
+        if jobs is not None:  # this thread decodes the step, then hands the next complete one over
+            try:
+                for group in self._groups(jobs):
+                    self._run(group)
+            finally:
+                with self._lock:
+                    self._leading = False
+                    self._hand_over()
         if job.error is not None:
             raise job.error
         return job.row  # type: ignore[return-value]
 
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join()
+    def _ready(self) -> bool:
+        return bool(self._pending) and not self._leading and self._active <= self._pending.keys()
 
-    # -- the thread
-    def _take(self) -> list[_Job] | None:
-        """The jobs of the next step (None once closed): every pending one, after waiting up to
-        ``max_wait_s`` for the active slots that have not handed theirs in."""
-        with self._cv:
-            while not self._closed and not self._pending:
-                self._cv.wait()
-            deadline = time.monotonic() + self.max_wait_s
-            while not self._closed and not self._active <= self._pending.keys():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
-            jobs = list(self._pending.values())
-            self._pending.clear()
+    def _take(self) -> list[_Job]:
+        jobs = list(self._pending.values())
+        self._pending.clear()
+        self._leading = True
+        return jobs
+
+    def _hand_over(self) -> None:
+        """(Holding the lock) a complete step waits and no one decodes: wake one of its slots to decode it."""
+        if self._ready():
+            job = next(iter(self._pending.values()))
+            job.lead = self._take()
+            job.event.set()
+
+    def _wait_or_lead(self, job: _Job) -> list[_Job] | None:
+        """Wait until ``job`` is decoded (None), or get the jobs of a step to decode in this thread."""
+        deadline = time.monotonic() + self.max_wait_s
+        with self._lock:
             if self._closed:
-                for j in jobs:
-                    j.error, j.done = UsageError("the server is shutting down"), True
-                self._cv.notify_all()
-                return None
-            return jobs
-
-    def _loop(self) -> None:
+                raise UsageError("the server is shutting down")
+            self._pending[job.entry.seq_id] = job
+            if self._ready():
+                return self._take()
         while True:
-            jobs = self._take()
-            if jobs is None:
-                return
-            for group in self._groups(jobs):
-                self._run(group)
+            job.event.wait(max(deadline - time.monotonic(), _POLL_S))
+            with self._lock:
+                if job.lead is not None:
+                    jobs, job.lead = job.lead, None
+                    job.event.clear()
+                    return jobs
+                if job.done:
+                    return None
+                if self._closed:
+                    raise UsageError("the server is shutting down")
+                if not self._leading and job.entry.seq_id in self._pending:  # waited long enough for the rest
+                    return self._take()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for job in self._pending.values():
+                job.event.set()
 
     def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
         """One-token entries together (a generation step), then prompts packed up to ``n_batch`` tokens."""
@@ -162,10 +181,10 @@ class Batcher:
             s.steps += 1
             s.step_sequences += len(group)
             s.by_width[len(group)] = s.by_width.get(len(group), 0) + 1
-        with self._cv:
+        with self._lock:
             for j in group:
                 j.done = True
-            self._cv.notify_all()
+                j.event.set()
 
 
 class _SeqContext:
