@@ -4,7 +4,8 @@
 (anyio's semaphore wakes waiters first in, first out); at most ``max_queue`` may wait for one, and one more
 is refused with 429 and a ``Retry-After`` estimated from recent request durations. What needs the whole
 model (``enter_all``: embeddings and the prompt's logprobs with several slots, slot actions) waits until it
-holds every slot; such holders queue among themselves, so two never deadlock holding half each.
+holds every slot; requests of both kinds take slots strictly in arrival order, so a whole-model holder is
+never overtaken and two never deadlock holding half each.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Gate:
         # A semaphore, not a lock: a streamed response frees its slot from the SSE task, not the
         # request's task, and anyio's Lock refuses a release by a task that does not own it.
         self._slots = anyio.Semaphore(n_slots)
-        self._whole = anyio.Semaphore(1)  # one whole-model holder gathers slots at a time
+        self._order = anyio.Semaphore(1)  # held while waiting for slots: requests take them in arrival order
         self._mean_s = 1.0  # moving mean of a request's seconds holding a slot
         self._t0: dict[int, float] = {}  # when each ticket's hold began
         self._tickets = itertools.count()
@@ -47,7 +48,8 @@ class Gate:
         self._check_queue()
         self.waiting += 1
         try:
-            await self._slots.acquire()
+            async with self._order:  # first come, first served, whole-model holders included
+                await self._slots.acquire()
         finally:
             self.waiting -= 1
         return self._held(1)
@@ -58,7 +60,7 @@ class Gate:
         self.waiting += 1
         got = 0
         try:
-            async with self._whole:
+            async with self._order:
                 for got in range(1, self.n_slots + 1):  # noqa: B007 - got counts what to give back on a cancel
                     await self._slots.acquire()
         except BaseException:
