@@ -153,7 +153,7 @@ class _Server:
         watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
         run = Run(plan, self.llama, watch, body.model or self.settings.model_id)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        params = {k: v for k, v in plan.kwargs.items() if isinstance(v, int | float | str | list)}
+        params = _shown(plan.kwargs)
         # the prompt's logprobs need every position's logits: a slot has only its last ones
         return await self.execute(request, watch, body.stream, run.result, run.chunks, _openai_sse(usage),
                                   params, run, plan.prompt, whole=plan.echo_logprobs)
@@ -199,7 +199,7 @@ class _Server:
             return iter(anthropic.EventStream(run.chunks(), body.model, len(plan.prompt), stop,
                                               lambda: watch.n_tokens))
 
-        params = {k: v for k, v in plan.kwargs.items() if isinstance(v, int | float | str | list)}
+        params = _shown(plan.kwargs)
         return await self.execute(request, watch, body.stream, result, chunks, ANTHROPIC_SSE, params, run,
                                   plan.prompt)
 
@@ -403,6 +403,15 @@ class Sse:
     event: Callable[[dict[str, Any]], dict[str, str]]
     tail: Callable[[dict[str, Any] | None, Watch], list[dict[str, str]]]
     error: Callable[[APIError], dict[str, str]]
+
+
+def _shown(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings /slots shows: numbers, strings and plain lists of them (not a
+    ``StoppingCriteriaList`` of functions, which no JSON holds)."""
+    def plain(v: Any) -> bool:
+        return isinstance(v, int | float | str) or (type(v) is list and all(plain(x) for x in v))
+
+    return {k: v for k, v in kwargs.items() if plain(v)}
 
 
 def _data(chunk: dict[str, Any]) -> dict[str, str]:
