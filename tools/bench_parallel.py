@@ -12,7 +12,7 @@ second of wall time over all requests and the process's CPU time per token, each
 time (CPU time is the steadier figure on a machine other jobs load). Writes nothing.
 
     PYTHONPATH=. python tools/bench_parallel.py [--model M] [--requests 16] [--tokens 64] [--rounds 5]
-                                                [--cache-slots 16] [--threads 1]
+                                                [--cache-slots 16] [--threads 1] [--no-kv-unified]
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cache-slots", type=int, default=16, help="expert cache slots per MoE layer (0: no cache)")
+    ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=True,
+                    help="the slots' sequences in one KV cache (serve's default), or a stream each")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads, one token and several alike "
                                                                "(default: llama-cpp-python's)")
     a = ap.parse_args()
@@ -104,12 +106,13 @@ def main() -> None:
         kw.update(n_threads=a.threads, n_threads_batch=a.threads)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start "
           "(measured under load from other jobs where that is above 0)")
-    with ggmoe.load(a.model, **kw) as serial, ggmoe.load(a.model, n_seq_max=max(SLOT_COUNTS), **kw) as par:
+    with ggmoe.load(a.model, **kw) as serial, ggmoe.load(a.model, n_seq_max=max(SLOT_COUNTS), kv_unified=a.kv_unified, **kw) as par:
         pool = SlotPool(par, max(SLOT_COUNTS))
         att = par.attachment
         print(f"model: {a.model or 'tiny-moe (embedded)'}; cache: "
               f"{f'{a.cache_slots} slots/layer, {att.mode_in_effect}' if att is not None else 'none'}; threads: "
-              f"{par.context_params.n_threads} (one token), {par.context_params.n_threads_batch} (several); "
+              f"{par.context_params.n_threads} (one token), {par.context_params.n_threads_batch} (several); KV "
+              f"{'unified' if a.kv_unified else 'a stream per slot'}; "
               f"{a.requests} requests x {a.tokens} tokens, greedy, median of {a.rounds} rounds")
         runs: dict[str, list[tuple[float, float, int]]] = {"one at a time": []}
         runs.update({f"{k} slot{'s' if k > 1 else ''}": [] for k in SLOT_COUNTS})

@@ -1,8 +1,10 @@
 """One ``llama_decode`` of 1 token against one of N sequences x 1 token, on a model (the embedded one by default).
 
 Prints, with and without ggmoe's expert cache, the median seconds of each decode over many repetitions (the
-two alternate, so load from other jobs hits both alike), and the throughput ratio N x t(1) / t(N): how many
-times more tokens per second N sequences decoded together give than one. Writes nothing.
+two alternate in blocks of ten, so load from other jobs hits both alike while llama.cpp reuses each shape's
+graph as a real decode does; each block's first decode, which rebuilds it, is not counted), and the
+throughput ratio N x t(1) / t(N): how many times more tokens per second N sequences decoded together give
+than one. Writes nothing.
 
     PYTHONPATH=. python tools/bench_seq_decode.py [--model M] [--sequences 4] [--reps 300] [--cache-slots 16]
                                                [--threads 1]
@@ -21,6 +23,7 @@ import ggmoe
 from ggmoe.engine.sequences import SeqEntry
 
 PROMPT = 8  # tokens of each sequence before timing starts
+BLOCK = 10  # decodes of one shape in a row (the two shapes alternate by block)
 
 
 def llm_threads(kw: dict[str, Any]) -> str:
@@ -46,10 +49,12 @@ def _time_decodes(llm: Any, n_seq: int, reps: int) -> dict[str, tuple[float, flo
         llm.decode_sequences([SeqEntry(s, 0, tuple(range(10 + s, 10 + s + PROMPT)))])
     one: dict[str, list[float]] = {"wall": [], "cpu": []}
     many: dict[str, list[float]] = {"wall": [], "cpu": []}
-    for r in range(reps):
-        tok = 100 + r % 50
-        _timed(llm, [SeqEntry(0, PROMPT, (tok,))], one)
-        _timed(llm, [SeqEntry(s, PROMPT, (tok,)) for s in range(n_seq)], many)
+    for r in range(0, reps, BLOCK):  # blocks of one shape: llama.cpp reuses the graph as in a real decode
+        for shape, out in ((1, one), (n_seq, many)):
+            for i in range(BLOCK + 1):
+                tok = 100 + (r + i) % 50
+                _timed(llm, [SeqEntry(s, PROMPT, (tok,)) for s in range(shape)], out)
+            del out["wall"][-BLOCK - 1], out["cpu"][-BLOCK - 1]  # the block's first decode rebuilt the graph
     return {k: (statistics.median(one[k]), statistics.median(many[k])) for k in one}
 
 
