@@ -80,6 +80,9 @@ class Batcher:
         self._pending: dict[int, _Job] = {}
         self._leading = False  # a slot's thread is decoding a step
         self._closed = False
+        # Held around every llama_decode and every change of the KV cache: a slot's thread removing its cells
+        # (prompt reuse, a new prompt) must not race a decode of the other slots on the same context.
+        self.ctx_lock = threading.Lock()
 
     def join(self, seq_id: int) -> None:
         """``seq_id`` is generating: each step waits (briefly) for its token."""
@@ -168,7 +171,8 @@ class Batcher:
     def _run(self, group: list[_Job]) -> None:
         s = self.stats
         try:
-            rows = self.llama.decode_sequences([j.entry for j in group])
+            with self.ctx_lock:
+                rows = self.llama.decode_sequences([j.entry for j in group])
         except BaseException as e:  # noqa: BLE001 - every slot of the decode raises it from its eval
             for j in group:
                 j.error = e
@@ -189,12 +193,14 @@ class Batcher:
 
 class _SeqContext:
     """The shared ``LlamaContext`` as one slot sees it: KV removals of "every sequence" (-1) act on its
-    own, its context is its share, and it never decodes by itself."""
+    own and wait for any decode in progress (``lock``), its context is its share, it never decodes by
+    itself, and the context-wide timings are left alone."""
 
-    def __init__(self, ctx: Any, seq_id: int, n_ctx: int) -> None:
+    def __init__(self, ctx: Any, seq_id: int, n_ctx: int, lock: threading.Lock) -> None:
         self._inner = ctx
         self.seq_id = seq_id
         self._n_ctx = n_ctx
+        self.lock = lock
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -203,10 +209,17 @@ class _SeqContext:
         return self._n_ctx
 
     def kv_cache_seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
-        return self._inner.kv_cache_seq_rm(self.seq_id if seq_id < 0 else seq_id, p0, p1)
+        with self.lock:
+            return self._inner.kv_cache_seq_rm(self.seq_id if seq_id < 0 else seq_id, p0, p1)
 
     def kv_cache_clear(self) -> None:
-        self._inner.kv_cache_seq_rm(self.seq_id, 0, -1)
+        self.kv_cache_seq_rm(self.seq_id, 0, -1)
+
+    def reset_timings(self) -> None:
+        pass  # llama.cpp's timings are the context's: not one slot's to reset while others decode
+
+    def print_timings(self) -> None:
+        pass
 
     def decode(self, batch: Any) -> None:
         raise UsageError("a slot decodes through the batcher")
@@ -225,7 +238,7 @@ class SlotLlama(GgmoeLlama):
         shared = {k: v for k, v in main.__dict__.items() if k not in ("_stack", "_ggmoe_seq_batch")}
         self.__dict__.update(shared)
         self.seq_id, self.batcher = seq_id, batcher
-        self._ctx = _SeqContext(main._ctx, seq_id, n_ctx)
+        self._ctx = _SeqContext(main._ctx, seq_id, n_ctx, batcher.ctx_lock)
         self._n_ctx = n_ctx
         self.input_ids = np.zeros(n_ctx, dtype=np.intc)
         self._row = np.zeros(main._n_vocab, dtype=np.single)
@@ -278,7 +291,8 @@ class SlotLlama(GgmoeLlama):
 
     def save_state(self) -> llama_cpp.LlamaState:
         """The slot's tokens and its sequence's KV cells (``llama_state_seq_get_data``), not the whole context's."""
-        data = seq_state(self._ctx.ctx, self.seq_id)
+        with self._ctx.lock:
+            data = seq_state(self._ctx.ctx, self.seq_id)
         return llama_cpp.LlamaState(input_ids=self.input_ids.copy(), scores=self._row[None, :].copy(),
                                     n_tokens=self.n_tokens, llama_state=data, llama_state_size=len(data),
                                     seed=self._seed)
@@ -287,7 +301,9 @@ class SlotLlama(GgmoeLlama):
         """The slot's tokens and KV cells from ``save_state``'s record (RuntimeError when llama.cpp refuses)."""
         self._ctx.kv_cache_seq_rm(self.seq_id, 0, -1)
         self.forget()
-        if not set_seq_state(self._ctx.ctx, self.seq_id, bytes(state.llama_state)):
+        with self._ctx.lock:
+            ok = set_seq_state(self._ctx.ctx, self.seq_id, bytes(state.llama_state))
+        if not ok:
             self._ctx.kv_cache_seq_rm(self.seq_id, 0, -1)
             raise RuntimeError("llama.cpp refused the sequence state")
         n = int(state.n_tokens)
