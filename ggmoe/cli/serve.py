@@ -208,20 +208,10 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     if max_body_bytes < 1:
         raise UsageError("--max-body 0 would refuse every request: give a size such as 1MiB")
     path = model_path(model)
-    if reconfigure_every is not None:
-        if parallel > 1:
-            raise UsageError("--reconfigure-every needs the model to itself between requests: not with --parallel > 1")
-        if all(cache[k] is None for k in ("cache_slots", "vram", "config")):
-            raise UsageError("--reconfigure-every needs a cache: --cache-slots N, --vram BYTES or --config FILE")
-        from ggmoe.cache.hardware import load_profile
-
-        load_profile(reconfigure_hw)  # a bad profile fails now, before the model loads
     check_listen(host, port)
-    if slot_save_path is not None:
-        try:
-            Path(slot_save_path).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--slot-save-path {slot_save_path}: {e.strerror}") from e
+    _check_server_side(reconfigure_every, reconfigure_hw, slot_save_path, cache)
+    n_ctx = n_ctx or default_n_ctx(path)
+    _check_parallel(parallel, reconfigure_every, n_ctx)
     loopback = is_loopback(host)
     if not loopback and api_key is None:
         click.echo(f"warning: serving on {host} (not loopback) without an API key: anyone who can reach this "
@@ -232,26 +222,52 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
                              model_path=str(path), reconfigure_every=reconfigure_every or 0,
                              reconfigure_hw=reconfigure_hw, slot_save_path=slot_save_path, parallel=parallel)
     opts = LoadOptions(str(path), n_ctx, threads, verbose, cache)
-    n_ctx = opts.n_ctx or default_n_ctx(path)
-    if n_ctx // parallel < MIN_SLOT_CTX:
-        raise UsageError(f"--n-ctx {n_ctx} gives each of {parallel} slots {n_ctx // parallel} tokens: give at least "
-                         f"{MIN_SLOT_CTX * parallel}")
     extra: dict[str, Any] = {"n_seq_max": parallel, "kv_unified": kv_unified} if parallel > 1 else {}
     llama, out = _load(opts, logits_all=logprobs, **extra)
     with llama:
         app = create_app(llama, settings)
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        key = "$GGMOE_API_KEY" if os.environ.get("GGMOE_API_KEY") == api_key else "KEY"
-        auth = f' -H "Authorization: Bearer {key}"' if api_key else ""
-        click.echo(f"ggmoe serve: {settings.model_id} at {url}/v1  (health: {url}/health, metrics: {url}/metrics)")
-        click.echo(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-                   "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'")
-        sys.stdout.flush()
+        _announce(settings.model_id, host, port, api_key)
         _run_until_stopped(lambda: uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning",
                                                timeout_graceful_shutdown=5))
         app.state.server.close()
         _write_stats(llama, opts, out)
     click.echo("ggmoe serve: stopped")
+
+
+def _check_server_side(reconfigure_every: int | None, reconfigure_hw: str, slot_save_path: str | None,
+                       cache: dict[str, Any]) -> None:
+    """What the server's own options need, checked (the slot directory made) before the model loads."""
+    if reconfigure_every is not None:
+        if all(cache[k] is None for k in ("cache_slots", "vram", "config")):
+            raise UsageError("--reconfigure-every needs a cache: --cache-slots N, --vram BYTES or --config FILE")
+        from ggmoe.cache.hardware import load_profile
+
+        load_profile(reconfigure_hw)  # a bad profile fails now, before the model loads
+    if slot_save_path is not None:
+        try:
+            Path(slot_save_path).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--slot-save-path {slot_save_path}: {e.strerror}") from e
+
+
+def _check_parallel(parallel: int, reconfigure_every: int | None, n_ctx: int) -> None:
+    """--parallel's rules, before the model loads: a share of the context per slot, no reconfiguration."""
+    if parallel > 1 and reconfigure_every is not None:
+        raise UsageError("--reconfigure-every needs the model to itself between requests: not with --parallel > 1")
+    if n_ctx // parallel < MIN_SLOT_CTX:
+        raise UsageError(f"--n-ctx {n_ctx} gives each of {parallel} slots {n_ctx // parallel} tokens: give at least "
+                         f"{MIN_SLOT_CTX * parallel}")
+
+
+def _announce(model_id: str, host: str, port: int, api_key: str | None) -> None:
+    """Where the server listens, and a curl line to try it (the key named, not printed)."""
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    key = "$GGMOE_API_KEY" if os.environ.get("GGMOE_API_KEY") == api_key else "KEY"
+    auth = f' -H "Authorization: Bearer {key}"' if api_key else ""
+    click.echo(f"ggmoe serve: {model_id} at {url}/v1  (health: {url}/health, metrics: {url}/metrics)")
+    click.echo(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+               "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'")
+    sys.stdout.flush()
 
 
 @click.command()
@@ -293,10 +309,7 @@ def chat(model: str | None, max_tokens: int, temp: float, seed: int | None, syst
         try:
             run_chat(llama, ChatOptions(max_tokens=max_tokens, temperature=temp, seed=seed, system=system), input,
                      write)
-        except ValueError as e:  # llama-cpp-python's own length check runs before ggmoe.context's
-            if not str(e).startswith("Requested tokens"):
-                raise
+        except ContextLengthError:  # the conversation outgrew the context: the stats so far, then the error
             _write_stats(llama, opts, out)
-            raise ContextLengthError(f"the conversation does not fit the context: {e} (raise --n-ctx, or "
-                                     "/reset before it fills)") from None
+            raise
         _write_stats(llama, opts, out)

@@ -246,7 +246,7 @@ class GgmoeLlama(llama_cpp.Llama):
         """
         for i, text in enumerate(texts):
             if not self.tokenize(text.encode("utf-8")):  # an empty batch fails in llama_decode and then
-                raise ValueError(f"input {i} has no tokens")  # corrupts llama-cpp-python's batch
+                raise UsageError(f"input {i} has no tokens")  # corrupts llama-cpp-python's batch
         llama_cpp.llama_set_embeddings(self._ctx.ctx, True)
         self.context_params.embeddings = True
         try:

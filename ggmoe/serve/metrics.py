@@ -43,6 +43,12 @@ class CacheCollector(Collector):
                                      labels=["il"])
         precision = GaugeMetricFamily("ggmoe_prefetch_precision", "Prefetched experts later used / prefetched, "
                                       "per MoE layer (0 before any prefetch)", labels=["il"])
+        # every prefetched expert ends used (its layer read it from its slot), wasted (evicted unused) or late
+        # (its layer started before the copy landed and read it from host memory)
+        fate = CounterMetricFamily("ggmoe_prefetch_experts", "Prefetched experts by outcome (used, wasted, late), "
+                                   "per MoE layer", labels=["il", "outcome"])
+        wasted_bytes = CounterMetricFamily("ggmoe_prefetch_wasted_bytes", "Bytes of prefetched experts evicted "
+                                           "unused, per MoE layer", labels=["il"])
         reads = CounterMetricFamily("ggmoe_cache_host_read_bytes", "Bytes of missed experts the device read from "
                                     "host memory (async decode), per MoE layer", labels=["il"])
         lag = GaugeMetricFamily("ggmoe_cache_admission_lag_tokens", "Mean tokens from an admission's copy to its "
@@ -74,6 +80,9 @@ class CacheCollector(Collector):
             host.add_metric([il], s["host_computed"])
             issued.add_metric([il], s["prefetch_issued"])
             precision.add_metric([il], s["prefetch_hits"] / s["prefetch_issued"] if s["prefetch_issued"] else 0.0)
+            for outcome, key in (("used", "prefetch_hits"), ("wasted", "prefetch_wasted"), ("late", "prefetch_late")):
+                fate.add_metric([il, outcome], s[key])
+            wasted_bytes.add_metric([il], s["prefetch_wasted_bytes"])
             reads.add_metric([il], s["host_read_bytes"])
             lag.add_metric([il], s["mean_lag_tokens"])
             top.add_metric([il], s["top_hits"])
@@ -81,8 +90,8 @@ class CacheCollector(Collector):
             bottom_pre.add_metric([il], s["bottom_prefetch_bytes"])
             occ.add_metric([il], cache["occupancy"].get(il, 0))
             slots.add_metric([il], cache["slots_per_layer"].get(il, 0))
-        yield from (hits, misses, copied, rate, host, issued, precision, reads, lag, top, bottom_read, bottom_pre,
-                    occ, slots, mode, stream)
+        yield from (hits, misses, copied, rate, host, issued, precision, fate, wasted_bytes, reads, lag, top,
+                    bottom_read, bottom_pre, occ, slots, mode, stream)
 
 
 class SlotCollector(Collector):
