@@ -122,7 +122,6 @@ def _add_generation_routes(app: FastAPI, server: Any, auth: list[Depends]) -> No
 
 def _add_state_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
     """``/props``, ``/slots``, ``/slots/{id}`` (save, restore, erase): the server's state."""
-    llama = server.llama
 
     @app.get("/props", dependencies=auth)
     async def props() -> dict[str, Any]:
