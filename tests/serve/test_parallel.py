@@ -94,16 +94,26 @@ def test_id_slot_runs_there_and_metrics_count_it(par, slot):
     assert _metric(par, "ggmoe_slot_n_ctx", slot) == N_CTX // N_SLOTS
 
 
-def test_running_streams_show_on_their_slots(par):
+def test_streams_on_named_slots_show_there(par):
+    """Two streams on slots 1 and 3: /slots shows their tasks there (running or, since a stream is generated
+    ahead of its client with several slots, already done), and both slots end idle."""
     body = {"n_predict": 240, "ignore_eos": True, "stream": True}
     with par.client() as a, par.client() as b, par.client() as watcher:
         with a.stream("POST", "/completion", json={**body, "prompt": PROMPTS[0], "id_slot": 1}) as ra, \
                 b.stream("POST", "/completion", json={**body, "prompt": PROMPTS[1], "id_slot": 3}) as rb:
-            next(ra.iter_lines())
-            next(rb.iter_lines())
-            busy = watcher.get("/slots").json()
-    assert busy[1]["is_processing"] and busy[3]["is_processing"]
-    assert busy[1]["params"]["n_predict"] == 240 and not busy[0]["is_processing"]
+            la, lb = ra.iter_lines(), rb.iter_lines()
+            next(la)
+            next(lb)
+            seen = watcher.get("/slots").json()
+            rest = [*la, *lb]  # both streams to their end
+            assert sum(ln.startswith("data: ") for ln in rest) >= 2
+        for _ in range(100):
+            idle = watcher.get("/slots").json()
+            if not any(s["is_processing"] for s in idle):
+                break
+            time.sleep(0.1)
+    assert seen[1]["params"]["n_predict"] == 240 and seen[3]["params"]["n_predict"] == 240
+    assert not any(s["is_processing"] for s in idle) and idle[1]["id_task"] == seen[1]["id_task"]
 
 
 def test_embeddings_and_prompt_logprobs_wait_for_every_slot_and_slots_go_on(par):
@@ -173,3 +183,38 @@ def test_bad_parallel_flags_get_one_line(args, message):
     r = subprocess.run([sys.executable, "-m", "ggmoe", "serve", *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_anthropic_messages_decode_together_and_match_alone(par):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=par.url, api_key=API_KEY, max_retries=0)
+
+    def ask(prompt: str) -> str:
+        m = client.messages.create(model="tiny", max_tokens=16, messages=[{"role": "user", "content": prompt}],
+                                   extra_body={"temperature": 0})  # this SDK's create() takes no sampling
+        return "".join(b.text for b in m.content if b.type == "text")
+
+    alone = [ask(p) for p in PROMPTS]
+    with ThreadPoolExecutor(N_SLOTS) as pool:
+        assert list(pool.map(ask, PROMPTS)) == alone
+
+
+def test_a_client_gone_mid_stream_frees_its_slot_and_the_others_go_on(par):
+    client = _openai(par)
+    before = _metric(par, "ggmoe_generations_cancelled_total")
+    want = _complete(client, PROMPTS[0], False)
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(_complete, client, PROMPTS[0], False)  # beside the stream that is dropped
+        with par.client() as c, c.stream("POST", "/completion", json={
+                "prompt": PROMPTS[1], "n_predict": 240, "ignore_eos": True, "stream": True}) as r:
+            next(r.iter_lines())
+        assert other.result(timeout=60) == want
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with par.client() as c:
+            idle = c.get("/health").json()["running"] == 0
+        if idle and _metric(par, "ggmoe_generations_cancelled_total") > before:
+            break
+        time.sleep(0.1)
+    assert idle and _metric(par, "ggmoe_generations_cancelled_total") > before
