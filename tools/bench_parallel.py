@@ -13,6 +13,7 @@ time (CPU time is the steadier figure on a machine other jobs load). Writes noth
 
     PYTHONPATH=. python tools/bench_parallel.py [--model M] [--requests 16] [--tokens 64] [--rounds 5]
                                                 [--cache-slots 16] [--threads 1] [--no-kv-unified]
+                                                [--flash-attn]
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ def main() -> None:
     ap.add_argument("--cache-slots", type=int, default=16, help="expert cache slots per MoE layer (0: no cache)")
     ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=True,
                     help="the slots' sequences in one KV cache (serve's default), or a stream each")
+    ap.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=False,
+                    help="llama.cpp's flash attention, in both models (llama-cpp-python's default: off)")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads, one token and several alike "
                                                                "(default: llama-cpp-python's)")
     a = ap.parse_args()
@@ -143,6 +146,7 @@ def main() -> None:
         kw["cache_slots"] = a.cache_slots
     if a.threads:
         kw.update(n_threads=a.threads, n_threads_batch=a.threads)
+    kw["flash_attn"] = a.flash_attn
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start "
           "(measured under load from other jobs where that is above 0)")
     with ggmoe.load(a.model, **kw) as serial, ggmoe.load(a.model, n_seq_max=max(SLOT_COUNTS), kv_unified=a.kv_unified, **kw) as par:
@@ -152,7 +156,7 @@ def main() -> None:
         print(f"model: {a.model or 'tiny-moe (embedded)'}; cache: "
               f"{f'{a.cache_slots} slots/layer, {att.mode_in_effect}' if att is not None else 'none'}; threads: "
               f"{par.context_params.n_threads} (one token), {par.context_params.n_threads_batch} (several); KV "
-              f"{'unified' if a.kv_unified else 'a stream per slot'}; "
+              f"{'unified' if a.kv_unified else 'a stream per slot'}; flash attention {'on' if a.flash_attn else 'off'}; "
               f"{a.requests} requests x {a.tokens} tokens, greedy, median of {a.rounds} rounds")
         runs: dict[str, list[tuple[float, float, int, float]]] = {"one at a time": []}
         runs.update({f"{k} slot{'s' if k > 1 else ''}": [] for k in SLOT_COUNTS})
