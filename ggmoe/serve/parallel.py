@@ -1,8 +1,8 @@
 """``--parallel N``: N slots decoding together, one ``llama_decode`` per step for all of them.
 
-llama-server's slots over one context: each slot is a sequence (``seq_id`` = slot id) of one unified KV
-cache, holding at most its share of ``n_ctx`` (``n_ctx // N`` tokens, enforced here as llama-server enforces
-``n_ctx_slot``). Each request runs, as with one slot, llama-cpp-python's ``create_completion`` (stop strings,
+llama-server's slots over one context: each slot is a sequence (``seq_id`` = slot id), holding at most its
+share of ``n_ctx`` (``n_ctx // N`` tokens, enforced here as llama-server enforces ``n_ctx_slot``), in one
+unified KV cache or in a stream of its own (``GgmoeLlama(kv_unified=False)``). Each request runs, as with one slot, llama-cpp-python's ``create_completion`` (stop strings,
 streaming, grammars, logits processors, seeds), but on its slot's ``SlotLlama``: a view of the shared
 ``GgmoeLlama`` with its own tokens, sampler chain and watch, whose ``eval`` hands its tokens to the
 ``Batcher`` instead of calling ``llama_decode``.
@@ -17,8 +17,9 @@ copy of its logits row. The slot samples from that row with its own sampler chai
 Prompts (several tokens) are decoded in their own micro-batches, apart from the one-token steps.
 
 What a slot cannot do (the prompt's logprobs, which need every position's logits; embeddings, which clear
-the KV cache; slot save and restore) runs on the whole model once every slot is idle (the gate's
-exclusive hold), after which every slot's prompt cache is forgotten.
+the KV cache) runs on the whole model once every slot is idle (the gate's whole-model hold), and every
+slot's prompt cache is forgotten (``SlotPool.forget_all``). Slot save and restore also wait for every
+slot to be idle, and move one sequence's KV cells only (``SlotLlama.save_state`` / ``load_state``).
 """
 
 from __future__ import annotations
