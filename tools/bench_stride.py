@@ -55,8 +55,8 @@ def _teacher(eng: Engine, docs: list[str]) -> int:
     return steps
 
 
-def _hits(model: Path, docs: list[str], cache: CacheConfig) -> dict:
-    with Engine(EngineConfig(model_path=model, n_ctx=256, cache=cache)) as eng:
+def _hits(model: Path, docs: list[str], cache: CacheConfig, threads: int) -> dict:
+    with Engine(EngineConfig(model_path=model, n_ctx=256, n_threads=threads, cache=cache)) as eng:
         mode = eng.decode_mode
         t0 = time.perf_counter()
         steps = _teacher(eng, docs)
@@ -68,7 +68,8 @@ def _hits(model: Path, docs: list[str], cache: CacheConfig) -> dict:
             "admission_copies": t.admission_copies, "pred_accuracy": t.pred_accuracy, "wall_s": wall}
 
 
-def hit_rows(model: Path, docs: list[str], predictor: str, share: float, stride: int, link_s: float) -> list[dict]:
+def hit_rows(model: Path, docs: list[str], predictor: str, share: float, stride: int, link_s: float,
+             threads: int) -> list[dict]:
     facts = inspect_model(model)
     n = max(facts.n_expert_used, round(share * facts.n_expert))
     pre = PrefetchConfig(predictor, stride=stride, in_graph=False)
@@ -77,7 +78,7 @@ def hit_rows(model: Path, docs: list[str], predictor: str, share: float, stride:
     for label, mode, p in (("sync LRU", "sync", None), (f"sync LRU + {name} s{stride}", "sync", pre),
                            ("async LRU", "async", None), (f"async + {name} s{stride} (mailbox)", "async", pre)):
         cache = CacheConfig(n_slots=n, policy="lru", decode_mode=mode, prefetch=p, copy_delay_s=link_s)
-        r = _hits(model, docs, cache)
+        r = _hits(model, docs, cache, threads)
         rows.append({"config": label, "slots": n, **r})
         print(f"{label:<44} {r['mode']:<5} hit {r['hit_rate']:.1%}  prefetch used {r['prefetch_hits']} / "
               f"{r['prefetch_issued']} (late {r['prefetch_late']})  {r['wall_s']:.1f} s", file=sys.stderr)
@@ -122,10 +123,20 @@ def main() -> int:
     ap.add_argument("--share", type=float, default=0.25, help="share of each layer's experts cached")
     ap.add_argument("--stride", type=int, default=2)
     ap.add_argument("--link-us", type=float, default=40.0, help="simulated link: microseconds per tensor kind copied")
+    ap.add_argument("--stream-delay-ms", type=float, default=0.0,
+                    help="the deferred stream's own largest random delay per copy (GGMOE_COPY_DELAY_MS)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="GGMOE_MAILBOX_LOCKSTEP=1: each layer waits until the mailbox's reader handled it (the CPU "
+                         "build cannot give the reader the idle cores a GPU machine has; hit rates only)")
     ap.add_argument("--speed", action="store_true", help="decode speed with every expert cached instead")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="compute threads (speed: default the core count; hit rates: default 1, so that on the CPU "
+                         "build a core is left to what a GPU's copy engine and host thread would do)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    a.threads_set = a.threads is not None
+    if a.threads is None:
+        a.threads = os.cpu_count() or 1
     machine = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                "model": str(a.model), "predictor": a.predictor}
     if a.speed:
@@ -134,14 +145,23 @@ def main() -> int:
     if not a.docs:
         ap.error("give DOCS.jsonl files (or --speed)")
     os.environ["GGMOE_COPY_STREAM"] = "deferred"  # the CPU build behaving like a GPU
+    # the link is --link-us; the deferred stream adds no random delay of its own (copies still land on its
+    # threads, out of order, seen only through the readiness query)
+    os.environ["GGMOE_COPY_DELAY_MS"] = str(a.stream_delay_ms)
+    if a.lockstep:  # the device waits for the host at each layer: a host that keeps pace, as on a GPU machine
+        os.environ["GGMOE_MAILBOX_LOCKSTEP"] = "1"
     docs = [d for f in a.docs for d in read_prompts(f)[: a.docs_per_file]]
-    rows = hit_rows(a.model, docs, a.predictor, a.share, a.stride, a.link_us * 1e-6)
-    out = {**machine, "docs": len(docs), "share": a.share, "link_us": a.link_us, "rows": rows}
+    threads = a.threads if a.threads_set else 1
+    rows = hit_rows(a.model, docs, a.predictor, a.share, a.stride, a.link_us * 1e-6, threads)
+    out = {**machine, "docs": len(docs), "share": a.share, "link_us": a.link_us, "threads": threads,
+           "lockstep": a.lockstep,
+           "stream_delay_ms": a.stream_delay_ms, "rows": rows}
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
     print(f"| configuration | mode | hit rate | prefetches used / issued (late) |   ({len(docs)} docs, "
-          f"{rows[0]['slots']} slots/layer, link {a.link_us:g} us/kind, deferred stream)")
+          f"{rows[0]['slots']} slots/layer, link {a.link_us:g} us/kind, deferred stream"
+          f"{', mailbox lockstep' if a.lockstep else ''})")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['mode']} | {r['hit_rate']:.1%} | {r['prefetch_hits']} / {r['prefetch_issued']} "

@@ -208,6 +208,10 @@ class ExpertCache:
             if table.n_loading:
                 self._land_done(table)
             self.policy.on_access(il, need, self.clock)
+            if il in self.predicted:  # the stride prefetcher's guess for this layer, scored as in sync
+                guess = self.predicted.pop(il)
+                st.pred_total += len(guess)
+                st.pred_correct += len(set(guess) & set(need))
             if self.n_prefetched[il]:
                 self._count_prefetch_hits(il, table, [e for e in need if e not in missing])
             self._admit_after(il, table, need, missing)
@@ -273,6 +277,8 @@ class ExpertCache:
                 self._note_eviction(il, table, slot_of[e])
                 table.drop(slot_of[e])
             return
+        if table.n_loading:
+            self._drop_stale_admissions(il, table)
         admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
         if admit:
             self.stats.layers[il].admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION,
@@ -417,6 +423,19 @@ class ExpertCache:
                 self._submit_token.pop(h.id, None)
                 out.append(i)
         return out
+
+    def _drop_stale_admissions(self, il: int, table: SlotTable) -> None:
+        """Between tokens: admissions of an earlier token still queued (not started) are cancelled, their slots
+        free again. On a link slower than the misses come, a queue of old admissions would only grow, each
+        landing too late to be used; the newest token's misses are the likeliest to come back."""
+        for slot, h in enumerate(table.copy):
+            if (h is not None and h.priority == Priority.ADMISSION
+                    and self._submit_token.get(h.id, self.token) < self.token and self.copies.cancel(h)):
+                self.stats.layers[il].admissions_dropped += 1
+                self.policy.on_evict(il, h.expert)
+                self._submitted.pop(h.id, None)
+                self._submit_token.pop(h.id, None)
+                table.drop(slot)
 
     def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
         """Prefetches for this layer still queued and not needed are cancelled; their slots are free again."""

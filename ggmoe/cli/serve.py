@@ -227,6 +227,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     with llama:
         app = create_app(llama, settings)
         _announce(settings.model_id, host, port, api_key)
+        _announce_cache(llama.stats().get("cache"))
         _run_until_stopped(lambda: uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning",
                                                timeout_graceful_shutdown=5))
         app.state.server.close()
@@ -257,6 +258,19 @@ def _check_parallel(parallel: int, reconfigure_every: int | None, n_ctx: int) ->
     if n_ctx // parallel < MIN_SLOT_CTX:
         raise UsageError(f"--n-ctx {n_ctx} gives each of {parallel} slots {n_ctx // parallel} tokens: give at least "
                          f"{MIN_SLOT_CTX * parallel}")
+
+
+def _announce_cache(cache: dict[str, Any] | None) -> None:
+    """What the expert cache chose and why: the decode mode, the miss policy, where prefetching runs."""
+    if not cache:
+        return
+    click.echo(f"cache: {cache.get('decode_mode_in_effect')} decode ({cache.get('decode_mode_reason')}); "
+               f"misses: {cache.get('miss_policy_in_effect')}"
+               + (f" ({cache['miss_policy_note']})" if cache.get("miss_policy_note") else ""))
+    pf = cache.get("prefetch")
+    if pf:
+        click.echo(f"prefetch: {pf['predictor']}, stride {pf['stride']}, on the {pf['runs_on']}, "
+                   f"{pf['experts_per_layer']} experts per layer ahead")
 
 
 def _announce(model_id: str, host: str, port: int, api_key: str | None) -> None:

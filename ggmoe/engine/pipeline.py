@@ -41,7 +41,7 @@ from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.graph_predictor import attach_graph_predictor
 from ggmoe.engine.hooks import Observers, RouteOpHook
-from ggmoe.engine.mailbox import Mailbox
+from ggmoe.engine.mailbox import Mailbox, lockstep_from_env
 from ggmoe.engine.slots import CacheRuntime
 from ggmoe.engine.stride import StrideReader
 from ggmoe.engine.tables import ExpertTables
@@ -190,7 +190,7 @@ class CachePipeline:
         facts, cache = self.facts, self.runtime.cache
         pred = self.prefetcher.predictor
         mailbox = Mailbox(self._ctx_ptr, facts.n_layer, max(max_tokens, 1), facts.n_expert_used, facts.n_embd,
-                          hidden=pred.needs_hidden)
+                          hidden=pred.needs_hidden, lockstep=lockstep_from_env(bool(self.runtime.stream.backend)))
         try:
             self.stride = StrideReader(mailbox, self.prefetcher, cache, facts.moe_layers)
         except BaseException:
@@ -308,6 +308,8 @@ class CachePipeline:
             if self.stride is not None and len(tokens) == 1:  # the last thing before the decode launches
                 self.stride.begin_token()
                 self._reading = True
+            elif self.stride is not None:  # a table-mode decode of several tokens: nobody reads it
+                self.stride.mailbox.release_all()
 
     def after_decode(self, n_tokens: int) -> None:
         """After a ``llama_decode`` of ``n_tokens`` tokens whose logits were read: in table mode, the last
@@ -372,7 +374,9 @@ class CachePipeline:
         return {"prefetch": {"predictor": pf.predictor.name, "stride": pf.predictor.stride,
                              "runs_on": "mailbox" if self.stride is not None and pf.via_mailbox else "route op",
                              "experts_per_layer": pf.limit if pf.free_only else pf.n_prefetch,
-                             "keep_free": dict(self.runtime.cache.keep_free) if self.stride is not None else {}}}
+                             "keep_free": dict(self.runtime.cache.keep_free) if self.stride is not None else {},
+                             # benchmarks only (GGMOE_MAILBOX_LOCKSTEP): the device waited for the host per layer
+                             "lockstep": bool(self.stride is not None and self.stride.mailbox.lockstep)}}
 
     # -- lifecycle
     def detach(self) -> None:

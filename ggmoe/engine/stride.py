@@ -50,6 +50,7 @@ class StrideReader:
     def begin_token(self) -> None:
         """Before a one-token table-mode decode (the previous one has been ended)."""
         self.mailbox.clear()
+        self.mailbox.hold()
         self._decode_done = False
         self._idle.clear()
         self._go.set()
@@ -74,6 +75,7 @@ class StrideReader:
             except BaseException as e:  # noqa: BLE001 - raised by the decode that ends this token
                 self.error = self.error or e
             finally:
+                self.mailbox.release_all()  # lockstep: no layer may wait for a reader that stopped
                 self._idle.set()
 
     def _read_token(self) -> None:
@@ -91,8 +93,11 @@ class StrideReader:
             elif not self._decode_done:
                 self.layer_reads += 1
             ids, rows = mb.read(il, n, hidden and self.with_hidden)
-            self.cache.seen_start(il, ids.ravel().tolist())
-            pf.observe_layer(RouteEvent(il=il, ids=ids, probs=None, hidden=rows))
+            try:
+                self.cache.seen_start(il, ids.ravel().tolist())
+                pf.observe_layer(RouteEvent(il=il, ids=ids, probs=None, hidden=rows))
+            finally:
+                mb.acknowledge(il)  # lockstep: the layer's matmuls may run
 
     def close(self) -> None:
         """Stop the thread (between tokens)."""

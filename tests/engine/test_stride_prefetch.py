@@ -139,3 +139,26 @@ def test_a_predictor_reading_router_probabilities_keeps_the_sync_decode(qwen3moe
         assert eng.decode_mode["decode_mode_in_effect"] == "sync"
         assert "router probabilities" in eng.decode_mode["decode_mode_reason"]
         assert eng.pipeline.stride is None
+
+
+def test_lockstep_the_reader_handles_every_layer_before_its_matmuls(qwen3moe_model, stock_logits, monkeypatch):
+    """GGMOE_MAILBOX_LOCKSTEP=1 (benchmarks): each layer waits for the reader's acknowledgement, so every layer
+    is read while its decode runs, as a host that keeps pace with a GPU would; the logits stay exact."""
+    facts = inspect_model(qwen3moe_model)
+    monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
+    with _engine(qwen3moe_model, facts.n_expert_used + 2, "reuse") as eng:
+        got = run_sequences(eng)
+        reader = eng.pipeline.stride
+        assert eng.decode_mode["prefetch"]["lockstep"] is True
+        assert reader.tokens > 0 and reader.layer_reads == reader.tokens * len(facts.moe_layers)
+    for a, b in zip(got, stock_logits(qwen3moe_model), strict=True):
+        assert np.abs(a - b).max() <= EXACT
+
+
+@pytest.mark.parametrize("value", ["2", "yes"])
+def test_a_bad_lockstep_value_is_refused(qwen3moe_model, monkeypatch, value):
+    from ggmoe.errors import UsageError
+
+    monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", value)
+    with pytest.raises(UsageError, match="GGMOE_MAILBOX_LOCKSTEP"):
+        _engine(qwen3moe_model, 4, "reuse")
