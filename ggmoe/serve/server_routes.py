@@ -122,7 +122,6 @@ def _add_generation_routes(app: FastAPI, server: Any, auth: list[Depends]) -> No
 
 def _add_state_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
     """``/props``, ``/slots``, ``/slots/{id}`` (save, restore, erase): the server's state."""
-    llama = server.llama
 
     @app.get("/props", dependencies=auth)
     async def props() -> dict[str, Any]:
@@ -140,11 +139,12 @@ def _add_state_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
                           body: SlotFileRequest | None = None) -> dict[str, Any]:
         server.check_slot(id_slot, any_ok=False)
         if action == "erase":
-            return {"id_slot": id_slot, **await server.holding(lambda: erase_slot(llama))}
+            return {"id_slot": id_slot, **await server.holding(erase_slot, id_slot)}
         if body is None or body.filename is None:
             raise APIError(400, f"action={action} needs a JSON body with a filename", param="filename",
                            code="invalid_value")
         save_dir = server.settings.slot_save_path
         path = slot_path(Path(save_dir) if save_dir else None, body.filename)
         work = save_slot if action == "save" else restore_slot
-        return {"id_slot": id_slot, "filename": body.filename, **await server.holding(lambda: work(llama, path))}
+        return {"id_slot": id_slot, "filename": body.filename,
+                **await server.holding(lambda slot_llama: work(slot_llama, path), id_slot)}
