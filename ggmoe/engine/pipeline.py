@@ -137,6 +137,11 @@ class CachePipeline:
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
         reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note)
+        if self.prefetcher is not None and cache.decode_mode == "auto":
+            # No GPU has measured the mailbox's prefetch against the sync decode's yet, and on the CPU build its
+            # reader shares the decode's cores: auto keeps the measured one; --decode-mode async runs it.
+            reasons.append("auto keeps a predictor's stride prefetch in the sync decode until a GPU has measured "
+                           "the async decode's (--decode-mode async prefetches from the mailbox)")
         max_tokens = table_max_tokens(self._n_batch, self.n_ubatch)
         if not max_tokens:
             reasons.append(f"micro-batches of {self.n_ubatch} tokens are too small for the routing output")

@@ -20,6 +20,7 @@ from ggmoe.cache import CacheConfig
 from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
+from ggmoe.errors import UsageError
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
 
@@ -70,13 +71,12 @@ def test_stride_prefetch_logits_equal_stock(arch_model, stock_logits, tmp_path, 
     ref = stock_logits(path)
     pred = (random_predictor_file(path, tmp_path / "p.npz", kind="mlp", stride=1, hidden=16, seed=1)
             if predictor == "mlp" else predictor)
-    ids_only = predictor == "mlp" and arch == "llama4"  # its experts read a weighted input: ids only
+    if predictor == "mlp" and arch == "llama4":  # its experts read a weighted input: the mailbox has ids only
+        with pytest.raises(UsageError, match="ids only"):
+            _engine(path, facts.n_expert_used + 1, pred)
+        return
     for n_slots in sorted({facts.n_expert_used + 1, facts.n_expert // 2}):
-        with _engine(path, n_slots, pred, mode="auto") as eng:
-            if ids_only:
-                assert eng.decode_mode["decode_mode_in_effect"] == "sync"
-                assert "ids only" in eng.decode_mode["decode_mode_reason"]
-                continue
+        with _engine(path, n_slots, pred) as eng:
             assert eng.decode_mode["decode_mode_in_effect"] == "async", (arch, eng.decode_mode)
             got = run_sequences(eng)
             st = eng.cache_stats.total()
@@ -131,14 +131,17 @@ def test_entries_never_point_at_a_slot_before_its_copy_landed(qwen3moe_model):
         assert eng.cache_stats.total().prefetch_issued > 0
 
 
-def test_a_predictor_reading_router_probabilities_keeps_the_sync_decode(qwen3moe_model, monkeypatch):
+def test_auto_keeps_the_sync_prefetch_and_async_refuses_a_predictor_of_probabilities(qwen3moe_model, monkeypatch):
     from ggmoe.predict.simple import Reuse
 
+    with _engine(qwen3moe_model, 5, "reuse", mode="auto") as eng:  # not measured on a GPU yet: sync, saying so
+        assert eng.decode_mode["decode_mode_in_effect"] == "sync" and eng.pipeline.stride is None
+        assert "--decode-mode async prefetches from the mailbox" in eng.decode_mode["decode_mode_reason"]
     monkeypatch.setattr(Reuse, "needs_probs", True)  # as expert-map's (which needs training traces)
     with _engine(qwen3moe_model, 5, "reuse", mode="auto") as eng:
-        assert eng.decode_mode["decode_mode_in_effect"] == "sync"
         assert "router probabilities" in eng.decode_mode["decode_mode_reason"]
-        assert eng.pipeline.stride is None
+    with pytest.raises(UsageError, match="router probabilities"):
+        _engine(qwen3moe_model, 5, "reuse", mode="async")
 
 
 def test_lockstep_the_reader_handles_every_layer_before_its_matmuls(qwen3moe_model, stock_logits, monkeypatch):
@@ -157,8 +160,6 @@ def test_lockstep_the_reader_handles_every_layer_before_its_matmuls(qwen3moe_mod
 
 @pytest.mark.parametrize("value", ["2", "yes"])
 def test_a_bad_lockstep_value_is_refused(qwen3moe_model, monkeypatch, value):
-    from ggmoe.errors import UsageError
-
     monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", value)
     with pytest.raises(UsageError, match="GGMOE_MAILBOX_LOCKSTEP"):
         _engine(qwen3moe_model, 4, "reuse")
