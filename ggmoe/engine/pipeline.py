@@ -232,10 +232,9 @@ class CachePipeline:
             self.observers.remove(self.prefetcher)
             self.prefetcher = None
         self.observers.on_change = self._route_inputs
-        if self.tables is not None:
-            self.tables.detach()
-            self.tables.close()
-            self.tables = None
+        tables, self.tables = self.tables, None
+        if tables is not None:
+            tables.detach()
         if self.graph_predictor is not None:
             self.graph_predictor.close(ctx_alive=True)
             self.graph_predictor = None
@@ -247,8 +246,10 @@ class CachePipeline:
             P = _patched.load()
             for il in self.runtime.cache.n_slots:  # the context forgets the slot tensors before they are freed
                 P.llama_ggmoe_set_layer_cache(ctx, il, 0, None, None, None, None)
-            self.runtime.close()
+            self.runtime.close()  # copies in flight land first: a copy may write a table entry after it lands
             self.runtime = None
+        if tables is not None:
+            tables.close()
 
     # -- decode mode
     def _table_mode_wanted(self) -> bool:
@@ -409,7 +410,7 @@ class CachePipeline:
             self.stride.mailbox.close()
             self.stride = None
         if self.runtime is not None:
-            self.runtime.stream.flip = None
+            self.runtime.stream.flip = None  # copies put from now on write no table entry
             self.runtime.cache.keep_free = {}
 
     def close(self) -> None:
@@ -418,9 +419,9 @@ class CachePipeline:
         if self.graph_predictor is not None:
             self.graph_predictor.close()
             self.graph_predictor = None
+        if self.runtime is not None:  # copies in flight land first: a copy may write a table entry after it lands
+            self.runtime.close()
+            self.runtime = None
         if self.tables is not None:
             self.tables.close()
             self.tables = None
-        if self.runtime is not None:
-            self.runtime.close()
-            self.runtime = None
