@@ -46,13 +46,18 @@ class Chat:
 
     def answer(self, text: str) -> bool:
         """Stream the reply to ``text``; False when Ctrl-C stopped it (the partial reply is kept)."""
-        self.messages.append({"role": "user", "content": text})
-        self.check_fits()
+        # Ctrl-C stops the answer from the moment it is asked for (the context check included), never the chat
         watch = Watch(time.monotonic(), self.llama.n_ctx(), None, self.llama.is_eog)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: watch.cancel.set())
         self.llama.watch = watch
         parts: list[str] = []
         try:
+            self.messages.append({"role": "user", "content": text})
+            try:
+                self.check_fits()
+            except BaseException:
+                self.messages.pop()  # a question that does not fit is not kept: /reset or a shorter one
+                raise
             chunks = self.llama.create_chat_completion(
                 messages=self.messages, stream=True, max_tokens=self.options.max_tokens,
                 temperature=self.options.temperature, seed=self.options.seed)
