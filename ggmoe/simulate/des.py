@@ -312,14 +312,21 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
     experts from VRAM and the others read over the link at the zero-copy rate (holding the link); then the
     controller between tokens, the engine's own (admissions land on the link's timeline)."""
     routing = np.full((max(layers) + 1, sel.shape[0], sel.shape[2]), -1, dtype=np.int32)
+    routing[layers] = sel[:, [pos[il] for il in layers], :].transpose(1, 0, 2)
+    flats = routing.reshape(routing.shape[0], -1).tolist()  # per layer, the ids token after token
+    layer_s = costs.layer(sel.shape[0])
+    split = cache.split
     for il in layers:
-        clock.advance(costs.layer(sel.shape[0]))
-        layer_ids = sel[:, pos[il], :]
-        routing[il] = layer_ids
-        need = set(layer_ids.ravel().tolist())
+        clock.advance(layer_s)
+        need = set(flats[il])
         table = cache.tables[il]
-        ready = sum(1 for e in need if table.slot_of_list[e] >= 0 and table.copy[table.slot_of_list[e]] is None)
-        read_s = costs.zero_copy(_read_in_place(cache, il, need))
+        slot_of, copy = table.slot_of_list, table.copy
+        ready = sum(1 for e in need if slot_of[e] >= 0 and copy[slot_of[e]] is None)
+        if il in split.layers:
+            nbytes = _read_in_place(cache, il, need)
+        else:  # a whole expert for each one not ready in a slot
+            nbytes = (len(need) - ready) * cache.bytes_per_expert.get(il, 0)
+        read_s = costs.zero_copy(nbytes)
         link.occupy(read_s)
         clock.advance(costs.experts(il, ready) + read_s)  # what is read over the link is bound by the link
     controller.on_routing(layers, routing)

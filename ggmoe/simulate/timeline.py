@@ -20,7 +20,6 @@ import collections
 import heapq
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.copy import CopyHandle, Priority, bottom_buffer
@@ -28,16 +27,21 @@ from ggmoe.cache.hardware import HardwareProfile
 from ggmoe.cache.split import LayerSplit
 
 
-@dataclass(eq=False)
 class _Job:
-    key: tuple[int, float, int]  # (priority, rank, id): the lower, the more urgent
-    handle: CopyHandle
-    submitted: float  # s
-    chunks_left: int
-    chunk_s: float  # s one chunk takes on the link
-    started: bool = False
-    live: bool = True  # neither finished nor cancelled
-    ready: bool = False  # in the ready heap (submitted by a chunk's start)
+    """One copy on the link (a plain class with slots: a replay makes millions)."""
+
+    __slots__ = ("key", "handle", "submitted", "chunks_left", "chunk_s", "started", "live", "ready")
+
+    def __init__(self, key: tuple[int, float, int], handle: CopyHandle, submitted: float, chunks_left: int,
+                 chunk_s: float) -> None:
+        self.key = key  # (priority, rank, id): the lower, the more urgent
+        self.handle = handle
+        self.submitted = submitted  # s
+        self.chunks_left = chunks_left
+        self.chunk_s = chunk_s  # s one chunk takes on the link
+        self.started = False
+        self.live = True  # neither finished nor cancelled
+        self.ready = False  # in the ready heap (submitted by a chunk's start)
 
 
 class LinkCopyBackend:
@@ -63,6 +67,7 @@ class LinkCopyBackend:
         self._settled = -1.0  # clock time by which every chunk that could start has run (until a submission)
         self.busy_s = 0.0  # s the link spent copying
         self.late_prefetches = 0  # prefetch copies a layer had to wait for (not landed in time)
+        self._chunk_of: dict[int, float] = {}  # il -> s one chunk of a whole expert's copy takes (no split)
 
     def copy_bytes(self, h: CopyHandle) -> int:
         """Bytes one copy moves: a whole expert, or a split layer's top (into a slot) or bottom (a buffer)."""
@@ -80,7 +85,12 @@ class LinkCopyBackend:
         if self.profile is None:
             self._landed[h.id] = self.clock.now()
             return h
-        job = _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks, self._chunk_s(h))
+        cs = self._chunk_of.get(il)
+        if cs is None:
+            cs = self._chunk_s(h)
+            if il not in self.split:
+                self._chunk_of[il] = cs
+        job = _Job((int(priority), rank, h.id), h, self.clock.t, self.n_chunks, cs)
         self._queue[h.id] = job
         self._pending.append(job)
         self._settled = -1.0
@@ -147,8 +157,8 @@ class LinkCopyBackend:
         self._settled = now
 
     def done(self, handle: CopyHandle) -> bool:
-        now = self.clock.now()
-        if self._queue and now != self._settled:  # _advance's own check, inlined: the async decode asks often
+        now = self.clock.t  # the ManualClock's time, read directly: the async decode asks millions of times
+        if now != self._settled and self._queue:  # _advance's own check, inlined
             self._advance()
         t = self._landed.get(handle.id)
         return t is not None and t <= now
@@ -160,14 +170,44 @@ class LinkCopyBackend:
             if h.priority == Priority.PREFETCH and not self._done_now(h):
                 self.late_prefetches += 1
         pending = {h.id for h in handles if h.id in self._queue}  # neither landed nor cancelled
-        while pending:
-            done = self._step(None)
-            if done is None:
-                break
-            pending.discard(done)
+        if pending:
+            self._drain(pending)
         last = max((self._landed.get(h.id, 0.0) for h in handles), default=0.0)
         if last > self.clock.now():
             self.clock.advance(last - self.clock.now())
+
+    def _drain(self, pending: set[int]) -> None:
+        """``_step(None)`` until every job of ``pending`` landed, in one loop. Nothing is submitted while the GPU
+        waits, and after ``_advance`` the link's next start is at or after every submission: every queued job
+        is ready then, so the jobs run whole, one after another in key order, each chunk's end the previous
+        one's plus its time (the same additions as chunk by chunk)."""
+        if self._top() is not None:
+            start = self._busy_until
+        else:
+            while self._pending and not self._pending[0].live:
+                self._pending.popleft()
+            if not self._pending:
+                return
+            start = max(self._busy_until, self._pending[0].submitted)
+        self._make_ready(start)
+        t, busy, queue, landed = start, self.busy_s, self._queue, self._landed
+        while pending:
+            job = self._top()
+            if job is None:
+                break
+            job.started = True
+            cs = job.chunk_s
+            for _ in range(job.chunks_left):
+                t = t + cs
+                busy += cs
+            job.chunks_left = 0
+            job.live = False
+            hid = job.handle.id
+            del queue[hid]
+            landed[hid] = t
+            pending.discard(hid)
+        self._busy_until = t
+        self.busy_s = busy
 
     def _done_now(self, h: CopyHandle) -> bool:
         t = self._landed.get(h.id)
