@@ -391,13 +391,19 @@ class BaselineResult:
 
 
 def baseline(trace: Trace, kind: str, bytes_per_expert: Mapping[int, int], profile: HardwareProfile,
-             budget: int | None = None) -> BaselineResult:
-    """Stock llama.cpp on the same routing, estimated on the same cost model (no cache, no hook):
+             budget: int | None = None, gpu_layers: Sequence[int] | None = None) -> BaselineResult:
+    """Stock llama.cpp on the same routing, estimated on the same cost model (no cache, no route op):
 
     - ``stock-vram``: every expert in VRAM; ``stock-cpu``: every expert in host memory, computed by the CPU
       (``-ot exps=CPU``); ``n-cpu-moe``: the first MoE layers whose whole expert tensors fit ``budget`` in
-      VRAM, the others on the CPU (``--n-cpu-moe``). Micro-batches of at least 32 tokens on host experts
+      VRAM, the others on the CPU (``--n-cpu-moe``). A layer whose experts the CPU computes splits the graph
+      (the activations to the host and back, a device sync): it pays the profile's ``hook_s`` (in the h100
+      and composed profiles the measured cost of one such split; the pcie4 and egpu estimates hold the route
+      callback's alone). Micro-batches of at least 32 tokens on host experts
       take llama.cpp's op offload: the layer's expert tensors are uploaded and the GPU computes.
+
+    ``gpu_layers`` (``n-cpu-moe`` only): the MoE layers whose experts sit in VRAM, as a given ``--n-cpu-moe N``
+    places them (the blocks from N on), instead of the budget's.
     """
     if kind not in BASELINES:
         raise UsageError(f"unknown baseline {kind!r}; choose one of {', '.join(BASELINES)}")
@@ -405,7 +411,9 @@ def baseline(trace: Trace, kind: str, bytes_per_expert: Mapping[int, int], profi
     layers = [int(il) for il in trace.layers]
     costs = _Costs(profile, bytes_per_expert, m.n_expert)
     on_gpu: set[int] = set(layers) if kind == "stock-vram" else set()
-    if kind == "n-cpu-moe":
+    if kind == "n-cpu-moe" and gpu_layers is not None:
+        on_gpu = set(gpu_layers)
+    elif kind == "n-cpu-moe":
         if budget is None:
             raise UsageError("the n-cpu-moe baseline needs the VRAM budget")
         left = budget
@@ -428,8 +436,8 @@ def baseline(trace: Trace, kind: str, bytes_per_expert: Mapping[int, int], profi
                 dt += costs.experts(il, need)
             elif n_tok >= OP_OFFLOAD_MIN_TOKENS:
                 dt += costs.native_upload(il) + costs.experts(il, need)
-            else:
-                dt += costs.cpu(il, need)
+            else:  # the scheduler splits the graph there: activations to the host and back, a device sync
+                dt += costs.hook() + costs.cpu(il, need)
         if trace.stage[rows.start] == STAGE_PREFILL:
             first = (first or 0.0) + dt
         else:
