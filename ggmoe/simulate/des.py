@@ -52,7 +52,7 @@ from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.base import check_trace_inputs
 from ggmoe.simulate.replay import micro_batches, next_uses
-from ggmoe.simulate.timeline import LinkCopyBackend
+from ggmoe.simulate.timeline import FlagLinkCopyBackend, LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace
 
 TOKENS_PER_LAYER_STEP = 64  # tokens of a micro-batch the GPU's attention handles in one batch-1 layer time
@@ -196,7 +196,10 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
         raise UsageError(f"no slot count for MoE layers {missing}")
     clock = ManualClock()
     split = dict(config.split or {})
-    link = LinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks, split)
+    # the async decode's controller asks every copy in flight whether it landed, per layer and token: a link
+    # whose answer is an attribute read (FlagLinkCopyBackend, settled before each call into the cache)
+    backend = FlagLinkCopyBackend if config.decode_mode == "async" and not split else LinkCopyBackend
+    link = backend(clock, dict(bytes_per_expert), profile, n_chunks, split)
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
     miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert)  # as the engine
@@ -267,6 +270,7 @@ class _Step:
     pred: Any
     config: SimConfig
     timed: bool  # a profile is given: the predictor's time counts
+    fits: dict[int, list[bool]] = field(default_factory=dict)  # micro-batch tokens -> cache.fits per layer
 
 
 def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers: list[int],
@@ -276,11 +280,16 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
     n_tok = rows.stop - rows.start
     flats = sel_all.transpose(1, 0, 2).reshape(len(layers), -1).tolist()  # per layer, the ids token after token
     before = costs.layer(n_tok) + costs.hook()  # attention and router, then the route op
+    fits = st.fits.get(n_tok)
+    if fits is None:  # the cache's answer for this micro-batch size, per layer (the slots never change)
+        fits = st.fits[n_tok] = [cache.fits(il, n_tok) for il in layers]
+    split = cache.split
     for j, il in enumerate(layers):
         clock.advance(before)
         flat = flats[j]
         need = len(set(flat))
-        if not cache.fits(il, n_tok):
+        st.link.settle()  # what landed by now, before the cache asks (FlagLinkCopyBackend)
+        if not fits[j]:
             cache.observe(il, sel_all[:, j])
             clock.advance(costs.native_upload(il) + costs.experts(il, need))
             continue
@@ -299,9 +308,12 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
             st.prefetcher.on_route(RouteEvent(il=il, ids=sel_all[:, j], probs=probs, hidden=hidden))
             pred_s = time.perf_counter() - tp if st.config.predictor_s is None else st.config.predictor_s
             clock.advance(pred_s if st.timed else 0.0)
-        read_s = costs.zero_copy(lst.host_read_bytes - read0)
-        st.link.occupy(read_s)
-        in_place = lst.misses - miss0 if il in cache.split else 0  # whole misses: bound by the link
+        if il in split:  # what it read in place holds the link; whole misses are bound by it
+            read_s = costs.zero_copy(lst.host_read_bytes - read0)
+            st.link.occupy(read_s)
+            in_place = lst.misses - miss0
+        else:  # a whole-expert layer reads nothing in place on the sync path
+            read_s, in_place = 0.0, 0
         clock.advance(max(costs.experts(il, need - n_host - in_place) + read_s, costs.cpu(il, n_host)))
     return fi
 
@@ -329,6 +341,7 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
         read_s = costs.zero_copy(nbytes)
         link.occupy(read_s)
         clock.advance(costs.experts(il, ready) + read_s)  # what is read over the link is bound by the link
+    link.settle()  # what landed by now, before the controller asks (FlagLinkCopyBackend)
     controller.on_routing(layers, routing)
 
 
@@ -353,8 +366,11 @@ def _future(trace: Trace, cache: ExpertCache, layers: list[int], batches: Sequen
             ids: np.ndarray, pos: dict[int, int]) -> list[dict[int, float]]:
     """Next uses (``replay.next_uses``) over the cache's calls in the order the replay makes them: every layer
     of an async micro-batch (the controller's ``after_token``), the routed layers of a sync one."""
-    routed = [(il, sorted(set(ids[rows, pos[il]].ravel().tolist()))) for rows, a in zip(batches, is_async, strict=True)
-              for il in layers if a or cache.fits(il, rows.stop - rows.start)]
+    routed = []
+    for rows, a in zip(batches, is_async, strict=True):
+        n_tok = rows.stop - rows.start
+        per_layer = ids[rows].transpose(1, 0, 2).reshape(ids.shape[1], -1).tolist()  # one list per trace layer
+        routed += [(il, sorted(set(per_layer[pos[il]]))) for il in layers if a or cache.fits(il, n_tok)]
     return next_uses(routed, trace.meta.n_expert)
 
 
