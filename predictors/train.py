@@ -100,8 +100,8 @@ def _net_seed(seed: int, plan: NetPlan) -> int:
     return int(np.random.SeedSequence([seed, plan.il, *plan.targets]).generate_state(1)[0])
 
 
-def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[str, np.ndarray], dict]:
-    """Train the planned nets; returns the arrays and the metadata of the export."""
+def _check(trace: Trace, cfg: TrainConfig) -> None:
+    """What training needs of the trace and the configuration, before any work."""
     if trace.hidden is None:
         raise UsageError("the trace has no hidden states (recorded with --no-hidden): "
                          f"the {cfg.kind} predictor learns from them")
@@ -109,6 +109,11 @@ def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[s
         raise UsageError(f"dtype {cfg.dtype!r}: choose float32 or float16")
     if cfg.kind not in KINDS:
         raise UsageError(f"kind {cfg.kind!r}: choose one of {', '.join(KINDS)}")
+
+
+def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[str, np.ndarray], dict]:
+    """Train the planned nets; returns the arrays and the metadata of the export."""
+    _check(trace, cfg)
     fit, versions = _fitter(cfg)
     t_start = time.perf_counter()
     layers = [int(il) for il in trace.layers]

@@ -30,13 +30,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ggmoe.cache import CacheConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.hook import HookRequest, RouteRecorder
-from ggmoe.inspect import inspect_model
+from ggmoe.inspect import ModelFacts, inspect_model
 from ggmoe.models import default_model_path
 
 
@@ -76,6 +77,54 @@ def histogram(us: np.ndarray, bins: tuple[float, ...] = (0, 10, 15, 20, 25, 30, 
     return lines
 
 
+def _engines(model: Path, facts: ModelFacts, threads: int | None) -> dict[str, tuple[Engine, RouteRecorder | None]]:
+    """The variants measured side by side: stock, the two hook paths recording, the cache sync and async."""
+    base = {"model_path": model, "n_ctx": 512, **({"n_threads": threads} if threads else {})}
+    rec_cb = RouteRecorder(HookRequest(probs=True, hidden=True))
+    rec_route = RouteRecorder(HookRequest(probs=True, hidden=True))
+    half = max(facts.n_expert // 2, facts.n_expert_used)
+
+    def cached(n_slots: int, mode: str) -> Engine:
+        return Engine(EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, decode_mode=mode)))
+
+    return {
+        "stock": (Engine(EngineConfig(**base, gate_hook=False)), None),
+        "cb_eval": (Engine(EngineConfig(**base, hook_path="cb_eval"), observer=rec_cb), rec_cb),
+        "route": (Engine(EngineConfig(**base, hook_path="route"), observer=rec_route), rec_route),
+        "cache-all": (cached(facts.n_expert, "sync"), None),
+        "sync-half": (cached(half, "sync"), None),
+        "async-all": (cached(facts.n_expert, "async"), None),
+        "async-half": (cached(half, "async"), None),
+    }
+
+
+def _measure(engines: dict[str, tuple[Engine, RouteRecorder | None]], rounds: int, tokens: int) -> dict[str, float]:
+    """Median decode tok/s of each variant, the variants interleaved round by round (after a warm-up)."""
+    prompt = engines["stock"][0].tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")
+    for eng, rec in engines.values():  # warm-up: caches filled, graphs built
+        decode_rate(eng, prompt, 8, rec)
+    engines["cache-all"][0].record_hook_times()
+    rates: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(rounds):
+        for name, (eng, rec) in engines.items():
+            rates[name].append(decode_rate(eng, prompt, tokens, rec))
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def _print_table(res: dict[str, Any], hook_us: np.ndarray) -> None:
+    print(f"model {res['model']} ({res['moe_layers']} MoE layers), {res['rounds']} rounds x "
+          f"{res['tokens_per_round']} decode steps")
+    print(f"machine: {res['machine']}")
+    print(f"{'variant':<11}{'decode tok/s':>14}{'vs stock':>10}{'us/token':>10}")
+    for k, v in res["decode_tps_median"].items():
+        print(f"{k:<11}{v:>14.1f}{res['ratio_vs_stock'][k]:>10.3f}{res['cost_us_per_token'][k]:>10.0f}")
+    print(f"async-half hit rate {res['async_half_hit_rate']:.1%}")
+    h = res["route_callback_us"]
+    print(f"route callback per layer call (cache-all): p50 {h['p50']:.1f} us, p90 {h['p90']:.1f} us, "
+          f"p99 {h['p99']:.1f} us over {h['calls']} calls")
+    print("\n".join(histogram(hook_us)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="GGUF model (default: the embedded model)")
@@ -89,36 +138,9 @@ def main() -> int:
         print("error: no MODEL given and no embedded default model", file=sys.stderr)
         return 2
     facts = inspect_model(model)
-    kw = {"n_threads": a.threads} if a.threads else {}
-    base = {"model_path": model, "n_ctx": 512, **kw}
-    rec_cb = RouteRecorder(HookRequest(probs=True, hidden=True))
-    rec_route = RouteRecorder(HookRequest(probs=True, hidden=True))
-    engines = {
-        "stock": (Engine(EngineConfig(**base, gate_hook=False)), None),
-        "cb_eval": (Engine(EngineConfig(**base, hook_path="cb_eval"), observer=rec_cb), rec_cb),
-        "route": (Engine(EngineConfig(**base, hook_path="route"), observer=rec_route), rec_route),
-        "cache-all": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=facts.n_expert,
-                                                                     decode_mode="sync"))), None),
-        "sync-half": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=max(facts.n_expert // 2,
-                                                                                 facts.n_expert_used),
-                                                                     decode_mode="sync"))), None),
-        "async-all": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=facts.n_expert,
-                                                                     decode_mode="async"))), None),
-        "async-half": (Engine(EngineConfig(**base, cache=CacheConfig(n_slots=max(facts.n_expert // 2,
-                                                                                  facts.n_expert_used),
-                                                                      decode_mode="async"))), None),
-    }
-    prompt = engines["stock"][0].tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")
-    for eng, rec in engines.values():  # warm-up: caches filled, graphs built
-        decode_rate(eng, prompt, 8, rec)
-    engines["cache-all"][0].record_hook_times()
-    rates: dict[str, list[float]] = {k: [] for k in engines}
-    for _ in range(a.rounds):
-        for name, (eng, rec) in engines.items():
-            rates[name].append(decode_rate(eng, prompt, a.tokens, rec))
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    engines = _engines(model, facts, a.threads)
+    med = _measure(engines, a.rounds, a.tokens)
     hook_us = engines["cache-all"][0].hook_times * 1e6
-    stats = engines["cache-all"][0].cache_stats.total()
     res = {
         "model": model.name, "machine": machine(), "moe_layers": len(facts.moe_layers),
         "rounds": a.rounds, "tokens_per_round": a.tokens,
@@ -127,22 +149,13 @@ def main() -> int:
         "cost_us_per_token": {k: (1 / v - 1 / med["stock"]) * 1e6 for k, v in med.items()},
         "route_callback_us": {"p50": float(np.percentile(hook_us, 50)), "p90": float(np.percentile(hook_us, 90)),
                               "p99": float(np.percentile(hook_us, 99)), "calls": int(hook_us.size)},
-        "cache_all_hit_rate": stats.hit_rate,
+        "cache_all_hit_rate": engines["cache-all"][0].cache_stats.total().hit_rate,
         "async_half_hit_rate": engines["async-half"][0].cache_stats.total().hit_rate,
     }
     if a.json:
         print(json.dumps(res, indent=2))
     else:
-        print(f"model {res['model']} ({res['moe_layers']} MoE layers), {a.rounds} rounds x {a.tokens} decode steps")
-        print(f"machine: {res['machine']}")
-        print(f"{'variant':<11}{'decode tok/s':>14}{'vs stock':>10}{'us/token':>10}")
-        for k in engines:
-            print(f"{k:<11}{med[k]:>14.1f}{res['ratio_vs_stock'][k]:>10.3f}{res['cost_us_per_token'][k]:>10.0f}")
-        print(f"async-half hit rate {res['async_half_hit_rate']:.1%}")
-        h = res["route_callback_us"]
-        print(f"route callback per layer call (cache-all): p50 {h['p50']:.1f} us, p90 {h['p90']:.1f} us, "
-              f"p99 {h['p99']:.1f} us over {h['calls']} calls")
-        print("\n".join(histogram(hook_us)))
+        _print_table(res, hook_us)
     for eng, _ in engines.values():
         eng.close()
     return 0

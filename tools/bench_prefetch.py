@@ -25,8 +25,9 @@ from pathlib import Path
 from ggmoe.cache import CacheConfig
 from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine.record import RecordConfig, record_trace
 from ggmoe.models import default_model_path
-from ggmoe.trace.record import RecordConfig, read_prompts, record_trace
+from ggmoe.trace.prompts import read_prompts
 
 
 def _run(model: Path, docs: list[str], cache: CacheConfig) -> dict:

@@ -38,11 +38,11 @@ from ggmoe.cache.hardware import load_profile  # noqa: E402
 from ggmoe.cache.split import split_at, tops_in  # noqa: E402
 from ggmoe.control.prefetch import PrefetchConfig  # noqa: E402
 from ggmoe.engine import Engine, EngineConfig  # noqa: E402
+from ggmoe.engine.record import RecordConfig, record_trace  # noqa: E402
 from ggmoe.inspect import inspect_model  # noqa: E402
 from ggmoe.models import default_model_path  # noqa: E402
 from ggmoe.simulate.des import SimConfig, simulate  # noqa: E402
 from ggmoe.trace import load_trace  # noqa: E402
-from ggmoe.trace.record import RecordConfig, record_trace  # noqa: E402
 
 PROMPTS = ("def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
            "The history of the city begins", "for i in range(10):", "Once upon a time, in a small village")

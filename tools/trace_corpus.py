@@ -4,7 +4,7 @@
 Picks ``--docs`` held-out documents per domain (``tools/corpus.py``: files never
 used in training), seeded and spread over the whole held-out list, each long
 enough for ``--prefill-tokens`` + ``--steps`` tokens, writes them as JSONL and
-records their traces (``ggmoe.trace.record``), by default teacher-forced: the prefill
+records their traces (``ggmoe.engine.record``), by default teacher-forced: the prefill
 is the document's start, then its real continuation is fed one token per
 decode step. Greedy and sampled traces of the same documents are for comparing
 routing statistics (``--modes teacher greedy sample``).
@@ -29,9 +29,9 @@ import click
 from corpus import DOMAINS, list_documents
 
 from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine.record import RecordConfig, record_trace
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
-from ggmoe.trace.record import RecordConfig, record_trace
 
 
 def default_out() -> Path:

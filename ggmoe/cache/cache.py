@@ -26,6 +26,13 @@ from ggmoe.cache.stats import CacheStats, LayerStats
 from ggmoe.errors import UsageError
 
 
+def keep_free_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: int, n_prefetch: int) -> dict[int, int]:
+    """Free slots kept per layer between tokens for the async decode's stride prefetch (into a running graph a
+    prefetch takes only a slot no entry points at): ``min(n_prefetch, n_slots - n_expert_used)``, none where
+    every expert fits. The engine's pipeline and the simulator both use this."""
+    return {il: 0 if n >= n_expert else min(n_prefetch, n - n_expert_used) for il, n in n_slots.items()}
+
+
 class ExpertCache:
     """Slot tables for every MoE layer, driven by a policy; ``route`` maps ids to slots."""
 
@@ -63,6 +70,12 @@ class ExpertCache:
         self.n_prefetched = dict.fromkeys(n_slots, 0)  # il -> slots holding an unused prefetched expert
         self.predicted: dict[int, list[int]] = {}  # il -> experts predicted for its next call (accuracy)
         self.token = 0  # async decode: tokens seen by the controller (the epoch of a copy's submission)
+        # async decode with stride prefetch (the mailbox): free slots kept per layer between tokens, into which
+        # prefetches go while a graph runs (a slot that no entry points at); 0: none kept
+        self.keep_free: dict[int, int] = {}
+        # async decode with the mailbox: per layer, the experts whose slot was readable when the host saw the
+        # layer start (what the device read from slots); after_token counts hits from it
+        self._seen: dict[int, set[int]] = {}
         self._submit_token: dict[int, int] = {}  # copy handle id -> token it was submitted at
         unknown = sorted(set(split or {}) - set(n_slots))
         if unknown:
@@ -183,7 +196,11 @@ class ExpertCache:
             st.calls += 1
             need = sorted(set(flat))
             slot_of, copy = table.slot_of_list, table.copy
-            missing = [e for e in need if slot_of[e] < 0 or copy[slot_of[e]] is not None]
+            seen = self._seen.pop(il, None)
+            if seen is not None:  # the mailbox saw the layer start: what was readable then is what it read
+                missing = [e for e in need if e not in seen]
+            else:
+                missing = [e for e in need if slot_of[e] < 0 or copy[slot_of[e]] is not None]
             st.hits += len(need) - len(missing)
             st.misses += len(missing)
             st.host_reads += len(missing)
@@ -191,9 +208,63 @@ class ExpertCache:
             if table.n_loading:
                 self._land_done(table)
             self.policy.on_access(il, need, self.clock)
+            if il in self.predicted:  # the stride prefetcher's guess for this layer, scored as in sync
+                guess = self.predicted.pop(il)
+                st.pred_total += len(guess)
+                st.pred_correct += len(set(guess) & set(need))
+            if self.n_prefetched[il]:
+                self._count_prefetch_hits(il, table, [e for e in need if e not in missing])
             self._admit_after(il, table, need, missing)
             if table.n_loading:  # a synchronous backend (the CPU build's memcpy) has landed them already
                 self._land_done(table)
+            if self.keep_free.get(il):
+                self._make_room(il, table, need, self.keep_free[il])
+
+    def seen_start(self, il: int, flat: list[int]) -> None:
+        """Async decode with the mailbox: layer ``il`` has started with experts ``flat`` (the device reads their
+        entries now). Copies that landed are marked (their entries flipped stream-ordered already); the experts
+        readable now are what the layer read from slots, the rest it read from host memory. A prefetch that had
+        not landed was late."""
+        with self.lock:
+            table = self.tables.get(il)
+            if table is None or il in self.split:
+                return
+            if table.n_loading:
+                self._land_done(table)
+            slot_of, copy = table.slot_of_list, table.copy
+            seen = set()
+            for e in set(flat):
+                s = slot_of[e]
+                if s >= 0 and copy[s] is None:
+                    seen.add(e)
+                elif s >= 0 and table.prefetched[s]:
+                    self.stats.layers[il].prefetch_late += 1
+            self._seen[il] = seen
+
+    def _make_room(self, il: int, table: SlotTable, need: list[int], n_free: int) -> None:
+        """Between tokens: evict until ``n_free`` slots are free for the next token's prefetches (prefetched
+        experts never used first, then the policy's victims; never one the token used or one still loading)."""
+        slot_of, copy = table.slot_of_list, table.copy
+        st = self.stats.layers[il]
+        used = set(need)
+        stale = [x for x in table.expert_in_list if x >= 0 and x not in used and copy[slot_of[x]] is None
+                 and table.prefetched[slot_of[x]]]
+        cand: list[int] | None = None
+        while len(table.free) < n_free:
+            if stale:
+                victim = stale.pop()
+            else:
+                if cand is None:
+                    cand = self._victims(table, used)
+                if not cand:
+                    return
+                victim = self.policy.victim(il, cand, self.clock)
+                cand.remove(victim)
+            slot = slot_of[victim]
+            self.policy.on_evict(il, victim)
+            st.evictions += 1
+            self._note_eviction(il, table, slot)
+            table.drop(slot)
 
     def _admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int]) -> None:
         """After a call that read its misses in place (async decode, split layers): admit them at low priority
@@ -206,9 +277,12 @@ class ExpertCache:
                 self._note_eviction(il, table, slot_of[e])
                 table.drop(slot_of[e])
             return
+        if table.n_loading:
+            self._drop_stale_admissions(il, table)
         admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
         if admit:
-            self.stats.layers[il].admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
+            self.stats.layers[il].admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION,
+                                                                     self.keep_free.get(il, 0)))
 
     def _to_host(self, il: int, pending: list[CopyHandle], missing: list[int]
                  ) -> tuple[set[int], list[CopyHandle], list[int]]:
@@ -248,13 +322,19 @@ class ExpertCache:
         return out
 
     def prefetch(self, il: int, experts: list[int], keep: set[int] | None = None,
-                 ranks: list[float] | None = None, if_calls: int | None = None) -> int:
+                 ranks: list[float] | None = None, if_calls: int | None = None, free_only: bool = False) -> int:
         """``_prefetch`` under the cache's lock; with ``if_calls``, only if layer ``il`` has not been called
-        since (a prediction computed late, on a worker, must not touch a layer that already runs)."""
+        since (a prediction computed late, on a worker, must not touch a layer that already runs). With
+        ``free_only`` (the async decode's stride prefetch, while a graph runs) only into free slots: no entry
+        points at them, so no kernel can be reading them; nothing is evicted."""
         with self.lock:
             if if_calls is not None and self.stats.layers[il].calls != if_calls:
                 self.stats.layers[il].prefetch_late += 1
                 return 0
+            if free_only:
+                if il in self.split or not self.tables[il].free:
+                    return 0
+                return self._prefetch_whole(il, experts, keep, ranks, free_only=True)
             return self._prefetch(il, experts, keep, ranks)
 
     def _prefetch(self, il: int, experts: list[int], keep: set[int] | None = None,
@@ -264,7 +344,7 @@ class ExpertCache:
         return self._prefetch_whole(il, experts, keep, ranks)
 
     def _prefetch_whole(self, il: int, experts: list[int], keep: set[int] | None = None,
-                        ranks: list[float] | None = None) -> int:
+                        ranks: list[float] | None = None, free_only: bool = False) -> int:
         """Queue prefetch copies of the ``experts`` of layer ``il`` that are not resident; returns how many.
 
         Victims are resident experts not in ``keep``, not still loading, and not themselves unused prefetches.
@@ -284,6 +364,8 @@ class ExpertCache:
         for e in want:
             if table.free:
                 slot = table.free.pop(0)
+            elif free_only:
+                break
             else:
                 if cand is None:
                     cand = [x for x in self._victims(table, protect) if not table.prefetched[table.slot_of_list[x]]]
@@ -296,7 +378,10 @@ class ExpertCache:
                 st.evictions += 1
             self._note_eviction(il, table, slot)
             table.unmap(slot)  # the expert table stops pointing at the slot before the copy may write it
-            h = self.copies.submit(il, e, slot, Priority.PREFETCH, rank_of.get(e, 0.0))
+            # into a running graph (the async decode's stride prefetch): its layer runs within milliseconds, so
+            # it goes before admissions meant for later tokens
+            h = self.copies.submit(il, e, slot, Priority.DEMAND if free_only else Priority.PREFETCH,
+                                   rank_of.get(e, 0.0))
             self._submitted[h.id] = self.time.now()
             self._submit_token[h.id] = self.token
             table.place(e, slot, h)
@@ -338,6 +423,19 @@ class ExpertCache:
                 self._submit_token.pop(h.id, None)
                 out.append(i)
         return out
+
+    def _drop_stale_admissions(self, il: int, table: SlotTable) -> None:
+        """Between tokens: admissions of an earlier token still queued (not started) are cancelled, their slots
+        free again. On a link slower than the misses come, a queue of old admissions would only grow, each
+        landing too late to be used; the newest token's misses are the likeliest to come back."""
+        for slot, h in enumerate(table.copy):
+            if (h is not None and h.priority == Priority.ADMISSION
+                    and self._submit_token.get(h.id, self.token) < self.token and self.copies.cancel(h)):
+                self.stats.layers[il].admissions_dropped += 1
+                self.policy.on_evict(il, h.expert)
+                self._submitted.pop(h.id, None)
+                self._submit_token.pop(h.id, None)
+                table.drop(slot)
 
     def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
         """Prefetches for this layer still queued and not needed are cancelled; their slots are free again."""
@@ -406,8 +504,9 @@ class ExpertCache:
                 self.split.land(self, il)
 
     def _load(self, il: int, table: SlotTable, need: list[int], missing: list[int],
-              priority: Priority) -> list[CopyHandle]:
-        """Copies of ``missing`` into free slots or the policy's victims (never a slot this call reads)."""
+              priority: Priority, reserve: int = 0) -> list[CopyHandle]:
+        """Copies of ``missing`` into free slots or the policy's victims (never a slot this call reads);
+        ``reserve`` free slots are left for the async decode's prefetches."""
         in_use = set(need)  # never evict what this call uses
         bpe = self.slot_bytes[il]
         st = self.stats.layers[il]
@@ -415,7 +514,7 @@ class ExpertCache:
         handles = []
         cand: list[int] | None = None  # victims, computed once (a miss's own copy is in use, so never one)
         for e in missing:
-            if table.free:
+            if len(table.free) > reserve:
                 slot = table.free.pop(0)
             else:
                 if not cand:

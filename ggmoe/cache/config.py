@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ggmoe.errors import UsageError
+
+if TYPE_CHECKING:
+    from ggmoe.inspect.facts import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class CacheConfig:
 
             check_params(f"policy {self.policy!r}", POLICIES.get(self.policy).PARAMS, self.policy_options)
 
-    def check_model(self, facts: Any) -> None:
+    def check_model(self, facts: ModelFacts) -> None:
         """This configuration against a model's facts, before the model loads: per-layer slots and top shares
         name its MoE layers, every split is possible, a budget gives enough slots (UsageError otherwise)."""
         from ggmoe.cache.split import model_split
@@ -98,7 +101,8 @@ def slots_for_budget(budget: int, bytes_per_expert: dict[int, int], n_expert: in
     return {il: int(n) for il in bytes_per_expert}
 
 
-def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: str | None, facts: Any = None,
+def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: str | None,
+                       facts: ModelFacts | None = None,
                        miss_policy: str | None = None, prefetch: Any = None,
                        hw: str | None = None, decode_mode: str | None = None) -> CacheConfig | None:
     """A CacheConfig from the command line's (or ``ggmoe.load()``'s) options; None when no cache size is given.

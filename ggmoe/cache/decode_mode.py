@@ -4,7 +4,7 @@
 (its cache slot, or its host copy over the link), the routing leaves the device once per token, and the
 cache is managed between tokens (``ggmoe.control.TokenController``). ``sync`` stays for what needs the
 CPU's answer inside a layer: the host path (a slow link, where the CPU computes a miss sooner than a copy
-brings it), stride prefetching from a predictor, observers that read router probabilities or hidden
+brings it), predictors that read router probabilities, observers that read router probabilities or hidden
 states (tracing), benchmarks' routing overrides, and backends without ``mul_mat_id_table``. ``auto``
 takes ``async`` unless one of those holds, and says why.
 """
@@ -60,13 +60,14 @@ class DecodeMode:
     reason: str  # why this mode
 
 
-def sync_reasons(miss_policy: str, prefetch: bool, backend_note: str | None) -> list[str]:
-    """What needs the sync mode, from the configuration (miss policy as it runs, after ``auto``)."""
+def sync_reasons(miss_policy: str, prefetch_note: str | None, backend_note: str | None) -> list[str]:
+    """What needs the sync mode, from the configuration (miss policy as it runs, after ``auto``);
+    ``prefetch_note``: why the predictor cannot run on the async decode's mailbox (None: it can)."""
     out = []
     if miss_policy != "wait":
         out.append(f"the host path (miss policy {miss_policy}) computes misses on the CPU inside a layer")
-    if prefetch:
-        out.append("stride prefetching from a predictor runs inside the layers")
+    if prefetch_note:
+        out.append(prefetch_note)
     if backend_note:
         out.append(backend_note)
     return out

@@ -19,14 +19,41 @@ after the token: what was readable when the token started counts).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Protocol
 
-from ggmoe.cache.copy import Priority, bottom_target
-from ggmoe.cache.slots import BottomTable
+from ggmoe.cache.clock import Clock
+from ggmoe.cache.copy import CopyBackend, CopyHandle, Priority, bottom_target
+from ggmoe.cache.policies.base import Policy
+from ggmoe.cache.slots import BottomTable, SlotTable
 from ggmoe.cache.split import LayerSplit
+from ggmoe.cache.stats import CacheStats
 
-# the ExpertCache that owns these layers (not imported: it imports this module); its internals are used here
-ExpertCache = Any
+
+class ExpertCache(Protocol):
+    """The seam: what split layers use of the ``ggmoe.cache.cache.ExpertCache`` that owns them (a protocol,
+    as that module imports this one), its whole-expert machinery included."""
+
+    time: Clock
+    stats: CacheStats
+    tables: dict[int, SlotTable]  # il -> the layer's slot table
+    clock: int  # access counter: one per routed layer call
+    copies: CopyBackend
+    policy: Policy
+    n_prefetched: dict[int, int]  # il -> slots holding an unused prefetched expert
+    predicted: dict[int, list[int]]  # il -> experts predicted for its next call
+
+    def cancel_stale(self, il: int, handles: list[CopyHandle | None], need: list[int]) -> list[int]: ...
+
+    def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None: ...
+
+    def _count_prefetch_hits(self, il: int, table: SlotTable, need: list[int]) -> None: ...
+
+    def _admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int]) -> None: ...
+
+    def _land_done(self, table: SlotTable) -> None: ...
+
+    def _prefetch_whole(self, il: int, experts: list[int], keep: set[int] | None = None,
+                        ranks: list[float] | None = None, free_only: bool = False) -> int: ...
 
 
 class SplitLayers:

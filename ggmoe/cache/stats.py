@@ -20,6 +20,7 @@ class LayerStats:
     prefetch_wasted: int = 0  # prefetched experts evicted before any use
     prefetch_wasted_bytes: int = 0  # bytes
     prefetch_dropped: int = 0  # queued prefetches cancelled at the gate (stale: not among the real experts)
+    admissions_dropped: int = 0  # async decode: an earlier token's admissions still queued, cancelled
     prefetch_late: int = 0  # predictions that came after their layer had started (not prefetched)
     pred_correct: int = 0  # predicted experts (top n_expert_used) that the layer really selected
     pred_total: int = 0  # experts predicted

@@ -41,15 +41,12 @@ def build(install_it: bool, cuda: bool, rebuild: bool, check_patches: bool) -> N
       ggmoe engine build --install
       ggmoe engine build --cuda --install
     """
-    from ggmoe import engine_build as eb
+    from ggmoe.engine import build as eb
 
-    try:
-        if check_patches:
-            click.echo(f"all {eb.check_patches()} patches apply")
-            return
-        wheel = eb.build(install_it, True if cuda else None, rebuild)
-    except eb.BuildError as e:
-        raise EngineError(f"engine build: {e}") from e
+    if check_patches:  # a failed step is eb.BuildError, an EngineError: the edge prints it
+        click.echo(f"all {eb.check_patches()} patches apply")
+        return
+    wheel = eb.build(install_it, True if cuda else None, rebuild)
     click.echo(str(wheel))
     if install_it:
         info = eb.status()
@@ -72,7 +69,7 @@ def status(as_json: bool) -> None:
       ggmoe engine status
       ggmoe engine status --json
     """
-    from ggmoe import engine_build as eb
+    from ggmoe.engine import build as eb
 
     info = eb.status()
     if as_json:

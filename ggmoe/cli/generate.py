@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -29,6 +30,9 @@ from ggmoe.cli.options import (
 from ggmoe.cli.warm import read_stats_in, stats_options, stats_out, warm_start
 from ggmoe.context import check_prompt
 from ggmoe.errors import UsageError
+
+if TYPE_CHECKING:
+    from ggmoe.engine.engine import Generation
 from ggmoe.outputs import check_output_dir
 
 MAX_PROMPT_BYTES = 16 << 20  # a prompt file larger than this is surely a mistake
@@ -119,7 +123,7 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
         if routing_out is not None:
             eng.add_observer(routing_out.collector)
         if trace_out:
-            from ggmoe.trace.record import trace_generation
+            from ggmoe.engine.record import trace_generation
 
             gen = trace_generation(eng, text, max_tokens, temp, seed, Path(trace_out) / "trace.npz", on_text=stream)
         else:
@@ -129,13 +133,19 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
         summary = stats_summary(eng)
         if routing_out is not None:
             routing_out.save(eng.prefetcher, cache.prefetch.predictor if cache and cache.prefetch else None)
+    _report(gen, str(path), text, eng.n_ctx, summary, as_json)
+
+
+def _report(gen: Generation, model: str, text: str, n_ctx: int, summary: str | None, as_json: bool) -> None:
+    """After a run: the context warning, then the JSON record (``--json``) or one line of timings and
+    the cache's summary on standard error."""
     if gen.stopped_on_ctx:
-        click.echo(f"\nwarning: stopped after {len(gen.token_ids)} tokens: the context of {eng.n_ctx} tokens is "
+        click.echo(f"\nwarning: stopped after {len(gen.token_ids)} tokens: the context of {n_ctx} tokens is "
                    "full (raise --n-ctx)", err=True)
+    t = gen.timings
     if as_json:
-        t = gen.timings
         click.echo(json.dumps({
-            "model": str(path), "prompt": text, "text": gen.text,
+            "model": model, "prompt": text, "text": gen.text,
             "prompt_ids": list(gen.prompt_ids), "token_ids": list(gen.token_ids),
             "stopped_on_eog": gen.stopped_on_eog, "stopped_on_ctx": gen.stopped_on_ctx,
             "timings": {"prefill_tokens": t.prefill_tokens, "prefill_s": t.prefill_s,
@@ -144,7 +154,6 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
         }, indent=2))
         return
     click.echo()
-    t = gen.timings
     line = (f"{t.prefill_tokens} prompt tokens at {t.prefill_tps:.1f} tok/s, "
             f"{t.decode_tokens} generated at {t.decode_tps:.1f} tok/s")
     click.echo(line + (f"; {summary}" if summary else ""), err=True)

@@ -204,8 +204,8 @@ def stats_summary(eng: Any) -> str | None:
 
     t = stats.total()
     host = f", {t.host_computed} computed on the CPU" if t.host_computed else ""
-    pre = (f", prefetch {t.prefetch_hits}/{t.prefetch_issued} used, predictor {t.pred_accuracy:.1%} accurate"
-           if t.prefetch_issued else "")
+    pre = (f", prefetch {t.prefetch_hits}/{t.prefetch_issued} used ({t.prefetch_wasted} wasted, "
+           f"{t.prefetch_late} late), predictor {t.pred_accuracy:.1%} accurate" if t.prefetch_issued else "")
     note = (eng.miss_policy or (None, None))[1]
     mode = eng.decode_mode
     reads = f", {t.host_reads} read from host memory" if t.host_reads else ""

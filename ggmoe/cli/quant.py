@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -12,6 +12,12 @@ from ggmoe.cli.edge import edge
 from ggmoe.cli.options import model_path, threads_opt
 from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output
+
+if TYPE_CHECKING:
+    from ggmoe.cache.hardware import HardwareProfile
+    from ggmoe.inspect import ModelFacts
+    from ggmoe.simulate.des import SimResult
+    from ggmoe.trace import Trace
 
 
 @click.command()
@@ -40,7 +46,36 @@ def quantize(src: str, out: str, type_name: str, threads: int | None) -> None:
     click.echo(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB)")
 
 
-def _types(facts: Any) -> str:
+def _level(path: Path, trace: Trace, budget: int, policies: tuple[str, str],
+           profile: HardwareProfile) -> tuple[dict[str, Any], SimResult | None, dict[str, Any]]:
+    """One quantization level at ``budget`` bytes under ``policies`` (policy, miss policy): its table row,
+    its simulation (None: no cache fits) and its JSON record."""
+    from ggmoe.cache.config import slots_for_budget
+    from ggmoe.inspect import inspect_model
+    from ggmoe.simulate.des import SimConfig, simulate
+
+    facts = inspect_model(path)
+    shape = (tuple(facts.moe_layers), facts.n_expert, facts.n_expert_used)
+    if shape != (tuple(int(il) for il in trace.layers), trace.meta.n_expert, trace.meta.n_expert_used):
+        raise UsageError(f"{path.name}: its MoE layers, experts or top-k differ from the traces'")
+    bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+    mean_bpe = sum(bpe.values()) / len(bpe)
+    row: dict[str, Any] = {"model": path.name, "expert types": _types(facts), "bytes/expert": f"{mean_bpe:,.0f}",
+                           "slots/layer": "-", "hit rate": "-", "TPOT ms (est.)": "-", "cache MiB": "-"}
+    try:
+        slots = slots_for_budget(budget, bpe, facts.n_expert, facts.n_expert_used)
+    except UsageError:
+        row["slots/layer"] = "does not fit"
+        return row, None, {"model": str(path), "bytes_per_expert": mean_bpe, "fits": False}
+    r = simulate(trace, SimConfig(n_slots=slots, policy=policies[0], miss_policy=policies[1]), bpe, profile)
+    row.update({"slots/layer": next(iter(slots.values())), "hit rate": f"{r.hit_rate:.1%}",
+                "TPOT ms (est.)": f"{r.tpot_s * 1e3:.3f}", "cache MiB": f"{r.cache_bytes / 2**20:.2f}"})
+    return row, r, {"model": str(path), "bytes_per_expert": mean_bpe, "fits": True,
+                    "slots_per_layer": next(iter(slots.values())), "hit_rate": r.hit_rate,
+                    "tpot_s_estimate": r.tpot_s, "cache_bytes": r.cache_bytes}
+
+
+def _types(facts: ModelFacts) -> str:
     names = sorted({t.ggml_type for layer in facts.layers for t in layer.tensors})
     return "/".join(names)
 
@@ -71,13 +106,10 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
       ggmoe trace --prompts prompts.jsonl -o traces/
       ggmoe compare-quants q4.gguf ggmoe/models/tiny-moe.gguf f16.gguf --traces traces/trace.npz --vram 4MiB
     """
-    from ggmoe.cache.config import slots_for_budget
     from ggmoe.cache.hardware import load_profile
     from ggmoe.cache.miss import check_miss_policy
     from ggmoe.cache.policies import POLICIES
     from ggmoe.cli.simulate import PLOT_SUFFIXES, plot, pyplot, render_table
-    from ggmoe.inspect import inspect_model
-    from ggmoe.simulate.des import SimConfig, simulate
     from ggmoe.trace import load_traces
     from ggmoe.units import parse_bytes
 
@@ -92,30 +124,11 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
     trace = load_traces(list(traces))
     rows, results, out = [], [], []
     for path in paths:
-        facts = inspect_model(path)
-        shape = (tuple(facts.moe_layers), facts.n_expert, facts.n_expert_used)
-        if shape != (tuple(int(il) for il in trace.layers), trace.meta.n_expert, trace.meta.n_expert_used):
-            raise UsageError(f"{path.name}: its MoE layers, experts or top-k differ from the traces'")
-        bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
-        mean_bpe = sum(bpe.values()) / len(bpe)
-        row: dict[str, Any] = {"model": path.name, "expert types": _types(facts),
-                               "bytes/expert": f"{mean_bpe:,.0f}", "slots/layer": "-", "hit rate": "-",
-                               "TPOT ms (est.)": "-", "cache MiB": "-"}
-        try:
-            slots = slots_for_budget(budget, bpe, facts.n_expert, facts.n_expert_used)
-        except UsageError:
-            row["slots/layer"] = "does not fit"
-            rows.append(row)
-            out.append({"model": str(path), "bytes_per_expert": mean_bpe, "fits": False})
-            continue
-        r = simulate(trace, SimConfig(n_slots=slots, policy=policy, miss_policy=miss_policy), bpe, profile)
-        row.update({"slots/layer": next(iter(slots.values())), "hit rate": f"{r.hit_rate:.1%}",
-                    "TPOT ms (est.)": f"{r.tpot_s * 1e3:.3f}", "cache MiB": f"{r.cache_bytes / 2**20:.2f}"})
+        row, r, record = _level(path, trace, budget, (policy, miss_policy), profile)
         rows.append(row)
-        results.append(r)
-        out.append({"model": str(path), "bytes_per_expert": mean_bpe, "fits": True,
-                    "slots_per_layer": next(iter(slots.values())), "hit_rate": r.hit_rate,
-                    "tpot_s_estimate": r.tpot_s, "cache_bytes": r.cache_bytes})
+        out.append(record)
+        if r is not None:
+            results.append(r)
     if plot_path is not None and results:
         fitting = [r for r in rows if r["hit rate"] != "-"]
         plot(plot_path, [{"size": r["model"], "policy": policy, "predictor": r["expert types"],

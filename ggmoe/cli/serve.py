@@ -32,6 +32,8 @@ from ggmoe.errors import ContextLengthError, UsageError
 from ggmoe.outputs import write_text_atomic
 
 MAX_DEFAULT_CTX = 4096  # tokens: the default context is the model's training context, at most this
+MAX_PARALLEL = 64  # slots (ggmoe.serve.llama.MAX_SEQUENCES)
+MIN_SLOT_CTX = 16  # tokens per slot at least (ggmoe.serve.parallel.MIN_SLOT_CTX)
 
 _ctx = click.option("--n-ctx", type=click.IntRange(min=16, max=1 << 24),
                     help=f"Context length in tokens, prompt and answer (default: the model's training "
@@ -171,6 +173,13 @@ def _fit(path: Path, cache: dict[str, Any], threads: int | None) -> dict[str, An
 @click.option("--slot-save-path", type=click.Path(file_okay=False, dir_okay=True), metavar="DIR",
               help="Directory where POST /slots/{id}?action=save|restore keeps slot files (llama-server's flag); "
                    "created when missing. Without it, save and restore are refused.")
+@click.option("-np", "--parallel", default=1, show_default=True, type=click.IntRange(1, MAX_PARALLEL),
+              help="Slots: requests that decode together, one llama_decode per step for all of them (llama-server's "
+                   "flag); each slot holds n_ctx / N tokens. More requests wait in the queue.")
+@click.option("--kv-unified/--no-kv-unified", default=True, show_default=True,
+              help="With --parallel > 1: the slots' sequences share one KV cache (llama-server's --kv-unified), or "
+                   "each has its own stream of n_ctx / N cells (a slot's text at temperature 0 is then the same "
+                   "whatever the other slots do; see docs/serving.md).")
 @click.option("--reconfigure-hw", default="pcie4", show_default=True,
               help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST, or a .toml) the reconfiguration estimates with.")
 @click.option("--fit", is_flag=True,
@@ -181,9 +190,10 @@ def _fit(path: Path, cache: dict[str, Any], threads: int | None) -> dict[str, An
 @edge
 def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
           aliases: tuple[str, ...], strict_openai: bool, max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool,
-          reconfigure_every: int | None, slot_save_path: str | None, reconfigure_hw: str, fit: bool,
-          n_ctx: int | None, threads: int | None, verbose: bool, **cache: Any) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (one generation at a time).
+          reconfigure_every: int | None, slot_save_path: str | None, parallel: int, kv_unified: bool,
+          reconfigure_hw: str, fit: bool, n_ctx: int | None,
+          threads: int | None, verbose: bool, **cache: Any) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (--parallel N: N generations decoding together).
 
     \b
     Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models
@@ -195,7 +205,8 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
       ggmoe serve                                  # the embedded model on 127.0.0.1:8080
       ggmoe serve model.gguf --cache-slots 16 --predictor reuse --api-key secret
       ggmoe serve model.gguf --config plan.toml --reconfigure-every 2048   # MoEpic's split, re-planned
-      ggmoe serve Qwen3-30B-A3B-Q4_K_M.gguf --fit          # the cache plan --gpu would choose, here
+      ggmoe serve --parallel 4 --n-ctx 1024        # 4 slots of 256 tokens, decoded together
+      ggmoe serve Qwen3-30B-A3B-Q4_K_M.gguf --fit   # the cache plan --gpu would choose, on this machine
       curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
            -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
     """
@@ -215,18 +226,10 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     path = model_path(model)
     if fit:
         cache = _fit(path, cache, threads)
-    if reconfigure_every is not None:
-        if all(cache[k] is None for k in ("cache_slots", "vram", "config")):
-            raise UsageError("--reconfigure-every needs a cache: --cache-slots N, --vram BYTES or --config FILE")
-        from ggmoe.cache.hardware import load_profile
-
-        load_profile(reconfigure_hw)  # a bad profile fails now, before the model loads
     check_listen(host, port)
-    if slot_save_path is not None:
-        try:
-            Path(slot_save_path).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--slot-save-path {slot_save_path}: {e.strerror}") from e
+    _check_server_side(reconfigure_every, reconfigure_hw, slot_save_path, cache)
+    n_ctx = n_ctx or default_n_ctx(path)
+    _check_parallel(parallel, reconfigure_every, n_ctx)
     loopback = is_loopback(host)
     if not loopback and api_key is None:
         click.echo(f"warning: serving on {host} (not loopback) without an API key: anyone who can reach this "
@@ -235,22 +238,68 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
                              max_body_bytes=max_body_bytes, loopback_only=loopback,
                              cors_origins=cors_origin, aliases=aliases, strict_openai=strict_openai,
                              model_path=str(path), reconfigure_every=reconfigure_every or 0,
-                             reconfigure_hw=reconfigure_hw, slot_save_path=slot_save_path)
+                             reconfigure_hw=reconfigure_hw, slot_save_path=slot_save_path, parallel=parallel)
     opts = LoadOptions(str(path), n_ctx, threads, verbose, cache)
-    llama, out = _load(opts, logits_all=logprobs)
+    extra: dict[str, Any] = {"n_seq_max": parallel, "kv_unified": kv_unified} if parallel > 1 else {}
+    llama, out = _load(opts, logits_all=logprobs, **extra)
     with llama:
         app = create_app(llama, settings)
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        key = "$GGMOE_API_KEY" if os.environ.get("GGMOE_API_KEY") == api_key else "KEY"
-        auth = f' -H "Authorization: Bearer {key}"' if api_key else ""
-        click.echo(f"ggmoe serve: {settings.model_id} at {url}/v1  (health: {url}/health, metrics: {url}/metrics)")
-        click.echo(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-                   "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'")
-        sys.stdout.flush()
+        _announce(settings.model_id, host, port, api_key)
+        _announce_cache(llama.stats().get("cache"))
         _run_until_stopped(lambda: uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning",
                                                timeout_graceful_shutdown=5))
+        app.state.server.close()
         _write_stats(llama, opts, out)
     click.echo("ggmoe serve: stopped")
+
+
+def _check_server_side(reconfigure_every: int | None, reconfigure_hw: str, slot_save_path: str | None,
+                       cache: dict[str, Any]) -> None:
+    """What the server's own options need, checked (the slot directory made) before the model loads."""
+    if reconfigure_every is not None:
+        if all(cache[k] is None for k in ("cache_slots", "vram", "config")):
+            raise UsageError("--reconfigure-every needs a cache: --cache-slots N, --vram BYTES or --config FILE")
+        from ggmoe.cache.hardware import load_profile
+
+        load_profile(reconfigure_hw)  # a bad profile fails now, before the model loads
+    if slot_save_path is not None:
+        try:
+            Path(slot_save_path).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--slot-save-path {slot_save_path}: {e.strerror}") from e
+
+
+def _check_parallel(parallel: int, reconfigure_every: int | None, n_ctx: int) -> None:
+    """--parallel's rules, before the model loads: a share of the context per slot, no reconfiguration."""
+    if parallel > 1 and reconfigure_every is not None:
+        raise UsageError("--reconfigure-every needs the model to itself between requests: not with --parallel > 1")
+    if n_ctx // parallel < MIN_SLOT_CTX:
+        raise UsageError(f"--n-ctx {n_ctx} gives each of {parallel} slots {n_ctx // parallel} tokens: give at least "
+                         f"{MIN_SLOT_CTX * parallel}")
+
+
+def _announce_cache(cache: dict[str, Any] | None) -> None:
+    """What the expert cache chose and why: the decode mode, the miss policy, where prefetching runs."""
+    if not cache:
+        return
+    click.echo(f"cache: {cache.get('decode_mode_in_effect')} decode ({cache.get('decode_mode_reason')}); "
+               f"misses: {cache.get('miss_policy_in_effect')}"
+               + (f" ({cache['miss_policy_note']})" if cache.get("miss_policy_note") else ""))
+    pf = cache.get("prefetch")
+    if pf:
+        click.echo(f"prefetch: {pf['predictor']}, stride {pf['stride']}, on the {pf['runs_on']}, "
+                   f"{pf['experts_per_layer']} experts per layer ahead")
+
+
+def _announce(model_id: str, host: str, port: int, api_key: str | None) -> None:
+    """Where the server listens, and a curl line to try it (the key named, not printed)."""
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    key = "$GGMOE_API_KEY" if os.environ.get("GGMOE_API_KEY") == api_key else "KEY"
+    auth = f' -H "Authorization: Bearer {key}"' if api_key else ""
+    click.echo(f"ggmoe serve: {model_id} at {url}/v1  (health: {url}/health, metrics: {url}/metrics)")
+    click.echo(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+               "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'")
+    sys.stdout.flush()
 
 
 @click.command()
@@ -292,10 +341,7 @@ def chat(model: str | None, max_tokens: int, temp: float, seed: int | None, syst
         try:
             run_chat(llama, ChatOptions(max_tokens=max_tokens, temperature=temp, seed=seed, system=system), input,
                      write)
-        except ValueError as e:  # llama-cpp-python's own length check runs before ggmoe.context's
-            if not str(e).startswith("Requested tokens"):
-                raise
+        except ContextLengthError:  # the conversation outgrew the context: the stats so far, then the error
             _write_stats(llama, opts, out)
-            raise ContextLengthError(f"the conversation does not fit the context: {e} (raise --n-ctx, or "
-                                     "/reset before it fills)") from None
+            raise
         _write_stats(llama, opts, out)

@@ -273,12 +273,13 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
             raise UsageError("--policy static pins the hottest experts of saved statistics: give --stats-in FILE")
         options["static"] = {"counts": warm.counts_by_layer()}
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
-    # async runs without a predictor and with misses read from host memory (miss policy wait), as the engine's
+    # async reads misses from host memory (miss policy wait), as the engine's; a predictor there prefetches
+    # from the mailbox (the engine's stride prefetch into free slots)
     combos = [c for c in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors,
                                            misses, modes, thetas)
-              if (c[4] == "sync" or (c[2] is None and c[3] == "wait")) and (c[5] == 1.0 or c[3] == "wait")]
+              if (c[4] == "sync" or c[3] == "wait") and (c[5] == 1.0 or c[3] == "wait")]
     if "async" in modes and not any(c[4] == "async" for c in combos):
-        raise UsageError("--decode-mode async needs --predictor none and --miss-policy wait among the choices")
+        raise UsageError("--decode-mode async needs --miss-policy wait among the choices")
 
     def state(pred: str | None) -> Any:
         """What the predictor saved in --stats-in learnt, for that predictor."""

@@ -66,7 +66,8 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
       ggmoe trace model.gguf --prompts prompts.jsonl -o traces/ --max-tokens 64
       ggmoe trace --prompts docs.jsonl -o traces/ --mode teacher --prefill-tokens 32
     """
-    from ggmoe.trace.record import RecordConfig, read_prompts, record_trace
+    from ggmoe.engine.record import RecordConfig, record_trace
+    from ggmoe.trace.prompts import read_prompts
 
     # Everything a user can get wrong fails here, before the first prompt runs.
     path = model_path(model)

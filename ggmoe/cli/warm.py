@@ -12,13 +12,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ggmoe.errors import UsageError
 from ggmoe.outputs import check_output
 from ggmoe.trace.routing_stats import RoutingStats, RoutingStatsCollector, load_stats, save_stats
+
+if TYPE_CHECKING:
+    from ggmoe.cache.config import CacheConfig
+    from ggmoe.inspect import ModelFacts
 
 
 def stats_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -31,7 +35,7 @@ def stats_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def read_stats_in(path: str | None, facts: Any, model: Path) -> RoutingStats | None:
+def read_stats_in(path: str | None, facts: ModelFacts, model: Path) -> RoutingStats | None:
     """The --stats-in file, validated and checked against the model (None without the flag)."""
     if path is None:
         return None
@@ -42,7 +46,7 @@ def read_stats_in(path: str | None, facts: Any, model: Path) -> RoutingStats | N
     return stats
 
 
-def warm_start(cache: Any, stats: RoutingStats | None) -> Any:
+def warm_start(cache: CacheConfig | None, stats: RoutingStats | None) -> CacheConfig | None:
     """The cache configuration with what ``stats`` gives it: static's counts, the predictor's state."""
     if cache is None:
         return None
@@ -60,7 +64,7 @@ def warm_start(cache: Any, stats: RoutingStats | None) -> Any:
 class StatsOut:
     """The --stats-out file: a collector to attach now, ``save`` when the command ends."""
 
-    def __init__(self, path: str, start: RoutingStats | None, facts: Any, model: Path) -> None:
+    def __init__(self, path: str, start: RoutingStats | None, facts: ModelFacts, model: Path) -> None:
         from ggmoe.inspect.fingerprint import model_fingerprint
 
         self.path = check_output(path, "--stats-out", suffixes=(".npz",))
@@ -74,5 +78,5 @@ class StatsOut:
         save_stats(self.path, self.collector.snapshot(predictor_name if state else None, state))
 
 
-def stats_out(path: str | None, start: RoutingStats | None, facts: Any, model: Path) -> StatsOut | None:
+def stats_out(path: str | None, start: RoutingStats | None, facts: ModelFacts, model: Path) -> StatsOut | None:
     return StatsOut(path, start, facts, model) if path is not None else None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ggmoe.cache.cache import ExpertCache
+from ggmoe.cache.cache import ExpertCache, keep_free_slots
 from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteEvent
 from ggmoe.predict.base import Predictor
@@ -74,7 +74,23 @@ class Prefetcher:
         self._in_request = False  # the predictor has begun a request that has not ended
         self._queue: queue.SimpleQueue | None = None
         self._worker: threading.Thread | None = None
+        # the async decode's stride prefetch: the mailbox's reader calls ``observe_layer`` while the graph runs,
+        # the controller's per-token events are ignored, and prefetches take free slots only (no eviction
+        # while a graph may read a slot)
+        self.via_mailbox = False
+        self.free_only = False
+        # the async decode's byte budget: experts prefetched per target layer now (n_prefetch at most), halved
+        # when a token's wasted and late prefetches moved more bytes than its used ones saved, grown back by one
+        # when they saved more (the sync decode's prefetcher always prefetches n_prefetch)
+        self.limit = n_prefetch
+        self._seen_outcomes = (0, 0)  # (used, wasted + late) bytes at the last look
+        self._issued: dict[int, int] = {}  # il -> prefetches issued into it, at the last look
         if background:
+            self.start_background()
+
+    def start_background(self) -> None:
+        """Predict on a worker thread from now on (the sync decode's ``--predict-in-background``)."""
+        if self._queue is None:
             self._queue = queue.SimpleQueue()
             self._worker = threading.Thread(target=self._work, name="ggmoe-prefetch", daemon=True)
             self._worker.start()
@@ -118,8 +134,35 @@ class Prefetcher:
     def begin_step(self, tokens: Sequence[int]) -> None:
         """The engine is about to decode ``tokens``: a prefill starts a request, one token starts a token."""
         self._decoding = len(tokens) == 1
+        if self.free_only and self._decoding:
+            self._throttle()
         calls = {il: self.cache.stats.layers[il].calls for il in self.layers[: self.predictor.stride]}
         self._do(self._begin, list(tokens), calls)
+
+    def _throttle(self) -> None:
+        """Between tokens (async decode): the budget from the bytes the last token's prefetches saved (used:
+        read from a slot instead of over the link) against those they cost for nothing (wasted or late)."""
+        st = self.cache.stats
+        used = wasted = 0
+        for il in self.layers:
+            s = st.layers[il]
+            nb = self.cache.slot_bytes.get(il, 0) or 1
+            used += s.prefetch_hits * nb
+            wasted += (s.prefetch_wasted + s.prefetch_late) * nb
+        du, dw = used - self._seen_outcomes[0], wasted - self._seen_outcomes[1]
+        self._seen_outcomes = (used, wasted)
+        if dw > du:
+            self.limit = max(1, self.limit // 2)
+        elif du > dw:
+            self.limit = min(self.n_prefetch, self.limit + 1)
+        # The free slots kept for the next token follow the budget and what the last token's prefetches took:
+        # one more than they took, per layer, so a predictor whose experts are resident anyway (reuse, behind
+        # LRU admissions) leaves the cache nearly all its slots.
+        cap = keep_free_slots(self.cache.n_slots, self.cache.n_expert, self.k, self.limit)
+        issued = {il: st.layers[il].prefetch_issued for il in self.layers}
+        self.cache.keep_free = {il: min(c, issued[il] - self._issued.get(il, 0) + 1) if c else 0
+                                for il, c in cap.items()}
+        self._issued = issued
 
     def _begin(self, tokens: list[int], calls: dict[int, int]) -> None:
         if len(tokens) > 1:
@@ -133,11 +176,19 @@ class Prefetcher:
             self._prefetch(il, self.predictor.predict(il), n)
 
     def on_route(self, event: RouteEvent) -> None:
-        if not self._decoding or event.n_tokens != 1:
+        if self.via_mailbox or not self._decoding or event.n_tokens != 1:
             return
+        if self.predictor.needs_hidden and event.hidden is None and event.scores is None:
+            return  # the route op was not asked for the input (the async decode's prefetcher reads the mailbox)
         target = self._next.get(event.il)
         calls = self.cache.stats.layers[target].calls if target in self.cache.tables else None
         self._do(self._observe, event, target, calls)
+
+    def observe_layer(self, event: RouteEvent) -> None:
+        """The async decode's stride prefetch: layer ``event.il`` of a decode token has started (its routing and
+        input rows from the mailbox, read while the graph runs); predict ``stride`` layers ahead and prefetch."""
+        if self._decoding and event.n_tokens == 1:
+            self._observe(event, self._next.get(event.il), None)
 
     def scores_from_graph(self) -> None:
         """The engine computes the predictor's nets in the graph: the route events bring their logits, so the
@@ -150,8 +201,13 @@ class Prefetcher:
         self.predictor.observe(event.il, event.ids[0], probs, hidden)
         if event.scores is not None:
             self.predictor.observe_scores(event.il, event.scores[0])
-        if target is not None:
+        if target is not None and not (self.free_only and self._full(target)):
             self._prefetch(target, self.predictor.predict(target), calls)
+
+    def _full(self, target: int) -> bool:
+        """No free slot in ``target`` (a prefetch into a running graph could go nowhere): skip predicting."""
+        table = self.cache.tables.get(target)
+        return table is None or not table.free
 
     def _prefetch(self, target: int, scores: np.ndarray | None, calls: int | None = None) -> None:
         if scores is None or target not in self.cache.tables:
@@ -160,8 +216,9 @@ class Prefetcher:
         order = np.argsort(-scores, kind="stable")[: max(self.k, self.n_prefetch)]
         ranked = order.tolist()
         self.cache.score_prediction(target, ranked[: self.k])
-        top = ranked[: self.n_prefetch]
-        top_scores = scores[order[: self.n_prefetch]].tolist()
+        n = self.limit if self.free_only else self.n_prefetch
+        top = ranked[:n]
+        top_scores = scores[order[:n]].tolist()
         if self.threshold is not None:
             keep = [j for j, v in enumerate(top_scores) if v >= self.threshold]
             top, top_scores = [top[j] for j in keep], [top_scores[j] for j in keep]
@@ -170,7 +227,7 @@ class Prefetcher:
         # fMoE's priority p / (l - l_now): likelier experts of nearer layers are copied first
         d = self.predictor.stride
         self.cache.prefetch(target, top, ranks=[-v / d for v in top_scores],
-                            if_calls=calls if self._queue is not None else None)
+                            if_calls=calls if self._queue is not None else None, free_only=self.free_only)
 
 
 def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, model_path: str) -> Prefetcher:

@@ -364,19 +364,6 @@ class Engine:
         finally:
             self.remove_observer(obs)
 
-    @property
-    def observer(self) -> RouteObserver | None:
-        """The first user observer (the single-observer view of older code)."""
-        return next((o for o in self.observers if o is not self.prefetcher), None)
-
-    @observer.setter
-    def observer(self, obs: RouteObserver | None) -> None:
-        for old in list(self.observers):
-            if old is not self.prefetcher:  # the prefetcher is part of the cache, not a user observer
-                self.observers.remove(old)
-        if obs is not None:
-            self.add_observer(obs)
-
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as llama.cpp loaded it (e.g. ``qwen3moe.expert_count``)."""
         return self._model.model.metadata().get(key)

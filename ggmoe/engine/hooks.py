@@ -254,6 +254,3 @@ def _read_2d(t: B.ggml_tensor, dtype: type, rows: int, cols: int) -> np.ndarray:
         raise EngineError(f"hook tensor {t.name.decode()} has ggml type {t.type}, expected {dt}")
     view = np.ndarray(shape=(rows, cols), dtype=dt, buffer=raw, offset=0, strides=(t.nb[1], t.nb[0]))
     return view.copy()
-
-
-HOOKS: dict[str, type[RouteOpHook] | type[CbEvalHook]] = {"route": RouteOpHook, "cb_eval": CbEvalHook}

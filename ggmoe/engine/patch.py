@@ -108,6 +108,10 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
     ("llama_ggmoe_set_table_mode", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p], ctypes.c_int32),
     # int32_t llama_ggmoe_set_forced_routing(struct llama_context * ctx, struct ggml_tensor * forced);
     ("llama_ggmoe_set_forced_routing", [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int32),
+    # int32_t llama_ggmoe_set_mailbox(struct llama_context * ctx, int64_t * seq, int32_t * ids, float * hidden,
+    #                                 int64_t * ack, int32_t max_tokens, int64_t n_embd);
+    ("llama_ggmoe_set_mailbox", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int32, ctypes.c_int64], ctypes.c_int32),
 )
 
 SYMBOLS: tuple[str, ...] = tuple(name for name, _, _ in _SIGNATURES)
@@ -127,6 +131,7 @@ class PatchedLib:
     llama_ggmoe_set_layer_table: Any
     llama_ggmoe_set_table_mode: Any
     llama_ggmoe_set_forced_routing: Any
+    llama_ggmoe_set_mailbox: Any
     route_cb: Any = route_cb
 
 

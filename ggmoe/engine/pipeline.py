@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.cache import CacheConfig, CacheStats
+from ggmoe.cache.cache import keep_free_slots
 from ggmoe.cache.decode_mode import (
     TABLE_MAX_TOKENS,
     DecodeMode,
@@ -40,11 +41,17 @@ from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.graph_predictor import attach_graph_predictor
 from ggmoe.engine.hooks import Observers, RouteOpHook
+from ggmoe.engine.mailbox import Mailbox, lockstep_from_env
 from ggmoe.engine.slots import CacheRuntime
+from ggmoe.engine.stride import StrideReader
 from ggmoe.engine.tables import ExpertTables
 from ggmoe.errors import EngineError, UsageError
 from ggmoe.hook import HookRequest, RouteObserver
 from ggmoe.inspect.facts import ModelFacts
+
+# architectures whose expert matmuls read a weighted input (llama.cpp's weight_before_ffn): patch 0010 hands
+# the host their ids only
+MAILBOX_IDS_ONLY = frozenset({"llama4"})
 
 
 def table_max_tokens(n_batch: int, n_ubatch: int) -> int:
@@ -87,6 +94,8 @@ class CachePipeline:
         self.prefetcher = None  # ggmoe.control.prefetch.Prefetcher when the cache prefetches
         self.graph_predictor = None  # its nets in the graph (ggmoe.engine.graph_predictor), when it has any
         self.tables: ExpertTables | None = None
+        self.stride: StrideReader | None = None  # the async decode's stride prefetch (the mailbox's reader)
+        self._reading = False  # the stride reader has a token of the decode in flight
         self.controller: TokenController | None = None
         self.decode_mode: DecodeMode | None = None  # None without a cache
         self.n_ubatch = n_ubatch
@@ -119,23 +128,26 @@ class CachePipeline:
         if cache.prefetch is not None:
             from ggmoe.control.prefetch import make_prefetcher
 
-            self.prefetcher = make_prefetcher(self.runtime.cache, cache.prefetch, facts, str(model_path))
-            if cache.prefetch.in_graph:
-                self.graph_predictor = attach_graph_predictor(ctx_ptr, self.prefetcher.predictor,
-                                                              facts.moe_layers)
-                if self.graph_predictor is not None:
-                    self.prefetcher.scores_from_graph()
-            self.observers.add(self.prefetcher)
+            # in the foreground until the decode mode is known (the async decode reads on its own thread)
+            self.prefetcher = make_prefetcher(self.runtime.cache, replace(cache.prefetch, background=False), facts,
+                                              str(model_path))
         on_gpu = bool(self.runtime.stream.backend)
         note = backend_note(facts, on_gpu)
         split = bool(self.runtime.split)  # MoEpic's split layers read through their tables in both modes
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
-        reasons = sync_reasons(self.runtime.miss_policy, cache.prefetch is not None, note)
+        reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note)
+        if self.prefetcher is not None and cache.decode_mode == "auto":
+            # No GPU has measured the mailbox's prefetch against the sync decode's yet, and on the CPU build its
+            # reader shares the decode's cores: auto keeps the measured one; --decode-mode async runs it.
+            reasons.append("auto keeps a predictor's stride prefetch in the sync decode until a GPU has measured "
+                           "the async decode's (--decode-mode async prefetches from the mailbox)")
         max_tokens = table_max_tokens(self._n_batch, self.n_ubatch)
         if not max_tokens:
             reasons.append(f"micro-batches of {self.n_ubatch} tokens are too small for the routing output")
         self.decode_mode = choose_decode_mode(cache.decode_mode, reasons)
+        if self.prefetcher is not None and self.decode_mode.mode == "sync":
+            self._sync_prefetch(cache)
         if self.decode_mode.mode == "async" or split:
             self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
                                        facts.n_layer, max(max_tokens, 1))
@@ -144,6 +156,8 @@ class CachePipeline:
             self.hook.after_route = self.tables.flush
         if self.decode_mode.mode == "async":
             self.controller = TokenController(self.runtime.cache, self.observers)
+            if self.prefetcher is not None:
+                self._stride_prefetch(max_tokens)
 
             def on_change(request: HookRequest) -> None:
                 route_inputs(request)
@@ -151,6 +165,48 @@ class CachePipeline:
 
             self.observers.on_change = on_change
             self._update_table_mode()
+
+    def _prefetch_note(self) -> str | None:
+        """Why the prefetcher's predictor cannot run on the async decode (None: it can, on the mailbox)."""
+        pred = self.prefetcher.predictor if self.prefetcher is not None else None
+        if pred is not None and pred.needs_probs:
+            return (f"predictor {pred.name!r} reads router probabilities, which the async decode's mailbox does "
+                    "not carry (ids and the MoE input only)")
+        if pred is not None and pred.needs_hidden and self.facts.arch in MAILBOX_IDS_ONLY:
+            return (f"predictor {pred.name!r} reads the MoE input, which {self.facts.arch} weights before its "
+                    "experts: the async decode's mailbox carries its ids only")
+        return None
+
+    def _sync_prefetch(self, cache: CacheConfig) -> None:
+        """The sync decode's prefetcher: a route observer (in-graph nets and the worker thread as configured)."""
+        if cache.prefetch.in_graph:
+            self.graph_predictor = attach_graph_predictor(self._ctx_ptr, self.prefetcher.predictor,
+                                                          self.facts.moe_layers)
+            if self.graph_predictor is not None:
+                self.prefetcher.scores_from_graph()
+        if cache.prefetch.background:
+            self.prefetcher.start_background()
+        self.observers.add(self.prefetcher)
+
+    def _stride_prefetch(self, max_tokens: int) -> None:
+        """The async decode's prefetcher: the mailbox, its reader thread, entries flipped on the copy stream,
+        and free slots kept per layer for prefetches into a running graph. Still a route observer for the
+        micro-batches that take the route op while table mode is off (it then prefetches as in sync)."""
+        facts, cache = self.facts, self.runtime.cache
+        pred = self.prefetcher.predictor
+        mailbox = Mailbox(self._ctx_ptr, facts.n_layer, max(max_tokens, 1), facts.n_expert_used, facts.n_embd,
+                          hidden=pred.needs_hidden, lockstep=lockstep_from_env(bool(self.runtime.stream.backend)))
+        try:
+            self.stride = StrideReader(mailbox, self.prefetcher, cache, facts.moe_layers)
+        except BaseException:
+            mailbox.close()
+            raise
+        self.runtime.stream.flip = self.tables.entry_flip
+        self._keep_free = keep_free_slots(cache.n_slots, facts.n_expert, facts.n_expert_used,
+                                          self.prefetcher.n_prefetch)
+        # it asks the route op for nothing: its inputs come from the mailbox (a request would turn table mode off)
+        self.prefetcher.request = HookRequest(probs=False, hidden=False)
+        self.observers.add(self.prefetcher)
 
     def reconfigure(self, cache: CacheConfig) -> None:
         """Replace the cache with one built for ``cache`` (MoEpic's reconfiguration between requests: other
@@ -170,15 +226,15 @@ class CachePipeline:
         """Take the cache off the context (prefetcher, tables, in-graph predictor, slots) and free it; the route
         hook and the observers stay."""
         ctx = self._ctx_ptr
+        self._close_stride()
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.observers.remove(self.prefetcher)
             self.prefetcher = None
         self.observers.on_change = self._route_inputs
-        if self.tables is not None:
-            self.tables.detach()
-            self.tables.close()
-            self.tables = None
+        tables, self.tables = self.tables, None
+        if tables is not None:
+            tables.detach()
         if self.graph_predictor is not None:
             self.graph_predictor.close(ctx_alive=True)
             self.graph_predictor = None
@@ -190,8 +246,10 @@ class CachePipeline:
             P = _patched.load()
             for il in self.runtime.cache.n_slots:  # the context forgets the slot tensors before they are freed
                 P.llama_ggmoe_set_layer_cache(ctx, il, 0, None, None, None, None)
-            self.runtime.close()
+            self.runtime.close()  # copies in flight land first: a copy may write a table entry after it lands
             self.runtime = None
+        if tables is not None:
+            tables.close()
 
     # -- decode mode
     def _table_mode_wanted(self) -> bool:
@@ -207,6 +265,12 @@ class CachePipeline:
             self.tables.enable()
         elif not want and self.tables.enabled:
             self.tables.disable()
+        if self.stride is not None:  # the mailbox while tables serve the decode, else the route op's events
+            on = self.tables.enabled
+            if want and on:
+                self.stride.mailbox.attach()
+            self.prefetcher.via_mailbox = self.prefetcher.free_only = on
+            self.runtime.cache.keep_free = dict(self._keep_free) if on else {}
 
     def set_routing_override(self, override: Callable[[int, int], list[int]] | None) -> None:
         """Benchmarks only (trace-replay routing): the experts ``override(il, n_tokens)`` gives replace the
@@ -227,6 +291,9 @@ class CachePipeline:
     def begin_step(self, tokens: Sequence[int]) -> None:
         """Before each ``llama_decode``: the tokens of the batch (the token-based predictors read them); the
         routing output cleared when its last micro-batch will read through the tables."""
+        if self._reading:  # a decode that failed left its token open: close it before the next one
+            self._reading = False
+            self.stride.end_token()
         if self.prefetcher is not None:
             self.prefetcher.begin_step(list(tokens))
         tables = self.tables
@@ -244,10 +311,18 @@ class CachePipeline:
                 layers = list(self.facts.moe_layers)
                 tables.write_forced(layers, [np.asarray(override(il, n), dtype=np.int32).reshape(n, k)
                                              for il in layers])
+            if self.stride is not None and len(tokens) == 1:  # the last thing before the decode launches
+                self.stride.begin_token()
+                self._reading = True
+            elif self.stride is not None:  # a table-mode decode of several tokens: nobody reads it
+                self.stride.mailbox.release_all()
 
     def after_decode(self, n_tokens: int) -> None:
         """After a ``llama_decode`` of ``n_tokens`` tokens whose logits were read: in table mode, the last
         micro-batch's routing (when it read through the tables) goes to the controller, once per decode."""
+        if self._reading:  # every layer has written: the reader finishes before the controller runs
+            self._reading = False
+            self.stride.end_token()
         tables = self.tables
         if tables is None or not tables.enabled or self.hook.error is not None:
             return
@@ -266,6 +341,8 @@ class CachePipeline:
         err = self.hook.take_error(self._ctx_ptr) if self._ctx_ptr else None
         if err is None and self.prefetcher is not None:
             err = self.prefetcher.take_error()
+        if err is None and self.stride is not None:
+            err = self.stride.take_error()
         return err
 
     # -- what it holds
@@ -292,12 +369,26 @@ class CachePipeline:
                 "decode_mode_reason": mode.reason,
                 "copy_stream": self.runtime.stream.stream.name,  # immediate, deferred or events (a GPU)
                 "table_writes": self.tables.writes if self.tables is not None else 0,
-                "controller_tokens": self.controller.tokens if self.controller is not None else 0}
+                "controller_tokens": self.controller.tokens if self.controller is not None else 0,
+                **self._prefetch_description()}
+
+    def _prefetch_description(self) -> dict[str, object]:
+        """Where the prefetcher runs and its budget (none without a predictor)."""
+        pf = self.prefetcher
+        if pf is None:
+            return {}
+        return {"prefetch": {"predictor": pf.predictor.name, "stride": pf.predictor.stride,
+                             "runs_on": "mailbox" if self.stride is not None and pf.via_mailbox else "route op",
+                             "experts_per_layer": pf.limit if pf.free_only else pf.n_prefetch,
+                             "keep_free": dict(self.runtime.cache.keep_free) if self.stride is not None else {},
+                             # benchmarks only (GGMOE_MAILBOX_LOCKSTEP): the device waited for the host per layer
+                             "lockstep": bool(self.stride is not None and self.stride.mailbox.lockstep)}}
 
     # -- lifecycle
     def detach(self) -> None:
         """Stop the prefetch worker and take the callback, tables and predictor off the context (before it is
         freed)."""
+        self._close_stride()
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self._ctx_ptr:
@@ -309,15 +400,28 @@ class CachePipeline:
                 self.graph_predictor = None
             self._ctx_ptr = 0
 
+    def _close_stride(self) -> None:
+        """Stop the mailbox's reader and take the mailbox off the context (before the context or the tables go)."""
+        if self.stride is not None:
+            if self._reading:
+                self._reading = False
+                self.stride.end_token()
+            self.stride.close()
+            self.stride.mailbox.close()
+            self.stride = None
+        if self.runtime is not None:
+            self.runtime.stream.flip = None  # copies put from now on write no table entry
+            self.runtime.cache.keep_free = {}
+
     def close(self) -> None:
         """Free the tables, the slot tensors and the copy stream (after the context that computed with them)."""
         self.detach()
         if self.graph_predictor is not None:
             self.graph_predictor.close()
             self.graph_predictor = None
+        if self.runtime is not None:  # copies in flight land first: a copy may write a table entry after it lands
+            self.runtime.close()
+            self.runtime = None
         if self.tables is not None:
             self.tables.close()
             self.tables = None
-        if self.runtime is not None:
-            self.runtime.close()
-            self.runtime = None

@@ -17,7 +17,7 @@ import ctypes
 import itertools
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -151,6 +151,11 @@ class GgmlCopyBackend:
         self.stream = stream
         self._ids = itertools.count()
         self._markers: dict[int, object] = {}  # handle id -> its stream marker, until seen landed
+        # the async decode's stride prefetch: (il, kind index, expert, slot) -> (table tensor, byte offset, entry
+        # value) of the expert-table entry to point at the slot once that kind's copy landed, written on the
+        # stream right after it (stream order: a kernel that reads the entry then finds the copy landed); None
+        # for no such write (split layers, or not the async decode)
+        self.flip: Callable[[int, int, int, int], tuple[int, int, int] | None] | None = None
 
     @property
     def backend(self) -> int | None:
@@ -183,11 +188,29 @@ class GgmlCopyBackend:
         pairs = self.pairs[il]
         kinds = [pairs[i] for i in (chunks if chunks is not None else range(len(pairs))) if i < len(pairs)]
 
+        flip = self.flip
+        idx = list(chunks) if chunks is not None else list(range(len(pairs)))
+
         def work(stream: int | None) -> None:
-            for p in kinds:
+            for i, p in zip(idx, kinds, strict=False):
                 self._write(p, expert, slot, stream)
+                if flip is not None and slot >= 0:
+                    self._flip(flip(il, i, expert, slot), stream)
 
         return self.stream.put(work)
+
+    @staticmethod
+    def _flip(entry: tuple[int, int, int] | None, stream: int | None) -> None:
+        """Point an expert-table entry at its slot, on the copy stream after the copy (or at once)."""
+        if entry is None:
+            return
+        tensor, offset, value = entry
+        v = ctypes.c_int64(value)  # read before the call returns (a pageable source is staged by then)
+        t = ctypes.cast(tensor, B.ggml_tensor_p)
+        if stream:
+            B.libggml_base.ggml_backend_tensor_set_async(stream, t, ctypes.addressof(v), offset, 8)
+        else:
+            B.libggml_base.ggml_backend_tensor_set(t, ctypes.addressof(v), offset, 8)
 
     def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> object:
         """Put chunk ``i`` (expert tensor kind ``i``) of ``expert``'s copy on the stream; its marker."""

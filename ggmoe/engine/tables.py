@@ -273,6 +273,15 @@ class ExpertTables:
         B.libggml_base.ggml_backend_tensor_get(self._routing_p, self._buf_ptr, 0, self._buf_bytes)
         return self._buf[:, :n_tokens, :]
 
+    def entry_flip(self, il: int, kind: int, expert: int, slot: int) -> tuple[int, int, int] | None:
+        """(tables tensor, byte offset, value) that points layer ``il``'s entry of ``expert`` for tensor kind
+        ``kind`` (the slot tensors' order) at ``slot``: what the copy stream writes once that kind's copy into
+        the slot landed. None for a split layer (its three rows change together, between tokens)."""
+        lt = self.layers.get(il)
+        if lt is None or lt.is_split:
+            return None
+        return self.all, (lt.offsets[kind] + expert) * 8, lt.slot_data[kind] + slot * lt.slot_bytes[kind]
+
     @property
     def writes(self) -> int:
         """Table entries changed since load (each sent to the device by the next flush)."""

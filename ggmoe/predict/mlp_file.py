@@ -55,7 +55,6 @@ from ggmoe.predict.base import FoldedNet, ModelShape
 
 FORMAT = "ggmoe-predictor"
 VERSION = 1
-KIND = "mlp"  # the default kind (what files written before ``linear`` existed hold)
 KINDS = ("mlp", "linear")
 DTYPES = ("float32", "float16")
 NET_KEYS = {"mlp": ("w1", "b1", "w2", "b2", "mean", "std"), "linear": ("w", "b", "mean", "std")}

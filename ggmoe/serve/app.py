@@ -23,6 +23,7 @@ import hmac
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from ggmoe.serve.generation import Run, Watch, api_error, check_request, plan_ch
 from ggmoe.serve.llama import GgmoeLlama
 from ggmoe.serve.metrics import Metrics
 from ggmoe.serve.native import NativeRun, infill_tokens, processors, prompt_tokens
+from ggmoe.serve.parallel import Pump, SlotPool
 from ggmoe.serve.schema import (
     ChatRequest,
     CompletionRequest,
@@ -83,6 +85,7 @@ class ServeSettings:
     reconfigure_every: int = 0
     reconfigure_hw: str = "pcie4"
     slot_save_path: str | None = None  # where /slots/{id}?action=save|restore keep their files; None: refused
+    parallel: int = 1  # slots decoding together (the model loaded with n_seq_max = parallel); more wait
 
 
 log = logging.getLogger("ggmoe.serve")
@@ -94,16 +97,25 @@ class _Server:
     def __init__(self, llama: GgmoeLlama, settings: ServeSettings) -> None:
         self.llama = llama
         self.settings = settings
-        self.gate = Gate(settings.max_queue)
-        self.metrics = Metrics(llama.stats, lambda: self.gate.waiting, lambda: self.gate.running)
-        self.n_ctx = llama.n_ctx()
+        n_slots = settings.parallel
+        self.pool = SlotPool(llama, n_slots) if n_slots > 1 else None  # the slots' views and their batcher
+        self.gate = Gate(settings.max_queue, n_slots)
+        self.n_ctx = self.pool.n_ctx if self.pool is not None else llama.n_ctx()  # tokens per slot
         self.n_vocab = llama.n_vocab()
-        self.slots = [SlotState(0, self.n_ctx)]  # llama-server's slots (one: one generation at a time)
+        self.slots = [SlotState(i, self.n_ctx) for i in range(n_slots)]  # llama-server's slots, as /slots shows
+        self._busy: set[int] = set()  # slots held by a request
+        self.metrics = Metrics(llama.stats, lambda: self.gate.waiting, lambda: self.gate.running, self.slots,
+                               self.pool.batcher.stats if self.pool is not None else None)
         self._tasks = itertools.count()  # task ids, as /slots shows them
         self.version = _version()
         self.reconfigurer = None  # ggmoe.serve.reconfigure.Reconfigurer when the settings ask for it
         if settings.reconfigure_every:
             self.reconfigurer = _reconfigurer(llama, settings)
+
+    def close(self) -> None:
+        """Stop the slots' batcher (before the model is closed)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def maybe_reconfigure(self) -> None:
         """Between requests, holding the model, no one waiting: MoEpic's configurator on the recent routing
@@ -141,9 +153,10 @@ class _Server:
         watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
         run = Run(plan, self.llama, watch, body.model or self.settings.model_id)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        params = {k: v for k, v in plan.kwargs.items() if isinstance(v, int | float | str | list)}
+        params = _shown(plan.kwargs)
+        # the prompt's logprobs need every position's logits: a slot has only its last ones
         return await self.execute(request, watch, body.stream, run.result, run.chunks, _openai_sse(usage),
-                                  params)
+                                  params, run, plan.prompt, whole=plan.echo_logprobs)
 
     async def native(self, request: Request, body: NativeCompletionRequest, infill: bool) -> Any:
         """llama-server's ``/completion`` (or ``/infill``): its prompt forms, fields and shapes."""
@@ -158,7 +171,7 @@ class _Server:
         except Exception as e:  # a grammar or schema that does not convert
             raise api_error(e) from e
         return await self.execute(request, watch, body.stream, run.result, run.chunks, NATIVE_SSE,
-                                  run.settings())
+                                  run.settings(), run, prompts[0], body.id_slot)
 
     async def anthropic(self, request: Request, body: MessagesRequest) -> Any:
         """Anthropic's ``/v1/messages``: the request run as an OpenAI chat, the answer in Anthropic's shapes."""
@@ -186,8 +199,9 @@ class _Server:
             return iter(anthropic.EventStream(run.chunks(), body.model, len(plan.prompt), stop,
                                               lambda: watch.n_tokens))
 
-        params = {k: v for k, v in plan.kwargs.items() if isinstance(v, int | float | str | list)}
-        return await self.execute(request, watch, body.stream, result, chunks, ANTHROPIC_SSE, params)
+        params = _shown(plan.kwargs)
+        return await self.execute(request, watch, body.stream, result, chunks, ANTHROPIC_SSE, params, run,
+                                  plan.prompt)
 
     def count_tokens(self, body: anthropic.CountTokensRequest) -> dict[str, int]:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens (tools included), no generation."""
@@ -217,21 +231,42 @@ class _Server:
                                 f"{len(self.slots) - 1})", param="id_slot", code="invalid_value")
         return self.slots[id_slot]
 
+    async def _lease(self, prompt: list[int] | None = None, id_slot: int = -1, whole: bool = False) -> _Lease:
+        """A slot for one request (the one it names, or the free one whose cached prompt it shares most), or,
+        with ``whole`` and several slots, the whole model once every slot is idle (their prompt caches are
+        forgotten: the model's own ``Llama`` runs on the context)."""
+        pool = self.pool
+        if pool is None or whole:
+            n = self.gate.n_slots
+            ticket = await (self.gate.enter_all() if pool is not None else self.gate.enter())
+            if pool is not None:
+                pool.forget_all()
+            self._busy.update(range(n))
+            return _Lease(self, ticket, 0, self.llama, n)
+        ticket = await self.gate.enter()
+        free = [i for i in range(len(self.slots)) if i not in self._busy]
+        slot = pool.pick(free, prompt, id_slot)
+        self._busy.add(slot)
+        return _Lease(self, ticket, slot, pool.slots[slot], 1)
+
     async def execute(self, request: Request, watch: Watch, stream: bool, result: Callable[[], Any],
-                      chunks_of: Callable[[], Iterator[dict[str, Any]]], sse: Sse,
-                      params: dict[str, Any]) -> Any:
-        """One generation holding the model: its result, or its stream as server-sent events."""
-        await self.gate.enter()
-        lease = _Lease(self)
-        self.slots[0].begin(next(self._tasks), params, lambda: watch.n_tokens, watch.max_tokens)
+                      chunks_of: Callable[[], Iterator[dict[str, Any]]], sse: Sse, params: dict[str, Any],
+                      run: Any, prompt: list[int] | None = None, id_slot: int = -1, whole: bool = False) -> Any:
+        """One generation holding a slot: its result, or its stream as server-sent events. ``run`` (a
+        ``Run`` or ``NativeRun``) is given the slot's ``Llama`` and id first."""
+        lease = await self._lease(prompt, id_slot, whole)
+        run.llama, run.id_slot = lease.llama, lease.slot
+        self.slots[lease.slot].begin(next(self._tasks), params, lambda: watch.n_tokens, watch.max_tokens)
         try:
             if stream:
-                # The first chunk is computed before the 200, so early errors keep their status.
-                chunks, first = await self._run(request, watch, lambda: _start(chunks_of))
+                # The first chunk is computed before the 200, so early errors keep their status. With several
+                # slots a stream is generated in its own thread: a slow client never holds back the others.
+                cancel = watch.cancel if self.pool is not None else None
+                chunks, first = await self._run(request, watch, lambda: _start(chunks_of, cancel), lease.llama)
                 lease.chunks = chunks
                 return EventSourceResponse(self._events(first, chunks, watch, sse, lease), sep="\n",
                                            background=BackgroundTask(lease.release))
-            out = await self._run(request, watch, result)
+            out = await self._run(request, watch, result, lease.llama)
         except BaseException:
             await lease.release()
             raise
@@ -239,12 +274,17 @@ class _Server:
         self._observe(watch)
         return out
 
-    async def holding(self, fn: Callable[[], Any]) -> Any:
-        """``fn`` in a worker thread while this request holds the model (slot actions)."""
-        await self.gate.enter()
-        lease = _Lease(self)
+    async def holding(self, fn: Callable[[Any], Any], id_slot: int) -> Any:
+        """``fn(llama)`` in a worker thread on slot ``id_slot``'s ``Llama`` while every slot is idle (slot
+        actions: the other slots' prompt caches stay)."""
+        if self.pool is None:
+            lease = await self._lease()
+        else:
+            ticket = await self.gate.enter_all()
+            self._busy.update(range(self.gate.n_slots))
+            lease = _Lease(self, ticket, id_slot, self.pool.slots[id_slot], self.gate.n_slots)
         try:
-            return await anyio.to_thread.run_sync(fn)
+            return await anyio.to_thread.run_sync(fn, lease.llama)
         finally:
             await lease.release()
 
@@ -272,14 +312,13 @@ class _Server:
             n = len(self.llama.tokenize(t.encode("utf-8")))
             if n == 0:  # llama.cpp cannot decode an empty batch (and llama-cpp-python then corrupts its heap)
                 raise APIError(400, f"input {i} has no tokens", param="input", code="invalid_value")
-            if n > n_batch:
-                raise APIError(400, f"input {i} has {n} tokens; at most {n_batch} per input", param="input",
-                               code="context_length_exceeded")
+            if n > min(n_batch, self.n_ctx):
+                raise APIError(400, f"input {i} has {n} tokens; at most {min(n_batch, self.n_ctx)} per input",
+                               param="input", code="context_length_exceeded")
         watch = Watch(time.monotonic(), self.n_ctx, None, self.llama.is_eog)
-        await self.gate.enter()
-        lease = _Lease(self)
+        lease = await self._lease(whole=True)  # Llama.embed clears the KV cache: every slot idle
         try:
-            vectors, n_tokens = await self._run(request, watch, lambda: self.llama.embed_mean(texts))
+            vectors, n_tokens = await self._run(request, watch, lambda: self.llama.embed_mean(texts), self.llama)
         finally:
             await lease.release()
         if native:  # llama-server's: the pooled vector of each input, in a list of one
@@ -298,9 +337,10 @@ class _Server:
         return {"object": "list", "data": data, "model": model or self.settings.model_id,
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
-    async def _run(self, request: Request, watch: Watch, fn: Callable[[], Any]) -> Any:
-        """``fn`` in a worker thread, with ``watch`` attached and the client watched for a disconnect."""
-        self.llama.watch = watch
+    async def _run(self, request: Request, watch: Watch, fn: Callable[[], Any], llama: Any) -> Any:
+        """``fn`` in a worker thread, with ``watch`` attached to ``llama`` and the client watched for a
+        disconnect."""
+        llama.watch = watch
         error: BaseException | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_client, request, watch)
@@ -365,6 +405,15 @@ class Sse:
     error: Callable[[APIError], dict[str, str]]
 
 
+def _shown(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings /slots shows: numbers, strings and plain lists of them (not a
+    ``StoppingCriteriaList`` of functions, which no JSON holds)."""
+    def plain(v: Any) -> bool:
+        return isinstance(v, int | float | str) or (type(v) is list and all(plain(x) for x in v))
+
+    return {k: v for k, v in kwargs.items() if plain(v)}
+
+
 def _data(chunk: dict[str, Any]) -> dict[str, str]:
     return {"data": json.dumps(chunk)}
 
@@ -392,18 +441,22 @@ ANTHROPIC_SSE = Sse(lambda c: {"event": c["type"], "data": json.dumps(c)}, lambd
                                  "data": json.dumps(errors.anthropic_body(err.message, err.type, err.status))})
 
 
-def _start(chunks_of: Callable[[], Iterator[dict[str, Any]]]
+def _start(chunks_of: Callable[[], Iterator[dict[str, Any]]], cancel: threading.Event | None = None
            ) -> tuple[Iterator[dict[str, Any]], dict[str, Any] | None]:
-    """A stream and its first chunk (prefill and first token)."""
+    """A stream and its first chunk (prefill and first token); with ``cancel``, generated in its own thread."""
     chunks = chunks_of()
+    if cancel is not None:
+        chunks = Pump(chunks, cancel)
     return chunks, next(chunks, None)
 
 
 class _Lease:
-    """The model held by one request; ``release`` (idempotent) closes its stream and frees the gate."""
+    """A slot (or, with ``n`` = every slot, the whole model) held by one request; ``release`` (idempotent)
+    closes its stream and frees the gate."""
 
-    def __init__(self, server: _Server) -> None:
+    def __init__(self, server: _Server, ticket: int, slot: int, llama: Any, n: int) -> None:
         self.server = server
+        self.ticket, self.slot, self.llama, self.n = ticket, slot, llama, n
         self.chunks: Iterator[dict[str, Any]] | None = None
         self.released = False
 
@@ -411,14 +464,16 @@ class _Lease:
         if self.released:
             return
         self.released = True
+        server = self.server
         close = getattr(self.chunks, "close", None)
         if close is not None:
             await anyio.to_thread.run_sync(close)  # stops llama-cpp-python's generator
-        self.server.llama.watch = None
-        self.server.slots[0].end()
-        if self.server.reconfigurer is not None:
-            await anyio.to_thread.run_sync(self.server.maybe_reconfigure)  # still holding the model
-        self.server.gate.leave()
+        self.llama.watch = None
+        server.slots[self.slot].end()
+        if server.reconfigurer is not None:
+            await anyio.to_thread.run_sync(server.maybe_reconfigure)  # still holding the model
+        server._busy.difference_update(range(server.gate.n_slots) if self.n > 1 else (self.slot,))
+        server.gate.leave(self.ticket, self.n)
 
 
 class _Authenticate:
@@ -448,6 +503,8 @@ def _reconfigurer(llama: GgmoeLlama, settings: ServeSettings) -> Any:
 
     if llama.cache_config is None:
         raise UsageError("--reconfigure-every needs a cache (--cache-slots, --vram or --config)")
+    if settings.parallel > 1:
+        raise UsageError("--reconfigure-every needs the model to itself between requests: not with --parallel > 1")
     r = Reconfigurer(inspect_model(settings.model_path), load_profile(settings.reconfigure_hw),
                      settings.reconfigure_every)
     llama.add_observer(r)

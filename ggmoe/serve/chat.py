@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ggmoe.context import check_prompt
 from ggmoe.serve.generation import Watch
 from ggmoe.serve.llama import GgmoeLlama
 
@@ -46,6 +47,7 @@ class Chat:
     def answer(self, text: str) -> bool:
         """Stream the reply to ``text``; False when Ctrl-C stopped it (the partial reply is kept)."""
         self.messages.append({"role": "user", "content": text})
+        self.check_fits()
         watch = Watch(time.monotonic(), self.llama.n_ctx(), None, self.llama.is_eog)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: watch.cancel.set())
         self.llama.watch = watch
@@ -64,6 +66,14 @@ class Chat:
             signal.signal(signal.SIGINT, previous)
         self.messages.append({"role": "assistant", "content": "".join(parts)})
         return not watch.cancel.is_set()
+
+    def check_fits(self) -> None:
+        """The conversation, rendered and tokenized as ``create_chat_completion`` will, fits the context
+        (``ggmoe.context``'s rule: a ``ContextLengthError``), checked before llama-cpp-python's own check."""
+        result = self.llama.chat_formatter()(messages=self.messages)
+        tokens = self.llama.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
+        check_prompt(len(tokens), self.llama.n_ctx(), "the conversation", hint="raise --n-ctx, or /reset before "
+                     "it fills")
 
     def command(self, line: str) -> bool:
         """Run a /command; False for /quit."""

@@ -2,9 +2,11 @@
 
 OpenAI's (and llama-server's) ``{"error": {"message", "type", "param", "code"}}`` everywhere but under
 ``/v1/messages``, where Anthropic's ``{"type": "error", "error": {"type", "message"}}`` is used. The
-server's one error edge: validation errors, HTTP errors and ggmoe's own request errors become these shapes
-here; anything else is a 500 (``server_error``, Anthropic's ``api_error``) with the details in the server
-log, never in the response.
+server's one error edge: validation errors, HTTP errors, the server's own refusals (``APIError``) and
+ggmoe's domain errors (``ggmoe.errors``, mapped by class in ``domain_error``: a ``UsageError`` raised while
+serving a request is that request's 400, wherever it was raised) become these shapes here; anything else
+is a 500 (``server_error``, Anthropic's ``api_error``) with the details in the server log, never in the
+response.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ggmoe.errors import ContextLengthError, EngineError, GgmoeError, UsageError
 
 log = logging.getLogger("ggmoe.serve")
 
@@ -37,6 +41,25 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+
+
+# ggmoe's domain errors -> (status, OpenAI error type, code), the first class that matches: a usage error
+# is the request's (400); any other domain error met while serving (an engine failure, a file the server
+# reads) is the server's (500), its message kept (it names no internals: it is written for users).
+_DOMAIN: tuple[tuple[type[GgmoeError], int, str, str], ...] = (
+    (ContextLengthError, 400, "invalid_request_error", "context_length_exceeded"),
+    (UsageError, 400, "invalid_request_error", "invalid_value"),
+    (EngineError, 500, "server_error", "engine_error"),
+    (GgmoeError, 500, "server_error", "server_error"),
+)
+
+
+def domain_error(e: GgmoeError, param: str | None = None) -> APIError:
+    """A domain error raised while serving a request, as the API error its client sees."""
+    status, etype, code = next((s, t, c) for cls, s, t, c in _DOMAIN if isinstance(e, cls))
+    if status >= 500:
+        log.error("%s while serving a request", type(e).__name__, exc_info=e)
+    return APIError(status, str(e), type=etype, param=param if status < 500 else None, code=code)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -88,6 +111,10 @@ def _api(request: Request, exc: APIError) -> JSONResponse:
     return error_response(exc, request.url.path)
 
 
+def _domain(request: Request, exc: GgmoeError) -> JSONResponse:
+    return error_response(domain_error(exc), request.url.path)
+
+
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("internal error on %s %s", request.method, request.url.path)
     return error_response(APIError(500, "internal server error", type="server_error"), request.url.path)
@@ -98,4 +125,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(APIError, _api)
+    app.add_exception_handler(GgmoeError, _domain)
     app.add_exception_handler(Exception, _unexpected)

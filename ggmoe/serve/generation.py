@@ -24,18 +24,18 @@ import jinja2
 import llama_cpp
 import numpy as np
 
-from ggmoe.errors import GgmoeError
+from ggmoe.errors import ContextLengthError, GgmoeError
 from ggmoe.serve import structured
-from ggmoe.serve.errors import APIError, log
+from ggmoe.serve.errors import APIError, domain_error, log
 from ggmoe.serve.logprobs import LogprobRecorder, chat_logprobs, completion_logprobs, plain
 from ggmoe.serve.schema import ChatRequest, CompletionRequest
 
-MAX_LOGPROBS = 20  # OpenAI's cap on (top_)logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 def context_error(message: str, param: str = "messages") -> APIError:
-    return APIError(400, message, param=param, code="context_length_exceeded")
+    """A prompt that does not fit the context: ``ggmoe.context``'s ``ContextLengthError``, as its 400."""
+    return domain_error(ContextLengthError(message), param)
 
 
 def max_tokens_of(body: CompletionRequest | ChatRequest) -> int | None:
@@ -237,12 +237,22 @@ def plan_completion(body: CompletionRequest, llama: Any, n_ctx: int, strict: boo
         if not isinstance(prompt, str):
             raise APIError(400, "echo with logprobs needs the prompt as text, not token ids", param="echo",
                            code="unsupported_value")
+        if not _keeps_all_logits(llama):
+            raise APIError(400, "logprobs with echo (the prompt's logprobs) need the server started with "
+                                "--logprobs (it keeps every position's logits)", param="logprobs",
+                           code="unsupported_value")
         kw.update(echo=True, logprobs=body.logprobs)
     elif body.echo:
         echo = prompt if isinstance(prompt, str) else llama.detokenize(tokens).decode("utf-8", "replace")
     return Plan(chat=False, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
                 seed=body.seed, top_logprobs=None if echo_lp else body.logprobs, echo_logprobs=echo_lp,
                 echo=echo, prompt_text=prompt if echo_lp else None)
+
+
+def _keeps_all_logits(llama: Any) -> bool:
+    """Whether ``llama`` keeps every position's logits: the flag llama-cpp-python itself checks (and raises a
+    ``ValueError`` on) before a completion with logprobs; it keeps it as ``_logits_all``."""
+    return bool(getattr(llama, "_logits_all", False))
 
 
 def plan_chat(body: ChatRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
@@ -473,23 +483,17 @@ def _trim_top(lp: dict[str, Any] | None, n: int) -> dict[str, Any] | None:
 
 
 def api_error(e: BaseException) -> APIError:
-    """An exception raised by a llama call, as the API error a client should see."""
+    """An exception raised by a llama call, as the API error a client should see: mapped by class, never by
+    its text. ggmoe checks what llama-cpp-python would refuse (the context, ``echo`` with ``logprobs``) before
+    the call; a ``ValueError`` still raised there is llama-cpp-python refusing an argument (400)."""
     if isinstance(e, APIError):
         return e
-    if isinstance(e, ValueError) and str(e).startswith("Requested tokens"):
-        # llama-cpp-python: "Requested tokens (N) exceed context window of M"
-        return context_error(f"the prompt does not fit the model's context: {e}")
-    if isinstance(e, ValueError) and "logits_all=False" in str(e):
-        return APIError(400, "logprobs with echo (the prompt's logprobs) need the server started with "
-                             "--logprobs (it keeps every position's logits)", param="logprobs",
-                        code="unsupported_value")
+    if isinstance(e, GgmoeError):  # before ValueError: a ContextLengthError is both
+        return domain_error(e)
     if isinstance(e, jinja2.TemplateError):
         return APIError(500, f"the model's chat template failed to render: {type(e).__name__}",
                         type="server_error", code="chat_template_error")
     if isinstance(e, ValueError):
         return APIError(400, str(e), code="invalid_value")
-    if isinstance(e, GgmoeError):
-        log.error("engine error", exc_info=e)
-        return APIError(500, f"engine error: {e}", type="server_error", code="engine_error")
     log.error("internal error in a generation", exc_info=e)  # the details go to the server log only
     return APIError(500, "internal server error", type="server_error")

@@ -49,6 +49,8 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
+MAX_SEQUENCES = 64  # n_seq_max at most (llama.cpp's LLAMA_MAX_SEQ is 256; more slots than this is a typo)
+
 DEFAULT_CHAT_STOP = ("\nUser:", "\nSystem:")  # the next turn of the default template: stop before it
 
 
@@ -75,11 +77,16 @@ class GgmoeLlama(llama_cpp.Llama):
     """A ``llama_cpp.Llama`` with the experts in host memory and, optionally, ggmoe's expert cache."""
 
     def __init__(self, model_path: str, *, cache: CacheConfig | None = None, experts_on_host: bool = True,
-                 observers: Sequence[RouteObserver] = (), **kwargs: Any) -> None:
+                 observers: Sequence[RouteObserver] = (), n_seq_max: int = 1, kv_unified: bool = True,
+                 **kwargs: Any) -> None:
         from ggmoe.engine.llama_attach import HostExpertOverride
 
         if cache is not None and not experts_on_host:
             raise UsageError("the expert cache needs the experts in host memory (experts_on_host=True)")
+        if isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or not 1 <= n_seq_max <= MAX_SEQUENCES:
+            raise UsageError(f"n_seq_max {n_seq_max!r}: give 1 to {MAX_SEQUENCES} sequences")
+        self._n_seq_max = n_seq_max  # read by the context_params setter, before the context is made
+        self._kv_unified = kv_unified
         self._ggmoe = None  # LlamaAttachment, once the context exists
         self._placement = HostExpertOverride() if experts_on_host else None
         self.watch: GenerationWatch | None = None
@@ -116,6 +123,43 @@ class GgmoeLlama(llama_cpp.Llama):
         if placement is not None:
             placement.apply(params)
         self.__dict__["_ggmoe_model_params"] = params
+
+    # -- the context-time seam: Llama.__init__ assigns self.context_params, then fills it and makes the context
+    @property
+    def context_params(self) -> llama_cpp.llama_context_params:
+        return self.__dict__["_ggmoe_context_params"]
+
+    @context_params.setter
+    def context_params(self, params: llama_cpp.llama_context_params) -> None:
+        # Several sequences: in one unified KV cache (llama-server's --kv-unified; each slot's share of n_ctx
+        # is enforced by the server), or each in its own stream of n_ctx / n_seq_max cells (padded to 256).
+        params.n_seq_max = self.__dict__.get("_n_seq_max", 1)
+        params.kv_unified = self.__dict__.get("_kv_unified", True)
+        self.__dict__["_ggmoe_context_params"] = params
+
+    def n_ctx_seq(self) -> int:
+        """The tokens one sequence may hold in llama.cpp's KV cache (the whole context when unified)."""
+        return int(llama_cpp.llama_n_ctx_seq(self._ctx.ctx))
+
+    def decode_sequences(self, entries: Sequence[Any]) -> list[np.ndarray]:
+        """One ``llama_decode`` of several sequences' tokens (``ggmoe.engine.sequences.SeqEntry``), the
+        pipeline around it as around ``eval``'s; each entry's last logits row. On an error the caller
+        forgets those sequences (their KV entries from this decode are meaningless)."""
+        from ggmoe.engine.sequences import SeqBatch
+
+        batch = self.__dict__.get("_ggmoe_seq_batch")
+        if batch is None:
+            batch = self.__dict__["_ggmoe_seq_batch"] = SeqBatch(self.n_batch, self._n_vocab)
+        tokens = [t for e in entries for t in e.tokens]
+        if self._ggmoe is not None:
+            self._ggmoe.begin_step(tokens)
+        rows = batch.decode(self._ctx.ctx, entries)
+        if self._ggmoe is not None:
+            self._ggmoe.after_decode(len(tokens))
+            err = self._ggmoe.take_error()
+            if err is not None:
+                raise err
+        return rows
 
     def _default_chat_handler(self) -> llama_cpp.llama_chat_format.LlamaChatCompletionHandler:
         return self.chat_formatter().to_chat_handler()
@@ -202,7 +246,7 @@ class GgmoeLlama(llama_cpp.Llama):
         """
         for i, text in enumerate(texts):
             if not self.tokenize(text.encode("utf-8")):  # an empty batch fails in llama_decode and then
-                raise ValueError(f"input {i} has no tokens")  # corrupts llama-cpp-python's batch
+                raise UsageError(f"input {i} has no tokens")  # corrupts llama-cpp-python's batch
         llama_cpp.llama_set_embeddings(self._ctx.ctx, True)
         self.context_params.embeddings = True
         try:
@@ -288,6 +332,9 @@ class GgmoeLlama(llama_cpp.Llama):
         stack = self.__dict__.get("_stack")
         if stack is not None:
             stack.close()
+        batch = self.__dict__.pop("_ggmoe_seq_batch", None)
+        if batch is not None:
+            batch.close()
         if att is not None:
             att.close()  # slot tensors after the context that computed with them
             self._ggmoe = None

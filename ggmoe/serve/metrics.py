@@ -7,7 +7,7 @@ collector, so they are never out of date and cost nothing between scrapes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -43,6 +43,12 @@ class CacheCollector(Collector):
                                      labels=["il"])
         precision = GaugeMetricFamily("ggmoe_prefetch_precision", "Prefetched experts later used / prefetched, "
                                       "per MoE layer (0 before any prefetch)", labels=["il"])
+        # every prefetched expert ends used (its layer read it from its slot), wasted (evicted unused) or late
+        # (its layer started before the copy landed and read it from host memory)
+        fate = CounterMetricFamily("ggmoe_prefetch_experts", "Prefetched experts by outcome (used, wasted, late), "
+                                   "per MoE layer", labels=["il", "outcome"])
+        wasted_bytes = CounterMetricFamily("ggmoe_prefetch_wasted_bytes", "Bytes of prefetched experts evicted "
+                                           "unused, per MoE layer", labels=["il"])
         reads = CounterMetricFamily("ggmoe_cache_host_read_bytes", "Bytes of missed experts the device read from "
                                     "host memory (async decode), per MoE layer", labels=["il"])
         lag = GaugeMetricFamily("ggmoe_cache_admission_lag_tokens", "Mean tokens from an admission's copy to its "
@@ -74,6 +80,9 @@ class CacheCollector(Collector):
             host.add_metric([il], s["host_computed"])
             issued.add_metric([il], s["prefetch_issued"])
             precision.add_metric([il], s["prefetch_hits"] / s["prefetch_issued"] if s["prefetch_issued"] else 0.0)
+            for outcome, key in (("used", "prefetch_hits"), ("wasted", "prefetch_wasted"), ("late", "prefetch_late")):
+                fate.add_metric([il, outcome], s[key])
+            wasted_bytes.add_metric([il], s["prefetch_wasted_bytes"])
             reads.add_metric([il], s["host_read_bytes"])
             lag.add_metric([il], s["mean_lag_tokens"])
             top.add_metric([il], s["top_hits"])
@@ -81,15 +90,51 @@ class CacheCollector(Collector):
             bottom_pre.add_metric([il], s["bottom_prefetch_bytes"])
             occ.add_metric([il], cache["occupancy"].get(il, 0))
             slots.add_metric([il], cache["slots_per_layer"].get(il, 0))
-        yield from (hits, misses, copied, rate, host, issued, precision, reads, lag, top, bottom_read, bottom_pre,
-                    occ, slots, mode, stream)
+        yield from (hits, misses, copied, rate, host, issued, precision, fate, wasted_bytes, reads, lag, top,
+                    bottom_read, bottom_pre, occ, slots, mode, stream)
+
+
+class SlotCollector(Collector):
+    """Each slot's state and counts (``ggmoe.serve.slots.SlotState``), and with several slots what their
+    batcher decoded (``ggmoe.serve.parallel.BatchStats``), read at scrape time."""
+
+    def __init__(self, slots: Sequence[Any], batch: Any | None) -> None:
+        self._slots = slots
+        self._batch = batch
+
+    def collect(self) -> Iterator[Any]:
+        busy = GaugeMetricFamily("ggmoe_slot_processing", "1 while the slot runs a request", labels=["slot"])
+        n_ctx = GaugeMetricFamily("ggmoe_slot_n_ctx", "Tokens the slot may hold (its share of the context)",
+                                  labels=["slot"])
+        reqs = CounterMetricFamily("ggmoe_slot_requests", "Requests the slot has run", labels=["slot"])
+        toks = CounterMetricFamily("ggmoe_slot_generated_tokens", "Tokens the slot has generated (the running "
+                                   "request's included)", labels=["slot"])
+        for st in self._slots:
+            label = [str(st.id)]
+            busy.add_metric(label, 1 if st.processing else 0)
+            n_ctx.add_metric(label, st.n_ctx)
+            reqs.add_metric(label, st.n_requests)
+            toks.add_metric(label, st.generated())
+        yield from (busy, n_ctx, reqs, toks)
+        b = self._batch
+        if b is None:
+            return
+        decodes = CounterMetricFamily("ggmoe_batch_decodes", "llama_decode calls of the slots' batcher")
+        decodes.add_metric([], b.decodes)
+        tokens = CounterMetricFamily("ggmoe_batch_tokens", "Tokens in the batcher's decodes (prompts included)")
+        tokens.add_metric([], b.tokens)
+        steps = CounterMetricFamily("ggmoe_batch_steps", "Generation steps (one token from each slot in one "
+                                    "llama_decode), by the number of slots in the step", labels=["sequences"])
+        for width, n in sorted(b.by_width.items()):
+            steps.add_metric([str(width)], n)
+        yield from (decodes, tokens, steps)
 
 
 class Metrics:
     """The server's metrics on their own registry."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]], queue_length: Callable[[], int],
-                 running: Callable[[], int]) -> None:
+                 running: Callable[[], int], slots: Sequence[Any] = (), batch: Any | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ggmoe_requests", "HTTP requests by route and status", ["route", "status"],
@@ -108,5 +153,6 @@ class Metrics:
         self.reconfigured = Counter("ggmoe_cache_reconfigurations", "Expert caches replaced between requests by "
                                     "MoEpic's configurator (--reconfigure-every)", registry=r)
         Gauge("ggmoe_queue_length", "Requests waiting for the model", registry=r).set_function(queue_length)
-        Gauge("ggmoe_generations_running", "Generations running now (0 or 1)", registry=r).set_function(running)
+        Gauge("ggmoe_generations_running", "Slots busy now (0 to --parallel)", registry=r).set_function(running)
         r.register(CacheCollector(stats))
+        r.register(SlotCollector(slots, batch))

@@ -225,6 +225,7 @@ class NativeRun:
         self.model_id = model_id
         self.n_ctx = n_ctx
         self.procs = procs
+        self.id_slot = 0  # the slot the server runs it on (set with llama before it runs)
         self.kwargs = sampling_kwargs(body, llama)
         for tokens in prompts:
             if len(tokens) >= n_ctx:
@@ -326,7 +327,7 @@ class NativeRun:
         n_eval = len(g.tokens) - g.cached
         out = {"index": k, "content": "" if stream else content,
                "tokens": [t for t, _ in covered] if self.body.return_tokens and not stream else [],
-               "id_slot": 0, "stop": True, "model": self.model_id, "tokens_predicted": n_pred,
+               "id_slot": self.id_slot, "stop": True, "model": self.model_id, "tokens_predicted": n_pred,
                "tokens_evaluated": len(g.tokens), "generation_settings": self.settings(),
                "prompt": self.llama.detokenize(g.tokens, special=True).decode("utf-8", "replace"),
                "has_new_line": "\n" in content, "truncated": truncated, "stop_type": stop_type,
@@ -371,7 +372,7 @@ class NativeRun:
             n = len(piece.encode("utf-8"))
             toks, sent_tokens = _cover(g.sampled, sent_tokens, spare_t + n, lambda s: len(s[1]))
             spare_t += n - sum(len(p) for _, p in toks)
-            out = {"index": k, "content": piece, "tokens": [t for t, _ in toks], "stop": False, "id_slot": 0,
+            out = {"index": k, "content": piece, "tokens": [t for t, _ in toks], "stop": False, "id_slot": self.id_slot,
                    "tokens_predicted": len(g.sampled), "tokens_evaluated": len(tokens)}
             if g.recorder is not None:
                 entries, sent_probs = g.recorder.covering(sent_probs, spare_p + n)

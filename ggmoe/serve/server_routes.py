@@ -66,7 +66,14 @@ def add_anthropic_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None
 
 
 def add_llama_server_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
-    """Register llama-server's native routes on ``app``."""
+    """Register llama-server's native routes on ``app``: text, generation, and the server's state."""
+    _add_text_routes(app, server, auth)
+    _add_generation_routes(app, server, auth)
+    _add_state_routes(app, server, auth)
+
+
+def _add_text_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
+    """``/tokenize``, ``/detokenize``, ``/apply-template``: text in and out, no generation."""
     llama = server.llama
 
     @app.post("/tokenize", dependencies=auth)
@@ -85,6 +92,19 @@ def add_llama_server_routes(app: FastAPI, server: Any, auth: list[Depends]) -> N
                            param="tokens", code="invalid_value")
         return {"content": llama.detokenize(body.tokens, special=True).decode("utf-8", "replace")}
 
+    @app.post("/apply-template", dependencies=auth)
+    async def apply_template(body: ApplyTemplateRequest) -> dict[str, Any]:
+        from ggmoe.serve.generation import api_error
+
+        try:
+            return {"prompt": server.render(body.messages, body.tools)}
+        except Exception as e:  # a template that fails to render
+            raise api_error(e) from e
+
+
+def _add_generation_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
+    """``/completion`` (``/completions``), ``/infill``, ``/embedding`` (``/embeddings``): through the model."""
+
     @app.post("/completion", dependencies=auth)
     @app.post("/completions", dependencies=auth, include_in_schema=False)
     async def completion(request: Request, body: NativeCompletionRequest) -> Any:
@@ -99,14 +119,9 @@ def add_llama_server_routes(app: FastAPI, server: Any, auth: list[Depends]) -> N
     async def embedding(request: Request, body: NativeEmbeddingRequest) -> Any:
         return await server.embed(request, body, native=True)
 
-    @app.post("/apply-template", dependencies=auth)
-    async def apply_template(body: ApplyTemplateRequest) -> dict[str, Any]:
-        from ggmoe.serve.generation import api_error
 
-        try:
-            return {"prompt": server.render(body.messages, body.tools)}
-        except Exception as e:  # a template that fails to render
-            raise api_error(e) from e
+def _add_state_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
+    """``/props``, ``/slots``, ``/slots/{id}`` (save, restore, erase): the server's state."""
 
     @app.get("/props", dependencies=auth)
     async def props() -> dict[str, Any]:
@@ -124,11 +139,12 @@ def add_llama_server_routes(app: FastAPI, server: Any, auth: list[Depends]) -> N
                           body: SlotFileRequest | None = None) -> dict[str, Any]:
         server.check_slot(id_slot, any_ok=False)
         if action == "erase":
-            return {"id_slot": id_slot, **await server.holding(lambda: erase_slot(llama))}
+            return {"id_slot": id_slot, **await server.holding(erase_slot, id_slot)}
         if body is None or body.filename is None:
             raise APIError(400, f"action={action} needs a JSON body with a filename", param="filename",
                            code="invalid_value")
         save_dir = server.settings.slot_save_path
         path = slot_path(Path(save_dir) if save_dir else None, body.filename)
         work = save_slot if action == "save" else restore_slot
-        return {"id_slot": id_slot, "filename": body.filename, **await server.holding(lambda: work(llama, path))}
+        return {"id_slot": id_slot, "filename": body.filename,
+                **await server.holding(lambda slot_llama: work(slot_llama, path), id_slot)}

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ggmoe.cache import ExpertCache
+from ggmoe.cache.cache import keep_free_slots
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
@@ -198,7 +199,9 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     split = dict(config.split or {})
     # the async decode's controller asks every copy in flight whether it landed, per layer and token: a link
     # whose answer is an attribute read (FlagLinkCopyBackend, settled before each call into the cache)
-    backend = FlagLinkCopyBackend if config.decode_mode == "async" and not split else LinkCopyBackend
+    # (not with a predictor: the async stride prefetch's mailbox calls into the cache inside a token)
+    backend = (FlagLinkCopyBackend if config.decode_mode == "async" and not split and not config.predictor
+               else LinkCopyBackend)
     link = backend(clock, dict(bytes_per_expert), profile, n_chunks, split)
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
@@ -214,9 +217,10 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     costs = _Costs(profile, bytes_per_expert, m.n_expert)
     if config.decode_mode not in ("sync", "async"):
         raise UsageError(f"decode mode {config.decode_mode!r}: the simulator runs sync or async")
-    if config.decode_mode == "async" and (pred is not None or miss_policy != "wait"):
-        raise UsageError("the async decode runs without a predictor and with misses read from host memory "
-                         "(miss policy wait), as the engine's")
+    if config.decode_mode == "async" and miss_policy != "wait":
+        raise UsageError("the async decode reads misses from host memory (miss policy wait), as the engine's")
+    if config.decode_mode == "async" and pred is not None:
+        _stride_prefetch(cache, prefetcher, m.n_expert, m.n_expert_used)
     controller = TokenController(cache) if config.decode_mode == "async" else None
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
@@ -228,6 +232,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     first_pending: float | None = None  # a prompt's prefill time, until its first decode step
     fi = 0
     step = _Step(clock, cache, link, costs, prefetcher, pred, config, profile is not None)
+    mailbox = _Mailbox(prefetcher, trace, pos) if controller is not None and prefetcher is not None else None
     for bi, rows in enumerate(batches):
         n_tok = rows.stop - rows.start
         prefill = bool(trace.stage[rows.start] == STAGE_PREFILL)
@@ -241,7 +246,9 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
                 for il in layers:
                     policy.set_future(il, future[fi])
                     fi += 1
-            _async_step(clock, cache, link, controller, costs, layers, ids[rows], pos)
+            if mailbox is not None:
+                mailbox.row = rows.start
+            _async_step(clock, cache, link, controller, costs, layers, ids[rows], pos, mailbox)
         else:
             fi = _sync_step(step, trace, rows, ids[rows], layers, future, fi)
         dt = clock.now() - t0
@@ -318,11 +325,24 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
     return fi
 
 
+def _stride_prefetch(cache: ExpertCache, prefetcher: Prefetcher, n_expert: int, n_expert_used: int) -> None:
+    """The engine's async stride prefetch (``CachePipeline._stride_prefetch``): predictions as each layer
+    starts, prefetches into free slots only, the same free slots kept between tokens."""
+    if prefetcher.predictor.needs_probs:
+        raise UsageError(f"predictor {prefetcher.predictor.name!r} reads router probabilities, which the async "
+                         "decode's mailbox does not carry: simulate it with --decode-mode sync")
+    prefetcher.via_mailbox = prefetcher.free_only = True
+    cache.keep_free = keep_free_slots(cache.n_slots, n_expert, n_expert_used, prefetcher.n_prefetch)
+
+
 def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, controller: TokenController,
-                costs: _Costs, layers: list[int], sel: np.ndarray, pos: dict[int, int]) -> None:
+                costs: _Costs, layers: list[int], sel: np.ndarray, pos: dict[int, int],
+                mailbox: _Mailbox | None = None) -> None:
     """One micro-batch of the async decode: per layer, attention and router (no route op), the resident
     experts from VRAM and the others read over the link at the zero-copy rate (holding the link); then the
-    controller between tokens, the engine's own (admissions land on the link's timeline)."""
+    controller between tokens, the engine's own (admissions land on the link's timeline). With ``mailbox``
+    (a predictor), each layer's start is seen by the cache and the prefetcher as the engine's mailbox reader
+    sees it (free slots only; the predictor's time is the reader's, off the decode's critical path)."""
     routing = np.full((max(layers) + 1, sel.shape[0], sel.shape[2]), -1, dtype=np.int32)
     routing[layers] = sel[:, [pos[il] for il in layers], :].transpose(1, 0, 2)
     flats = routing.reshape(routing.shape[0], -1).tolist()  # per layer, the ids token after token
@@ -331,6 +351,11 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
     for il in layers:
         clock.advance(layer_s)
         need = set(flats[il])
+        if mailbox is not None and sel.shape[0] == 1:
+            layer_ids = sel[:, pos[il], :]
+            cache.seen_start(il, layer_ids.ravel().tolist())
+            mailbox.prefetcher.observe_layer(RouteEvent(il=il, ids=layer_ids, probs=None,
+                                                        hidden=mailbox.hidden(il)))
         table = cache.tables[il]
         slot_of, copy = table.slot_of_list, table.copy
         ready = sum(1 for e in need if slot_of[e] >= 0 and copy[slot_of[e]] is None)
@@ -343,6 +368,21 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
         clock.advance(costs.experts(il, ready) + read_s)  # what is read over the link is bound by the link
     link.settle()  # what landed by now, before the controller asks (FlagLinkCopyBackend)
     controller.on_routing(layers, routing)
+
+
+@dataclass
+class _Mailbox:
+    """What the engine's mailbox hands its reader for the token being replayed: the MoE input rows."""
+
+    prefetcher: Prefetcher
+    trace: Trace
+    pos: dict[int, int]
+    row: int = 0  # the trace row of the token being replayed
+
+    def hidden(self, il: int) -> np.ndarray | None:
+        if not self.prefetcher.predictor.needs_hidden:
+            return None
+        return self.trace.hidden[self.row: self.row + 1, self.pos[il]].astype(np.float32)
 
 
 def _read_in_place(cache: ExpertCache, il: int, need: set[int]) -> int:

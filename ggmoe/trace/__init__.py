@@ -1,6 +1,6 @@
 """Traces: the versioned ``.npz`` format, merging and the split by prompt.
 
-The recorder (``ggmoe.trace.record``) needs the engine and is imported on its own.
+Prompts files are ``ggmoe.trace.prompts``; the recorder, which needs the engine, is ``ggmoe.engine.record``.
 """
 
 from ggmoe.trace.data import load_traces, merge_traces, select_prompts, split_prompts

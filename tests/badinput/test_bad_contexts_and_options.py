@@ -99,7 +99,7 @@ def test_chat_message_against_context_and_batch(model, message, ok):
     if ok:
         assert out.code == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     else:
-        assert_clean_error(out, "does not fit the context")
+        assert_clean_error(out, "the conversation: ")
 
 
 LOAD_SCRIPT = """

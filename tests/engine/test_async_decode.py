@@ -20,6 +20,7 @@ from test_cache_engine import EXACT, run_sequences, zero_slots
 
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.copy import CopyHandle, Priority
+from ggmoe.control.prefetch import build_prefetch_config
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.errors import UsageError
@@ -71,10 +72,13 @@ def test_async_embedded_model_logits_equal_stock_path(stock_logits, n_ubatch):
             assert st.evictions == 0
 
 
-def test_no_python_call_per_moe_layer_when_decoding(qwen3moe_model):
-    """A decode step is one llama_decode with no route callback; the controller runs once per token."""
+@pytest.mark.parametrize("predictor", [None, "reuse"])
+def test_no_python_call_per_moe_layer_when_decoding(qwen3moe_model, predictor):
+    """A decode step is one llama_decode with no route callback; the controller runs once per token. With a
+    predictor on, the stride prefetch reads the mailbox on its own thread: still no callback, no sync."""
     facts = inspect_model(qwen3moe_model)
-    with _engine(qwen3moe_model, facts.n_expert_used + 1) as eng:
+    prefetch = build_prefetch_config(predictor, 1) if predictor else None
+    with _engine(qwen3moe_model, facts.n_expert_used + 1, prefetch=prefetch) as eng:
         ids = eng.tokenize("The quick brown fox jumps")
         eng.decode(ids)  # prefill: route op per micro-batch of 4
         ctl = eng.pipeline.controller
@@ -85,6 +89,8 @@ def test_no_python_call_per_moe_layer_when_decoding(qwen3moe_model):
         assert len(eng.hook_times) == 0  # the route callback never ran
         assert ctl.tokens - tokens0 == 8  # one controller step per decode
         assert ctl.calls - calls0 == 8 * len(facts.moe_layers)  # each layer's routing, after the decode
+        if predictor:  # the mailbox's reader saw every decode token, and the predictor prefetched from it
+            assert eng.pipeline.stride.tokens >= 8 and eng.cache_stats.total().prefetch_issued > 0
         # with an observer that reads hidden states, the same decode takes the route op again (sync path)
         rec = RouteRecorder(HookRequest(probs=True, hidden=True))
         with eng.observing(rec):

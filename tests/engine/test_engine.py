@@ -72,10 +72,8 @@ def test_observer_exception_is_reraised_after_decode(qwen3moe_model):
             raise Boom("from the callback")
 
     with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256)) as eng:
-        eng.observer = Bad()
-        with pytest.raises(Boom):
+        with eng.observing(Bad()), pytest.raises(Boom):
             eng.decode(eng.tokenize("hello"))
-        eng.observer = None
         eng.reset()
         assert eng.decode(eng.tokenize("hello")).shape == (1, eng.n_vocab)
 

@@ -121,7 +121,8 @@ def test_worker_threads_keep_logits_exact(arch_model, stock_logits, monkeypatch,
     stride = min(2, len(facts.moe_layers) - 1)
     cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
                        cache=CacheConfig(n_slots=facts.n_expert_used + 2, miss_policy=miss_policy,
-                                         prefetch=PrefetchConfig("test-fixed", stride=stride, background=background)))
+                                         prefetch=PrefetchConfig("test-fixed", stride=stride, background=background),
+                                         decode_mode="sync"))  # the route op's worker thread and copy queue
     with Engine(cfg) as eng:
         assert isinstance(eng._runtime.copies, StreamCopyBackend) == queue
         got = run_sequences(eng)

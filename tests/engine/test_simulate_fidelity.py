@@ -60,25 +60,32 @@ def test_simulator_counts_equal_the_engine(qwen3moe_model, tmp_path, flags):
         assert {f: s[f] for f in FIELDS} == {f: live[il][f] for f in FIELDS}, il
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, policy):
+@pytest.mark.immediate_copies("the replay lands a copy when it is issued, as the immediate stream does")
+@pytest.mark.parametrize(("policy", "predictor", "slots"), [("lru", None, 3), ("lfu", None, 3), ("lru", "reuse", 5)])
+def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, policy, predictor, slots):
     """The async decode replayed: the engine's counts (decode steps read through the tables, the controller
-    between tokens, prefill on the route op) equal the simulator's in async mode on the same routing. The
-    trace comes from a sync run of the same greedy generation: recording router probabilities needs the
-    route op, and the routing does not depend on the mode."""
-    run = ["run", str(qwen3moe_model), "-p", "The quick brown fox jumps over", "-n", "24", "--cache-slots", "3",
-           "--policy", policy]
+    between tokens, prefill on the route op; with a predictor, the mailbox's stride prefetch into free slots)
+    equal the simulator's in async mode on the same routing. The trace comes from a sync run of the same
+    greedy generation: recording router probabilities needs the route op, and the routing does not depend on
+    the mode."""
+    run = ["run", str(qwen3moe_model), "-p", "The quick brown fox jumps over", "-n", "24", "--cache-slots",
+           str(slots), "--policy", policy]
+    pre = ["--predictor", predictor, "--stride", "1"] if predictor else []
     stats, tr = tmp_path / "s.json", tmp_path / "trace"
-    r = CliRunner().invoke(main, [*run, "--decode-mode", "async", "--stats-json", str(stats)])
+    r = CliRunner().invoke(main, [*run, *pre, "--decode-mode", "async", "--stats-json", str(stats)])
     assert r.exit_code == 0, r.output
     d = json.loads(stats.read_text())
     assert d["decode_mode_in_effect"] == "async" and d["total"]["host_reads"] > 0
+    if predictor:
+        assert d["total"]["prefetch_issued"] > 0
     r = CliRunner().invoke(main, [*run, "--decode-mode", "sync", "--trace-out", str(tr)])
     assert r.exit_code == 0, r.output
     facts = inspect_model(qwen3moe_model)
-    cfg = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, 3), policy=policy, decode_mode="async")
+    cfg = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, slots), policy=policy, decode_mode="async",
+                    predictor=predictor, stride=1)
     sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None)
-    fields = (*FIELDS, "host_reads", "host_read_bytes", "evictions")
+    fields = (*FIELDS, "host_reads", "host_read_bytes", "evictions", "prefetch_issued", "prefetch_hits",
+              "prefetch_late", "prefetch_wasted")
     last = str(max(facts.moe_layers))
     # The trace routes every prompt token at the last layer (recorded with all logits); the run computes only
     # the token whose logits it samples there, so that layer's prefill call differs (native in the replay, one
@@ -189,19 +196,21 @@ def test_a_learning_predictor_counts_equal_the_engine(qwen3moe_model, tmp_path, 
 
 
 def test_simulate_both_decode_modes(tmp_path):
-    """`ggmoe simulate --decode-mode sync,async`: both rows side by side; async refuses a predictor-only choice."""
+    """`ggmoe simulate --decode-mode sync,async`: both rows side by side, with and without a predictor (async:
+    the mailbox's stride prefetch); async refuses a host-path-only choice."""
     tr = _trace(tmp_path, ["def main():"], 12)
     r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.5", "--decode-mode", "sync,async",
                                   "--predictor", "none,reuse", "--hw", "h100", "--json"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.output[r.output.index("{"):])["results"]
     modes = sorted((x["decode_mode"], x["predictor"] or "none") for x in res)
-    assert modes == [("async", "none"), ("sync", "none"), ("sync", "reuse")]
+    assert modes == [("async", "none"), ("async", "reuse"), ("sync", "none"), ("sync", "reuse")]
     by = {(x["decode_mode"], x["predictor"]): x for x in res}
     assert by[("async", None)]["stats"]["total"]["host_reads"] > 0 and by[("async", None)]["tpot_s"] > 0
+    assert by[("async", "reuse")]["stats"]["total"]["prefetch_issued"] > 0
     r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.5", "--decode-mode", "async",
-                                  "--predictor", "reuse"])
-    assert r.exit_code == 2 and "needs --predictor none" in r.output
+                                  "--miss-policy", "cpu"])
+    assert r.exit_code == 2 and "needs --miss-policy wait" in r.output
 
 
 SPLIT_FIELDS = (*FIELDS, "top_hits", "bottom_hits", "bottom_read_bytes", "bottom_prefetches",

@@ -90,6 +90,7 @@ def test_gpu_smoke(tmp_path):
     assert set(times) == {"pack", "model", "modes", "matrix"}
     # every decode mode's greedy tokens equal stock's on the deferred copy stream (the GPU's semantics)
     modes = json.loads((tmp_path / "modes.json").read_text())["modes"]
-    assert set(modes) == {"sync", "async", "host", "prefetch", "split", "split-async"}
+    assert set(modes) == {"sync", "async", "host", "prefetch", "async-prefetch", "split", "split-async"}
+    assert modes["async-prefetch"]["decode_mode"] == "async"  # the predictor reads the mailbox, no sync
     assert all(m["ok"] and m["copy_stream"] == "deferred" for m in modes.values()), modes
     assert modes["async"]["hits"] > 0

@@ -118,12 +118,13 @@ def test_a_victims_entry_goes_back_to_host_before_its_slot_is_rewritten():
 
 def test_decode_mode_choice_is_explained():
     assert choose_decode_mode("auto", []).mode == "async"
-    why = sync_reasons("cpu", False, None)
+    why = sync_reasons("cpu", None, None)
     m = choose_decode_mode("auto", why)
     assert m.mode == "sync" and "host path" in m.reason
     assert choose_decode_mode("sync", []).mode == "sync"
     with pytest.raises(UsageError, match="async cannot run here"):
-        choose_decode_mode("async", sync_reasons("wait", True, None))
+        choose_decode_mode("async", sync_reasons("wait", "predictor 'expert-map' reads router probabilities", None))
+    assert sync_reasons("wait", None, None) == []  # a predictor on the mailbox leaves the async decode free
     with pytest.raises(UsageError, match="unknown decode mode"):
         choose_decode_mode("fastest", [])
 

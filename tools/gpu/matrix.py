@@ -408,7 +408,7 @@ def run_cell(model: Path, facts, config: str, fraction: float | None, routing: s
 def record_random_trace(model: Path, args, path: Path) -> Path:
     """The model's own routing on the cells' first generation (PROMPT, sampled, --decode-tokens): a trace."""
     from ggmoe.engine import Engine, EngineConfig
-    from ggmoe.trace.record import RecordConfig, record_trace
+    from ggmoe.engine.record import RecordConfig, record_trace
 
     with Engine(EngineConfig(model_path=model, n_ctx=args.n_ctx, n_threads=args.threads)) as eng:
         return record_trace(eng, [PROMPT], RecordConfig(mode="sample", max_tokens=args.decode_tokens, temp=TEMP,

@@ -10,6 +10,7 @@ loses one mode):
     async        the device-side expert tables, LRU admissions between tokens
     host         sync with the host path (--miss-policy cpu: the CPU computes misses)
     prefetch     sync with stride prefetching (reuse predictor, stride 1)
+    async-prefetch  async with stride prefetching from the mailbox (patch 0010: reuse, stride 1)
     split        MoEpic's split (θ 1/2) in the sync decode
     split-async  the split in the async decode
 
@@ -29,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("sync", "async", "host", "prefetch", "split", "split-async")
+MODES = ("sync", "async", "host", "prefetch", "async-prefetch", "split", "split-async")
 PROMPT = list(range(3, 40))  # token ids: a prompt every vocabulary has
 
 
@@ -46,10 +47,10 @@ def engine_config(model: Path, mode: str | None, fraction: float, gpu: bool):
                             gate_hook=False)
     facts = inspect_model(model)
     n = max(facts.n_expert_used + 1, round(fraction * facts.n_expert))
-    kw: dict = {"n_slots": n, "decode_mode": "async" if mode in ("async", "split-async") else "sync"}
+    kw: dict = {"n_slots": n, "decode_mode": "async" if mode in ("async", "async-prefetch", "split-async") else "sync"}
     if mode == "host":
         kw["miss_policy"] = "cpu"
-    if mode == "prefetch":
+    if mode in ("prefetch", "async-prefetch"):
         kw["prefetch"] = PrefetchConfig("reuse", stride=1)
     if mode.startswith("split"):
         kw["layer_theta"] = {il: 0.5 for il in facts.moe_layers}

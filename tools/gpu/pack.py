@@ -142,8 +142,8 @@ def make_trace(out: Path, docs: int, prefill_tokens: int = 64, steps: int = 64) 
     import trace_corpus
 
     from ggmoe.engine import Engine, EngineConfig
+    from ggmoe.engine.record import RecordConfig, record_trace
     from ggmoe.models import default_model_path
-    from ggmoe.trace.record import RecordConfig, record_trace
 
     model = default_model_path()
     if model is None:

@@ -1,4 +1,4 @@
-"""Run prompts through the engine and record their routing into a trace.
+"""Recording: prompts run through the engine, their routing written as a trace (``ggmoe.trace``'s format).
 
 Three modes, because a tiny model decoding greedily soon repeats itself and
 repeated tokens route to the same experts, which flatters caching:
@@ -10,7 +10,6 @@ repeated tokens route to the same experts, which flatters caching:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,45 +33,6 @@ class RecordConfig:
     temp: float = 0.8  # sample mode
     seed: int = 0
     keep_hidden: bool = True
-
-
-MAX_PROMPTS_BYTES = 1 << 30  # a prompts file above 1 GiB is surely a mistake
-
-
-def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a JSONL file: one object per line with a ``prompt`` or ``text`` string."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"prompts file not found (or not a regular file): {path}")
-    if path.stat().st_size > MAX_PROMPTS_BYTES:
-        raise UsageError(f"{path}: larger than {MAX_PROMPTS_BYTES >> 30} GiB")
-    prompts = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        except RecursionError:
-            raise UsageError(f"{path}:{n}: JSON nested too deeply") from None
-        except ValueError as e:  # e.g. an integer longer than Python converts
-            raise UsageError(f"{path}:{n}: not valid JSON ({str(e)[:80]})") from None
-        text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
-        if not isinstance(text, str) or not text:
-            raise UsageError(f'{path}:{n}: expected an object with a non-empty "prompt" or "text" string')
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise UsageError(f"{path}:{n}: the prompt holds an unpaired surrogate escape") from None
-        prompts.append(text)
-    if not prompts:
-        raise UsageError(f"{path}: no prompts")
-    return prompts
 
 
 def trace_meta(engine: Engine, mode: str, max_tokens: int) -> TraceMeta:

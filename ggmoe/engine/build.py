@@ -9,7 +9,8 @@ after ggmoe's flags (so it wins), as llama-cpp-python's own install honours it.
 The patch series is found beside the package in a clone (``patches/``) or, in an
 installed package, in the copy the wheel build puts in ``ggmoe/_patches/``
 (setup.py). ``ggmoe engine build`` / ``ggmoe engine status`` are the commands;
-``tools/build_engine.py`` (``make engine``) runs this file before ggmoe is installed.
+``tools/build_engine.py`` (``make engine``) runs this file before ggmoe is installed (it imports no other
+module of ggmoe then: ``ggmoe/engine/__init__.py`` is lazy, and the file runs on its own).
 
 Usage:
     ggmoe engine build --install            # build (or reuse) the wheel and pip install it
@@ -44,11 +45,11 @@ COMMAND = "ggmoe engine build --install"  # what every "engine not patched" mess
 
 def find_patch_dir() -> Path:
     """The patch series: a clone's ``patches/`` beside the package, else the copy packaged in the wheel."""
-    here = Path(__file__).resolve().parent
-    clone = here.parent / "patches"
+    package = Path(__file__).resolve().parents[1]  # ggmoe/ (this file is ggmoe/engine/build.py)
+    clone = package.parent / "patches"
     if (clone / "README.md").is_file() and any(clone.glob("*.patch")):
         return clone
-    return here / "_patches"
+    return package / "_patches"
 
 
 PATCH_DIR = find_patch_dir()
@@ -66,8 +67,15 @@ BASE_CMAKE_ARGS = [
 ]
 
 
-class BuildError(Exception):
-    """A step of the engine build failed; the message says which and why."""
+if __package__ == "ggmoe.engine":  # in the package (``ggmoe engine build``): one of ggmoe's own errors
+    from ggmoe.errors import EngineError as _BuildFailure
+else:  # run as a file (tools/build_engine.py, before ggmoe is installed): the standard library only
+    _BuildFailure = Exception  # type: ignore[misc,assignment]
+
+
+class BuildError(_BuildFailure):
+    """A step of the engine build failed; the message says which and why. In the package it is an
+    ``EngineError``, which the CLI's edge prints (it is never raised again under another name)."""
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,138 @@
+"""The cache's side of the async decode's stride prefetch: free slots kept between tokens, prefetches into
+free slots only, what a layer read when it started, stale admissions dropped, and the prefetcher's budget.
+
+A copy backend whose copies land only when the test says so: every interleaving is forced, none timed."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from ggmoe.cache import ExpertCache
+from ggmoe.cache.cache import keep_free_slots
+from ggmoe.cache.copy import CopyHandle, Priority
+from ggmoe.cache.policies import POLICIES
+from ggmoe.control.prefetch import Prefetcher
+from ggmoe.predict.base import Predictor
+
+
+class HeldCopies:
+    """Copies land when ``land`` says; queued ones can be cancelled until then."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self.landed: set[int] = set()
+        self.cancelled: set[int] = set()
+        self.handles: list[CopyHandle] = []
+
+    def submit(self, il, expert, slot, priority, rank=0.0):
+        h = CopyHandle(next(self._ids), il, expert, slot, Priority(priority))
+        self.handles.append(h)
+        return h
+
+    def done(self, h):
+        return h.id in self.landed or h.id in self.cancelled
+
+    def wait(self, handles):
+        self.landed |= {h.id for h in handles}
+
+    def cancel(self, h):
+        if h.id in self.landed:
+            return False
+        self.cancelled.add(h.id)
+        return True
+
+    def land(self, expert=None):
+        self.landed |= {h.id for h in self.handles if expert is None or h.expert == expert}
+
+    def close(self):
+        pass
+
+
+def _cache(n_slots=6, n_expert=16, k=2):
+    copies = HeldCopies()
+    cache = ExpertCache(n_expert, k, {0: n_slots, 1: n_slots}, POLICIES.get("lru")(n_expert, [0, 1]), copies=copies,
+                        bytes_per_expert={0: 100, 1: 100})
+    return cache, copies
+
+
+def test_keep_free_slots():
+    assert keep_free_slots({0: 8, 1: 32}, 32, 4, 8) == {0: 4, 1: 0}  # every expert fits in layer 1: none kept
+    assert keep_free_slots({0: 8}, 32, 4, 2) == {0: 2}
+
+
+def test_between_tokens_the_cache_keeps_free_slots_and_admissions_leave_them():
+    cache, copies = _cache()
+    cache.keep_free = {0: 2, 1: 2}
+    for t in range(6):  # every token a new pair of experts: admissions fill what is not kept free
+        cache.token += 1
+        cache.after_token(0, [2 * t, 2 * t + 1])
+        copies.land()
+        cache.land_ready()
+        assert len(cache.tables[0].free) >= 2, t
+    assert cache.stats.layers[0].evictions > 0
+
+
+def test_prefetch_into_a_running_graph_takes_free_slots_only():
+    cache, copies = _cache(n_slots=4)
+    for e in (0, 1, 2):
+        cache.tables[0].place(e, e, None)
+        cache.tables[0].free.remove(e)
+    n = cache.prefetch(0, [5, 6, 7], free_only=True)
+    assert n == 1  # one free slot; nothing evicted
+    assert sorted(x for x in cache.tables[0].expert_in_list if x >= 0) == [0, 1, 2, 5]
+    assert copies.handles[-1].priority == Priority.DEMAND  # before admissions meant for later tokens
+    assert cache.prefetch(0, [6, 7], free_only=True) == 0
+
+
+def test_what_a_layer_read_when_it_started_decides_hits_and_late_prefetches():
+    cache, copies = _cache(n_slots=4)
+    cache.prefetch(0, [3], free_only=True)
+    cache.prefetch(0, [4], free_only=True)
+    copies.land(expert=3)  # 3 landed before the layer started, 4 did not
+    cache.token += 1
+    cache.seen_start(0, [3, 4])
+    copies.land()  # 4 lands while the layer runs: too late for it
+    cache.after_token(0, [3, 4])
+    st = cache.stats.layers[0]
+    assert (st.hits, st.misses, st.prefetch_late, st.prefetch_hits) == (1, 1, 1, 1)
+
+
+def test_an_earlier_tokens_queued_admissions_are_dropped():
+    cache, copies = _cache(n_slots=4)
+    cache.token = 1
+    cache.after_token(0, [1, 2])  # admitted, never landing
+    cache.token = 2
+    cache.after_token(0, [3, 4])  # the old ones are cancelled, their slots go to the new misses
+    st = cache.stats.layers[0]
+    assert st.admissions_dropped == 2 and st.admission_copies == 4
+    assert sorted(x for x in cache.tables[0].expert_in_list if x >= 0) == [3, 4]
+
+
+class Fixed(Predictor):
+    """Predicts experts 10..13 for every layer."""
+
+    name = "test-fixed"
+
+    def predict(self, il):
+        s = np.zeros(self.shape.n_expert, dtype=np.float32)
+        s[10:14] = 1.0
+        return s
+
+
+def test_the_prefetch_budget_halves_when_prefetches_are_wasted_and_grows_back():
+    from ggmoe.predict import ModelShape
+
+    cache, copies = _cache(n_slots=8)
+    shape = ModelShape("x", (0, 1), 16, 2, 4)
+    pf = Prefetcher(cache, Fixed(shape, 1), [0, 1], n_prefetch=4)
+    pf.free_only = True
+    cache.keep_free = {0: 4, 1: 4}
+    st = cache.stats.layers[1]
+    st.prefetch_wasted += 3  # the last token's prefetches: three evicted unused
+    pf.begin_step([7])
+    assert pf.limit == 2 and cache.keep_free[1] == 1  # halved; the free slots follow what was taken (none)
+    st.prefetch_hits += 3
+    pf.begin_step([7])
+    assert pf.limit == 3
