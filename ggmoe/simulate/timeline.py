@@ -88,7 +88,7 @@ class LinkCopyBackend:
         self._ready: list[tuple[tuple[int, float, int], int, _Job]] = []
         self._landed: dict[int, float] = {}  # handle id -> landing time (s)
         self._busy_until = 0.0  # s: the link is busy with a chunk until then
-        self._settled = -1.0  # clock time by which every chunk that could start has run (until a submission)
+        self._settled = -1.0  # clock time by which every chunk that starts before it has run
         self.busy_s = 0.0  # s the link spent copying
         self.late_prefetches = 0  # prefetch copies a layer had to wait for (not landed in time)
         self._chunk_of: dict[int, float] = {}  # il -> s one chunk of a whole expert's copy takes (no split)
@@ -120,7 +120,8 @@ class LinkCopyBackend:
         job = _Job((int(priority), rank, h.id), h, self.clock.t, self.n_chunks, cs)
         self._queue[h.id] = job
         self._pending.append(job)
-        self._settled = -1.0
+        # _settled stays: a job submitted now starts at now or later, so every chunk that starts before a time
+        # already settled has run still (an advance runs only chunks that start before the clock's time)
         return h
 
     def _top(self) -> _Job | None:
