@@ -11,17 +11,21 @@ resource          share  source
 link (copies)     0.85   pinned host-to-device copies: 54.7 of PCIe 5.0 x16's 63.0 GB/s measured by
                          ``ggmoe calibrate`` on the H100 loan (0.87, docs/benchmarks.md); club-3090's
                          bench harness counts a gen4 x16 link's practical rate as raw x 0.85
-                         (github.com/noonghunna/club-3090 issue 1127)
+                         (github.com/noonghunna/club-3090 issue 1127, checked)
 GPU (expert read) 0.70   a memory-bound quantized matvec (the pcie4 profile's figure)
 CPU (expert)      0.50   a quantized matvec streams about half the DRAM bandwidth on a desktop CPU
-                         (the pcie4 profile's figure)
+                         (the pcie4 profile's figure; read-only streaming of expert-sized blocks reaches
+                         0.6 of dual-channel DDR5, github.com/kekzl/imp pull 2062); with no fixed cost per
+                         expert (llama.cpp computes a layer's experts in one op; the H100 loan measured a
+                         bandwidth alone, h100 profile), published -ot exps=CPU and --n-cpu-moe figures are
+                         reproduced within 20 % (docs/simulator.md, ggmoe/simulate/fidelity.py)
 ================  =====  ==========================================================================
 
 The link a GPU gets is the slower of the slot and the card's own interface (an RTX 4060 Ti in a PCIe 5.0
 x16 slot runs PCIe 4.0 x8). Times that are not bandwidths come from the shipped profiles: a copy's fixed
-cost (10 us on PCIe, 15 us through Thunderbolt), an expert's kernel launch (5 us), the route op's device
-sync in the sync decode (57 us per MoE layer, measured on the H100), the attention and router of a layer
-at batch 1 (the pcie4 profile's 60 us on an RTX 4090, scaled by memory bandwidth).
+cost (10 us on PCIe, 15 us through Thunderbolt), an expert's kernel launch (5 us), none for a CPU expert,
+the route op's device sync in the sync decode (57 us per MoE layer, measured on the H100), the attention and
+router of a layer at batch 1 (the pcie4 profile's 60 us on an RTX 4090, scaled by memory bandwidth).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ PCIE_LANE_BYTES_PER_S = {3: 0.985e9, 4: 1.969e9, 5: 3.938e9}  # per lane and dir
 PCIE_LATENCY_S = 10.0e-6  # one copy's launch and DMA setup (the pcie4 profile)
 GPU_LAUNCH_S = 5.0e-6  # an expert's kernels (the pcie4 profile)
 HOOK_S = 57.0e-6  # the route op's graph split and device sync per MoE layer (measured, h100 profile)
-CPU_LATENCY_S = 20.0e-6  # fixed cost of one expert on the CPU (the pcie4 profile)
+CPU_LATENCY_S = 0.0  # no fixed cost per CPU expert: llama.cpp computes a layer's experts in one op; the H100 loan measured a bandwidth alone (h100 profile)
 LAYER_S_AT_4090 = 60.0e-6  # a layer's attention and router at batch 1 on an RTX 4090 (the pcie4 profile)
 _PCIE = re.compile(r"pcie([345])x(4|8|16)$")
 _FIELDS = {  # kind -> (field, type, required)

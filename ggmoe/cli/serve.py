@@ -136,6 +136,17 @@ def _run_until_stopped(run: Any) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _fit(path: Path, cache: dict[str, Any], threads: int | None) -> dict[str, Any]:
+    """--fit: the cache flags ``ggmoe.cli.fit`` plans on this machine (it checks the flags first)."""
+    from ggmoe.cli.fit import CACHE_FLAGS, fit, read_nvidia_smi
+    from ggmoe.engine.loader import gpu_device_name
+
+    if any(cache.get(k) is not None for k in CACHE_FLAGS):
+        return fit(None, cache, threads, click.echo, None, None)  # refuses them, before anything loads
+    gpu = gpu_device_name()
+    return fit(model_facts(path), cache, threads, click.echo, gpu, read_nvidia_smi() if gpu else None)
+
+
 @click.command()
 @model_arg
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
@@ -171,12 +182,16 @@ def _run_until_stopped(run: Any) -> None:
                    "whatever the other slots do; see docs/serving.md).")
 @click.option("--reconfigure-hw", default="pcie4", show_default=True,
               help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST, or a .toml) the reconfiguration estimates with.")
+@click.option("--fit", is_flag=True,
+              help="Choose the cache as `ggmoe plan MODEL --gpu` does, on this machine: the GPU found by name in the "
+                   "parts file (or --hw GPU/LINK/HOST), its free VRAM and link from nvidia-smi, the CPU measured; "
+                   "prints every way's estimate. Without a GPU it says so and serves from host memory.")
 @_model_options
 @edge
 def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
           aliases: tuple[str, ...], strict_openai: bool, max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool,
           reconfigure_every: int | None, slot_save_path: str | None, parallel: int, kv_unified: bool,
-          reconfigure_hw: str, n_ctx: int | None,
+          reconfigure_hw: str, fit: bool, n_ctx: int | None,
           threads: int | None, verbose: bool, **cache: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (--parallel N: N generations decoding together).
 
@@ -191,6 +206,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
       ggmoe serve model.gguf --cache-slots 16 --predictor reuse --api-key secret
       ggmoe serve model.gguf --config plan.toml --reconfigure-every 2048   # MoEpic's split, re-planned
       ggmoe serve --parallel 4 --n-ctx 1024        # 4 slots of 256 tokens, decoded together
+      ggmoe serve Qwen3-30B-A3B-Q4_K_M.gguf --fit   # the cache plan --gpu would choose, on this machine
       curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
            -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
     """
@@ -208,6 +224,8 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     if max_body_bytes < 1:
         raise UsageError("--max-body 0 would refuse every request: give a size such as 1MiB")
     path = model_path(model)
+    if fit:
+        cache = _fit(path, cache, threads)
     check_listen(host, port)
     _check_server_side(reconfigure_every, reconfigure_hw, slot_save_path, cache)
     n_ctx = n_ctx or default_n_ctx(path)

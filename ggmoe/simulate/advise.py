@@ -140,6 +140,13 @@ def advise(facts: ModelFacts, gpu: str, vram: int | None = None, ram: int | None
     spec = f"{gpu}/{slot.name}/{host}"
     profile, _ = compose_profile(spec, parts_file)
     vram = gpu_vram(gpu) if vram is None else vram
+    return advise_profile(facts, profile, spec, effective_link(g, slot).name, vram, ram, gpu)
+
+
+def advise_profile(facts: ModelFacts, profile: HardwareProfile, spec: str, link: str, vram: int,
+                   ram: int | None = None, gpu: str = "the GPU") -> Advice:
+    """``advise`` on a profile already made (``ggmoe serve --fit``: composed, with this machine's measurements
+    in place of specifications); ``spec`` is what ``--hw`` would name, ``link`` the link the GPU gets."""
     if vram <= 0:
         raise UsageError(f"--vram {vram}: must be positive")
     budget = vram - facts.dense_bytes - RESERVE_BYTES
@@ -167,6 +174,6 @@ def advise(facts: ModelFacts, gpu: str, vram: int | None = None, ram: int | None
     # the fastest decode; all in VRAM where it is as fast (nothing to configure)
     choice = max((w for w in ways if w.decode_tok_s is not None),
                  key=lambda w: (round(w.decode_tok_s, 6), w.name == "all experts in VRAM"))
-    return Advice(model=str(facts.path), profile=spec, link=effective_link(g, slot).name,
-                  vram_bytes=vram, ram_bytes=ram, expert_budget_bytes=budget, slots_per_layer=int(slots),
-                  choice=choice, ways=tuple(ways), routing=tr.meta.source, notes=tuple(notes))
+    return Advice(model=str(facts.path), profile=spec, link=link, vram_bytes=vram, ram_bytes=ram,
+                  expert_budget_bytes=budget, slots_per_layer=int(slots), choice=choice, ways=tuple(ways),
+                  routing=tr.meta.source, notes=tuple(notes))

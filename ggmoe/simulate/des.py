@@ -53,7 +53,7 @@ from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.base import check_trace_inputs
 from ggmoe.simulate.replay import micro_batches, next_uses
-from ggmoe.simulate.timeline import LinkCopyBackend
+from ggmoe.simulate.timeline import FlagLinkCopyBackend, LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace
 
 TOKENS_PER_LAYER_STEP = 64  # tokens of a micro-batch the GPU's attention handles in one batch-1 layer time
@@ -197,7 +197,12 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
         raise UsageError(f"no slot count for MoE layers {missing}")
     clock = ManualClock()
     split = dict(config.split or {})
-    link = LinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks, split)
+    # the async decode's controller asks every copy in flight whether it landed, per layer and token: a link
+    # whose answer is an attribute read (FlagLinkCopyBackend, settled before each call into the cache)
+    # (not with a predictor: the async stride prefetch's mailbox calls into the cache inside a token)
+    backend = (FlagLinkCopyBackend if config.decode_mode == "async" and not split and not config.predictor
+               else LinkCopyBackend)
+    link = backend(clock, dict(bytes_per_expert), profile, n_chunks, split)
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
     miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert)  # as the engine
@@ -272,6 +277,7 @@ class _Step:
     pred: Any
     config: SimConfig
     timed: bool  # a profile is given: the predictor's time counts
+    fits: dict[int, list[bool]] = field(default_factory=dict)  # micro-batch tokens -> cache.fits per layer
 
 
 def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers: list[int],
@@ -281,11 +287,16 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
     n_tok = rows.stop - rows.start
     flats = sel_all.transpose(1, 0, 2).reshape(len(layers), -1).tolist()  # per layer, the ids token after token
     before = costs.layer(n_tok) + costs.hook()  # attention and router, then the route op
+    fits = st.fits.get(n_tok)
+    if fits is None:  # the cache's answer for this micro-batch size, per layer (the slots never change)
+        fits = st.fits[n_tok] = [cache.fits(il, n_tok) for il in layers]
+    split = cache.split
     for j, il in enumerate(layers):
         clock.advance(before)
         flat = flats[j]
         need = len(set(flat))
-        if not cache.fits(il, n_tok):
+        st.link.settle()  # what landed by now, before the cache asks (FlagLinkCopyBackend)
+        if not fits[j]:
             cache.observe(il, sel_all[:, j])
             clock.advance(costs.native_upload(il) + costs.experts(il, need))
             continue
@@ -304,9 +315,12 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
             st.prefetcher.on_route(RouteEvent(il=il, ids=sel_all[:, j], probs=probs, hidden=hidden))
             pred_s = time.perf_counter() - tp if st.config.predictor_s is None else st.config.predictor_s
             clock.advance(pred_s if st.timed else 0.0)
-        read_s = costs.zero_copy(lst.host_read_bytes - read0)
-        st.link.occupy(read_s)
-        in_place = lst.misses - miss0 if il in cache.split else 0  # whole misses: bound by the link
+        if il in split:  # what it read in place holds the link; whole misses are bound by it
+            read_s = costs.zero_copy(lst.host_read_bytes - read0)
+            st.link.occupy(read_s)
+            in_place = lst.misses - miss0
+        else:  # a whole-expert layer reads nothing in place on the sync path
+            read_s, in_place = 0.0, 0
         clock.advance(max(costs.experts(il, need - n_host - in_place) + read_s, costs.cpu(il, n_host)))
     return fi
 
@@ -330,20 +344,29 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
     (a predictor), each layer's start is seen by the cache and the prefetcher as the engine's mailbox reader
     sees it (free slots only; the predictor's time is the reader's, off the decode's critical path)."""
     routing = np.full((max(layers) + 1, sel.shape[0], sel.shape[2]), -1, dtype=np.int32)
+    routing[layers] = sel[:, [pos[il] for il in layers], :].transpose(1, 0, 2)
+    flats = routing.reshape(routing.shape[0], -1).tolist()  # per layer, the ids token after token
+    layer_s = costs.layer(sel.shape[0])
+    split = cache.split
     for il in layers:
-        clock.advance(costs.layer(sel.shape[0]))
-        layer_ids = sel[:, pos[il], :]
-        routing[il] = layer_ids
-        need = set(layer_ids.ravel().tolist())
+        clock.advance(layer_s)
+        need = set(flats[il])
         if mailbox is not None and sel.shape[0] == 1:
+            layer_ids = sel[:, pos[il], :]
             cache.seen_start(il, layer_ids.ravel().tolist())
             mailbox.prefetcher.observe_layer(RouteEvent(il=il, ids=layer_ids, probs=None,
                                                         hidden=mailbox.hidden(il)))
         table = cache.tables[il]
-        ready = sum(1 for e in need if table.slot_of_list[e] >= 0 and table.copy[table.slot_of_list[e]] is None)
-        read_s = costs.zero_copy(_read_in_place(cache, il, need))
+        slot_of, copy = table.slot_of_list, table.copy
+        ready = sum(1 for e in need if slot_of[e] >= 0 and copy[slot_of[e]] is None)
+        if il in split.layers:
+            nbytes = _read_in_place(cache, il, need)
+        else:  # a whole expert for each one not ready in a slot
+            nbytes = (len(need) - ready) * cache.bytes_per_expert.get(il, 0)
+        read_s = costs.zero_copy(nbytes)
         link.occupy(read_s)
         clock.advance(costs.experts(il, ready) + read_s)  # what is read over the link is bound by the link
+    link.settle()  # what landed by now, before the controller asks (FlagLinkCopyBackend)
     controller.on_routing(layers, routing)
 
 
@@ -383,8 +406,11 @@ def _future(trace: Trace, cache: ExpertCache, layers: list[int], batches: Sequen
             ids: np.ndarray, pos: dict[int, int]) -> list[dict[int, float]]:
     """Next uses (``replay.next_uses``) over the cache's calls in the order the replay makes them: every layer
     of an async micro-batch (the controller's ``after_token``), the routed layers of a sync one."""
-    routed = [(il, sorted(set(ids[rows, pos[il]].ravel().tolist()))) for rows, a in zip(batches, is_async, strict=True)
-              for il in layers if a or cache.fits(il, rows.stop - rows.start)]
+    routed = []
+    for rows, a in zip(batches, is_async, strict=True):
+        n_tok = rows.stop - rows.start
+        per_layer = ids[rows].transpose(1, 0, 2).reshape(ids.shape[1], -1).tolist()  # one list per trace layer
+        routed += [(il, sorted(set(per_layer[pos[il]]))) for il in layers if a or cache.fits(il, n_tok)]
     return next_uses(routed, trace.meta.n_expert)
 
 
@@ -421,13 +447,19 @@ class BaselineResult:
 
 
 def baseline(trace: Trace, kind: str, bytes_per_expert: Mapping[int, int], profile: HardwareProfile,
-             budget: int | None = None) -> BaselineResult:
-    """Stock llama.cpp on the same routing, estimated on the same cost model (no cache, no hook):
+             budget: int | None = None, gpu_layers: Sequence[int] | None = None) -> BaselineResult:
+    """Stock llama.cpp on the same routing, estimated on the same cost model (no cache, no route op):
 
     - ``stock-vram``: every expert in VRAM; ``stock-cpu``: every expert in host memory, computed by the CPU
       (``-ot exps=CPU``); ``n-cpu-moe``: the first MoE layers whose whole expert tensors fit ``budget`` in
-      VRAM, the others on the CPU (``--n-cpu-moe``). Micro-batches of at least 32 tokens on host experts
+      VRAM, the others on the CPU (``--n-cpu-moe``). A layer whose experts the CPU computes splits the graph
+      (the activations to the host and back, a device sync): it pays the profile's ``hook_s`` (in the h100
+      and composed profiles the measured cost of one such split; the pcie4 and egpu estimates hold the route
+      callback's alone). Micro-batches of at least 32 tokens on host experts
       take llama.cpp's op offload: the layer's expert tensors are uploaded and the GPU computes.
+
+    ``gpu_layers`` (``n-cpu-moe`` only): the MoE layers whose experts sit in VRAM, as a given ``--n-cpu-moe N``
+    places them (the blocks from N on), instead of the budget's.
     """
     if kind not in BASELINES:
         raise UsageError(f"unknown baseline {kind!r}; choose one of {', '.join(BASELINES)}")
@@ -435,7 +467,9 @@ def baseline(trace: Trace, kind: str, bytes_per_expert: Mapping[int, int], profi
     layers = [int(il) for il in trace.layers]
     costs = _Costs(profile, bytes_per_expert, m.n_expert)
     on_gpu: set[int] = set(layers) if kind == "stock-vram" else set()
-    if kind == "n-cpu-moe":
+    if kind == "n-cpu-moe" and gpu_layers is not None:
+        on_gpu = set(gpu_layers)
+    elif kind == "n-cpu-moe":
         if budget is None:
             raise UsageError("the n-cpu-moe baseline needs the VRAM budget")
         left = budget
@@ -458,8 +492,8 @@ def baseline(trace: Trace, kind: str, bytes_per_expert: Mapping[int, int], profi
                 dt += costs.experts(il, need)
             elif n_tok >= OP_OFFLOAD_MIN_TOKENS:
                 dt += costs.native_upload(il) + costs.experts(il, need)
-            else:
-                dt += costs.cpu(il, need)
+            else:  # the scheduler splits the graph there: activations to the host and back, a device sync
+                dt += costs.hook() + costs.cpu(il, need)
         if trace.stage[rows.start] == STAGE_PREFILL:
             first = (first or 0.0) + dt
         else:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-from collections.abc import Iterable
+import operator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ggmoe.cache.clock import ManualClock
@@ -28,21 +29,48 @@ from ggmoe.cache.hardware import HardwareProfile
 from ggmoe.cache.split import LayerSplit
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
+class _Handle(CopyHandle):
+    """A copy handle that can carry whether it has landed by the clock's time (``FlagLinkCopyBackend``); equal
+    and hashed as the CopyHandle it is."""
+
+    _landed_flag = False  # not a field: set on the instance (object.__setattr__) once landed by the time asked
+
+
+def _new_handle(hid: int, il: int, expert: int, slot: int, priority: Priority) -> _Handle:
+    """``_Handle(hid, il, expert, slot, priority)``, its fields stored at once: a frozen dataclass's own
+    ``__init__`` sets each through ``object.__setattr__``, three times slower, and a replay makes millions."""
+    h = _Handle.__new__(_Handle)
+    d = h.__dict__
+    d["id"], d["il"], d["expert"], d["slot"], d["priority"] = hid, il, expert, slot, priority
+    return h
+
+
 class _Job:
-    key: tuple[int, float, int]  # (priority, rank, id): the lower, the more urgent
-    handle: CopyHandle
-    submitted: float  # s
-    chunks_left: int
-    chunk_s: float  # s one chunk takes on the link
-    started: bool = False
-    live: bool = True  # neither finished nor cancelled
-    ready: bool = False  # in the ready heap (submitted by a chunk's start)
+    """One copy on the link (a plain class with slots: a replay makes millions)."""
+
+    __slots__ = ("key", "handle", "submitted", "chunks_left", "chunk_s", "started", "live", "ready")
+
+    def __init__(self, key: tuple[int, float, int], handle: CopyHandle, submitted: float, chunks_left: int,
+                 chunk_s: float) -> None:
+        self.key = key  # (priority, rank, id): the lower, the more urgent
+        self.handle = handle
+        self.submitted = submitted  # s
+        self.chunks_left = chunks_left
+        self.chunk_s = chunk_s  # s one chunk takes on the link
+        self.started = False
+        self.live = True  # neither finished nor cancelled
+        self.ready = False  # in the ready heap (submitted by a chunk's start)
 
 
 class LinkCopyBackend:
     """Copies of ``bytes_per_expert[il]`` bytes over one simulated link (see the module docstring); a split
     layer's (``split``, MoEpic) move its top segment into a slot and its bottom into a bottom buffer."""
+
+    __slots__ = ("clock", "bytes_per_expert", "split", "profile", "n_chunks", "_ids", "_queue", "_pending", "_ready",
+                 "_landed", "_busy_until", "_settled", "busy_s", "late_prefetches", "_chunk_of", "_track",
+                 "_future")  # a replay asks
+    # millions of times: slots are read faster than a dict's entries
 
     def __init__(self, clock: ManualClock, bytes_per_expert: dict[int, int], profile: HardwareProfile | None,
                  n_chunks: int = 3, split: dict[int, LayerSplit] | None = None) -> None:
@@ -60,9 +88,12 @@ class LinkCopyBackend:
         self._ready: list[tuple[tuple[int, float, int], int, _Job]] = []
         self._landed: dict[int, float] = {}  # handle id -> landing time (s)
         self._busy_until = 0.0  # s: the link is busy with a chunk until then
-        self._settled = -1.0  # clock time by which every chunk that could start has run (until a submission)
+        self._settled = -1.0  # clock time by which every chunk that starts before it has run
         self.busy_s = 0.0  # s the link spent copying
         self.late_prefetches = 0  # prefetch copies a layer had to wait for (not landed in time)
+        self._chunk_of: dict[int, float] = {}  # il -> s one chunk of a whole expert's copy takes (no split)
+        self._track = False  # FlagLinkCopyBackend: landings are kept in _future until the clock reaches them
+        self._future: list[tuple[float, int, _Handle]] = []  # (landing time, id, handle), a heap
 
     def copy_bytes(self, h: CopyHandle) -> int:
         """Bytes one copy moves: a whole expert, or a split layer's top (into a slot) or bottom (a buffer)."""
@@ -76,14 +107,21 @@ class LinkCopyBackend:
         return p.copy_latency_s + self.copy_bytes(h) / self.n_chunks / p.copy_bytes_per_s
 
     def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
-        h = CopyHandle(next(self._ids), il, expert, slot, priority if type(priority) is Priority else Priority(priority))
+        h = _new_handle(next(self._ids), il, expert, slot, priority if type(priority) is Priority else Priority(priority))
         if self.profile is None:
             self._landed[h.id] = self.clock.now()
+            object.__setattr__(h, "_landed_flag", True)
             return h
-        job = _Job((int(priority), rank, h.id), h, self.clock.now(), self.n_chunks, self._chunk_s(h))
+        cs = self._chunk_of.get(il)
+        if cs is None:
+            cs = self._chunk_s(h)
+            if il not in self.split:
+                self._chunk_of[il] = cs
+        job = _Job((int(priority), rank, h.id), h, self.clock.t, self.n_chunks, cs)
         self._queue[h.id] = job
         self._pending.append(job)
-        self._settled = -1.0
+        # _settled stays: a job submitted now starts at now or later, so every chunk that starts before a time
+        # already settled has run still (an advance runs only chunks that start before the clock's time)
         return h
 
     def _top(self) -> _Job | None:
@@ -130,6 +168,8 @@ class LinkCopyBackend:
                 job.live = False
                 del self._queue[job.handle.id]
                 self._landed[job.handle.id] = self._busy_until
+                if self._track:
+                    heapq.heappush(self._future, (self._busy_until, job.handle.id, job.handle))
                 return job.handle.id
             start = self._busy_until
             if until is not None and start >= until:
@@ -147,8 +187,8 @@ class LinkCopyBackend:
         self._settled = now
 
     def done(self, handle: CopyHandle) -> bool:
-        now = self.clock.now()
-        if self._queue and now != self._settled:  # _advance's own check, inlined: the async decode asks often
+        now = self.clock.t  # the ManualClock's time, read directly: the async decode asks millions of times
+        if now != self._settled and self._queue:  # _advance's own check, inlined
             self._advance()
         t = self._landed.get(handle.id)
         return t is not None and t <= now
@@ -156,18 +196,73 @@ class LinkCopyBackend:
     def wait(self, handles: Iterable[CopyHandle]) -> None:
         handles = list(handles)
         self._advance()
+        queue, pending = self._queue, set()
         for h in handles:
-            if h.priority == Priority.PREFETCH and not self._done_now(h):
+            if h.priority is Priority.PREFETCH and not self._done_now(h):
                 self.late_prefetches += 1
-        pending = {h.id for h in handles if h.id in self._queue}  # neither landed nor cancelled
-        while pending:
-            done = self._step(None)
-            if done is None:
-                break
-            pending.discard(done)
-        last = max((self._landed.get(h.id, 0.0) for h in handles), default=0.0)
+            if h.id in queue:  # neither landed nor cancelled
+                pending.add(h.id)
+        if pending:
+            self._drain(pending)
+        landed, last = self._landed, 0.0
+        for h in handles:  # the last landing (max of the landing times, 0 when none)
+            t = landed.get(h.id, 0.0)
+            if t > last:
+                last = t
         if last > self.clock.now():
             self.clock.advance(last - self.clock.now())
+        if self._track:
+            self.settle()
+
+    def settle(self) -> None:
+        """Before the cache is called (and after a wait moved the clock): ``FlagLinkCopyBackend`` marks every
+        copy landed by now; here ``done`` asks lazily, so nothing to do."""
+
+    def _drain(self, pending: set[int]) -> None:
+        """``_step(None)`` until every job of ``pending`` landed, in one loop. Nothing is submitted while the GPU
+        waits, and after ``_advance`` the link's next start is at or after every submission: every queued job
+        is ready then, so the jobs run whole, one after another in key order, each chunk's end the previous
+        one's plus its time (the same additions as chunk by chunk)."""
+        if self._top() is not None:
+            start = self._busy_until
+        else:
+            jobs = [j for j in self._pending if j.live]
+            if not jobs:
+                self._pending.clear()
+                return
+            start = max(self._busy_until, jobs[0].submitted)
+            if all(a.key < b.key for a, b in zip(jobs, jobs[1:], strict=False)):  # in key order: a layer's demand
+                self._pending.clear()
+                rest = iter(jobs)
+                self._run(rest, pending, start)
+                for job in rest:  # what the list had left joins the ready heap, as _make_ready would have put it
+                    job.ready = True
+                    heapq.heappush(self._ready, (job.key, job.handle.id, job))
+                return
+        self._make_ready(start)
+        self._run(iter(self._top, None), pending, start)
+
+    def _run(self, jobs: Iterator[_Job], pending: set[int], t: float) -> None:
+        """Run ``jobs`` whole from ``t``, one after another, until every job of ``pending`` landed."""
+        busy, queue, landed = self.busy_s, self._queue, self._landed
+        for job in jobs:
+            job.started = True
+            cs = job.chunk_s
+            for _ in range(job.chunks_left):
+                t = t + cs
+                busy += cs
+            job.chunks_left = 0
+            job.live = False
+            hid = job.handle.id
+            del queue[hid]
+            landed[hid] = t
+            if self._track:
+                heapq.heappush(self._future, (t, hid, job.handle))
+            pending.discard(hid)
+            if not pending:
+                break
+        self._busy_until = t
+        self.busy_s = busy
 
     def _done_now(self, h: CopyHandle) -> bool:
         t = self._landed.get(h.id)
@@ -184,7 +279,7 @@ class LinkCopyBackend:
 
     def promote(self, handle: CopyHandle) -> None:
         """Serve a queued copy at demand priority from now on (a layer waits for it)."""
-        if handle.priority == Priority.DEMAND:  # served first already (promoted ones keep their handle's)
+        if handle.priority is Priority.DEMAND:  # served first already (promoted ones keep their handle's)
             return
         self._advance()
         j = self._queue.get(handle.id)
@@ -218,3 +313,26 @@ class LinkCopyBackend:
         self._queue.clear()
         self._pending.clear()
         self._ready.clear()
+
+
+class FlagLinkCopyBackend(LinkCopyBackend):
+    """The same link, whose ``done`` is a C-level attribute read of the handle (``_landed_flag``) instead of a
+    method: the async decode's controller asks it of every copy in flight for every layer of every token
+    (tens of millions of times in a long replay). The flags are set by ``settle``, which the simulator calls
+    before each call into the cache; inside a call the clock moves only in ``wait``, which settles again, and
+    a copy submitted during a call cannot land before its clock's time. So every answer is the lazy one."""
+
+    __slots__ = ()
+    done = operator.attrgetter("_landed_flag")  # not a descriptor: link.done(h) is h._landed_flag
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._track = True
+
+    def settle(self) -> None:
+        now = self.clock.t
+        if self._queue and now != self._settled:
+            self._advance()
+        future = self._future
+        while future and future[0][0] <= now:
+            object.__setattr__(heapq.heappop(future)[2], "_landed_flag", True)

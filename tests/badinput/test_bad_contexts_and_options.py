@@ -377,6 +377,19 @@ def test_serve_flags_that_would_serve_nothing(flag, value, match, model):
     assert_clean_error(run_ggmoe("serve", model, "--port", port, flag, value, timeout=30), match)
 
 
+@pytest.mark.parametrize("extra,match", [
+    (["--vram", "4GiB"], "--fit chooses the cache: leave out --vram"),
+    (["--cache-slots", "4", "--decode-mode", "sync"], "leave out --cache-slots, --decode-mode"),
+    (["--config", "plan.toml"], "leave out --config"),
+], ids=["vram", "slots and decode mode", "config"])
+def test_serve_fit_refuses_cache_flags(extra, match, model):
+    """--fit chooses the cache: a cache flag beside it is one error, before the model loads or a server starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    assert_clean_error(run_ggmoe("serve", model, "--port", port, "--fit", *extra, timeout=30), match)
+
+
 # --------------------------------------------------------------------------- traces as trace -o wrote them
 
 READERS = {

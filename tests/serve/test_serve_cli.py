@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import gguf
+import httpx
 import pytest
 from make_fixtures import rewrite_gguf
 from server_process import free_port, start_server, stop_server
@@ -172,3 +173,19 @@ def test_reconfigure_flags_get_one_line(args, message):
 
     r = CliRunner().invoke(main, ["serve", *args])
     assert r.exit_code != 0 and r.output.count("error:") == 1 and message in r.output, r.output
+
+
+def test_fit_without_a_gpu_says_so_in_one_line_and_serves(tmp_path):
+    """On the CPU build --fit has nothing to plan: one line, then the server as without a cache flag."""
+    from ggmoe.engine.loader import gpu_device_name
+
+    if gpu_device_name() is not None:
+        pytest.skip("a GPU is present: --fit plans a cache there (tests/unit/test_serve_fit.py)")
+    s = start_server(tmp_path, "--fit")
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "def fib(n):", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    finally:
+        assert stop_server(s) == 0
+    log = open(s.log).read()
+    assert log.count("ggmoe serve --fit: no GPU on this machine (CPU build)") == 1, log
