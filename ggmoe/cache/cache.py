@@ -220,6 +220,10 @@ class ExpertCache:
             if self.keep_free.get(il):
                 self._make_room(il, table, need, self.keep_free[il])
 
+    def has_free_slot(self) -> bool:
+        """Whether some whole-expert layer has a free slot (a prefetch into a running graph could go there)."""
+        return any(t.free for il, t in self.tables.items() if il not in self.split)
+
     def seen_start(self, il: int, flat: list[int]) -> None:
         """Async decode with the mailbox: layer ``il`` has started with experts ``flat`` (the device reads their
         entries now). Copies that landed are marked (their entries flipped stream-ordered already); the experts

@@ -27,6 +27,8 @@ from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteEvent
 from ggmoe.predict.base import Predictor
 
+IDLE_SKIP_MAX = 16  # decode tokens at most that an idle prefetcher leaves the mailbox unread
+
 
 @dataclass(frozen=True)
 class PrefetchConfig:
@@ -85,6 +87,11 @@ class Prefetcher:
         self.limit = n_prefetch
         self._seen_outcomes = (0, 0)  # (used, wasted + late) bytes at the last look
         self._issued: dict[int, int] = {}  # il -> prefetches issued into it, at the last look
+        # tokens in a row whose predictions issued nothing (every predicted expert resident), and decode tokens
+        # the mailbox is left unread for: 1, 2, 4 ... up to IDLE_SKIP_MAX, back to 0 once a prefetch is issued
+        self._idle = 0
+        self._skip = 0
+        self._was_read = False  # whether the last decode token's mailbox was read
         if background:
             self.start_background()
 
@@ -162,7 +169,21 @@ class Prefetcher:
         issued = {il: st.layers[il].prefetch_issued for il in self.layers}
         self.cache.keep_free = {il: min(c, issued[il] - self._issued.get(il, 0) + 1) if c else 0
                                 for il, c in cap.items()}
+        if sum(issued.values()) != sum(self._issued.values()):  # prefetches were issued: read every token
+            self._idle = self._skip = 0
+        elif self._was_read:  # a token read for nothing: leave the next ones unread, longer each time
+            self._idle += 1
+            self._skip = min(IDLE_SKIP_MAX, 1 << (self._idle - 1))
         self._issued = issued
+
+    def wants_token(self) -> bool:
+        """Async decode: whether the mailbox's reader should read the token about to decode. After tokens whose
+        predictions issued nothing (every predicted expert already resident, as with every expert cached) it
+        skips 1, 2, 4 ... tokens, so that its numpy does not take the decode's cores for nothing."""
+        self._was_read = self._skip == 0
+        if self._skip > 0:
+            self._skip -= 1
+        return self._was_read
 
     def _begin(self, tokens: list[int], calls: dict[int, int]) -> None:
         if len(tokens) > 1:

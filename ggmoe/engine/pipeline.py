@@ -311,8 +311,9 @@ class CachePipeline:
                 layers = list(self.facts.moe_layers)
                 tables.write_forced(layers, [np.asarray(override(il, n), dtype=np.int32).reshape(n, k)
                                              for il in layers])
-            if self.stride is not None and len(tokens) == 1:  # the last thing before the decode launches
-                self.stride.begin_token()
+            if (self.stride is not None and len(tokens) == 1 and self.runtime.cache.has_free_slot()
+                    and self.prefetcher.wants_token()):
+                self.stride.begin_token()  # the last thing before the decode launches
                 self._reading = True
             elif self.stride is not None:  # a table-mode decode of several tokens: nobody reads it
                 self.stride.mailbox.release_all()

@@ -348,10 +348,13 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
     flats = routing.reshape(routing.shape[0], -1).tolist()  # per layer, the ids token after token
     layer_s = costs.layer(sel.shape[0])
     split = cache.split
+    # as the engine's pipeline decides before a token launches: read the mailbox only where a prefetch could go
+    read = (mailbox is not None and sel.shape[0] == 1 and cache.has_free_slot()
+            and mailbox.prefetcher.wants_token())
     for il in layers:
         clock.advance(layer_s)
         need = set(flats[il])
-        if mailbox is not None and sel.shape[0] == 1:
+        if read:
             layer_ids = sel[:, pos[il], :]
             cache.seen_start(il, layer_ids.ravel().tolist())
             mailbox.prefetcher.observe_layer(RouteEvent(il=il, ids=layer_ids, probs=None,

@@ -89,8 +89,9 @@ def test_no_python_call_per_moe_layer_when_decoding(qwen3moe_model, predictor):
         assert len(eng.hook_times) == 0  # the route callback never ran
         assert ctl.tokens - tokens0 == 8  # one controller step per decode
         assert ctl.calls - calls0 == 8 * len(facts.moe_layers)  # each layer's routing, after the decode
-        if predictor:  # the mailbox's reader saw every decode token, and the predictor prefetched from it
-            assert eng.pipeline.stride.tokens >= 8 and eng.cache_stats.total().prefetch_issued > 0
+        if predictor:  # the mailbox's reader read decode tokens (not those an idle predictor skips), and the
+            # predictor prefetched from it
+            assert eng.pipeline.stride.tokens >= 1 and eng.cache_stats.total().prefetch_issued > 0
         # with an observer that reads hidden states, the same decode takes the route op again (sync path)
         rec = RouteRecorder(HookRequest(probs=True, hidden=True))
         with eng.observing(rec):

@@ -136,3 +136,25 @@ def test_the_prefetch_budget_halves_when_prefetches_are_wasted_and_grows_back():
     st.prefetch_hits += 3
     pf.begin_step([7])
     assert pf.limit == 3
+
+
+def test_an_idle_prefetcher_leaves_the_mailbox_unread_for_longer_and_longer():
+    from ggmoe.predict import ModelShape
+
+    cache, _ = _cache(n_slots=8)
+    pf = Prefetcher(cache, Fixed(ModelShape("x", (0, 1), 16, 2, 4), 1), [0, 1], n_prefetch=4)
+    pf.free_only = True
+    for il in (0, 1):  # every predicted expert (10..13) resident: predictions issue nothing
+        for slot, e in enumerate(range(10, 14)):
+            cache.tables[il].place(e, slot, None)
+            cache.tables[il].free.remove(slot)
+    read = []
+    for _ in range(12):  # nothing is ever issued: the reader skips 1, then 2, then 4 ... tokens
+        pf.begin_step([7])
+        read.append(pf.wants_token())
+    assert read == [True, False, True, False, False, True, False, False, False, False, True, False]
+    cache.stats.layers[0].prefetch_issued += 2  # a token's predictions issued copies: read every token again
+    pf.begin_step([7])
+    assert pf.wants_token()
+    pf.begin_step([7])
+    assert pf.wants_token() is False  # that last token issued nothing: idle again, one skipped
