@@ -46,7 +46,13 @@ def _spy(eng) -> list:
     return got
 
 
-def test_mailbox_hands_the_predictor_what_the_route_op_would(tmp_path):
+def test_mailbox_hands_the_predictor_what_the_route_op_would(tmp_path, monkeypatch):
+    from ggmoe.cache.cache import ExpertCache
+    from ggmoe.control import prefetch
+
+    # every token read, as the route op sees every token (not only those a prefetch has room or use for)
+    monkeypatch.setattr(prefetch, "IDLE_SKIP_MAX", 0)
+    monkeypatch.setattr(ExpertCache, "has_free_slot", lambda self: True)
     model = default_model_path()
     pred = random_predictor_file(model, tmp_path / "p.npz", kind="mlp", stride=1, hidden=32, seed=3)
     fed = {}
@@ -57,18 +63,11 @@ def test_mailbox_hands_the_predictor_what_the_route_op_would(tmp_path):
             eng.generate("The mailbox test", 10)
             if mode == "async":
                 assert eng.prefetcher.via_mailbox and eng.prefetcher.free_only
-    # Every layer the reader handed on equals the route op's event for it, in order. On the deferred stream a
-    # token is now and then not read at all (seen once in several runs, not understood yet; the stop note says
-    # so): the async feed is then the sync feed less that token's layers.
-    n_layer = len(inspect_model(model).moe_layers)
-    sync = fed["sync"]
-    assert len(sync) > 0 and len(sync) - n_layer <= len(fed["async"]) <= len(sync)
-    j = 0
-    for il_a, ids_a, h_a in fed["async"]:
-        while not (sync[j][0] == il_a and np.array_equal(sync[j][1], ids_a) and np.array_equal(sync[j][2], h_a)):
-            j += 1  # a skipped token's layers
-            assert j < len(sync), "a mailbox event the route op never gave"
-        j += 1
+    assert len(fed["async"]) == len(fed["sync"]) > 0
+    for (il_a, ids_a, h_a), (il_b, ids_b, h_b) in zip(fed["async"], fed["sync"], strict=True):
+        assert il_a == il_b
+        np.testing.assert_array_equal(ids_a, ids_b)
+        np.testing.assert_array_equal(h_a, h_b)  # the MLP reads the same input in both decodes
 
 
 @pytest.mark.parametrize("predictor", ["reuse", "mlp"])
