@@ -11,7 +11,7 @@ simulator's lands them on a virtual timeline.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -419,10 +419,15 @@ class ExpertCache:
         """Early preemption at the gate: the positions in ``handles`` (a layer's copies in flight, by slot or
         bottom buffer) of prefetches still queued that this call does not need, now cancelled (never written)."""
         used = set(need)
+        out = self._cancel_where(handles, lambda h: h.priority == Priority.PREFETCH and h.expert not in used)
+        self.stats.layers[il].prefetch_dropped += len(out)
+        return out
+
+    def _cancel_where(self, handles: list[CopyHandle | None], stale: Callable[[CopyHandle], bool]) -> list[int]:
+        """Cancel the copies in ``handles`` that ``stale`` picks and that have not started; their positions."""
         out = []
         for i, h in enumerate(handles):
-            if h is not None and h.priority == Priority.PREFETCH and h.expert not in used and self.copies.cancel(h):
-                self.stats.layers[il].prefetch_dropped += 1
+            if h is not None and stale(h) and self.copies.cancel(h):
                 self._submitted.pop(h.id, None)
                 self._submit_token.pop(h.id, None)
                 out.append(i)
@@ -432,14 +437,12 @@ class ExpertCache:
         """Between tokens: admissions of an earlier token still queued (not started) are cancelled, their slots
         free again. On a link slower than the misses come, a queue of old admissions would only grow, each
         landing too late to be used; the newest token's misses are the likeliest to come back."""
-        for slot, h in enumerate(table.copy):
-            if (h is not None and h.priority == Priority.ADMISSION
-                    and self._submit_token.get(h.id, self.token) < self.token and self.copies.cancel(h)):
-                self.stats.layers[il].admissions_dropped += 1
-                self.policy.on_evict(il, h.expert)
-                self._submitted.pop(h.id, None)
-                self._submit_token.pop(h.id, None)
-                table.drop(slot)
+        token, submitted = self.token, self._submit_token
+        for slot in self._cancel_where(table.copy, lambda h: h.priority == Priority.ADMISSION
+                                       and submitted.get(h.id, token) < token):
+            self.stats.layers[il].admissions_dropped += 1
+            self.policy.on_evict(il, table.expert_in_list[slot])
+            table.drop(slot)
 
     def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
         """Prefetches for this layer still queued and not needed are cancelled; their slots are free again."""

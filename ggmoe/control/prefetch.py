@@ -151,11 +151,13 @@ class Prefetcher:
         read from a slot instead of over the link) against those they cost for nothing (wasted or late)."""
         st = self.cache.stats
         used = wasted = 0
+        issued: dict[int, int] = {}
         for il in self.layers:
             s = st.layers[il]
             nb = self.cache.slot_bytes.get(il, 0) or 1
             used += s.prefetch_hits * nb
             wasted += (s.prefetch_wasted + s.prefetch_late) * nb
+            issued[il] = s.prefetch_issued
         du, dw = used - self._seen_outcomes[0], wasted - self._seen_outcomes[1]
         self._seen_outcomes = (used, wasted)
         if dw > du:
@@ -166,7 +168,6 @@ class Prefetcher:
         # one more than they took, per layer, so a predictor whose experts are resident anyway (reuse, behind
         # LRU admissions) leaves the cache nearly all its slots.
         cap = keep_free_slots(self.cache.n_slots, self.cache.n_expert, self.k, self.limit)
-        issued = {il: st.layers[il].prefetch_issued for il in self.layers}
         self.cache.keep_free = {il: min(c, issued[il] - self._issued.get(il, 0) + 1) if c else 0
                                 for il, c in cap.items()}
         if sum(issued.values()) != sum(self._issued.values()):  # prefetches were issued: read every token

@@ -186,14 +186,12 @@ class GgmlCopyBackend:
         """Put expert tensor kinds ``chunks`` (default: all) of ``expert``'s copy into ``slot`` on the stream;
         returns the stream's marker for them."""
         pairs = self.pairs[il]
-        kinds = [pairs[i] for i in (chunks if chunks is not None else range(len(pairs))) if i < len(pairs)]
-
+        kinds = [i for i in (chunks if chunks is not None else range(len(pairs))) if i < len(pairs)]
         flip = self.flip
-        idx = list(chunks) if chunks is not None else list(range(len(pairs)))
 
         def work(stream: int | None) -> None:
-            for i, p in zip(idx, kinds, strict=False):
-                self._write(p, expert, slot, stream)
+            for i in kinds:
+                self._write(pairs[i], expert, slot, stream)
                 if flip is not None and slot >= 0:
                     self._flip(flip(il, i, expert, slot), stream)
 
