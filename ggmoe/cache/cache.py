@@ -63,6 +63,9 @@ class ExpertCache:
         # the copy queue's optional hooks, looked up once rather than per call (None: the backend has no queue)
         self._promote = getattr(self.copies, "promote", None)
         self._remaining = getattr(self.copies, "remaining_s", None)
+        # whether a copy never lands within the call that submits it (a simulated link with a cost model):
+        # after_token then need not look for copies its own admissions landed
+        self._lands_later = bool(getattr(self.copies, "lands_later", False))
         self.miss_policy = check_miss_policy(miss_policy)
         self.costs = costs  # for "auto"
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
@@ -113,7 +116,9 @@ class ExpertCache:
 
         Returns a slot per id, or ``SLOT_HOST`` (-1) for an expert the CPU computes (miss policy ``cpu`` or
         ``auto``, micro-batches of at most ``HOST_MAX_TOKENS`` tokens). ``next_use`` (expert -> access number
-        of its next use) reaches the policy when the caller knows it.
+        of its next use) reaches the policy when the caller knows it. The rarer concerns (copies in flight,
+        the host path, on-demand release) are their own methods; the common call (hits, demand misses) stays
+        in this one, whose every line runs a million times in a long replay.
         """
         t0 = self.time.now()
         st = self.stats.layers[il]
@@ -121,7 +126,7 @@ class ExpertCache:
         self.clock += 1
         st.calls += 1
         need = sorted(set(flat))  # distinct experts, ascending
-        if len(need) > table.n_slots:
+        if len(need) > len(table.expert_in_list):
             raise UsageError(f"layer {il}: {len(need)} distinct experts do not fit {table.n_slots} slots "
                              "(the caller should have used the native path)")
         if next_use is not None:
@@ -130,10 +135,7 @@ class ExpertCache:
         missing = [e for e in need if slot_of[e] < 0]
         st.hits += len(need) - len(missing)
         st.misses += len(missing)
-        if table.n_loading:
-            self._land_done(table)
-            self._drop_stale_prefetches(il, table, need)
-        pending = self._in_flight(table, need) if table.n_loading else []
+        pending = self._in_flight_now(il, table, need) if table.n_loading else []
         if self.n_prefetched[il]:
             self._count_prefetch_hits(il, table, need)
         host: set[int] = set()
@@ -144,38 +146,66 @@ class ExpertCache:
             pending += loaded
             st.demand_copies += len(loaded)
         if pending:
-            if self._promote is not None:  # queued behind prefetches or admissions: the layer waits for these
-                for h in pending:
-                    self._promote(h)
-            tw = self.time.now()
-            self.copies.wait(pending)
-            st.wait_s += self.time.now() - tw
-            for h in pending:
-                table.landed(h.slot)
-                self._submitted.pop(h.id, None)
-                self._submit_token.pop(h.id, None)
+            self._wait_for(st, table, pending)
         if host:
-            st.host_computed += len(host)
-            admit = [e for e in host if slot_of[e] < 0]
-            # At most n_expert_used admissions in flight per layer: on a link slower than the CPU, queued
-            # admissions would pile up, each holding a slot while it waits.
-            room = self.n_expert_used - sum(1 for h in table.copy if h is not None and h.priority == Priority.ADMISSION)
-            admit = admit[: max(room, 0)]
-            if admit:  # low priority: a later token finds them; the current call computes them on the CPU
-                st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
+            self._admit_host(il, st, table, need, host)
         if il in self.predicted:
-            guess = self.predicted.pop(il)
-            st.pred_total += len(guess)
-            st.pred_correct += len(set(guess) & set(need))
+            self._score_guess(st, self.predicted.pop(il), need)
         self.policy.on_access(il, need, self.clock)
         slots = [SLOT_HOST if e in host else slot_of[e] for e in flat] if host else [slot_of[e] for e in flat]
         if self._releases:
-            for e in self.policy.release(il, table.resident()):
-                self.policy.on_evict(il, e)
-                self._note_eviction(il, table, slot_of[e])
-                table.drop(slot_of[e])
+            self._release(il, table, table.resident())
         st.hook_s += self.time.now() - t0
         return slots
+
+    def _in_flight_now(self, il: int, table: SlotTable, need: list[int]) -> list[CopyHandle]:
+        """Before a call reads its slots: copies that landed are marked, queued prefetches it does not need
+        are cancelled; the copies still landing into slots it reads."""
+        self._land_done(table)
+        self._drop_stale_prefetches(il, table, need)
+        return self._in_flight(table, need) if table.n_loading else []
+
+    def _wait_for(self, st: LayerStats, table: SlotTable, pending: list[CopyHandle]) -> None:
+        """The layer waits until ``pending`` (its demand copies and the copies in flight it reads) landed."""
+        promote = self._promote
+        if promote is not None:  # queued behind prefetches or admissions: the layer waits for these
+            for h in pending:
+                if h.priority is not Priority.DEMAND:  # a demand copy is served first already
+                    promote(h)
+        tw = self.time.now()
+        self.copies.wait(pending)
+        st.wait_s += self.time.now() - tw
+        submitted, submit_token = self._submitted, self._submit_token
+        for h in pending:
+            table.landed(h.slot)
+            submitted.pop(h.id, None)
+            submit_token.pop(h.id, None)
+
+    def _admit_host(self, il: int, st: LayerStats, table: SlotTable, need: list[int], host: set[int]) -> None:
+        """The host path computed ``host`` on the CPU this call: admit them at low priority for a later token."""
+        st.host_computed += len(host)
+        slot_of = table.slot_of_list
+        admit = [e for e in host if slot_of[e] < 0]
+        # At most n_expert_used admissions in flight per layer: on a link slower than the CPU, queued
+        # admissions would pile up, each holding a slot while it waits.
+        room = self.n_expert_used - sum(1 for h in table.copy if h is not None and h.priority is Priority.ADMISSION)
+        admit = admit[: max(room, 0)]
+        if admit:  # low priority: a later token finds them; the current call computes them on the CPU
+            st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
+
+    @staticmethod
+    def _score_guess(st: LayerStats, guess: list[int], need: list[int]) -> None:
+        """A predictor's guess for this call (``score_prediction``) against what it used."""
+        st.pred_total += len(guess)
+        st.pred_correct += len(set(guess) & set(need))
+
+    def _release(self, il: int, table: SlotTable, resident: list[int]) -> None:
+        """A policy that keeps nothing (on-demand): drop what it releases of ``resident``."""
+        slot_of = table.slot_of_list
+        for e in self.policy.release(il, resident):
+            self.policy.on_evict(il, e)
+            self._note_eviction(il, table, slot_of[e])
+            table.drop(slot_of[e])
 
     def after_token(self, il: int, flat: list[int]) -> None:
         """The async decode's step for one layer of one decoded micro-batch (between tokens, no graph running).
@@ -209,14 +239,12 @@ class ExpertCache:
                 self._land_done(table)
             self.policy.on_access(il, need, self.clock)
             if il in self.predicted:  # the stride prefetcher's guess for this layer, scored as in sync
-                guess = self.predicted.pop(il)
-                st.pred_total += len(guess)
-                st.pred_correct += len(set(guess) & set(need))
+                self._score_guess(st, self.predicted.pop(il), need)
             if self.n_prefetched[il]:
                 self._count_prefetch_hits(il, table, [e for e in need if e not in missing])
             self._admit_after(il, table, need, missing)
-            if table.n_loading:  # a synchronous backend (the CPU build's memcpy) has landed them already
-                self._land_done(table)
+            if table.n_loading and not self._lands_later:  # a synchronous backend (the CPU build's memcpy)
+                self._land_done(table)  # has landed them already
             if self.keep_free.get(il):
                 self._make_room(il, table, need, self.keep_free[il])
 
@@ -276,10 +304,7 @@ class ExpertCache:
         instead."""
         slot_of, copy = table.slot_of_list, table.copy
         if self._releases:
-            for e in self.policy.release(il, [x for x in table.resident() if copy[slot_of[x]] is None]):
-                self.policy.on_evict(il, e)
-                self._note_eviction(il, table, slot_of[e])
-                table.drop(slot_of[e])
+            self._release(il, table, [x for x in table.resident() if copy[slot_of[x]] is None])
             return
         if table.n_loading:
             self._drop_stale_admissions(il, table)
@@ -438,11 +463,14 @@ class ExpertCache:
         free again. On a link slower than the misses come, a queue of old admissions would only grow, each
         landing too late to be used; the newest token's misses are the likeliest to come back."""
         token, submitted = self.token, self._submit_token
-        for slot in self._cancel_where(table.copy, lambda h: h.priority == Priority.ADMISSION
-                                       and submitted.get(h.id, token) < token):
-            self.stats.layers[il].admissions_dropped += 1
-            self.policy.on_evict(il, table.expert_in_list[slot])
-            table.drop(slot)
+        dropped = self._cancel_where(table.copy, lambda h: h.priority is Priority.ADMISSION
+                                     and submitted.get(h.id, token) < token)
+        if dropped:
+            self.stats.layers[il].admissions_dropped += len(dropped)
+            on_evict, expert_in = self.policy.on_evict, table.expert_in_list
+            for slot in dropped:
+                on_evict(il, expert_in[slot])
+                table.drop(slot)
 
     def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
         """Prefetches for this layer still queued and not needed are cancelled; their slots are free again."""
@@ -458,9 +486,11 @@ class ExpertCache:
 
     @staticmethod
     def _victims(table: SlotTable, in_use: set[int]) -> list[int]:
-        """Resident experts that may be evicted: not used by this call, not still loading."""
-        return sorted(x for x in table.expert_in_list
-                      if x >= 0 and x not in in_use and table.copy[table.slot_of_list[x]] is None)
+        """Resident experts that may be evicted, ascending: not used by this call, not still loading."""
+        copy = table.copy
+        out = [x for s, x in enumerate(table.expert_in_list) if x >= 0 and copy[s] is None and x not in in_use]
+        out.sort()  # a policy's ties go to the lowest expert id
+        return out
 
     def land_ready(self) -> None:
         """Right before the next token launches (async decode): copies that landed since the last token boundary
@@ -475,13 +505,19 @@ class ExpertCache:
 
     def _land_done(self, table: SlotTable) -> None:
         """Mark every copy that has landed since the last look (their slots may be read and evicted again)."""
+        done, left = self.copies.done, table.n_loading  # left: copies in flight not looked at yet
         for slot, h in enumerate(table.copy):
-            if h is not None and self.copies.done(h):
+            if h is None:
+                continue
+            if done(h):
                 table.landed(slot)
                 self._submitted.pop(h.id, None)
                 st = self.stats.layers[h.il]
                 st.landed += 1
                 st.lag_tokens += self.token - self._submit_token.pop(h.id, self.token)
+            left -= 1
+            if not left:  # the later slots hold no copy in flight
+                break
 
     def _land_all(self, table: SlotTable) -> None:
         handles = [h for h in table.copy if h is not None]
@@ -514,36 +550,42 @@ class ExpertCache:
               priority: Priority, reserve: int = 0) -> list[CopyHandle]:
         """Copies of ``missing`` into free slots or the policy's victims (never a slot this call reads);
         ``reserve`` free slots are left for the async decode's prefetches."""
-        in_use = set(need)  # never evict what this call uses
-        bpe = self.slot_bytes[il]
-        st = self.stats.layers[il]
-        policy, submit, token = self.policy, self.copies.submit, self.token
+        policy, submit, token, clock = self.policy, self.copies.submit, self.token, self.clock
+        free, prefetched, listener = table.free, table.prefetched, table.listener
+        submitted, submit_token = self._submitted, self._submit_token
+        # a demand copy is waited for by the call that submits it (_wait_for): its age and token never matter
+        record = priority is not Priority.DEMAND
         handles = []
         cand: list[int] | None = None  # victims, computed once (a miss's own copy is in use, so never one)
+        evicted = 0
         for e in missing:
-            if len(table.free) > reserve:
-                slot = table.free.pop(0)
+            if len(free) > reserve:
+                slot = free.pop(0)
             else:
                 if not cand:
-                    cand = self._victims(table, in_use)
+                    cand = self._victims(table, set(need))  # never evict what this call uses
                 if not cand:
                     if priority != Priority.DEMAND:
                         break  # every other slot is in use or still loading: no room for a low-priority copy
                     self._land_all(table)  # a demand copy may take a slot whose copy landed
-                    cand = self._victims(table, in_use)
-                victim = policy.victim(il, cand, self.clock)
+                    cand = self._victims(table, set(need))
+                victim = policy.victim(il, cand, clock)
                 cand.remove(victim)
                 slot = table.slot_of_list[victim]
                 policy.on_evict(il, victim)
-                st.evictions += 1
-            if table.prefetched[slot]:
+                evicted += 1
+            if prefetched[slot]:
                 self._note_eviction(il, table, slot)
-            table.unmap(slot)  # the expert table stops pointing at the slot before the copy may write it
+            if listener is not None:  # the expert table stops pointing at the slot before the copy may write it
+                table.unmap(slot)
             h = submit(il, e, slot, priority)
-            self._submitted[h.id] = self.time.now()
-            self._submit_token[h.id] = token
+            if record:
+                submitted[h.id] = self.time.now()
+                submit_token[h.id] = token
             table.place(e, slot, h)
             handles.append(h)
-            policy.on_insert(il, e, self.clock)
-            st.bytes_copied += bpe
+            policy.on_insert(il, e, clock)
+        st = self.stats.layers[il]
+        st.evictions += evicted
+        st.bytes_copied += self.slot_bytes[il] * len(handles)
         return handles

@@ -6,6 +6,7 @@ call, where Python indexing costs far less than numpy's per-call overhead.
 
 from __future__ import annotations
 
+from bisect import insort
 from enum import IntEnum
 from typing import Protocol
 
@@ -104,8 +105,7 @@ class SlotTable:
         self.copy[slot] = None
         self.prefetched[slot] = False
         self.state[slot] = SlotState.EMPTY
-        self.free.append(slot)
-        self.free.sort()
+        insort(self.free, slot)  # kept ascending: the lowest free slot is taken first
         return old
 
     def resident(self) -> list[int]:

@@ -291,11 +291,13 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
     if fits is None:  # the cache's answer for this micro-batch size, per layer (the slots never change)
         fits = st.fits[n_tok] = [cache.fits(il, n_tok) for il in layers]
     split = cache.split
+    track = type(st.link) is FlagLinkCopyBackend  # the plain link answers lazily: nothing to settle
     for j, il in enumerate(layers):
         clock.advance(before)
         flat = flats[j]
         need = len(set(flat))
-        st.link.settle()  # what landed by now, before the cache asks (FlagLinkCopyBackend)
+        if track:
+            st.link.settle()  # what landed by now, before the cache asks (FlagLinkCopyBackend)
         if not fits[j]:
             cache.observe(il, sel_all[:, j])
             clock.advance(costs.native_upload(il) + costs.experts(il, need))

@@ -37,15 +37,6 @@ class _Handle(CopyHandle):
     _landed_flag = False  # not a field: set on the instance (object.__setattr__) once landed by the time asked
 
 
-def _new_handle(hid: int, il: int, expert: int, slot: int, priority: Priority) -> _Handle:
-    """``_Handle(hid, il, expert, slot, priority)``, its fields stored at once: a frozen dataclass's own
-    ``__init__`` sets each through ``object.__setattr__``, three times slower, and a replay makes millions."""
-    h = _Handle.__new__(_Handle)
-    d = h.__dict__
-    d["id"], d["il"], d["expert"], d["slot"], d["priority"] = hid, il, expert, slot, priority
-    return h
-
-
 class _Job:
     """One copy on the link (a plain class with slots: a replay makes millions)."""
 
@@ -95,6 +86,12 @@ class LinkCopyBackend:
         self._track = False  # FlagLinkCopyBackend: landings are kept in _future until the clock reaches them
         self._future: list[tuple[float, int, _Handle]] = []  # (landing time, id, handle), a heap
 
+    @property
+    def lands_later(self) -> bool:
+        """With a cost model a copy takes time: it never lands within the cache call that submits it (the
+        clock moves only between calls and in a wait). Without one every copy lands when submitted."""
+        return self.profile is not None
+
     def copy_bytes(self, h: CopyHandle) -> int:
         """Bytes one copy moves: a whole expert, or a split layer's top (into a slot) or bottom (a buffer)."""
         sp = self.split.get(h.il)
@@ -107,7 +104,12 @@ class LinkCopyBackend:
         return p.copy_latency_s + self.copy_bytes(h) / self.n_chunks / p.copy_bytes_per_s
 
     def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
-        h = _new_handle(next(self._ids), il, expert, slot, priority if type(priority) is Priority else Priority(priority))
+        # the handle's fields stored at once: a frozen dataclass's own __init__ sets each through
+        # object.__setattr__, three times slower, and a replay makes millions
+        h = _Handle.__new__(_Handle)
+        d = h.__dict__
+        d["id"], d["il"], d["expert"], d["slot"] = next(self._ids), il, expert, slot
+        d["priority"] = priority if type(priority) is Priority else Priority(priority)
         if self.profile is None:
             self._landed[h.id] = self.clock.now()
             object.__setattr__(h, "_landed_flag", True)
@@ -117,7 +119,7 @@ class LinkCopyBackend:
             cs = self._chunk_s(h)
             if il not in self.split:
                 self._chunk_of[il] = cs
-        job = _Job((int(priority), rank, h.id), h, self.clock.t, self.n_chunks, cs)
+        job = _Job((priority, rank, h.id), h, self.clock.t, self.n_chunks, cs)  # an IntEnum orders as its int
         self._queue[h.id] = job
         self._pending.append(job)
         # _settled stays: a job submitted now starts at now or later, so every chunk that starts before a time
@@ -194,8 +196,10 @@ class LinkCopyBackend:
         return t is not None and t <= now
 
     def wait(self, handles: Iterable[CopyHandle]) -> None:
-        handles = list(handles)
-        self._advance()
+        if type(handles) is not list:
+            handles = list(handles)
+        if self._queue and self.clock.t != self._settled:  # _advance's own check, inlined
+            self._advance()
         queue, pending = self._queue, set()
         for h in handles:
             if h.priority is Priority.PREFETCH and not self._done_now(h):
@@ -269,7 +273,8 @@ class LinkCopyBackend:
         return t is not None and t <= self.clock.now()
 
     def cancel(self, handle: CopyHandle) -> bool:
-        self._advance()
+        if self._queue and self.clock.t != self._settled:  # _advance's own check, inlined (a replay cancels millions)
+            self._advance()
         j = self._queue.get(handle.id)
         if j is not None and not j.started:
             j.live = False

@@ -40,5 +40,5 @@ class Belady(Policy):
         if not self.told[il]:
             raise UsageError("the belady policy needs the future (next-use times through set_future): it runs "
                              "only in the simulator, replaying a trace; live, choose another policy")
-        nu = self.next_use[il]
-        return min(candidates, key=lambda e: (-nu[e], e))
+        # the first of the furthest: candidates are ascending, so ties go to the lowest expert id
+        return max(candidates, key=self.next_use[il].__getitem__)
