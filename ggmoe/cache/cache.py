@@ -60,6 +60,10 @@ class ExpertCache:
         self.clock = 0  # access counter: one per routed layer call
         # whether the policy drops experts after a call (on-demand); checked once, not per call
         self._releases = type(policy).release is not Policy.release
+        # the policy's insert and evict hooks, None where it keeps the base class's (which does nothing): the
+        # hottest loops skip the call
+        self._on_insert = policy.on_insert if type(policy).on_insert is not Policy.on_insert else None
+        self._on_evict = policy.on_evict if type(policy).on_evict is not Policy.on_evict else None
         # the copy queue's optional hooks, looked up once rather than per call (None: the backend has no queue)
         self._promote = getattr(self.copies, "promote", None)
         self._remaining = getattr(self.copies, "remaining_s", None)
@@ -444,17 +448,20 @@ class ExpertCache:
         """Early preemption at the gate: the positions in ``handles`` (a layer's copies in flight, by slot or
         bottom buffer) of prefetches still queued that this call does not need, now cancelled (never written)."""
         used = set(need)
-        out = self._cancel_where(handles, lambda h: h.priority == Priority.PREFETCH and h.expert not in used)
+        out = self._cancel_where(handles, Priority.PREFETCH, lambda h: h.expert not in used)
         self.stats.layers[il].prefetch_dropped += len(out)
         return out
 
-    def _cancel_where(self, handles: list[CopyHandle | None], stale: Callable[[CopyHandle], bool]) -> list[int]:
-        """Cancel the copies in ``handles`` that ``stale`` picks and that have not started; their positions."""
+    def _cancel_where(self, handles: list[CopyHandle | None], priority: Priority,
+                      stale: Callable[[CopyHandle], bool]) -> list[int]:
+        """Cancel the copies of ``priority`` in ``handles`` that ``stale`` picks and that have not started; their
+        positions."""
         out = []
+        cancel, submitted, submit_token = self.copies.cancel, self._submitted, self._submit_token
         for i, h in enumerate(handles):
-            if h is not None and stale(h) and self.copies.cancel(h):
-                self._submitted.pop(h.id, None)
-                self._submit_token.pop(h.id, None)
+            if h is not None and h.priority is priority and stale(h) and cancel(h):
+                submitted.pop(h.id, None)
+                submit_token.pop(h.id, None)
                 out.append(i)
         return out
 
@@ -463,13 +470,13 @@ class ExpertCache:
         free again. On a link slower than the misses come, a queue of old admissions would only grow, each
         landing too late to be used; the newest token's misses are the likeliest to come back."""
         token, submitted = self.token, self._submit_token
-        dropped = self._cancel_where(table.copy, lambda h: h.priority is Priority.ADMISSION
-                                     and submitted.get(h.id, token) < token)
+        dropped = self._cancel_where(table.copy, Priority.ADMISSION, lambda h: submitted.get(h.id, token) < token)
         if dropped:
             self.stats.layers[il].admissions_dropped += len(dropped)
-            on_evict, expert_in = self.policy.on_evict, table.expert_in_list
+            on_evict, expert_in = self._on_evict, table.expert_in_list
             for slot in dropped:
-                on_evict(il, expert_in[slot])
+                if on_evict is not None:
+                    on_evict(il, expert_in[slot])
                 table.drop(slot)
 
     def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
@@ -487,6 +494,11 @@ class ExpertCache:
     @staticmethod
     def _victims(table: SlotTable, in_use: set[int]) -> list[int]:
         """Resident experts that may be evicted, ascending: not used by this call, not still loading."""
+        if not table.n_loading:  # no copy in flight: set operations in C instead of a loop over the slots
+            out = sorted(set(table.expert_in_list).difference(in_use))
+            if out and out[0] < 0:  # -1: the empty slots
+                del out[0]
+            return out
         copy = table.copy
         out = [x for s, x in enumerate(table.expert_in_list) if x >= 0 and copy[s] is None and x not in in_use]
         out.sort()  # a policy's ties go to the lowest expert id
@@ -551,6 +563,7 @@ class ExpertCache:
         """Copies of ``missing`` into free slots or the policy's victims (never a slot this call reads);
         ``reserve`` free slots are left for the async decode's prefetches."""
         policy, submit, token, clock = self.policy, self.copies.submit, self.token, self.clock
+        on_insert, on_evict = self._on_insert, self._on_evict
         free, prefetched, listener = table.free, table.prefetched, table.listener
         submitted, submit_token = self._submitted, self._submit_token
         # a demand copy is waited for by the call that submits it (_wait_for): its age and token never matter
@@ -572,7 +585,8 @@ class ExpertCache:
                 victim = policy.victim(il, cand, clock)
                 cand.remove(victim)
                 slot = table.slot_of_list[victim]
-                policy.on_evict(il, victim)
+                if on_evict is not None:
+                    on_evict(il, victim)
                 evicted += 1
             if prefetched[slot]:
                 self._note_eviction(il, table, slot)
@@ -584,7 +598,8 @@ class ExpertCache:
                 submit_token[h.id] = token
             table.place(e, slot, h)
             handles.append(h)
-            policy.on_insert(il, e, clock)
+            if on_insert is not None:
+                on_insert(il, e, clock)
         st = self.stats.layers[il]
         st.evictions += evicted
         st.bytes_copied += self.slot_bytes[il] * len(handles)

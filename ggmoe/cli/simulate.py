@@ -130,7 +130,7 @@ def run_configs(configs: list[Any], shared: tuple, jobs: int | None) -> list[Any
     not copied; default: the CPUs this process may use), one process for one configuration or ``jobs=1``."""
     import multiprocessing
     import os
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     global _SHARED
     _SHARED = shared
@@ -143,12 +143,22 @@ def run_configs(configs: list[Any], shared: tuple, jobs: int | None) -> list[Any
                 bar.update(1)
             return out
         with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as ex:
-            futures = [ex.submit(_run_one, cfg) for cfg in configs]
-            out = []
-            for f in futures:
-                out.append(f.result())
+            # the likely longest first, so that no long one starts last while the other workers idle
+            order = sorted(range(len(configs)), key=lambda i: _cost_rank(configs[i]), reverse=True)
+            futures = {i: ex.submit(_run_one, configs[i]) for i in order}
+            for _ in as_completed(futures.values()):
                 bar.update(1)
-            return out
+            return [futures[i].result() for i in range(len(configs))]
+
+
+def _cost_rank(cfg: Any) -> tuple:
+    """What makes a replay long, most first: the async decode (admissions submitted and cancelled at every
+    token), a predictor, a policy reading the future, fewer slots (more misses)."""
+    from ggmoe.cache.policies import POLICIES
+
+    slots = sum(cfg.n_slots.values()) / max(len(cfg.n_slots), 1)
+    return (cfg.decode_mode == "async", cfg.predictor is not None,
+            bool(getattr(POLICIES.get(cfg.policy), "needs_future", False)), -slots)
 
 
 def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: str) -> tuple[Any, Path | None]:

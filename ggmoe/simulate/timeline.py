@@ -60,7 +60,7 @@ class LinkCopyBackend:
 
     __slots__ = ("clock", "bytes_per_expert", "split", "profile", "n_chunks", "_ids", "_queue", "_pending", "_ready",
                  "_landed", "_busy_until", "_settled", "busy_s", "late_prefetches", "_chunk_of", "_track",
-                 "_future")  # a replay asks
+                 "_future", "_idle", "_idle_handles")  # a replay asks
     # millions of times: slots are read faster than a dict's entries
 
     def __init__(self, clock: ManualClock, bytes_per_expert: dict[int, int], profile: HardwareProfile | None,
@@ -85,6 +85,11 @@ class LinkCopyBackend:
         self._chunk_of: dict[int, float] = {}  # il -> s one chunk of a whole expert's copy takes (no split)
         self._track = False  # FlagLinkCopyBackend: landings are kept in _future until the clock reaches them
         self._future: list[tuple[float, int, _Handle]] = []  # (landing time, id, handle), a heap
+        # Demand copies submitted at the clock's time while nothing else was queued (the sync decode's misses),
+        # held without a job until the wait that the same cache call makes next: (handle, s per chunk, s
+        # submitted). Any other use of the link first makes them jobs (_jobs_for_idle), as submit would have.
+        self._idle: list[tuple[_Handle, float, float]] = []
+        self._idle_handles: list[_Handle] = []
 
     @property
     def lands_later(self) -> bool:
@@ -119,12 +124,52 @@ class LinkCopyBackend:
             cs = self._chunk_s(h)
             if il not in self.split:
                 self._chunk_of[il] = cs
+        if priority == Priority.DEMAND and not rank and not self._queue:  # the link has nothing else queued
+            self._idle.append((h, cs, self.clock.t))
+            self._idle_handles.append(h)
+            return h
+        if self._idle:
+            self._jobs_for_idle()
         job = _Job((priority, rank, h.id), h, self.clock.t, self.n_chunks, cs)  # an IntEnum orders as its int
         self._queue[h.id] = job
         self._pending.append(job)
         # _settled stays: a job submitted now starts at now or later, so every chunk that starts before a time
         # already settled has run still (an advance runs only chunks that start before the clock's time)
         return h
+
+    def _jobs_for_idle(self) -> None:
+        """The held demand copies become queued jobs, in submission order, as ``submit`` makes them."""
+        n = self.n_chunks
+        for h, cs, t in self._idle:
+            job = _Job((Priority.DEMAND, 0.0, h.id), h, t, n, cs)
+            self._queue[h.id] = job
+            self._pending.append(job)
+        self._idle.clear()
+        self._idle_handles.clear()
+
+    def _wait_idle(self) -> None:
+        """``wait`` for exactly the held demand copies, submitted at the clock's time: the link has nothing else
+        queued, so they run whole from its next free moment, one after another in submission order (``_drain``
+        and ``_run``'s additions), and the clock moves to the last one's landing."""
+        landed, busy, n = self._landed, self.busy_s, self.n_chunks
+        now = self.clock.t
+        t = self._busy_until if self._busy_until > now else now
+        for h, cs, _ in self._idle:
+            for _ in range(n):
+                t = t + cs
+                busy += cs
+            landed[h.id] = t
+            if self._track:
+                heapq.heappush(self._future, (t, h.id, h))
+        self._idle.clear()
+        self._idle_handles.clear()
+        self._busy_until, self.busy_s = t, busy
+        self._ready.clear()  # every entry is stale: no job is queued
+        self._pending.clear()
+        if t > now:
+            self.clock.advance(t - now)
+        if self._track:
+            self.settle()
 
     def _top(self) -> _Job | None:
         """The most urgent ready job (stale heap entries dropped)."""
@@ -189,6 +234,8 @@ class LinkCopyBackend:
         self._settled = now
 
     def done(self, handle: CopyHandle) -> bool:
+        if self._idle:
+            self._jobs_for_idle()
         now = self.clock.t  # the ManualClock's time, read directly: the async decode asks millions of times
         if now != self._settled and self._queue:  # _advance's own check, inlined
             self._advance()
@@ -198,6 +245,12 @@ class LinkCopyBackend:
     def wait(self, handles: Iterable[CopyHandle]) -> None:
         if type(handles) is not list:
             handles = list(handles)
+        if self._idle:
+            if (self._idle[0][2] == self.clock.t and len(handles) == len(self._idle_handles)
+                    and all(map(operator.is_, handles, self._idle_handles))):
+                self._wait_idle()
+                return
+            self._jobs_for_idle()
         if self._queue and self.clock.t != self._settled:  # _advance's own check, inlined
             self._advance()
         queue, pending = self._queue, set()
@@ -227,7 +280,7 @@ class LinkCopyBackend:
         waits, and after ``_advance`` the link's next start is at or after every submission: every queued job
         is ready then, so the jobs run whole, one after another in key order, each chunk's end the previous
         one's plus its time (the same additions as chunk by chunk)."""
-        if self._top() is not None:
+        if self._ready and self._top() is not None:
             start = self._busy_until
         else:
             jobs = [j for j in self._pending if j.live]
@@ -235,7 +288,7 @@ class LinkCopyBackend:
                 self._pending.clear()
                 return
             start = max(self._busy_until, jobs[0].submitted)
-            if all(a.key < b.key for a, b in zip(jobs, jobs[1:], strict=False)):  # in key order: a layer's demand
+            if len(jobs) == 1 or all(a.key < b.key for a, b in zip(jobs, jobs[1:], strict=False)):  # in key order: a layer's demand
                 self._pending.clear()
                 rest = iter(jobs)
                 self._run(rest, pending, start)
@@ -273,6 +326,8 @@ class LinkCopyBackend:
         return t is not None and t <= self.clock.now()
 
     def cancel(self, handle: CopyHandle) -> bool:
+        if self._idle:
+            self._jobs_for_idle()
         if self._queue and self.clock.t != self._settled:  # _advance's own check, inlined (a replay cancels millions)
             self._advance()
         j = self._queue.get(handle.id)
@@ -286,6 +341,8 @@ class LinkCopyBackend:
         """Serve a queued copy at demand priority from now on (a layer waits for it)."""
         if handle.priority is Priority.DEMAND:  # served first already (promoted ones keep their handle's)
             return
+        if self._idle:
+            self._jobs_for_idle()
         self._advance()
         j = self._queue.get(handle.id)
         if j is not None and j.key[0] > Priority.DEMAND:
@@ -295,6 +352,8 @@ class LinkCopyBackend:
 
     def remaining_s(self, handle: CopyHandle) -> float | None:
         """Seconds until ``handle`` lands if the link served it next (0: landed; None: unknown)."""
+        if self._idle:
+            self._jobs_for_idle()
         self._advance()
         if self._done_now(handle):
             return 0.0
@@ -310,11 +369,15 @@ class LinkCopyBackend:
         misses): the link is theirs meanwhile, so queued copies start after (a running chunk finishes)."""
         if self.profile is None or seconds <= 0:
             return
+        if self._idle:
+            self._jobs_for_idle()
         self._advance()
         self._busy_until = max(self._busy_until, self.clock.now()) + seconds
         self.busy_s += seconds
 
     def close(self) -> None:
+        self._idle.clear()
+        self._idle_handles.clear()
         self._queue.clear()
         self._pending.clear()
         self._ready.clear()
@@ -335,6 +398,8 @@ class FlagLinkCopyBackend(LinkCopyBackend):
         self._track = True
 
     def settle(self) -> None:
+        if self._idle:
+            self._jobs_for_idle()
         now = self.clock.t
         if self._queue and now != self._settled:
             self._advance()
