@@ -79,7 +79,7 @@ class ExpertCache:
         self._submit_token: dict[int, int] = {}  # copy handle id -> token it was submitted at
         # the planner between tokens (ggmoe.control.planner): per layer, the experts it expects at the layer's
         # next call, likeliest first. Admissions between tokens follow this order, and neither they, nor the
-        # free slots kept for prefetches, nor a prefetch evict any of them.
+        # free slots kept for prefetches, nor a prefetch at a token's start (the prefetcher's keep) evict any.
         self.plan: dict[int, list[int]] = {}
         unknown = sorted(set(split or {}) - set(n_slots))
         if unknown:
@@ -353,8 +353,6 @@ class ExpertCache:
                 if il in self.split or not self.tables[il].free:
                     return 0
                 return self._prefetch_whole(il, experts, keep, ranks, free_only=True)
-            if self.plan.get(il):  # a prefetch evicts none of the planner's experts either
-                keep = (keep or set()) | set(self.plan[il])
             return self._prefetch(il, experts, keep, ranks)
 
     def _prefetch(self, il: int, experts: list[int], keep: set[int] | None = None,
