@@ -56,7 +56,9 @@ class TokenController:
             cache.token += 1
         observers = tuple(self.observers) if self.observers is not None else ()
         rows_of = routing.tolist()  # [n_layer][n_tokens][n_expert_used]
-        planner = self.planner if routing.shape[1] == 1 else None  # a plan follows one decoded token
+        planner = self.planner  # a plan follows one decoded token (not a prefill's last micro-batch)
+        if planner is not None and (routing.shape[1] != 1 or not planner.decoding):
+            planner = None
         for il in layers:
             rows = rows_of[il]
             if rows[-1][0] < 0:  # the layer computed fewer tokens (llama.cpp's output skipping)

@@ -67,6 +67,11 @@ class NextTokenPlanner:
         self._in_request = False
         self._expected: dict[int, list[int]] = {}  # il -> the plan's top n_expert_used, scored at the next call
 
+    @property
+    def decoding(self) -> bool:
+        """Whether the step under way decodes one token (the only steps it plans from)."""
+        return self._decoding
+
     def begin_step(self, tokens: Sequence[int]) -> None:
         """Before each decode: a prefill starts a request (no plan stands), one token starts a token."""
         self._decoding = len(tokens) == 1

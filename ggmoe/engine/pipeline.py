@@ -154,8 +154,6 @@ class CachePipeline:
         self.decode_mode = choose_decode_mode(cache.decode_mode, reasons)
         if self.prefetcher is not None and self.decode_mode.mode == "sync":
             self._sync_prefetch(cache)
-        if self.planner is not None:  # the sync decode's route events; in async, while table mode is off
-            self.observers.add(self.planner)
         if self.decode_mode.mode == "async" or split:
             self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
                                        facts.n_layer, max(max_tokens, 1))
@@ -172,6 +170,8 @@ class CachePipeline:
 
             self.observers.on_change = on_change
             self._update_table_mode()
+        if self.planner is not None:  # the sync decode's route events; in async, while table mode is off
+            self.observers.add(self.planner)
 
     def _prefetch_note(self) -> str | None:
         """Why the prefetcher's or the planner's predictor cannot run on the async decode (None: they can, on
