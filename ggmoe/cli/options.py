@@ -161,13 +161,9 @@ def plan_config(planner: str | None, train: tuple[str, ...] = ()):
     it is read)."""
     if planner is None:
         return None
-    from ggmoe.control.planner import PlanConfig
-    from ggmoe.predict.base import check_predictor, is_predictor_file, predictor_class
+    from ggmoe.control.planner import PlanConfig, check_planner
 
-    check_predictor(planner)
-    if not is_predictor_file(planner) and not predictor_class(planner).predicts_next:
-        raise UsageError(f"--plan-predictor {planner}: it does not predict the next token's experts; choose reuse, "
-                         "eam, expert-map or a PRED.npz trained with `ggmoe train-predictor --mode token`")
+    check_planner(planner)
     return PlanConfig(predictor=planner, train=tuple(train))
 
 
@@ -234,6 +230,7 @@ def stats_summary(eng: Any) -> str | None:
     note = (eng.miss_policy or (None, None))[1]
     mode = eng.decode_mode
     reads = f", {t.host_reads} read from host memory" if t.host_reads else ""
+    pre += f", planner {t.plan_accuracy:.1%} accurate for the next token" if t.plan_total else ""
     split = (f", {t.top_hits} top-only hits (split layers: {t.top_hit_rate:.1%} found at least the top; "
              f"{format_bytes(t.bottom_read_bytes)} of bottoms read, {format_bytes(t.bottom_prefetch_bytes)} "
              "prefetched)" if t.top_hits or t.bottom_prefetches else "")

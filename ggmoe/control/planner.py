@@ -121,10 +121,22 @@ class NextTokenPlanner:
         return self.predictor.state()
 
 
+def check_planner(spec: str) -> None:
+    """A planner's predictor checked before anything loads: a known name that predicts the next token, or a
+    predictor file that exists (its mode is checked when it is read); UsageError in one line otherwise."""
+    from ggmoe.predict.base import check_predictor, is_predictor_file, predictor_class
+
+    check_predictor(spec)
+    if not is_predictor_file(spec) and not predictor_class(spec).predicts_next:
+        raise UsageError(f"planner {spec!r} does not predict the next token's experts; choose reuse, eam, "
+                         "expert-map or a PRED.npz trained with `ggmoe train-predictor --mode token`")
+
+
 def make_planner(cache: ExpertCache, config: PlanConfig, facts: object, model_path: str) -> NextTokenPlanner:
     """The planner for a loaded model: its predictor built (a PRED.npz must be of mode token) and fitted."""
     from ggmoe.control.prefetch import live_predictor
 
+    check_planner(config.predictor)
     pred = live_predictor(config.predictor, facts, model_path, 1, config.train, config.state, mode="token")
     n = config.n_protect if config.n_protect is not None else default_protect(facts.n_expert, facts.n_expert_used)
     return NextTokenPlanner(cache, pred, facts.moe_layers, n)

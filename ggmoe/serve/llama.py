@@ -350,8 +350,9 @@ def _plan_config(planner: str | None, train: Sequence[str]) -> object | None:
     """``load()``'s plan_predictor as a PlanConfig (None without one)."""
     if planner is None:
         return None
-    from ggmoe.control.planner import PlanConfig
+    from ggmoe.control.planner import PlanConfig, check_planner
 
+    check_planner(planner)  # before the model loads
     return PlanConfig(predictor=planner, train=tuple(train))
 
 

@@ -52,7 +52,7 @@ from ggmoe.cache.miss import SLOT_HOST, MissCosts, auto_without_host_path, effec
 from ggmoe.cache.policies import make_policy
 from ggmoe.cache.split import LayerSplit
 from ggmoe.control import TokenController
-from ggmoe.control.planner import NextTokenPlanner, default_protect
+from ggmoe.control.planner import NextTokenPlanner, check_planner, default_protect
 from ggmoe.control.prefetch import Prefetcher
 from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
@@ -140,6 +140,8 @@ def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_
     ``planner``: the planner's (``config.planner``: a PRED.npz must be of mode token), else the prefetcher's."""
     shape = ModelShape.from_trace(trace.meta, trace.layers)
     spec = config.planner if planner else config.predictor
+    if planner:
+        check_planner(spec)
     options: dict[str, object] = {"model": model_path} if spec == "skip-gate" else {}
     if planner and is_predictor_file(spec):
         options["mode"] = "token"
