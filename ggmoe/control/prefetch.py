@@ -246,16 +246,18 @@ class Prefetcher:
         """Prefetch ``target``'s top experts by ``scores``. ``at_start`` (between tokens, before any layer of
         the token): a predictor with nothing to say there (one that reads the MoE input) leaves it to the
         planner's plan, and no planned expert is evicted; within a token the fresher prediction decides."""
-        keep = None
+        keep, planned = None, False
         if at_start:
-            scores = self._planned(target) if scores is None and self.threshold is None else scores
+            planned = scores is None and self.threshold is None
+            scores = self._planned(target) if planned else scores
             keep = set(self.cache.plan.get(target, ()))
         if scores is None or target not in self.cache.tables:
             return
         # one argsort and two tolist() calls: per-element numpy indexing costs ~0.1 us an element here
         order = np.argsort(-scores, kind="stable")[: max(self.k, self.n_prefetch)]
         ranked = order.tolist()
-        self.cache.score_prediction(target, ranked[: self.k])
+        if not planned:  # the stride predictor's accuracy (the plan's is scored by the planner)
+            self.cache.score_prediction(target, ranked[: self.k])
         n = self.limit if self.free_only else self.n_prefetch
         top = ranked[:n]
         top_scores = scores[order[:n]].tolist()
