@@ -45,8 +45,12 @@ def _check_dependencies(kind: str) -> None:
 @click.option("--kind", type=click.Choice(["mlp", "linear"]), default="mlp", show_default=True,
               help="mlp: ProMoE's two-layer MLP (torch); linear: a ridge baseline without a hidden layer "
                    "(scikit-learn), the same file format.")
+@click.option("--mode", type=click.Choice(["layer", "token"]), default="layer", show_default=True,
+              help="layer: predict a later MoE layer of the same token (the stride prefetcher, --predictor); "
+                   "token: predict each layer's experts at the next token, trained on consecutive decode tokens "
+                   "(the planner between tokens, --plan-predictor).")
 @click.option("--stride", "strides", multiple=True, type=click.IntRange(min=1), default=(1,), show_default=True,
-              help="Predict MoE layer l+S from layer l; repeat for several strides in one file.")
+              help="Predict MoE layer l+S from layer l; repeat for several strides in one file (--mode layer).")
 @click.option("--multi", is_flag=True, help="Multi-target nets: layers l+1..l+6 from layer l (ignores --stride).")
 @click.option("--layers", help="Source MoE layers il, comma-separated (default: all).")
 @click.option("--hidden", default=1024, show_default=True, type=click.IntRange(min=1, max=65536),
@@ -71,11 +75,13 @@ def _check_dependencies(kind: str) -> None:
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
               help="torch (mlp) or BLAS (linear) CPU threads (more only on an otherwise idle machine).")
 @edge
-def train_predictor(traces: tuple[str, ...], out: str, kind: str, strides: tuple[int, ...], multi: bool,
+def train_predictor(traces: tuple[str, ...], out: str, kind: str, mode: str, strides: tuple[int, ...], multi: bool,
                     layers: str | None, hidden: int, dropout: float, epochs: int, patience: int, batch_size: int,
                     lr: float, val_frac: float, alphas: tuple[float, ...], seed: int, dtype: str,
                     threads: int) -> None:
     """Train ProMoE MLP (or linear baseline) predictors on TRACES (trace files or directories) into OUT.
+
+    The file records the model, the mode and the strides; a run that needs another refuses it in one line.
 
     \b
     Examples:
@@ -83,6 +89,7 @@ def train_predictor(traces: tuple[str, ...], out: str, kind: str, strides: tuple
       ggmoe train-predictor a/trace.npz b/trace.npz -o pred.npz --stride 1 --stride 2 --stride 3
       ggmoe train-predictor traces/ -o multi.npz --multi --hidden 512 --dtype float16
       ggmoe train-predictor traces/ -o linear-s1.npz --kind linear
+      ggmoe train-predictor traces/ -o next-token.npz --mode token
     """
     _check_dependencies(kind)
     from ggmoe.predict.mlp_file import check_output
@@ -93,14 +100,16 @@ def train_predictor(traces: tuple[str, ...], out: str, kind: str, strides: tuple
     check_output(out)  # before any training: a bad -o fails now, not after the run
     if alphas and kind != "linear":
         raise UsageError("--alpha is a setting of --kind linear")
+    if mode == "token" and (multi or strides != (1,)):
+        raise UsageError("--mode token predicts the next token of each layer: --stride and --multi are --mode layer's")
     trace = load_traces(list(traces))
     cfg = TrainConfig(fit=FitSettings(hidden=hidden, dropout=dropout, lr=lr, batch_size=batch_size,
                                       max_epochs=epochs, patience=patience),
                       kind=kind, linear=LinearSettings(alphas=alphas) if alphas else LinearSettings(),
-                      strides=strides, multi=multi, sources=_int_list(layers), val_frac=val_frac, seed=seed,
+                      strides=strides, multi=multi, mode=mode, sources=_int_list(layers), val_frac=val_frac, seed=seed,
                       dtype=dtype, threads=threads)
     arrays, meta = train(trace, cfg, progress=True)
     path = export(out, arrays, meta)
     accs = [n["metrics"]["val_accuracy_mean"] for n in meta["nets"] if n["metrics"]["val_accuracy_mean"] is not None]
-    click.echo(f"{path}: {len(meta['nets'])} nets, mean validation accuracy "
+    click.echo(f"{path}: {len(meta['nets'])} nets (mode {mode}), mean validation accuracy "
                f"{sum(accs) / len(accs) if accs else float('nan'):.3f}, {meta['training']['seconds']:.1f} s")

@@ -8,7 +8,12 @@ module needs neither. One training run writes one file holding every net it trai
 - per stride s (``strides``, several allowed): one net per source MoE layer at
   position j predicting position j + s;
 - ``multi``: one net per source layer predicting the next ``n_targets`` (6) MoE
-  layers at once (fewer near the last layer).
+  layers at once (fewer near the last layer);
+- ``mode="token"`` (cross-token): one net per source MoE layer il predicting layer
+  il's experts at the NEXT token from token t's input at il, trained on the pairs of
+  consecutive decode tokens of one sequence (``ggmoe.trace.data.next_token_pairs``:
+  never across a prompt boundary, never from a prefill token). Strides and ``multi``
+  do not apply; the file records mode token (one token ahead).
 
 The trace's prompts are split 9:1 BY PROMPT (``ggmoe.trace.data.split_prompts``,
 seeded): the 90 % train the nets and give the input normalisation (mean/std per
@@ -30,9 +35,9 @@ import numpy as np
 from tqdm import tqdm
 
 from ggmoe.errors import UsageError
-from ggmoe.predict.mlp_file import FORMAT, KINDS, VERSION, write_predictor_file
+from ggmoe.predict.mlp_file import FORMAT, KINDS, MODES, VERSION, write_predictor_file
 from ggmoe.trace import Trace
-from ggmoe.trace.data import select_prompts, split_prompts
+from ggmoe.trace.data import next_token_pairs, select_prompts, split_prompts
 
 from .settings import FitSettings, LinearSettings
 
@@ -46,6 +51,7 @@ class TrainConfig:
     linear: LinearSettings = LinearSettings()  # kind linear
     strides: tuple[int, ...] = (1,)  # ignored when multi
     multi: bool = False
+    mode: str = "layer"  # layer: il -> il + s within a token; token: il at t -> il at t + 1 (strides, multi ignored)
     sources: tuple[int, ...] | None = None  # source layers il; None: every MoE layer that has a target
     val_frac: float = 0.1  # held-out share of the prompts
     seed: int = 0
@@ -68,7 +74,7 @@ def plan_nets(layers: list[int], cfg: TrainConfig) -> list[NetPlan]:
         unknown = sorted(set(cfg.sources) - set(layers))
         if unknown:
             raise UsageError(f"--layers {unknown} are not MoE layers of the trace ({layers})")
-    if not cfg.multi:
+    if not cfg.multi and cfg.mode == "layer":
         for s in cfg.strides:
             if not 1 <= s < n:
                 raise UsageError(f"stride {s} needs at least {s + 1} MoE layers; the trace has {n}")
@@ -76,7 +82,9 @@ def plan_nets(layers: list[int], cfg: TrainConfig) -> list[NetPlan]:
     for j, il in enumerate(layers):
         if cfg.sources is not None and il not in cfg.sources:
             continue
-        if cfg.multi:
+        if cfg.mode == "token":  # its own layer, one token ahead
+            plans.append(NetPlan(il, (il,)))
+        elif cfg.multi:
             targets = tuple(layers[j + 1:j + 1 + N_TARGETS])
             if targets:
                 plans.append(NetPlan(il, targets))
@@ -109,6 +117,23 @@ def _check(trace: Trace, cfg: TrainConfig) -> None:
         raise UsageError(f"dtype {cfg.dtype!r}: choose float32 or float16")
     if cfg.kind not in KINDS:
         raise UsageError(f"kind {cfg.kind!r}: choose one of {', '.join(KINDS)}")
+    if cfg.mode not in MODES:
+        raise UsageError(f"mode {cfg.mode!r}: choose one of {', '.join(MODES)}")
+    if cfg.mode == "token" and cfg.multi:
+        raise UsageError("--multi predicts later layers of the same token: it does not go with --mode token")
+    if cfg.mode == "token" and next_token_pairs(trace).size == 0:
+        raise UsageError("--mode token learns from consecutive decode tokens of one sequence: the traces have "
+                         "none (record them with decode steps, e.g. ggmoe trace -n 32)")
+
+
+def training_rows(trace: Trace, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """(source rows, target rows) [n] int64 of ``trace``: the same rows in mode layer (a token's input -> its own
+    later layers); in mode token, each pair of consecutive decode tokens of one sequence (r -> r + 1)."""
+    if mode == "token":
+        src = next_token_pairs(trace)
+        return src, src + 1
+    rows = np.arange(trace.n_tokens, dtype=np.int64)
+    return rows, rows
 
 
 def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[str, np.ndarray], dict]:
@@ -120,7 +145,8 @@ def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[s
     plans = plan_nets(layers, cfg)
     tr_p, va_p = split_prompts(trace.n_prompts, cfg.val_frac, cfg.seed)
     tr, va = select_prompts(trace, tr_p), select_prompts(trace, va_p)
-    groups = np.repeat(np.arange(tr.n_prompts), np.diff(tr.prompt_offsets))  # [n_train_tokens] prompt of each row
+    (src_tr, dst_tr), (src_va, dst_va) = training_rows(tr, cfg.mode), training_rows(va, cfg.mode)
+    groups = np.repeat(np.arange(tr.n_prompts), np.diff(tr.prompt_offsets))[src_tr]  # [n rows] prompt of each
     m = trace.meta
     arrays: dict[str, np.ndarray] = {}
     entries = []
@@ -131,41 +157,49 @@ def train(trace: Trace, cfg: TrainConfig, progress: bool = True) -> tuple[dict[s
         j = layers.index(plan.il)
         if plan.il not in inputs:
             inputs.clear()  # one source layer's inputs at a time: plans are ordered by source
-            inputs[plan.il] = _inputs(tr.hidden[:, j], va.hidden[:, j])
+            inputs[plan.il] = _inputs(tr.hidden[src_tr, j], va.hidden[src_va, j])
         x_tr, x_va, mean, std = inputs[plan.il]
         cols = [layers.index(t) for t in plan.targets]
-        y_tr, y_va = _multi_hot(tr.ids[:, cols], m.n_expert), _multi_hot(va.ids[:, cols], m.n_expert)
+        y_tr, y_va = _multi_hot(tr.ids[dst_tr][:, cols], m.n_expert), _multi_hot(va.ids[dst_va][:, cols], m.n_expert)
 
         def on_epoch(epoch: int, train_loss: float, val_loss: float, plan: NetPlan = plan) -> None:
             bar.set_postfix(il=plan.il, targets=",".join(map(str, plan.targets)), epoch=epoch,
                             val_loss=f"{val_loss:.4f}")
 
         weights, metrics = fit(x_tr, y_tr, groups, x_va, y_va, m.n_expert, m.n_expert_used,
-                                  _net_seed(cfg.seed, plan), on_epoch)
+                               _net_seed(cfg.seed, plan), on_epoch)
         arrays |= {f"net{i}.{key}": w.astype(cfg.dtype) for key, w in weights.items()}
         arrays[f"net{i}.mean"], arrays[f"net{i}.std"] = mean, std
-        entries.append({"il": plan.il, "targets": list(plan.targets),
-                        "strides": [layers.index(t) - j for t in plan.targets], "metrics": metrics})
+        entries.append({"il": plan.il, "targets": list(plan.targets), "metrics": metrics}
+                       | ({"strides": [layers.index(t) - j for t in plan.targets]} if cfg.mode == "layer" else {}))
         bar.update(1)
     bar.close()
-    meta = {
-        "format": FORMAT, "version": VERSION, "kind": cfg.kind,
+    split = {"n_train_prompts": int(tr_p.size), "n_val_prompts": int(va_p.size), "val_prompts": va_p.tolist(),
+             "n_train_tokens": tr.n_tokens, "n_val_tokens": va.n_tokens,
+             "n_train_rows": int(src_tr.size), "n_val_rows": int(src_va.size),
+             "seconds": round(time.perf_counter() - t_start, 2), **versions()}
+    return arrays, _meta(trace, cfg, layers, entries, split)
+
+
+def _meta(trace: Trace, cfg: TrainConfig, layers: list[int], entries: list[dict], split: dict) -> dict:
+    """The file's metadata (``ggmoe.predict.mlp_file``): the model, the mode, the nets, how they were trained."""
+    m = trace.meta
+    return {
+        "format": FORMAT, "version": VERSION, "kind": cfg.kind, "mode": cfg.mode,
         "model_fingerprint": m.model_fingerprint, "model_name": m.model_name, "arch": m.arch,
         "layers": layers, "n_expert": m.n_expert, "n_expert_used": m.n_expert_used, "n_embd": m.n_embd,
         "dtype": cfg.dtype, "hidden": cfg.fit.hidden if cfg.kind == "mlp" else 0,
         "activation": "relu" if cfg.kind == "mlp" else None, "output": "sigmoid",
         "normalisation": "x = (hidden - mean) / std, per feature, from the training prompts",
+        "pairs": ("consecutive decode tokens of one sequence (ggmoe.trace.data.next_token_pairs)"
+                  if cfg.mode == "token" else "each token with its own later layers"),
         "nets": entries,
         "training": {
             **(asdict(cfg.fit) if cfg.kind == "mlp" else asdict(cfg.linear)),
-            "strides": list(cfg.strides), "multi": cfg.multi, "seed": cfg.seed,
-            "val_frac": cfg.val_frac, "split": "by prompt (ggmoe.trace.data.split_prompts)",
-            "n_train_prompts": int(tr_p.size), "n_val_prompts": int(va_p.size), "val_prompts": va_p.tolist(),
-            "n_train_tokens": tr.n_tokens, "n_val_tokens": va.n_tokens,
-            "seconds": round(time.perf_counter() - t_start, 2), **versions(),
+            "strides": list(cfg.strides) if cfg.mode == "layer" else [], "multi": cfg.multi, "seed": cfg.seed,
+            "val_frac": cfg.val_frac, "split": "by prompt (ggmoe.trace.data.split_prompts)", **split,
         },
     }
-    return arrays, meta
 
 
 def _fitter(cfg: TrainConfig) -> tuple[Callable[..., tuple[dict[str, np.ndarray], dict]], Callable[[], dict]]:

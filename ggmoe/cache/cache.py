@@ -84,6 +84,10 @@ class ExpertCache:
         # layer start (what the device read from slots); after_token counts hits from it
         self._seen: dict[int, set[int]] = {}
         self._submit_token: dict[int, int] = {}  # copy handle id -> token it was submitted at
+        # the planner between tokens (ggmoe.control.planner): per layer, the experts it expects at the layer's
+        # next call, likeliest first. Admissions between tokens follow this order, and neither they, nor the
+        # free slots kept for prefetches, nor a prefetch at a token's start (the prefetcher's keep) evict any.
+        self.plan: dict[int, list[int]] = {}
         unknown = sorted(set(split or {}) - set(n_slots))
         if unknown:
             raise UsageError(f"split layers {unknown} have no cache slots")
@@ -250,7 +254,12 @@ class ExpertCache:
             if table.n_loading and not self._lands_later:  # a synchronous backend (the CPU build's memcpy)
                 self._land_done(table)  # has landed them already
             if self.keep_free.get(il):
-                self._make_room(il, table, need, self.keep_free[il])
+                self._make_room(il, table, need + self.plan.get(il, []), self.keep_free[il])
+
+    def plan_next(self, il: int, experts: list[int]) -> None:
+        """The planner's experts for layer ``il``'s next call, likeliest first (empty: no plan); see ``plan``."""
+        with self.lock:
+            self.plan[il] = experts
 
     def has_free_slot(self) -> bool:
         """Whether some whole-expert layer has a free slot (a prefetch into a running graph could go there)."""
@@ -313,6 +322,11 @@ class ExpertCache:
         if table.n_loading:
             self._drop_stale_admissions(il, table)
         admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
+        plan = self.plan.get(il)
+        if admit and plan:  # the next token's likeliest first, and none of the planned experts evicted
+            rank = {e: i for i, e in enumerate(plan)}
+            admit.sort(key=lambda e: rank.get(e, len(plan)))
+            need = need + plan
         if admit:
             self.stats.layers[il].admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION,
                                                                      self.keep_free.get(il, 0)))

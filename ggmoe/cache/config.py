@@ -31,6 +31,8 @@ class CacheConfig:
     hw_profile: str | None = None
     # stride prefetching from a predictor (ggmoe.control.prefetch.PrefetchConfig), or None
     prefetch: object | None = None
+    # the planner between tokens: a cross-token predictor (ggmoe.control.planner.PlanConfig), or None
+    planner: object | None = None
     # the policy's keyword arguments (e.g. static's per-layer counts from saved routing statistics)
     policy_options: Mapping[str, Any] | None = None
     # sync (the route op per MoE layer), async (the expert table, no sync on the decode path) or auto
@@ -104,15 +106,17 @@ def slots_for_budget(budget: int, bytes_per_expert: dict[int, int], n_expert: in
 def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: str | None,
                        facts: ModelFacts | None = None,
                        miss_policy: str | None = None, prefetch: Any = None,
-                       hw: str | None = None, decode_mode: str | None = None) -> CacheConfig | None:
+                       hw: str | None = None, decode_mode: str | None = None,
+                       planner: Any = None) -> CacheConfig | None:
     """A CacheConfig from the command line's (or ``ggmoe.load()``'s) options; None when no cache size is given.
 
     --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of
     ``ModelFacts.cache_bytes``, the figures ``ggmoe inspect`` prints.
     """
     if cache_slots is None and vram is None:
-        if prefetch is not None:
-            raise UsageError("--predictor needs a cache size: --cache-slots N or --vram BYTES")
+        if prefetch is not None or planner is not None:
+            flag = "--predictor" if prefetch is not None else "--plan-predictor"
+            raise UsageError(f"{flag} needs a cache size: --cache-slots N or --vram BYTES")
         given = next((n for n, v in (("--policy", policy), ("--miss-policy", miss_policy),
                                      ("--decode-mode", decode_mode)) if v is not None), None)
         if given is not None:
@@ -140,7 +144,7 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
     mode = check_decode_mode(decode_mode or "auto")
     return CacheConfig(n_slots=cache_slots, vram_bytes=_bytes(vram) if vram is not None else None,
                        policy=policy, miss_policy=miss, prefetch=prefetch, hw_profile=hw,
-                       decode_mode=mode)
+                       decode_mode=mode, planner=planner)
 
 
 def _bytes(size: int | str) -> int:

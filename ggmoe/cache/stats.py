@@ -24,6 +24,10 @@ class LayerStats:
     prefetch_late: int = 0  # predictions that came after their layer had started (not prefetched)
     pred_correct: int = 0  # predicted experts (top n_expert_used) that the layer really selected
     pred_total: int = 0  # experts predicted
+    # the planner between tokens (ggmoe.control.planner): its plan's top n_expert_used for the layer's next call,
+    # and those the call really selected
+    plan_total: int = 0
+    plan_correct: int = 0
     host_reads: int = 0  # async decode: distinct experts per call the device read from host memory (misses)
     host_read_bytes: int = 0  # bytes those reads moved over the link
     evictions: int = 0  # experts evicted to make room (every mode)
@@ -60,6 +64,11 @@ class LayerStats:
     def pred_accuracy(self) -> float:
         return self.pred_correct / self.pred_total if self.pred_total else 0.0
 
+    @property
+    def plan_accuracy(self) -> float:
+        """Share of the planner's expected experts (top n_expert_used) that the layer's next call selected."""
+        return self.plan_correct / self.plan_total if self.plan_total else 0.0
+
     def add(self, other: LayerStats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
@@ -69,6 +78,7 @@ class LayerStats:
         d["hit_rate"] = self.hit_rate
         d["top_hit_rate"] = self.top_hit_rate
         d["pred_accuracy"] = self.pred_accuracy
+        d["plan_accuracy"] = self.plan_accuracy
         d["mean_lag_tokens"] = self.mean_lag_tokens
         return d
 

@@ -112,13 +112,13 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
 
 def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: Any = None,
                  miss_policy: str | None = None, prefetch: Any = None, hw: str | None = None,
-                 config: str | None = None, decode_mode: str | None = None):
+                 config: str | None = None, decode_mode: str | None = None, planner: Any = None):
     """A CacheConfig from the flags or from a plan file (--config), or None when neither was given;
-    --decode-mode applies to both."""
+    --decode-mode and --plan-predictor apply to both."""
     from ggmoe.cache.config import build_cache_config
 
     if config is None:
-        return build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode)
+        return build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode, planner)
     given = [f for f, v in (("--cache-slots", cache_slots), ("--vram", vram), ("--policy", policy),
                             ("--miss-policy", miss_policy), ("--predictor", prefetch), ("--hw", hw)) if v is not None]
     if given:
@@ -134,20 +134,37 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
         load_profile(cfg.hw_profile)
     if decode_mode is not None:
         cfg = dataclasses.replace(cfg, decode_mode=decode_mode)
+    if planner is not None:
+        cfg = dataclasses.replace(cfg, planner=planner)
     return cfg
 
 
 def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, threshold: float | None,
-                    train: tuple[str, ...], background: bool = False):
+                    train: tuple[str, ...], background: bool = False, planner: str | None = None):
     """A PrefetchConfig from the flags, or None without --predictor (``build_prefetch_config``); the predictor
-    checked against the registry (or as a file) before any model loads."""
+    checked against the registry (or as a file) before any model loads. ``planner``: --plan-predictor, which
+    may take the --predictor-train traces without a --predictor."""
     from ggmoe.control.prefetch import build_prefetch_config
 
     if predictor is not None:
         from ggmoe.predict.base import check_predictor
 
         check_predictor(predictor)
+    elif planner is not None:
+        train = ()
     return build_prefetch_config(predictor, stride, n_prefetch, threshold, train, background)
+
+
+def plan_config(planner: str | None, train: tuple[str, ...] = ()):
+    """A PlanConfig from --plan-predictor (and the --predictor-train traces), or None; a name that cannot
+    predict the next token, or a missing file, refused before any model loads (a file's mode is checked when
+    it is read)."""
+    if planner is None:
+        return None
+    from ggmoe.control.planner import PlanConfig, check_planner
+
+    check_planner(planner)
+    return PlanConfig(predictor=planner, train=tuple(train))
 
 
 def check_stats_json(stats_json: str | None, cache: Any) -> None:
@@ -175,6 +192,10 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                       help="Experts prefetched per layer ahead (default: 2 x the model's top-k).")(fn)
     fn = click.option("--stride", default=2, show_default=True, type=click.IntRange(min=1, max=1024),
                       help="Predict and prefetch the MoE layer this many layers ahead.")(fn)
+    fn = click.option("--plan-predictor", "plan_predictor",
+                      help="Plan the next token between tokens with this cross-token predictor: reuse, eam, "
+                           "expert-map, or PRED.npz from `ggmoe train-predictor --mode token`; its predicted "
+                           "experts are admitted first and not evicted.")(fn)
     fn = click.option("--predictor",
                       help="Prefetch with this predictor: reuse, skip-gate, token, eam, expert-map, transition, or PRED.npz "
                            "from `ggmoe train-predictor`.")(fn)
@@ -209,6 +230,7 @@ def stats_summary(eng: Any) -> str | None:
     note = (eng.miss_policy or (None, None))[1]
     mode = eng.decode_mode
     reads = f", {t.host_reads} read from host memory" if t.host_reads else ""
+    pre += f", planner {t.plan_accuracy:.1%} accurate for the next token" if t.plan_total else ""
     split = (f", {t.top_hits} top-only hits (split layers: {t.top_hit_rate:.1%} found at least the top; "
              f"{format_bytes(t.bottom_read_bytes)} of bottoms read, {format_bytes(t.bottom_prefetch_bytes)} "
              "prefetched)" if t.top_hits or t.bottom_prefetches else "")

@@ -23,6 +23,7 @@ from ggmoe.cli.options import (
     model_arg,
     model_facts,
     model_path,
+    plan_config,
     prefetch_config,
     threads_opt,
     verbose_opt,
@@ -68,9 +69,9 @@ def _load(opts: LoadOptions, **extra: Any) -> tuple[Any, StatsOut | None]:
     facts = model_facts(path)
     c = opts.cache
     prefetch = prefetch_config(c["predictor"], c["stride"], c["n_prefetch"], c["prefetch_threshold"],
-                               c["predictor_train"], c["predict_background"])
+                               c["predictor_train"], c["predict_background"], c["plan_predictor"])
     cache = cache_config(c["cache_slots"], c["vram"], c["policy"], facts, c["miss_policy"], prefetch, c["hw"],
-                         c["config"], c["decode_mode"])
+                         c["config"], c["decode_mode"], plan_config(c["plan_predictor"], c["predictor_train"]))
     warm = read_stats_in(c["stats_in"], facts, path)
     cache = warm_start(cache, warm)
     out = stats_out(c["stats_out_path"], warm, facts, path)

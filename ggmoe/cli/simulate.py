@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from ggmoe.cli.edge import edge
-from ggmoe.cli.options import FiniteFloat, model_path
+from ggmoe.cli.options import FiniteFloat, model_path, plan_config
 from ggmoe.errors import UsageError
 from ggmoe.outputs import atomic_write, check_output
 
@@ -68,9 +68,10 @@ def _row(size: str, r: Any, theta: float = 1.0) -> dict[str, Any]:
     est = r.tpot_s is not None
     top = r.stats.get("total", {}).get("top_hit_rate", r.hit_rate)
     return {"size": size, "mode": r.decode_mode, "θ": f"{theta:.2g}", "policy": r.policy,
-            "predictor": r.predictor or "-", "miss": r.miss_policy,
+            "predictor": r.predictor or "-", "planner": r.planner or "-", "miss": r.miss_policy,
             "hit rate": f"{r.hit_rate:.1%}", "top hits": f"{top:.1%}" if theta < 1 else "-", "pred acc": f"{r.pred_accuracy:.1%}" if r.predictor else "-",
             "GoodPred": f"{r.goodpred:.1%}" if r.predictor else "-",
+            "plan acc": f"{r.plan_accuracy:.1%}" if r.planner else "-",
             "exposed copy ms (est., total)": f"{r.exposed_copy_s * 1e3:.1f}" if est else "-",
             "CPU experts": r.host_computed,
             "TPOT ms (est.)": f"{r.tpot_s * 1e3:.3f}" if est else "-",
@@ -195,6 +196,9 @@ def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: st
 @click.option("--policy", multiple=True, help="Eviction policies (repeat or comma list; default lru).")
 @click.option("--predictor", multiple=True, help="Predictors (none, reuse, skip-gate, token, eam, expert-map, transition, "
                                                  "oracle, PRED.npz); repeat or comma list; default none.")
+@click.option("--plan-predictor", "plan_predictor", multiple=True,
+              help="Planners between tokens (none, reuse, eam, expert-map, PRED.npz trained with --mode token); "
+                   "repeat or comma list; default none.")
 @click.option("--stride", default=2, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--prefetch", "n_prefetch", type=click.IntRange(1, 4096),
               help="Experts prefetched per layer (default 2 x top-k).")
@@ -222,7 +226,8 @@ def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: st
 @edge
 def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str, ...],
              cache_fraction: tuple[str, ...], vram: tuple[str, ...], policy: tuple[str, ...],
-             predictor: tuple[str, ...], stride: int, n_prefetch: int | None, miss_policy: tuple[str, ...],
+             predictor: tuple[str, ...], plan_predictor: tuple[str, ...], stride: int, n_prefetch: int | None,
+             miss_policy: tuple[str, ...],
              decode_mode: tuple[str, ...], theta: tuple[str, ...], hw: str,
              predictor_train: tuple[str, ...], predictor_s: float | None, stats_in: str | None, jobs: int | None,
              as_json: bool, plot_path: str | None) -> None:
@@ -239,6 +244,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe simulate traces/trace.npz --cache-slots 16 --predictor none,reuse,oracle --stride 1 --hw egpu
       ggmoe simulate traces/trace.npz --vram 4MiB --miss-policy wait,auto --json
       ggmoe simulate traces/trace.npz --cache-fraction 0.5 --decode-mode sync,async --hw h100
+      ggmoe simulate traces/trace.npz --cache-slots 8 --decode-mode async --plan-predictor none,reuse,next.npz
       ggmoe simulate traces/trace.npz --cache-fraction 0.25 --theta 1,0.5 --decode-mode async --hw h100
       ggmoe trace import esft/intent esft/law -o ds2/ --n-expert 64 --top-k 6 && \
         ggmoe simulate ds2/ --hw none --cache-fraction 0.125,0.25,0.5 --policy lru,belady --jobs 2
@@ -263,6 +269,9 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     for pred in predictors:
         if pred is not None:
             check_predictor(pred)
+    planners = [None if p == "none" else p for p in (_split(plan_predictor, "--plan-predictor") or ["none"])]
+    for pl in planners:
+        plan_config(pl)  # a name that cannot plan, or a missing file, fails now
     for miss in misses:
         check_miss_policy(miss)
     modes = _split(decode_mode, "--decode-mode") or ["sync"]
@@ -286,7 +295,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     # async reads misses from host memory (miss policy wait), as the engine's; a predictor there prefetches
     # from the mailbox (the engine's stride prefetch into free slots)
     combos = [c for c in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors,
-                                           misses, modes, thetas)
+                                           misses, modes, thetas, planners)
               if (c[4] == "sync" or c[3] == "wait") and (c[5] == 1.0 or c[3] == "wait")]
     if "async" in modes and not any(c[4] == "async" for c in combos):
         raise UsageError("--decode-mode async needs --miss-policy wait among the choices")
@@ -299,17 +308,21 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
         if pred is not None:
             check = SimConfig(n_slots=combos[0][0][1], predictor=pred, stride=stride, predictor_state=state(pred))
             build_predictor(check, trace, train, str(path) if path else None, fit=False)
+    for pl in planners:
+        if pl is not None:
+            build_predictor(SimConfig(n_slots={}, planner=pl), trace, train, str(path) if path else None, fit=False,
+                            planner=True)
     if plot_path is not None:
         pyplot()
     configs = []
-    for (_, slots), pol, pred, miss, mode, th in combos:
+    for (_, slots), pol, pred, miss, mode, th, pl in combos:
         split, n_slots = split_at(facts, slots, th)  # the same VRAM as the whole-expert row
         configs.append(SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
                                  stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
-                                 predictor_state=state(pred), decode_mode=mode, split=split))
+                                 predictor_state=state(pred), decode_mode=mode, split=split, planner=pl))
     shared = (trace, bpe, profile, train, str(path) if path else None)
     results = run_configs(configs, shared, jobs)
-    rows = [_row(label, r, th) for ((label, _), *_rest, th), r in zip(combos, results, strict=True)]
+    rows = [_row(label, r, th) for ((label, _), *_rest, th, _pl), r in zip(combos, results, strict=True)]
     if plot_path is not None:
         plot(plot_path, rows, results)
     if as_json:

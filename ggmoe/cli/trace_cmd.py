@@ -20,6 +20,7 @@ from ggmoe.cli.options import (
     model_arg,
     model_facts,
     model_path,
+    plan_config,
     prefetch_config,
     threads_opt,
     verbose_opt,
@@ -57,7 +58,8 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
           stats_json: str | None, decode_mode: str | None, miss_policy: str | None, predictor: str | None,
           stride: int,
         n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...],
-        predict_background: bool, hw: str | None, config: str | None, stats_in: str | None, stats_out_path: str | None,
+        predict_background: bool, plan_predictor: str | None, hw: str | None, config: str | None,
+        stats_in: str | None, stats_out_path: str | None,
         n_ctx: int | None, threads: int | None, verbose: bool) -> None:
     """Record per-token routing (ids, router probabilities, MoE inputs) into OUT/trace.npz.
 
@@ -78,7 +80,8 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
                        keep_hidden=not no_hidden)
     cache = cache_config(cache_slots, vram, policy, facts, miss_policy,
                          prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train,
-                                         predict_background), hw, config, decode_mode)
+                                         predict_background, plan_predictor), hw, config, decode_mode,
+                         plan_config(plan_predictor, predictor_train))
     warm = read_stats_in(stats_in, facts, path)
     cache = warm_start(cache, warm)
     routing_out = stats_out(stats_out_path, warm, facts, path)

@@ -6,8 +6,11 @@ The controller feeds every cached layer's selected experts to the cache
 (``ExpertCache.after_token``: hits and host reads counted, landed copies made
 readable, misses admitted at low priority with their victims' entries pointed
 back at host memory first) and then gives the observers (statistics,
-recorder, user hooks) one ``RouteEvent`` per layer. Python decides here; the
-engine's copy backend and expert tables execute.
+recorder, user hooks) one ``RouteEvent`` per layer. With a planner
+(``ggmoe.control.planner``), each layer of a one-token decode is first shown to it (ids, and the MoE
+input rows from ``inputs``: the engine's mailbox, the simulator's trace), so that the cache admits
+the layer's misses in the order of its plan for the next token and evicts none of the planned
+experts. Python decides here; the engine's copy backend and expert tables execute.
 
 The invariants the engine relies on hold because this runs while no graph
 runs (after the decode's logits were read): an entry points back at host
@@ -17,20 +20,26 @@ copy into it landed (``SlotTable`` tells the table through its listener).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from ggmoe.cache.cache import ExpertCache
+from ggmoe.control.planner import NextTokenPlanner
 from ggmoe.hook import RouteEvent, RouteObserver
+
+Inputs = Callable[[int], "np.ndarray | None"]  # il -> the decoded token's MoE input row [n_embd] float32, or None
 
 
 class TokenController:
-    """Per decoded micro-batch: the routing to the cache, then to the observers."""
+    """Per decoded micro-batch: the routing to the planner and the cache, then to the observers."""
 
-    def __init__(self, cache: ExpertCache | None, observers: Iterable[RouteObserver] | None = None) -> None:
+    def __init__(self, cache: ExpertCache | None, observers: Iterable[RouteObserver] | None = None,
+                 planner: NextTokenPlanner | None = None, inputs: Inputs | None = None) -> None:
         self.cache = cache
         self.observers = observers  # an iterable read on every call (the engine's live list)
+        self.planner = planner  # plans each layer's next call before the cache admits (None: no plan)
+        self.inputs = inputs  # the MoE input rows the planner's predictor reads (None: ids only)
         self.tokens = 0  # table-mode micro-batches handled
         self.calls = 0  # layer routings handled (one per MoE layer per micro-batch)
 
@@ -47,6 +56,9 @@ class TokenController:
             cache.token += 1
         observers = tuple(self.observers) if self.observers is not None else ()
         rows_of = routing.tolist()  # [n_layer][n_tokens][n_expert_used]
+        planner = self.planner  # a plan follows one decoded token (not a prefill's last micro-batch)
+        if planner is not None and (routing.shape[1] != 1 or not planner.decoding):
+            planner = None
         for il in layers:
             rows = rows_of[il]
             if rows[-1][0] < 0:  # the layer computed fewer tokens (llama.cpp's output skipping)
@@ -54,6 +66,9 @@ class TokenController:
                 if not rows:
                     continue
             self.calls += 1
+            if planner is not None:
+                hidden = self.inputs(il) if self.inputs is not None and planner.predictor.needs_hidden else None
+                planner.observe(il, np.asarray(rows[0], dtype=np.int32), None, hidden)
             if il in tables:
                 cache.after_token(il, rows[0] if len(rows) == 1 else [e for r in rows for e in r])
             if observers:

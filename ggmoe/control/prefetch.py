@@ -195,7 +195,17 @@ class Prefetcher:
             return
         self.predictor.begin_token(int(tokens[0]))
         for il, n in calls.items():  # targets that no earlier layer of this token predicts
-            self._prefetch(il, self.predictor.predict(il), n)
+            self._prefetch(il, self.predictor.predict(il), n, at_start=True)
+
+    def _planned(self, il: int) -> np.ndarray | None:
+        """The planner's experts for layer ``il``'s next call (``ExpertCache.plan``) as scores, likeliest highest
+        (1, then down towards 0), or None without a plan."""
+        plan = self.cache.plan.get(il)
+        if not plan:
+            return None
+        scores = np.zeros(self.cache.n_expert, dtype=np.float32)
+        scores[plan] = 1.0 - np.arange(len(plan), dtype=np.float32) / len(plan)
+        return scores
 
     def on_route(self, event: RouteEvent) -> None:
         if self.via_mailbox or not self._decoding or event.n_tokens != 1:
@@ -231,13 +241,23 @@ class Prefetcher:
         table = self.cache.tables.get(target)
         return table is None or not table.free
 
-    def _prefetch(self, target: int, scores: np.ndarray | None, calls: int | None = None) -> None:
+    def _prefetch(self, target: int, scores: np.ndarray | None, calls: int | None = None,
+                  at_start: bool = False) -> None:
+        """Prefetch ``target``'s top experts by ``scores``. ``at_start`` (between tokens, before any layer of
+        the token): a predictor with nothing to say there (one that reads the MoE input) leaves it to the
+        planner's plan, and no planned expert is evicted; within a token the fresher prediction decides."""
+        keep, planned = None, False
+        if at_start:
+            planned = scores is None and self.threshold is None
+            scores = self._planned(target) if planned else scores
+            keep = set(self.cache.plan.get(target, ()))
         if scores is None or target not in self.cache.tables:
             return
         # one argsort and two tolist() calls: per-element numpy indexing costs ~0.1 us an element here
         order = np.argsort(-scores, kind="stable")[: max(self.k, self.n_prefetch)]
         ranked = order.tolist()
-        self.cache.score_prediction(target, ranked[: self.k])
+        if not planned:  # the stride predictor's accuracy (the plan's is scored by the planner)
+            self.cache.score_prediction(target, ranked[: self.k])
         n = self.limit if self.free_only else self.n_prefetch
         top = ranked[:n]
         top_scores = scores[order[:n]].tolist()
@@ -248,32 +268,43 @@ class Prefetcher:
             return
         # fMoE's priority p / (l - l_now): likelier experts of nearer layers are copied first
         d = self.predictor.stride
-        self.cache.prefetch(target, top, ranks=[-v / d for v in top_scores],
+        self.cache.prefetch(target, top, keep=keep, ranks=[-v / d for v in top_scores],
                             if_calls=calls if self._queue is not None else None, free_only=self.free_only)
 
 
-def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, model_path: str) -> Prefetcher:
-    """The prefetcher for a loaded model: its predictor built (and fitted, if it learns) for the model."""
+def live_predictor(spec: str, facts: object, model_path: str, stride: int, train: tuple[str, ...] = (),
+                   state: Mapping[str, np.ndarray] | None = None, mode: str = "layer") -> Predictor:
+    """A predictor for a loaded model, built (and fitted, if it learns) as the prefetcher and the planner need it;
+    ``mode``: what a PRED.npz must have been trained for (layer: ``stride`` layers ahead; token: the next token)."""
     from ggmoe.inspect.fingerprint import model_fingerprint
     from ggmoe.predict import ModelShape, make_predictor
+    from ggmoe.predict.base import is_predictor_file
     from ggmoe.trace import load_traces
 
     shape = ModelShape(model_fingerprint=model_fingerprint(model_path), layers=tuple(facts.moe_layers),
                        n_expert=facts.n_expert, n_expert_used=facts.n_expert_used, n_embd=facts.n_embd)
-    options = {"model": model_path} if config.predictor == "skip-gate" else {}
-    if config.predictor == "oracle":
+    options: dict[str, object] = {"model": model_path} if spec == "skip-gate" else {}
+    if is_predictor_file(spec):
+        options["mode"] = mode
+    if spec == "oracle":
         raise UsageError("the oracle predictor needs the routing in advance: it runs in the simulator only")
-    pred = make_predictor(config.predictor, shape, config.stride, **options)
-    if config.state:
-        pred.load_state(dict(config.state))
-    if pred.needs_fit and not (pred.has_state and not config.train):
-        if not config.train:
-            raise UsageError(f"predictor {config.predictor!r} learns from traces: give --predictor-train TRACES "
+    pred = make_predictor(spec, shape, stride, **options)
+    if state:
+        pred.load_state(dict(state))
+    if pred.needs_fit and not (pred.has_state and not train):
+        if not train:
+            raise UsageError(f"predictor {spec!r} learns from traces: give --predictor-train TRACES "
                              "(or --stats-in FILE saved by a run with it)")
-        train = load_traces(list(config.train))
-        if train.meta.model_fingerprint != shape.model_fingerprint:
+        traces = load_traces(list(train))
+        if traces.meta.model_fingerprint != shape.model_fingerprint:
             raise UsageError("--predictor-train traces come from another model")
-        pred.fit(train)
+        pred.fit(traces)
+    return pred
+
+
+def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, model_path: str) -> Prefetcher:
+    """The prefetcher for a loaded model: its predictor built (and fitted, if it learns) for the model."""
+    pred = live_predictor(config.predictor, facts, model_path, config.stride, config.train, config.state)
     n = config.n_prefetch if config.n_prefetch is not None else min(2 * facts.n_expert_used, facts.n_expert)
     return Prefetcher(cache, pred, facts.moe_layers, n, config.threshold, background=config.background)
 

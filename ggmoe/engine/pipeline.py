@@ -94,6 +94,8 @@ class CachePipeline:
         self.prefetcher = None  # ggmoe.control.prefetch.Prefetcher when the cache prefetches
         self.graph_predictor = None  # its nets in the graph (ggmoe.engine.graph_predictor), when it has any
         self.tables: ExpertTables | None = None
+        self.planner = None  # ggmoe.control.planner.NextTokenPlanner when a cross-token predictor plans
+        self.mailbox: Mailbox | None = None  # the async decode's mailbox (the stride reader's, the planner's rows)
         self.stride: StrideReader | None = None  # the async decode's stride prefetch (the mailbox's reader)
         self._reading = False  # the stride reader has a token of the decode in flight
         self.controller: TokenController | None = None
@@ -131,6 +133,10 @@ class CachePipeline:
             # in the foreground until the decode mode is known (the async decode reads on its own thread)
             self.prefetcher = make_prefetcher(self.runtime.cache, replace(cache.prefetch, background=False), facts,
                                               str(model_path))
+        if cache.planner is not None:
+            from ggmoe.control.planner import make_planner
+
+            self.planner = make_planner(self.runtime.cache, cache.planner, facts, str(model_path))
         on_gpu = bool(self.runtime.stream.backend)
         note = backend_note(facts, on_gpu)
         split = bool(self.runtime.split)  # MoEpic's split layers read through their tables in both modes
@@ -155,9 +161,8 @@ class CachePipeline:
             # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
             self.hook.after_route = self.tables.flush
         if self.decode_mode.mode == "async":
-            self.controller = TokenController(self.runtime.cache, self.observers)
-            if self.prefetcher is not None:
-                self._stride_prefetch(max_tokens)
+            self.controller = TokenController(self.runtime.cache, self.observers, self.planner, self._mailbox_row)
+            self._async_predictors(max_tokens)
 
             def on_change(request: HookRequest) -> None:
                 route_inputs(request)
@@ -165,16 +170,20 @@ class CachePipeline:
 
             self.observers.on_change = on_change
             self._update_table_mode()
+        if self.planner is not None:  # the sync decode's route events; in async, while table mode is off
+            self.observers.add(self.planner)
 
     def _prefetch_note(self) -> str | None:
-        """Why the prefetcher's predictor cannot run on the async decode (None: it can, on the mailbox)."""
-        pred = self.prefetcher.predictor if self.prefetcher is not None else None
-        if pred is not None and pred.needs_probs:
-            return (f"predictor {pred.name!r} reads router probabilities, which the async decode's mailbox does "
-                    "not carry (ids and the MoE input only)")
-        if pred is not None and pred.needs_hidden and self.facts.arch in MAILBOX_IDS_ONLY:
-            return (f"predictor {pred.name!r} reads the MoE input, which {self.facts.arch} weights before its "
-                    "experts: the async decode's mailbox carries its ids only")
+        """Why the prefetcher's or the planner's predictor cannot run on the async decode (None: they can, on
+        the mailbox)."""
+        for who, owner in (("predictor", self.prefetcher), ("planner", self.planner)):
+            pred = owner.predictor if owner is not None else None
+            if pred is not None and pred.needs_probs:
+                return (f"{who} {pred.name!r} reads router probabilities, which the async decode's mailbox does "
+                        "not carry (ids and the MoE input only)")
+            if pred is not None and pred.needs_hidden and self.facts.arch in MAILBOX_IDS_ONLY:
+                return (f"{who} {pred.name!r} reads the MoE input, which {self.facts.arch} weights before its "
+                        "experts: the async decode's mailbox carries its ids only")
         return None
 
     def _sync_prefetch(self, cache: CacheConfig) -> None:
@@ -188,19 +197,37 @@ class CachePipeline:
             self.prefetcher.start_background()
         self.observers.add(self.prefetcher)
 
-    def _stride_prefetch(self, max_tokens: int) -> None:
-        """The async decode's prefetcher: the mailbox, its reader thread, entries flipped on the copy stream,
+    def _async_predictors(self, max_tokens: int) -> None:
+        """The async decode's mailbox where a predictor reads it (the stride prefetcher's reader thread; the
+        planner's MoE input rows, read between tokens), then the stride prefetch."""
+        facts = self.facts
+        readers = [o.predictor for o in (self.prefetcher, self.planner) if o is not None]
+        if self.prefetcher is not None or any(p.needs_hidden for p in readers):
+            self.mailbox = Mailbox(self._ctx_ptr, facts.n_layer, max(max_tokens, 1), facts.n_expert_used,
+                                   facts.n_embd, hidden=any(p.needs_hidden for p in readers),
+                                   # lockstep waits for the reader's acknowledgements: only with a reader
+                                   lockstep=self.prefetcher is not None
+                                   and lockstep_from_env(bool(self.runtime.stream.backend)))
+        if self.planner is not None:  # its inputs come from the mailbox (a request would turn table mode off)
+            self.planner.request = HookRequest(probs=False, hidden=False)
+        if self.prefetcher is not None:
+            self._stride_prefetch()
+
+    def _mailbox_row(self, il: int) -> np.ndarray | None:
+        """Between tokens: the MoE input row [n_embd] of the last token the decode just ran at layer ``il``, from
+        the mailbox (None where it holds none)."""
+        mb = self.mailbox
+        if mb is None or mb.hidden is None:
+            return None
+        n, with_hidden = mb.written(il)
+        return mb.hidden[il, n - 1].copy() if n and with_hidden else None
+
+    def _stride_prefetch(self) -> None:
+        """The async decode's prefetcher: the mailbox's reader thread, entries flipped on the copy stream,
         and free slots kept per layer for prefetches into a running graph. Still a route observer for the
         micro-batches that take the route op while table mode is off (it then prefetches as in sync)."""
         facts, cache = self.facts, self.runtime.cache
-        pred = self.prefetcher.predictor
-        mailbox = Mailbox(self._ctx_ptr, facts.n_layer, max(max_tokens, 1), facts.n_expert_used, facts.n_embd,
-                          hidden=pred.needs_hidden, lockstep=lockstep_from_env(bool(self.runtime.stream.backend)))
-        try:
-            self.stride = StrideReader(mailbox, self.prefetcher, cache, facts.moe_layers)
-        except BaseException:
-            mailbox.close()
-            raise
+        self.stride = StrideReader(self.mailbox, self.prefetcher, cache, facts.moe_layers)
         self.runtime.stream.flip = self.tables.entry_flip
         self._keep_free = keep_free_slots(cache.n_slots, facts.n_expert, facts.n_expert_used,
                                           self.prefetcher.n_prefetch)
@@ -231,6 +258,9 @@ class CachePipeline:
             self.prefetcher.close()
             self.observers.remove(self.prefetcher)
             self.prefetcher = None
+        if self.planner is not None:
+            self.observers.remove(self.planner)
+            self.planner = None
         self.observers.on_change = self._route_inputs
         tables, self.tables = self.tables, None
         if tables is not None:
@@ -265,10 +295,12 @@ class CachePipeline:
             self.tables.enable()
         elif not want and self.tables.enabled:
             self.tables.disable()
-        if self.stride is not None:  # the mailbox while tables serve the decode, else the route op's events
-            on = self.tables.enabled
-            if want and on:
-                self.stride.mailbox.attach()
+        on = self.tables.enabled
+        if self.mailbox is not None and want and on:  # the mailbox while tables serve the decode
+            self.mailbox.attach()
+        if self.planner is not None and self.controller is not None:  # else the route op's events
+            self.planner.via_controller = on
+        if self.stride is not None:
             self.prefetcher.via_mailbox = self.prefetcher.free_only = on
             self.runtime.cache.keep_free = dict(self._keep_free) if on else {}
 
@@ -296,6 +328,8 @@ class CachePipeline:
             self.stride.end_token()
         if self.prefetcher is not None:
             self.prefetcher.begin_step(list(tokens))
+        if self.planner is not None:
+            self.planner.begin_step(tokens)
         tables = self.tables
         if self.controller is not None and tables.enabled:
             self.runtime.cache.land_ready()  # copies landed since the last token: readable for this one
@@ -371,7 +405,10 @@ class CachePipeline:
                 "copy_stream": self.runtime.stream.stream.name,  # immediate, deferred or events (a GPU)
                 "table_writes": self.tables.writes if self.tables is not None else 0,
                 "controller_tokens": self.controller.tokens if self.controller is not None else 0,
-                **self._prefetch_description()}
+                **self._prefetch_description(),
+                **({"planner": {"predictor": self.planner.predictor.name, "protect": self.planner.n_protect,
+                                "runs_on": "controller" if self.planner.via_controller else "route op"}}
+                   if self.planner is not None else {})}
 
     def _prefetch_description(self) -> dict[str, object]:
         """Where the prefetcher runs and its budget (none without a predictor)."""
@@ -408,8 +445,10 @@ class CachePipeline:
                 self._reading = False
                 self.stride.end_token()
             self.stride.close()
-            self.stride.mailbox.close()
             self.stride = None
+        if self.mailbox is not None:
+            self.mailbox.close()
+            self.mailbox = None
         if self.runtime is not None:
             self.runtime.stream.flip = None  # copies put from now on write no table entry
             self.runtime.cache.keep_free = {}

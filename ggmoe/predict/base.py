@@ -14,6 +14,11 @@ and the live engine. Per request and token the caller drives a predictor like th
             p.predict(il_target)                 # scores [n_expert] float32 for the layer ``stride`` ahead
     p.end_request()
 
+A cross-token predictor (``predicts_next``: reuse, eam, expert-map, an mlp file of mode
+token) also answers ``predict_next(il)`` right after ``observe(il, ...)``: the scores of
+layer il's experts at the NEXT token. The planner between tokens
+(``ggmoe.control.planner``) asks it that for every layer.
+
 ``predict`` may use everything observed so far (earlier tokens of the request and
 the layers of this token seen up to now) and returns scores, higher = more likely,
 or ``None`` when it cannot predict there (e.g. a hidden-state predictor before the
@@ -105,6 +110,7 @@ class Predictor:
     needs_probs: ClassVar[bool] = False  # observe() must get router probabilities
     needs_truth: ClassVar[bool] = False  # offline only: reveal() gets the token's true ids
     needs_tokens: ClassVar[bool] = False  # begin_step() must get the real token ids (an imported trace may lack them)
+    predicts_next: bool = False  # predict_next() scores the next token's experts (an instance may set it: mlp)
     # the keyword options of __init__ after (shape, stride), with types and bounds (ggmoe.params): --opt and
     # the library's options are checked against them before any predictor is built
     PARAMS: ClassVar[tuple[Param, ...]] = ()
@@ -133,6 +139,11 @@ class Predictor:
     def predict(self, il_target: int) -> np.ndarray | None:
         """Scores [n_expert] float32 for layer ``il_target`` of the current token, or None."""
         return np.zeros(self.shape.n_expert, dtype=np.float32)
+
+    def predict_next(self, il: int) -> np.ndarray | None:
+        """Scores [n_expert] float32 for layer ``il`` of the NEXT token, right after ``observe(il, ...)`` of this
+        one (between tokens: what the planner protects and admits first), or None (``predicts_next`` False)."""
+        return None
 
     def end_request(self) -> None:  # noqa: B027 - optional hook
         """The request finished (online learners may keep what they saw)."""

@@ -190,3 +190,13 @@ class EAM(Predictor):
         row = weight.astype(np.float32) @ self.collection.ratio[entries, i]  # [E] aggregated activation ratios
         proximity = max(0.0, 1.0 - (i - self._now) / self.shape.n_layer)
         return row * np.float32(proximity)
+
+    predicts_next = True
+
+    def predict_next(self, il: int) -> np.ndarray | None:
+        """The next token at ``il``: the matched request-level EAMs' row of that layer (MoE-Infinity's
+        request-level prediction; no layer-proximity factor, since every layer is a token away)."""
+        if self._match is None:
+            self._match = self._matched()
+        entries, weight = self._match
+        return weight.astype(np.float32) @ self.collection.ratio[entries, self._pos[il]]

@@ -227,8 +227,19 @@ class ExpertMap(Predictor):
     def predict(self, il_target: int) -> np.ndarray | None:
         if self._match is None:
             self._match = self.last_match = self._search()
-        entry, score = self._match
-        i = self._pos[il_target]
+        return self._scores(*self._match, self._pos[il_target])
+
+    predicts_next = True
+
+    def predict_next(self, il: int) -> np.ndarray | None:
+        """The next token at ``il``: fMoE's search before an iteration's first layer, the semantic one (the
+        stored map whose key best matches the request's running key), as ``predict`` does at a token's start."""
+        if self.store.n == 0:
+            raise UsageError("expert-map: the map store is empty: fit() it on training traces first")
+        return self._scores(*self.store.semantic(self._key()), self._pos[il])
+
+    def _scores(self, entry: int, score: float, i: int) -> np.ndarray:
+        """The matched map's row of layer position ``i`` (-1: the store's mean), its delta-selected experts + 1."""
         s = self.store
         row = s.maps[entry, i] if entry >= 0 else s.maps[:s.n, i].mean(axis=0)  # no key: the store's mean
         n_sel = select_count(row, score, self.shape.n_expert_used)

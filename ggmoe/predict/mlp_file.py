@@ -1,8 +1,16 @@
-"""The predictor file format ``ggmoe-predictor`` version 1: constants, validation, reader and writer (numpy only).
+"""The predictor file format ``ggmoe-predictor`` version 2: constants, validation, reader and writer (numpy only).
 
 One ``.npz`` (a zip of ``.npy`` members, no pickle) holds every net of one training
-run: for one or several strides, or the multi-target nets (one net per source
-layer predicting the next up to 6 MoE layers at once). Two kinds of net, named
+run. Its ``meta["mode"]`` says what the nets predict:
+
+- ``layer`` (ProMoE's stride prediction, within a token): net i maps layer ``il``'s MoE input to
+  the experts of later MoE layers ``targets`` of the SAME token; one or several strides, or the
+  multi-target nets (one net per source layer predicting the next up to 6 MoE layers at once);
+- ``token`` (cross-token, between tokens): net i maps layer ``il``'s MoE input of token t to the
+  experts of the same layer ``il`` at token t + 1 (``targets`` is ``[il]``): one token ahead, its
+  stride is 1.
+
+Version 1 files have no ``mode`` and read as mode ``layer``. Two kinds of net, named
 by ``meta["kind"]``; for net i with H hidden units, n_embd inputs and T target layers:
 
 ==============  ===================  ==========================  ==========================================
@@ -22,7 +30,7 @@ both kinds:
 ``net{i}.std``  float32              [n_embd]                    prompts: x = (hidden - mean) / std
 ==============  ===================  ==========================  ==========================================
 
-``meta``: ``format``, ``version``, ``kind``, ``model_fingerprint``, ``model_name``,
+``meta``: ``format``, ``version``, ``kind``, ``mode`` (version 2), ``model_fingerprint``, ``model_name``,
 ``layers`` (MoE layers of the model), ``n_expert``, ``n_expert_used``, ``n_embd``,
 ``dtype``, ``hidden`` (0 for ``linear``), ``nets`` (per net: ``il`` source layer,
 ``targets`` target layers, ``metrics``) and ``training`` (the settings, the split,
@@ -33,6 +41,8 @@ The reader trusts nothing in the file: it opens the zip itself and checks every
 member's ``.npy`` header (dtype, shape, and that shape x itemsize is the member's
 size) against what the validated metadata and the model say BEFORE reading its
 data, so a lying header cannot make it allocate more than the model's nets need.
+A file for another model, mode or stride than the caller needs (``PredictorNeed``) is
+refused from its metadata alone, in one message naming what differs, before any net is read.
 The writer writes atomically and reads its own output back before it replaces
 anything, so it never leaves a file the reader would refuse.
 """
@@ -54,8 +64,10 @@ from ggmoe.npzfile import NpzMembers
 from ggmoe.predict.base import FoldedNet, ModelShape
 
 FORMAT = "ggmoe-predictor"
-VERSION = 1
+VERSION = 2  # what the writer writes
+READS = (1, 2)  # versions the reader takes (1: no mode, read as mode layer)
 KINDS = ("mlp", "linear")
+MODES = ("layer", "token")  # within a token, layer il -> il + s; across tokens, layer il at t -> il at t + 1
 DTYPES = ("float32", "float16")
 NET_KEYS = {"mlp": ("w1", "b1", "w2", "b2", "mean", "std"), "linear": ("w", "b", "mean", "std")}
 MAX_HIDDEN = 1 << 16  # hidden units; bounds what a file can make the reader allocate
@@ -96,12 +108,26 @@ class Net:
 
 @dataclass(frozen=True)
 class PredictorFile:
-    meta: dict  # validated metadata
+    meta: dict  # validated metadata (a version 1 file's carries mode "layer")
     nets: tuple[Net, ...]
 
     @property
     def kind(self) -> str:
         return str(self.meta["kind"])
+
+    @property
+    def mode(self) -> str:
+        return str(self.meta["mode"])
+
+
+@dataclass(frozen=True)
+class PredictorNeed:
+    """What a run needs of a predictor file: made for this model, in this mode, with a net at this stride (mode
+    layer: MoE layers ahead within a token; mode token: tokens ahead, always 1)."""
+
+    shape: ModelShape
+    mode: str = "layer"
+    stride: int | None = 1  # None: any stride the file has
 
 
 MLPFile = PredictorFile  # the name used before the linear kind existed
@@ -124,8 +150,10 @@ def check_meta(meta: object, label: object) -> dict:
         raise _fail(label, f"metadata is a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT:
         raise _fail(label, f"not a ggmoe predictor file (format {meta.get('format')!r})")
-    if not _is_int(meta.get("version")) or meta["version"] != VERSION:
-        raise _fail(label, f"predictor format version {meta.get('version')!r} is not supported (this is {VERSION})")
+    if not _is_int(meta.get("version")) or meta["version"] not in READS:
+        raise _fail(label, f"predictor format version {meta.get('version')!r} is not supported "
+                           f"(this ggmoe reads versions {', '.join(map(str, READS))})")
+    _check_mode(meta, label)
     kind = meta.get("kind")
     if not isinstance(kind, str) or kind not in KINDS:
         raise _fail(label, f"predictor kind {kind!r} is not one of {KINDS}")
@@ -152,8 +180,19 @@ def check_meta(meta: object, label: object) -> dict:
     if len(nets) > len(layers) ** 2:  # every (source, stride) pair plus a multi net per source fits
         raise _fail(label, f"metadata lists {len(nets)} nets, more than {len(layers)} MoE layers can have")
     for i, entry in enumerate(nets):
-        _check_net_entry(label, i, entry, layers)
+        _check_net_entry(label, i, entry, layers, meta["mode"])
     return meta
+
+
+def _check_mode(meta: dict, label: object) -> None:
+    """``meta["mode"]``: required from version 2; a version 1 file has none and is mode layer (set here)."""
+    if meta["version"] == 1:
+        if meta.setdefault("mode", "layer") != "layer":
+            raise _fail(label, f"mode {meta['mode']!r} needs predictor format version 2 (version 1 is mode layer)")
+        return
+    mode = meta.get("mode")
+    if not isinstance(mode, str) or mode not in MODES:
+        raise _fail(label, f"predictor mode {mode!r} is not one of {MODES}")
 
 
 def _check_hidden(meta: dict, label: object) -> None:
@@ -165,14 +204,51 @@ def _check_hidden(meta: dict, label: object) -> None:
         raise _fail(label, f"metadata hidden must be a positive integer up to {MAX_HIDDEN}, not {h!r}")
 
 
-def _check_net_entry(label: object, i: int, entry: object, layers: list[int]) -> None:
+def _check_net_entry(label: object, i: int, entry: object, layers: list[int], mode: str) -> None:
     if not isinstance(entry, dict) or not _is_int(entry.get("il")) or not isinstance(entry.get("targets"), list) \
             or not all(_is_int(t) for t in entry["targets"]):
         raise _fail(label, f"net {i}: bad entry {entry!r} (needs integer il and a list of integer targets)")
     il, targets = entry["il"], entry["targets"]
+    if mode == "token":  # the same layer, one token ahead
+        if il not in layers or targets != [il]:
+            raise _fail(label, f"net {i}: a mode token net predicts its own MoE layer of the next token "
+                               f"(targets [{il}]), not {targets} (MoE layers {layers})")
+        return
     if il not in layers or not targets or any(t not in layers or t <= il for t in targets) \
             or len(set(targets)) != len(targets):
         raise _fail(label, f"net {i}: source {il} / targets {targets} are not later MoE layers of {layers}")
+
+
+def file_strides(meta: dict) -> list[int]:
+    """The strides a (checked) file has nets for: MoE layers ahead in mode layer; [1] (a token) in mode token."""
+    if meta["mode"] == "token":
+        return [1]
+    pos = {il: j for j, il in enumerate(meta["layers"])}
+    return sorted({pos[t] - pos[n["il"]] for n in meta["nets"] for t in n["targets"]})
+
+
+def _strides_text(strides: list[int]) -> str:
+    return f"stride {strides[0]}" if len(strides) == 1 else f"strides {', '.join(map(str, strides))}"
+
+
+def check_need(meta: dict, need: PredictorNeed, label: object) -> None:
+    """The file was made for the model, mode and stride the run needs: else ONE message naming what differs
+    (from the metadata alone, before any net is read)."""
+    have: list[str] = []
+    want: list[str] = []
+    fp = need.shape.model_fingerprint
+    if meta["model_fingerprint"] != fp:
+        have.append(f"model {meta['model_fingerprint']} ({meta.get('model_name', '?')})")
+        want.append(f"model {fp}")
+    strides = file_strides(meta)
+    if meta["mode"] != need.mode:
+        have.append(f"mode {meta['mode']}, {_strides_text(strides)}")
+        want.append(f"mode {need.mode}" + (f", stride {need.stride}" if need.stride is not None else ""))
+    elif need.stride is not None and need.stride not in strides:
+        have.append(_strides_text(strides))
+        want.append(f"stride {need.stride}")
+    if have:
+        raise _fail(label, f"trained for {'; '.join(have)}; this run needs {'; '.join(want)}")
 
 
 def check_model(meta: dict, shape: ModelShape, label: object) -> None:
@@ -229,12 +305,15 @@ def _read_meta(m: NpzMembers, label: object) -> dict:
     return check_meta(meta, label)
 
 
-def _read(path: Path, shape: ModelShape | None, label: object) -> PredictorFile:
-    """Read ``path`` for the model ``shape`` (None: the model its metadata names), messages under ``label``."""
+def _read(path: Path, need: PredictorNeed | None, label: object) -> PredictorFile:
+    """Read ``path`` for what the run needs (None: the model its metadata names, any mode and stride), messages
+    under ``label``. The metadata is checked against ``need`` before any net is read."""
     try:
         with NpzMembers(path, lambda msg: _fail(label, msg)) as m:
             meta = _read_meta(m, label)
-            check_model(meta, shape if shape is not None else shape_of(meta), label)
+            if need is not None:
+                check_need(meta, need, label)
+            check_model(meta, need.shape if need is not None else shape_of(meta), label)
             nets = tuple(_read_net(m, i, entry, meta, label) for i, entry in enumerate(meta["nets"]))
             extra = m.unexpected({"meta"} | {f"net{i}.{k}" for i in range(len(nets)) for k in NET_KEYS[meta["kind"]]})
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, OSError, EOFError) as e:
@@ -244,8 +323,9 @@ def _read(path: Path, shape: ModelShape | None, label: object) -> PredictorFile:
     return PredictorFile(meta=meta, nets=nets)
 
 
-def read_predictor_file(path: str | Path, shape: ModelShape) -> PredictorFile:
-    """Read and validate a predictor file for the model ``shape``; PredictorFileError otherwise."""
+def read_predictor_file(path: str | Path, need: ModelShape | PredictorNeed) -> PredictorFile:
+    """Read and validate a predictor file for what the run needs (a ``ModelShape`` alone: that model, mode layer,
+    any stride the file has); PredictorFileError otherwise."""
     path = Path(path)
     if not path.is_file():
         raise PredictorFileError(f"predictor file not found: {path}")
@@ -255,7 +335,9 @@ def read_predictor_file(path: str | Path, shape: ModelShape) -> PredictorFile:
         raise _fail(path, "not an .npz archive: a single .npy array (save predictors with ggmoe train-predictor)")
     if not zipfile.is_zipfile(path):
         raise _fail(path, "not a readable .npz file (no zip archive found)")
-    return _read(path, shape, path)
+    if isinstance(need, ModelShape):
+        need = PredictorNeed(need, "layer", None)
+    return _read(path, need, path)
 
 
 load_mlp_file = read_predictor_file  # the name the mlp predictor used before the format had its own module

@@ -72,6 +72,13 @@ class Reuse(Predictor):
     def predict(self, il_target: int) -> np.ndarray | None:
         return self._past[self._pos[il_target]].copy()
 
+    predicts_next = True
+
+    def predict_next(self, il: int) -> np.ndarray | None:
+        """The next token at ``il``: this token's experts there first, then the earlier ones, decayed."""
+        j = self._pos[il]
+        return self._now[j] + self.decay * self._past[j]
+
 
 @PREDICTORS.register("token")
 class TokenFrequency(Predictor):

@@ -346,12 +346,22 @@ class GgmoeLlama(llama_cpp.Llama):
         self.close()
 
 
+def _plan_config(planner: str | None, train: Sequence[str]) -> object | None:
+    """``load()``'s plan_predictor as a PlanConfig (None without one)."""
+    if planner is None:
+        return None
+    from ggmoe.control.planner import PlanConfig, check_planner
+
+    check_planner(planner)  # before the model loads
+    return PlanConfig(predictor=planner, train=tuple(train))
+
+
 def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None,
          cache_slots: int | None = None, policy: str | None = None, predictor: str | None = None,
          stride: int = 2, n_prefetch: int | None = None, prefetch_threshold: float | None = None,
          predictor_train: Sequence[str] = (), miss_policy: str | None = None, hw: str | None = None,
          decode_mode: str | None = None, cache: CacheConfig | None = None, config: str | os.PathLike | None = None,
-         **llama_kwargs: Any) -> GgmoeLlama:
+         plan_predictor: str | None = None, **llama_kwargs: Any) -> GgmoeLlama:
     """Load a GGUF MoE model as a ``llama_cpp.Llama`` with its experts in host RAM.
 
     ``path`` defaults to the embedded model. ``cache_slots`` (slots per MoE layer) or ``vram`` (bytes, or
@@ -361,7 +371,9 @@ def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None
     auto) and the ``hw`` profile as auto's cost model, ``decode_mode`` (auto, async: the expert table and no
     sync per MoE layer, sync: the route op per layer); or pass a ready ``cache`` (a ``CacheConfig``), or
     ``config``: a plan file from ``ggmoe plan`` (slots and, with ``--moepic``, MoEpic's top shares per layer;
-    ``decode_mode`` still applies).
+    ``decode_mode`` still applies). ``plan_predictor`` (reuse, eam, expert-map, or a PRED.npz trained with
+    ``--mode token``) plans the next token between tokens: its predicted experts are admitted first and not
+    evicted (``ggmoe.control.planner``).
     Other keyword arguments go to ``llama_cpp.Llama`` (``n_ctx``, ``seed``, ``logits_all``,
     ``chat_format``...); ggmoe's defaults differ in two: ``verbose=False`` and ``n_gpu_layers=-1``
     (every dense layer on the GPU when there is one).
@@ -391,11 +403,16 @@ def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None
             from ggmoe.cache.decode_mode import check_decode_mode
 
             cache = dataclasses.replace(cache, decode_mode=check_decode_mode(decode_mode))
+        if plan_predictor is not None:
+            cache = dataclasses.replace(cache, planner=_plan_config(plan_predictor, predictor_train))
     elif cache is None:
         prefetch = build_prefetch_config(predictor, stride, n_prefetch, prefetch_threshold,
-                                         tuple(predictor_train))
-        cache = build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode)
-    elif any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw, decode_mode)):
+                                         tuple(predictor_train) if predictor is not None or plan_predictor is None
+                                         else ())
+        cache = build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode,
+                                   _plan_config(plan_predictor, predictor_train))
+    elif any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw, decode_mode,
+                                     plan_predictor)):
         raise UsageError("give the cache either as cache=CacheConfig(...) or as its options, not both")
     llama_kwargs.setdefault("verbose", False)
     llama_kwargs.setdefault("n_gpu_layers", -1)

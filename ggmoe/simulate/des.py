@@ -21,7 +21,12 @@ that admissions wait; after the token the engine's own ``TokenController`` admit
 land on the link's timeline and become readable at the first token boundary after they land (epochs).
 Larger micro-batches (prefill) take the sync path, as in the engine.
 
-The cache, the policies, the miss policy and the prefetcher are the engine's own objects; only the copy
+With a planner (``SimConfig.planner``: a cross-token predictor, ``ggmoe.control.planner``), the engine's own
+``NextTokenPlanner`` plans each layer's next call as in the engine: in the async replay the controller shows it
+every layer between tokens (the MoE input rows from the trace, as the engine's mailbox hands them), in the sync
+replay it is a route observer.
+
+The cache, the policies, the miss policy, the planner and the prefetcher are the engine's own objects; only the copy
 backend and the clock are simulated. Without a hardware profile every cost is zero and copies land at once:
 the counts then equal the engine's on a CPU build exactly. What is not modelled: the output head and
 sampling, KV-cache growth, kernel overlap inside a layer, PCIe contention with the GPU's own traffic. TPOT
@@ -47,11 +52,12 @@ from ggmoe.cache.miss import SLOT_HOST, MissCosts, auto_without_host_path, effec
 from ggmoe.cache.policies import make_policy
 from ggmoe.cache.split import LayerSplit
 from ggmoe.control import TokenController
+from ggmoe.control.planner import NextTokenPlanner, check_planner, default_protect
 from ggmoe.control.prefetch import Prefetcher
 from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
-from ggmoe.predict.base import check_trace_inputs
+from ggmoe.predict.base import check_trace_inputs, is_predictor_file
 from ggmoe.simulate.replay import micro_batches, next_uses
 from ggmoe.simulate.timeline import FlagLinkCopyBackend, LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace
@@ -79,12 +85,18 @@ class SimConfig:
     # MoEpic's split (ggmoe.cache.split.model_split): layers whose slots hold top segments; their bottoms are
     # read over the link at the zero-copy rate, or prefetched into n_prefetch bottom buffers with a predictor
     split: Mapping[int, LayerSplit] | None = None
+    # the planner between tokens: a cross-token predictor (reuse, eam, expert-map, a PRED.npz of mode token), or
+    # None; n_protect experts planned per layer (None: 2 x n_expert_used, ggmoe.control.planner.default_protect)
+    planner: str | None = None
+    n_protect: int | None = None
 
     @property
     def label(self) -> str:
         sizes = sorted(set(self.n_slots.values()))
         size = str(sizes[0]) if len(sizes) == 1 else f"{min(sizes)}-{max(sizes)}"
         pred = f"{self.predictor}/s{self.stride}" if self.predictor else "-"
+        if self.planner:
+            pred += f", planner {self.planner}"
         mode = ", async" if self.decode_mode == "async" else ""
         if self.split:
             thetas = sorted({s.n_top / s.n_ff for s in self.split.values()})
@@ -117,24 +129,32 @@ class SimResult:
     stats: dict = field(default_factory=dict)  # CacheStats.to_dict()
     decode_mode: str = "sync"  # sync or async
     ttft_each_s: tuple[float, ...] = ()  # estimate: each prompt's time to its first token, in order
+    planner: str | None = None  # the cross-token predictor that planned between tokens, or None
+    plan_accuracy: float = 0.0  # its plans' top n_expert_used that the layer's next call selected
 
 
 def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
-                    fit: bool = True):
+                    fit: bool = True, planner: bool = False):
     """The predictor built as the engine's ``make_prefetcher`` builds it, from the traces' model shape;
-    ``fit=False`` checks that it can be built (UsageError otherwise) without learning from ``train``."""
+    ``fit=False`` checks that it can be built (UsageError otherwise) without learning from ``train``.
+    ``planner``: the planner's (``config.planner``: a PRED.npz must be of mode token), else the prefetcher's."""
     shape = ModelShape.from_trace(trace.meta, trace.layers)
-    options = {"model": model_path} if config.predictor == "skip-gate" else {}
-    pred = make_predictor(config.predictor, shape, config.stride, **options)
+    spec = config.planner if planner else config.predictor
+    if planner:
+        check_planner(spec)
+    options: dict[str, object] = {"model": model_path} if spec == "skip-gate" else {}
+    if planner and is_predictor_file(spec):
+        options["mode"] = "token"
+    pred = make_predictor(spec, shape, 1 if planner else config.stride, **options)
     check_trace_inputs(pred, trace.meta)
     if pred.needs_hidden and trace.hidden is None:
-        raise UsageError(f"predictor {config.predictor!r} reads hidden states: the traces have none "
+        raise UsageError(f"predictor {spec!r} reads hidden states: the traces have none "
                          "(record them without --no-hidden)")
-    if config.predictor_state:
+    if config.predictor_state and not planner:
         pred.load_state(dict(config.predictor_state))
     if pred.needs_fit and not (pred.has_state and train is None):
         if train is None:
-            raise UsageError(f"predictor {config.predictor!r} learns from traces: give training traces "
+            raise UsageError(f"predictor {spec!r} learns from traces: give training traces "
                              "(--predictor-train) or routing statistics saved by a run with it (--stats-in)")
         if train.meta.model_fingerprint != trace.meta.model_fingerprint:
             raise UsageError("the training traces come from another model")
@@ -214,6 +234,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     prefetcher = None
     if pred is not None:
         prefetcher = Prefetcher(cache, pred, layers, n_pre, config.threshold)
+    planner = _planner(config, trace, train, model_path, cache) if config.planner else None
     costs = _Costs(profile, bytes_per_expert, m.n_expert)
     if config.decode_mode not in ("sync", "async"):
         raise UsageError(f"decode mode {config.decode_mode!r}: the simulator runs sync or async")
@@ -221,9 +242,11 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
         raise UsageError("the async decode reads misses from host memory (miss policy wait), as the engine's")
     if config.decode_mode == "async" and pred is not None:
         _stride_prefetch(cache, prefetcher, m.n_expert, m.n_expert_used)
-    controller = TokenController(cache) if config.decode_mode == "async" else None
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
+    rows_now = _Row(trace, pos)  # the trace row a one-token micro-batch replays: the planner's input rows
+    controller = (TokenController(cache, planner=planner, inputs=rows_now.hidden)
+                  if config.decode_mode == "async" else None)
     batches = list(micro_batches(trace))
     is_async = [controller is not None and r.stop - r.start <= TABLE_MAX_TOKENS for r in batches]
     future = _future(trace, cache, layers, batches, is_async, ids, pos) if policy.needs_future else None
@@ -231,15 +254,18 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     ttft: list[float] = []
     first_pending: float | None = None  # a prompt's prefill time, until its first decode step
     fi = 0
-    step = _Step(clock, cache, link, costs, prefetcher, pred, config, profile is not None)
+    step = _Step(clock, cache, link, costs, prefetcher, pred, config, profile is not None, planner)
     mailbox = _Mailbox(prefetcher, trace, pos) if controller is not None and prefetcher is not None else None
     for bi, rows in enumerate(batches):
         n_tok = rows.stop - rows.start
         prefill = bool(trace.stage[rows.start] == STAGE_PREFILL)
+        rows_now.row = rows.start
         if prefetcher is not None:
             if getattr(pred, "needs_truth", False) and n_tok == 1:
                 pred.reveal(ids[rows.start])
             prefetcher.begin_step([int(t) for t in trace.token_ids[rows]])
+        if planner is not None:
+            planner.begin_step([int(t) for t in trace.token_ids[rows]])
         t0 = clock.now()
         if is_async[bi]:
             if future is not None:  # the controller's calls, one per layer in order, as _future counted them
@@ -277,13 +303,14 @@ class _Step:
     pred: Any
     config: SimConfig
     timed: bool  # a profile is given: the predictor's time counts
+    planner: NextTokenPlanner | None = None  # a route observer in the sync decode, as in the engine
     fits: dict[int, list[bool]] = field(default_factory=dict)  # micro-batch tokens -> cache.fits per layer
 
 
 def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers: list[int],
                future: list[dict[int, float]] | None, fi: int) -> int:
     """One micro-batch on the sync path (the route op per MoE layer); returns the next index into ``future``."""
-    clock, cache, costs, pred = st.clock, st.cache, st.costs, st.pred
+    clock, cache, costs = st.clock, st.cache, st.costs
     n_tok = rows.stop - rows.start
     flats = sel_all.transpose(1, 0, 2).reshape(len(layers), -1).tolist()  # per layer, the ids token after token
     before = costs.layer(n_tok) + costs.hook()  # attention and router, then the route op
@@ -310,11 +337,14 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
             slots = cache.route_flat(il, flat, next_use=future[fi])
             fi += 1
         n_host = len({e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST}) if SLOT_HOST in slots else 0
-        if st.prefetcher is not None:
+        for obs in (st.prefetcher, st.planner):  # the route observers that predict, in the callback's time
+            if obs is None:
+                continue
             tp = time.perf_counter()
-            probs = trace.probs[rows, j].astype(np.float32) if pred.needs_probs else None
-            hidden = trace.hidden[rows, j].astype(np.float32) if pred.needs_hidden else None
-            st.prefetcher.on_route(RouteEvent(il=il, ids=sel_all[:, j], probs=probs, hidden=hidden))
+            p = obs.predictor
+            probs = trace.probs[rows, j].astype(np.float32) if p.needs_probs else None
+            hidden = trace.hidden[rows, j].astype(np.float32) if p.needs_hidden else None
+            obs.on_route(RouteEvent(il=il, ids=sel_all[:, j], probs=probs, hidden=hidden))
             pred_s = time.perf_counter() - tp if st.config.predictor_s is None else st.config.predictor_s
             clock.advance(pred_s if st.timed else 0.0)
         if il in split:  # what it read in place holds the link; whole misses are bound by it
@@ -373,6 +403,33 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
         clock.advance(costs.experts(il, ready) + read_s)  # what is read over the link is bound by the link
     link.settle()  # what landed by now, before the controller asks (FlagLinkCopyBackend)
     controller.on_routing(layers, routing)
+
+
+def _planner(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
+             cache: ExpertCache) -> NextTokenPlanner:
+    """The engine's planner on the replay: its predictor built as ``make_planner`` builds it."""
+    pred = build_predictor(config, trace, train, model_path, planner=True)
+    if config.decode_mode == "async" and pred.needs_probs:
+        raise UsageError(f"planner {config.planner!r} reads router probabilities, which the async decode does not "
+                         "hand the host: simulate it with --decode-mode sync")
+    m = trace.meta
+    n = config.n_protect if config.n_protect is not None else default_protect(m.n_expert, m.n_expert_used)
+    planner = NextTokenPlanner(cache, pred, [int(il) for il in trace.layers], n)
+    planner.via_controller = config.decode_mode == "async"
+    return planner
+
+
+@dataclass
+class _Row:
+    """The trace row of the one-token micro-batch being replayed: its MoE input rows, as the mailbox has them."""
+
+    trace: Trace
+    pos: dict[int, int]
+    row: int = 0
+
+    def hidden(self, il: int) -> np.ndarray | None:
+        h = self.trace.hidden
+        return h[self.row, self.pos[il]].astype(np.float32) if h is not None else None
 
 
 @dataclass
@@ -436,7 +493,8 @@ def _result(config: SimConfig, trace: Trace, cache: ExpertCache, link: LinkCopyB
         tpot_s=decode_s / n_decode if profile is not None and n_decode else None,
         ttft_s=float(np.mean(ttft)) if profile is not None and ttft else None,
         link_busy_s=link.busy_s, stats=cache.stats.to_dict(), decode_mode=config.decode_mode,
-        ttft_each_s=tuple(ttft) if profile is not None else ())
+        ttft_each_s=tuple(ttft) if profile is not None else (), planner=config.planner,
+        plan_accuracy=t.plan_accuracy)
 
 
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.errors import UsageError
-from ggmoe.trace.format import Trace, load_trace
+from ggmoe.trace.format import STAGE_DECODE, Trace, load_trace
 
 
 def merge_traces(traces: list[Trace]) -> Trace:
@@ -69,3 +69,17 @@ def select_prompts(trace: Trace, prompts: np.ndarray) -> Trace:
                    stage=trace.stage[rows], prompt_offsets=offsets, ids=trace.ids[rows],
                    probs=trace.probs[rows], hidden=trace.hidden[rows] if trace.hidden is not None else None,
                    logits=trace.logits[rows] if trace.logits is not None else None)
+
+
+def next_token_pairs(trace: Trace) -> np.ndarray:
+    """Rows r [n] int64, ascending, such that r and r + 1 are consecutive decode tokens of one sequence: both
+    decode steps, in the same prompt, at positions p and p + 1. What a cross-token predictor learns from (row
+    r's state -> row r + 1's experts); never a pair across a prompt boundary or from a prefill token."""
+    if trace.n_tokens < 2:
+        return np.zeros(0, dtype=np.int64)
+    r = np.arange(trace.n_tokens - 1, dtype=np.int64)
+    prompt = np.repeat(np.arange(trace.n_prompts), np.diff(trace.prompt_offsets))  # [T] prompt of each row
+    decode = trace.stage == STAGE_DECODE
+    ok = (decode[:-1] & decode[1:] & (prompt[:-1] == prompt[1:])
+          & (trace.positions[1:].astype(np.int64) == trace.positions[:-1].astype(np.int64) + 1))
+    return r[ok]

@@ -39,7 +39,8 @@ def _trace(tmp_path, prompts: list[str], max_tokens: int):
     ["--policy", "lru", "--predictor", "reuse", "--stride", "1"],
     ["--policy", "lcp", "--predictor", "reuse", "--stride", "2", "--miss-policy", "cpu"],
     ["--policy", "lru", "--predictor", "skip-gate", "--stride", "1"],
-], ids=["lru", "lfu-host", "prefetch", "lcp-prefetch-host", "skip-gate"])
+    ["--policy", "lru", "--predictor", "skip-gate", "--stride", "2", "--plan-predictor", "reuse"],
+], ids=["lru", "lfu-host", "prefetch", "lcp-prefetch-host", "skip-gate", "skip-gate-planner"])
 def test_simulator_counts_equal_the_engine(qwen3moe_model, tmp_path, flags):
     stats, tr = tmp_path / "s.json", tmp_path / "trace"
     r = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox jumps", "-n", "24",
@@ -50,19 +51,25 @@ def test_simulator_counts_equal_the_engine(qwen3moe_model, tmp_path, flags):
     facts = inspect_model(qwen3moe_model)
     cfg = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, 3), policy=opts["--policy"],
                     predictor=opts.get("--predictor"), stride=int(opts.get("--stride", 2)),
-                    miss_policy=opts.get("--miss-policy", "wait"), predictor_s=0.0)
+                    miss_policy=opts.get("--miss-policy", "wait"), predictor_s=0.0,
+                    planner=opts.get("--plan-predictor"))
     sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None,
                    model_path=str(qwen3moe_model))
     assert sum(s["misses"] for s in sim.stats["layers"].values()) > 0
     if cfg.predictor:
         assert sum(s["prefetch_issued"] for s in sim.stats["layers"].values()) > 0
+    fields = (*FIELDS, "plan_total", "plan_correct") if cfg.planner else FIELDS
+    if cfg.planner:
+        assert sum(s["plan_total"] for s in sim.stats["layers"].values()) > 0
     for il, s in sim.stats["layers"].items():
-        assert {f: s[f] for f in FIELDS} == {f: live[il][f] for f in FIELDS}, il
+        assert {f: s[f] for f in fields} == {f: live[il][f] for f in fields}, il
 
 
 @pytest.mark.immediate_copies("the replay lands a copy when it is issued, as the immediate stream does")
-@pytest.mark.parametrize(("policy", "predictor", "slots"), [("lru", None, 3), ("lfu", None, 3), ("lru", "reuse", 5)])
-def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, policy, predictor, slots):
+@pytest.mark.parametrize(("policy", "predictor", "slots", "planner"), [
+    ("lru", None, 3, None), ("lfu", None, 3, None), ("lru", "reuse", 5, None), ("lru", None, 4, "token.npz"),
+    ("lru", "reuse", 5, "reuse")])
+def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, policy, predictor, slots, planner):
     """The async decode replayed: the engine's counts (decode steps read through the tables, the controller
     between tokens, prefill on the route op; with a predictor, the mailbox's stride prefetch into free slots)
     equal the simulator's in async mode on the same routing. The trace comes from a sync run of the same
@@ -71,6 +78,11 @@ def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, polic
     run = ["run", str(qwen3moe_model), "-p", "The quick brown fox jumps over", "-n", "24", "--cache-slots",
            str(slots), "--policy", policy]
     pre = ["--predictor", predictor, "--stride", "1"] if predictor else []
+    if planner == "token.npz":  # a cross-token mlp: its input rows from the mailbox live, from the trace replayed
+        from random_predictor import random_predictor_file
+
+        planner = str(random_predictor_file(qwen3moe_model, tmp_path / planner, hidden=16, seed=5, mode="token"))
+    pre += ["--plan-predictor", planner] if planner else []
     stats, tr = tmp_path / "s.json", tmp_path / "trace"
     r = CliRunner().invoke(main, [*run, *pre, "--decode-mode", "async", "--stats-json", str(stats)])
     assert r.exit_code == 0, r.output
@@ -82,10 +94,12 @@ def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, polic
     assert r.exit_code == 0, r.output
     facts = inspect_model(qwen3moe_model)
     cfg = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, slots), policy=policy, decode_mode="async",
-                    predictor=predictor, stride=1)
+                    predictor=predictor, stride=1, planner=planner)
     sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None)
     fields = (*FIELDS, "host_reads", "host_read_bytes", "evictions", "prefetch_issued", "prefetch_hits",
-              "prefetch_late", "prefetch_wasted")
+              "prefetch_late", "prefetch_wasted", "plan_total", "plan_correct", "admission_copies")
+    if planner:
+        assert d["planner"]["runs_on"] == "controller" and d["total"]["plan_total"] > 0
     last = str(max(facts.moe_layers))
     # The trace routes every prompt token at the last layer (recorded with all logits); the run computes only
     # the token whose logits it samples there, so that layer's prefill call differs (native in the replay, one

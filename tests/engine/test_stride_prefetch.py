@@ -17,6 +17,7 @@ from random_predictor import random_predictor_file
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.cache import CacheConfig
+from ggmoe.control.planner import PlanConfig
 from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
@@ -169,3 +170,57 @@ def test_a_bad_lockstep_value_is_refused(qwen3moe_model, monkeypatch, value):
     monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", value)
     with pytest.raises(UsageError, match="GGMOE_MAILBOX_LOCKSTEP"):
         _engine(qwen3moe_model, 4, "reuse")
+
+
+# -- the planner between tokens (ggmoe.control.planner): a cross-token mlp fed from the mailbox
+
+
+def _planned(path, n_slots, planner, mode="async", predictor=None) -> Engine:
+    cache = CacheConfig(n_slots=n_slots, policy="lru", decode_mode=mode, planner=PlanConfig(str(planner)),
+                        prefetch=PrefetchConfig(predictor, stride=1) if predictor else None)
+    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cache))
+
+
+def test_the_mailbox_hands_the_planner_what_the_route_op_would(tmp_path):
+    model = default_model_path()
+    planner = random_predictor_file(model, tmp_path / "t.npz", kind="mlp", hidden=32, seed=4, mode="token")
+    fed = {}
+    for mode in ("sync", "async"):
+        with _planned(model, 8, planner, mode=mode) as eng:
+            pl, got = eng.pipeline.planner, []
+            observe = pl.observe
+
+            def spy(il, ids, probs, hidden, got=got, observe=observe):
+                got.append((il, np.asarray(ids).copy(), hidden.copy()))
+                observe(il, ids, probs, hidden)
+
+            pl.observe = spy
+            eng.generate("The planner test", 10)
+            assert eng.decode_mode["decode_mode_in_effect"] == mode
+            assert eng.decode_mode["planner"]["runs_on"] == ("controller" if mode == "async" else "route op")
+            fed[mode] = got
+    assert len(fed["async"]) == len(fed["sync"]) > 0
+    for (il_a, ids_a, h_a), (il_b, ids_b, h_b) in zip(fed["async"], fed["sync"], strict=True):
+        assert il_a == il_b
+        np.testing.assert_array_equal(ids_a, ids_b)
+        np.testing.assert_array_equal(h_a, h_b)  # the mailbox's row is the route op's MoE input
+
+
+@pytest.mark.parametrize("predictor", [None, "reuse"])
+def test_a_token_mode_planner_keeps_the_async_decode_exact(arch_model, stock_logits, tmp_path, predictor):
+    arch, path = arch_model
+    facts = inspect_model(path)
+    planner = random_predictor_file(path, tmp_path / "t.npz", kind="mlp", hidden=16, seed=2, mode="token")
+    if arch == "llama4":  # its experts read a weighted input: the mailbox has ids only
+        with pytest.raises(UsageError, match="planner 'mlp' reads the MoE input.*ids only"):
+            _planned(path, facts.n_expert_used + 1, planner, predictor=predictor)
+        return
+    for n_slots in sorted({facts.n_expert_used + 1, facts.n_expert // 2}):
+        with _planned(path, n_slots, planner, predictor=predictor) as eng:
+            assert eng.decode_mode["decode_mode_in_effect"] == "async", (arch, eng.decode_mode)
+            got = run_sequences(eng)
+            st = eng.cache_stats.total()
+            plan = dict(eng.pipeline.runtime.cache.plan)
+        for a, b in zip(got, stock_logits(path), strict=True):
+            assert np.abs(a - b).max() <= EXACT, (arch, n_slots, predictor)
+        assert st.plan_total > 0 and any(plan.values()), (arch, n_slots)

@@ -112,8 +112,8 @@ def test_train_then_eval(traces, tmp_path):
     r = json.loads(res.stdout)["results"][0]
     assert r["layers"][3]["n"] == 24 and r["layers"][1]["n"] == 0
     _one_line_error(_run("eval-predictor", str(traces / "a.npz"), "-p", str(pred), "--stride", "2"),
-                    "has no net for stride 2")
-    _one_line_error(_run("eval-predictor", str(traces / "other.npz"), "-p", str(pred)), "made for model")
+                    "trained for strides 1, 3; this run needs stride 2")
+    _one_line_error(_run("eval-predictor", str(traces / "other.npz"), "-p", str(pred)), "trained for model")
 
 
 def test_train_bad_inputs(traces, tmp_path):

@@ -92,11 +92,16 @@ def _with(key, value):
 
 
 BAD = {
-    "other model": (dict(meta=_meta(model_fingerprint="ffffffffffffffff")), "made for model ffffffffffffffff"),
+    "other model": (dict(meta=_meta(model_fingerprint="ffffffffffffffff")),
+                    "trained for model ffffffffffffffff \\(m.gguf\\); this run needs model 00aa11bb22cc33dd$"),
     "n_expert": (dict(meta=_meta(n_expert=8)), "n_expert 8 does not match"),
     "layers": (dict(meta=_meta(layers=[0, 1, 3])), "MoE layers"),
     "format": (dict(meta=_meta(format="something")), "not a ggmoe predictor file"),
     "version": (dict(meta=_meta(version=9)), "version 9 is not supported"),
+    "mode": (dict(meta=_meta(version=2, mode="chunk")), "mode 'chunk' is not one of"),
+    "mode missing": (dict(meta=_meta(version=2)), "mode None is not one of"),
+    "token mode in version 1": (dict(meta=_meta(mode="token")), "mode 'token' needs predictor format version 2"),
+    "token net on another layer": (dict(meta=_meta(version=2, mode="token")), "a mode token net predicts its own"),
     "kind": (dict(meta=_meta(kind="gru")), "kind 'gru'"),
     "dtype": (dict(meta=_meta(dtype="int8")), "weight dtype 'int8'"),
     "hidden type": (dict(meta=_meta(hidden="5")), "hidden must be a positive integer"),
@@ -142,5 +147,65 @@ def test_not_an_npz(tmp_path):
 
 def test_stride_not_in_the_file(tmp_path):
     path = _write(tmp_path / "p.npz")
-    with pytest.raises(UsageError, match="no net for stride 2 \\(it covers strides \\[1\\]\\)"):
+    with pytest.raises(PredictorFileError, match="p.npz: trained for stride 1; this run needs stride 2$"):
         make_predictor(str(path), SHAPE, 2)
+
+
+TOKEN_NETS = [{"il": 0, "targets": [0], "metrics": {}}, {"il": 1, "targets": [1], "metrics": {}}]
+
+
+def test_a_version_1_file_is_mode_layer_and_a_token_file_predicts_the_next_token(tmp_path):
+    old = make_predictor(str(_write(tmp_path / "v1.npz")), SHAPE, 1)
+    assert old.file.mode == "layer" and old.file.meta["version"] == 1 and not old.predicts_next
+    path = _write(tmp_path / "t.npz", _meta(version=2, mode="token", nets=TOKEN_NETS))
+    p = make_predictor(str(path), SHAPE, 2, mode="token")  # one token ahead, whatever the stride of the run
+    assert p.predicts_next and p.strides() == [1] and p.graph_net(0) is None
+    a = _arrays()
+    h = np.array([0.3, -1.0, 2.0], np.float32)
+    p.begin_token(5)
+    p.observe(1, np.array([0, 1]), None, h)
+    assert p.predict(1) is None and p.predict(2) is None  # nothing within the token
+    assert p.predict_next(0) is None  # layer 0 was not the one just observed
+    x = (h - a["net1.mean"]) / a["net1.std"]
+    want = 1 / (1 + np.exp(-(a["net1.w2"] @ np.maximum(a["net1.w1"] @ x + a["net1.b1"], 0) + a["net1.b2"])))
+    assert np.allclose(p.predict_next(1), want, atol=1e-6)
+
+
+REFUSED = {  # (file meta, what the run needs) -> the one message
+    "token file for the stride prefetcher": (dict(version=2, mode="token", nets=TOKEN_NETS), dict(stride=2),
+                                            "trained for mode token, stride 1; this run needs mode layer, stride 2$"),
+    "layer file for the planner": (dict(version=2, mode="layer"), dict(stride=1, mode="token"),
+                                   "trained for mode layer, stride 1; this run needs mode token, stride 1$"),
+    "other model and mode": (dict(version=2, mode="token", nets=TOKEN_NETS, model_fingerprint="ffffffffffffffff"),
+                             dict(stride=1),
+                             "trained for model ffffffffffffffff \\(m.gguf\\); mode token, stride 1; this run "
+                             "needs model 00aa11bb22cc33dd; mode layer, stride 1$"),
+    "strides": (dict(version=2, mode="layer", nets=[{"il": 0, "targets": [1, 2]}]), dict(stride=3),
+                None),  # stride 3 does not exist in a 3-layer model: the predictor refuses it first
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_file_for_another_model_mode_or_stride_is_refused_in_one_message(tmp_path, case, monkeypatch):
+    meta, need, message = REFUSED[case]
+    path = _write(tmp_path / "x.npz", _meta(**meta))
+    if message is None:
+        with pytest.raises(UsageError, match="stride 3 needs at least 4 MoE layers"):
+            make_predictor(str(path), SHAPE, **need)
+        return
+    import ggmoe.predict.mlp_file as mf
+
+    read = []
+    monkeypatch.setattr(mf, "_read_net", lambda *a: read.append(a))  # refused before any net is read
+    with pytest.raises(PredictorFileError, match=f"^{path}: {message}") as e:
+        make_predictor(str(path), SHAPE, **need)
+    assert "\n" not in str(e.value) and not read
+
+
+def test_layer_strides_of_a_multi_target_file_are_named(tmp_path):
+    path = _write(tmp_path / "m.npz", _meta(version=2, mode="layer", nets=[{"il": 0, "targets": [1]},
+                                                                        {"il": 0, "targets": [2]}]))
+    from ggmoe.predict.mlp_file import PredictorNeed, read_predictor_file
+
+    with pytest.raises(PredictorFileError, match="trained for mode layer, strides 1, 2; this run needs mode token$"):
+        read_predictor_file(path, PredictorNeed(SHAPE, "token", None))

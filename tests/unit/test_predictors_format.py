@@ -97,7 +97,7 @@ BAD = {  # case -> (zip members, message)
     "linear with hidden units": (_members(_meta("linear", hidden=5), _arrays("linear")), "hidden must be 0"),
     "linear file with mlp arrays": (_members(_meta("linear")), "missing array net0.w"),
     "mlp file with linear arrays": (_members(_meta(), _arrays("linear")), "missing array net0.w1"),
-    "other model": (_members(_meta(model_fingerprint="ffffffffffffffff")), "made for model ffffffffffffffff"),
+    "other model": (_members(_meta(model_fingerprint="ffffffffffffffff")), "trained for model ffffffffffffffff"),
     "no meta": ({k: v for k, v in _members().items() if k != "meta.npy"}, "missing array meta"),
     "nan weights": (_members(arrays=_arrays() | {"net0.w2": np.full((4, H), np.nan, np.float32)}),
                     "net0.w2: contains NaN"),

@@ -12,7 +12,7 @@ from ggmoe.errors import UsageError  # noqa: E402
 from ggmoe.predict import ModelShape, make_predictor  # noqa: E402
 from ggmoe.predict.evaluate import evaluate  # noqa: E402
 from ggmoe.trace import load_trace  # noqa: E402
-from ggmoe.trace.data import select_prompts, split_prompts  # noqa: E402
+from ggmoe.trace.data import next_token_pairs, select_prompts, split_prompts  # noqa: E402
 from predictors.mlp import FitSettings, PredictorMLP  # noqa: E402
 from predictors.synthetic import planted_trace, synthetic_meta  # noqa: E402
 from predictors.train import TrainConfig, export, plan_nets, train  # noqa: E402
@@ -140,3 +140,49 @@ def test_report_runs_the_whole_evaluation(tmp_path, monkeypatch):
                                                              "expert-map", "oracle"]
     assert res["strides"]["1"][-1]["overall"]["accuracy"] == 1.0
     assert (tmp_path / "rep" / "accuracy-s2.png").is_file() and "## Stride 2" in (tmp_path / "rep" / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def planted_requests(tmp_path_factory):
+    """Every token of a prompt has the prompt's group: token t's input at layer l gives token t+1's experts there."""
+    path = tmp_path_factory.mktemp("train") / "requests.npz"
+    planted_trace(path, n_prompts=40, tokens=24, meta=synthetic_meta(n_layer=4, n_expert=8, k=2, n_embd=16),
+                  n_groups=12, group_by="prompt", noise=0.3, seed=6)
+    return load_trace(path)
+
+
+def test_token_mode_learns_the_next_token_of_each_layer(planted_requests, tmp_path):
+    cfg = TrainConfig(fit=FIT, mode="token", strides=(2,), seed=0, threads=1)
+    arrays, meta = train(planted_requests, cfg, progress=False)
+    assert meta["mode"] == "token" and meta["version"] == 2 and meta["training"]["strides"] == []
+    assert [(n["il"], n["targets"]) for n in meta["nets"]] == [(0, [0]), (1, [1]), (2, [2]), (3, [3])]
+    assert all(n["metrics"]["val_accuracy_mean"] >= 0.95 for n in meta["nets"])
+    # 40 prompts of 8 prefill + 16 decode tokens: 15 pairs each, split 36 / 4 by prompt
+    assert (meta["training"]["n_train_rows"], meta["training"]["n_val_rows"]) == (36 * 15, 4 * 15)
+    path = export(tmp_path / "token.npz", arrays, meta)
+    shape = _shape(planted_requests)
+    p = make_predictor(str(path), shape, 1, mode="token")
+    _, va = split_prompts(planted_requests.n_prompts, 0.1, seed=0)
+    held = select_prompts(planted_requests, va)
+    rows = next_token_pairs(held)
+    hits = 0
+    for r in rows:
+        for j, il in enumerate(shape.layers):
+            p.observe(il, held.ids[r, j], None, held.hidden[r, j].astype(np.float32))
+            top = np.argsort(-p.predict_next(il), kind="stable")[:2]
+            hits += len(set(top.tolist()) & set(held.ids[r + 1, j].tolist()))
+    assert hits / (2 * len(rows) * shape.n_layer) >= 0.95
+    from ggmoe.errors import PredictorFileError
+
+    with pytest.raises(PredictorFileError, match="trained for mode token, stride 1; this run needs mode layer"):
+        make_predictor(str(path), shape, 1)  # the stride prefetcher's predictor
+
+
+def test_token_mode_refuses_what_it_cannot_learn_from(planted_requests):
+    from dataclasses import replace
+
+    with pytest.raises(UsageError, match="does not go with --mode token"):
+        train(planted_requests, TrainConfig(mode="token", multi=True), progress=False)
+    prefill_only = replace(planted_requests, stage=np.zeros_like(planted_requests.stage))
+    with pytest.raises(UsageError, match="consecutive decode tokens of one sequence: the traces have none"):
+        train(prefill_only, TrainConfig(mode="token"), progress=False)
