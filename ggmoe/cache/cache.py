@@ -320,7 +320,7 @@ class ExpertCache:
             self._release(il, table, [x for x in table.resident() if copy[slot_of[x]] is None])
             return
         if table.n_loading:
-            self._drop_stale_admissions(il, table)
+            self._drop_stale_admissions(il, table, set(missing))
         admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
         plan = self.plan.get(il)
         if admit and plan:  # the next token's likeliest first, and none of the planned experts evicted
@@ -479,12 +479,14 @@ class ExpertCache:
                 out.append(i)
         return out
 
-    def _drop_stale_admissions(self, il: int, table: SlotTable) -> None:
+    def _drop_stale_admissions(self, il: int, table: SlotTable, missed: set[int]) -> None:
         """Between tokens: admissions of an earlier token still queued (not started) are cancelled, their slots
-        free again. On a link slower than the misses come, a queue of old admissions would only grow, each
-        landing too late to be used; the newest token's misses are the likeliest to come back."""
+        free again, except those of experts this token ``missed`` again, which keep their place in the queue.
+        On a link slower than the misses come, a queue of old admissions would only grow, each landing too late
+        to be used; the newest token's misses are the likeliest to come back."""
         token, submitted = self.token, self._submit_token
-        dropped = self._cancel_where(table.copy, Priority.ADMISSION, lambda h: submitted.get(h.id, token) < token)
+        dropped = self._cancel_where(table.copy, Priority.ADMISSION,
+                                     lambda h: h.expert not in missed and submitted.get(h.id, token) < token)
         if dropped:
             self.stats.layers[il].admissions_dropped += len(dropped)
             on_evict, expert_in = self._on_evict, table.expert_in_list

@@ -21,6 +21,10 @@ class SlotState(IntEnum):
     READY = 2  # the copy landed: the expert may be read
 
 
+# the states as module constants: a global read is cheaper than an enum class attribute, on the hottest path
+_EMPTY, _LOADING, _READY = SlotState.EMPTY, SlotState.LOADING, SlotState.READY
+
+
 class SlotListener(Protocol):
     """Told when an expert becomes readable in a slot or stops being: the async decode's expert table
     (``ggmoe.engine.tables``) points its entry at the slot, or back at the expert's host copy."""
@@ -71,7 +75,7 @@ class SlotTable:
             self.n_loading -= 1
         self.copy[slot] = handle
         self.prefetched[slot] = False
-        self.state[slot] = SlotState.LOADING if handle is not None else SlotState.READY
+        self.state[slot] = _LOADING if handle is not None else _READY
         if handle is not None:
             self.n_loading += 1
         elif self.listener is not None:
@@ -88,8 +92,8 @@ class SlotTable:
             self.n_loading -= 1
         self.copy[slot] = None
         was = self.state[slot]
-        self.state[slot] = SlotState.READY
-        if self.listener is not None and was == SlotState.LOADING and self.expert_in_list[slot] >= 0:
+        self.state[slot] = _READY
+        if self.listener is not None and was is _LOADING and self.expert_in_list[slot] >= 0:
             self.listener.mapped(self.expert_in_list[slot], slot)
 
     def drop(self, slot: int) -> int:
@@ -104,7 +108,7 @@ class SlotTable:
             self.n_loading -= 1
         self.copy[slot] = None
         self.prefetched[slot] = False
-        self.state[slot] = SlotState.EMPTY
+        self.state[slot] = _EMPTY
         insort(self.free, slot)  # kept ascending: the lowest free slot is taken first
         return old
 

@@ -110,6 +110,21 @@ def test_an_earlier_tokens_queued_admissions_are_dropped():
     assert sorted(x for x in cache.tables[0].expert_in_list if x >= 0) == [3, 4]
 
 
+def test_a_queued_admission_of_an_expert_missed_again_keeps_its_place():
+    cache, copies = _cache(n_slots=4)
+    cache.token = 1
+    cache.after_token(0, [1, 2])  # admitted, never landing
+    first = {h.expert: h for h in copies.handles}
+    cache.token = 2
+    cache.after_token(0, [2, 3])  # 2 missed again: its copy stays queued (not cancelled, not submitted again)
+    st = cache.stats.layers[0]
+    assert st.admissions_dropped == 1 and st.admission_copies == 3
+    assert [h.expert for h in copies.handles] == [1, 2, 3]
+    table = cache.tables[0]
+    assert table.copy[table.slot_of_list[2]] is first[2]
+    assert sorted(x for x in table.expert_in_list if x >= 0) == [2, 3]
+
+
 class Fixed(Predictor):
     """Predicts experts 10..13 for every layer."""
 
