@@ -28,6 +28,7 @@ from ggmoe.cache.copy import StreamCopyBackend, bottom_buffer
 from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.split import KindSplit, LayerSplit, Run, model_split
+from ggmoe.control.prefetch import default_n_prefetch
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
@@ -329,7 +330,7 @@ class CacheRuntime:
         n_slots = config.slots(slot_bytes, n_expert, n_expert_used)
         # bottom buffers of a split layer: as many as the prefetcher queues per layer (MoEpic's y)
         pre = config.prefetch
-        self.n_bottom = (getattr(pre, "n_prefetch", None) or min(2 * n_expert_used, n_expert)) \
+        self.n_bottom = (getattr(pre, "n_prefetch", None) or default_n_prefetch(n_expert_used, n_expert)) \
             if self.split and pre is not None else 0
         policy = POLICIES.get(config.policy)(n_expert, list(moe_layers), **dict(config.policy_options or {}))
         self.copies: GgmlCopyBackend | ThreadedCopyBackend | None = None
