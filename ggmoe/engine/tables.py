@@ -124,7 +124,7 @@ class ExpertTables:
         self.n_layer = n_layer
         self.max_tokens = max_tokens
         self.enabled = False
-        pairs = slots.pairs  # il -> [_Pair] in the order of slots.tensors[il]'s kinds
+        pairs = slots.pairs  # il -> [SlotPair] in the order of slots.tensors[il]'s kinds
         n_tables = sum(len(p) for p in pairs.values())
         rows_of = {il: 3 if ps[0].split is not None else 1 for il, ps in pairs.items()}  # split layers: 3
         total = sum(rows_of[il] * len(ps) for il, ps in pairs.items()) * n_expert
