@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 
-from ggmoe.cache import CacheConfig, ExpertCache, MonotonicClock, ThreadedCopyBackend
+from ggmoe.cache import CacheConfig, MonotonicClock, ThreadedCopyBackend
 from ggmoe.cache.copy import StreamCopyBackend
 from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.split import LayerSplit, model_split
+from ggmoe.control.assemble import CacheParts, assemble_cache
 from ggmoe.control.prefetch import default_n_prefetch
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -85,9 +86,10 @@ class CacheRuntime:
         except BaseException:
             self.close()
             raise
-        self.cache = ExpertCache(n_expert, n_expert_used, n_slots, policy, self.copies, clock=MonotonicClock(),
-                                 bytes_per_expert=self.slots.bytes_per_expert(), miss_policy=self.miss_policy,
-                                 costs=costs, split=self.split, n_bottom=self.n_bottom)
+        self.cache = assemble_cache(CacheParts(n_expert, n_expert_used, n_slots, policy, self.copies,
+                                               clock=MonotonicClock(), bytes_per_expert=self.slots.bytes_per_expert(),
+                                               miss_policy=self.miss_policy, costs=costs, split=self.split,
+                                               n_bottom=self.n_bottom))
         P = _patched.load()
         for il, n in n_slots.items():
             t = self.slots.tensors[il]
