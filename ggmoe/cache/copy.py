@@ -1,7 +1,7 @@
 """Copy backends: how an expert gets from host memory into a slot, with priorities and readiness.
 
 The cache only submits copies and waits for their handles. The engine's backend
-issues ggml copies (``ggmoe.engine.slots.GgmlCopyBackend``); ``NullCopyBackend``
+issues ggml copies (``ggmoe.engine.copies.GgmlCopyBackend``); ``NullCopyBackend``
 lands every copy at once (bookkeeping, the simulator without a cost model);
 ``ThreadedCopyBackend`` runs copies on a worker thread in priority order with a
 settable delay, so that tests exercise readiness, priorities and cancellation

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -16,6 +16,7 @@ from ggmoe.outputs import check_output
 if TYPE_CHECKING:
     from ggmoe.cache.hardware import HardwareProfile
     from ggmoe.inspect.facts import ModelFacts
+    from ggmoe.simulate.plan import Plan
     from ggmoe.trace.format import Trace
 
 
@@ -62,15 +63,8 @@ def plan(model: str | None, gpu: str | None, ram: str | None, link: str | None, 
       ggmoe plan Qwen3-30B-A3B-Q4_K_M.gguf --gpu rtx4090 --ram 64GiB --link pcie4x16
       ggmoe plan Qwen3-30B-A3B-Q4_K_M.gguf --gpu rtx5060ti16 --link tb4 --json
     """
-    from ggmoe.cache.config import CacheConfig
     from ggmoe.cache.hardware import load_profile
-    from ggmoe.cli.warm import read_stats_in
-    from ggmoe.control.plan_file import write_plan
-    from ggmoe.control.prefetch import PrefetchConfig
     from ggmoe.inspect import inspect_model
-    from ggmoe.inspect.fingerprint import model_fingerprint
-    from ggmoe.simulate.plan import plan_from_stats, plan_from_traces
-    from ggmoe.trace import load_traces
     from ggmoe.units import parse_bytes
 
     if _gpu_mode(gpu, ram, link, vram, out, bool(traces or stats_path or moepic)):
@@ -85,48 +79,90 @@ def plan(model: str | None, gpu: str | None, ram: str | None, link: str | None, 
     facts = inspect_model(path)
     profile = load_profile(hw)
     budget = parse_bytes(vram)
-    bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
-    if traces:
-        trace = load_traces(list(traces))
-        if trace.meta.model_fingerprint != model_fingerprint(path):
-            raise UsageError(f"the traces come from another model than {Path(path).name}")
-        if moepic:
-            _write_moepic(trace, facts, path, budget, profile, predictor_s, out, f"--vram {vram}, --hw {hw}",
-                          as_json)
-            return
-        click.echo(f"simulating candidates on {trace.n_tokens} tokens...", err=True)
-        p = plan_from_traces(trace, bpe, budget, profile, predictor_s)
+    trace = _model_traces(traces, path) if traces else None
+    if moepic:
+        _write_moepic(trace, facts, path, budget, profile, predictor_s, out, f"--vram {vram}, --hw {hw}", as_json)
+        return
+    p = _choose(trace, stats_path, facts, path, budget, profile, predictor_s)
+    _write_chosen(p, out, f"{Path(path).name}, --vram {vram}, --hw {hw}", hw, stats_path)
+    if as_json:
+        click.echo(json.dumps(_chosen_json(p, out), indent=2))
     else:
-        stats = read_stats_in(stats_path, facts, Path(path))
-        p = plan_from_stats(stats.frequencies(), tuple(stats.layers), facts.n_expert, facts.n_expert_used, bpe,
-                            budget, profile)
+        _echo_chosen(p, out)
+
+
+def _model_traces(traces: tuple[str, ...], path: str) -> Trace:
+    """The traces to plan on, refused when they were recorded on another model."""
+    from ggmoe.inspect.fingerprint import model_fingerprint
+    from ggmoe.trace import load_traces
+
+    trace = load_traces(list(traces))
+    if trace.meta.model_fingerprint != model_fingerprint(path):
+        raise UsageError(f"the traces come from another model than {Path(path).name}")
+    return trace
+
+
+def _choose(trace: Trace | None, stats_path: str | None, facts: ModelFacts, path: str, budget: int,
+            profile: HardwareProfile, predictor_s: float | None) -> Plan:
+    """The plan for the budget: candidates simulated on the traces, or estimated analytically from the
+    statistics when there are no traces."""
+    from ggmoe.cli.warm import read_stats_in
+    from ggmoe.simulate.plan import plan_from_stats, plan_from_traces
+
+    bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+    if trace is not None:
+        click.echo(f"simulating candidates on {trace.n_tokens} tokens...", err=True)
+        return plan_from_traces(trace, bpe, budget, profile, predictor_s)
+    stats = read_stats_in(stats_path, facts, Path(path))
+    return plan_from_stats(stats.frequencies(), tuple(stats.layers), facts.n_expert, facts.n_expert_used, bpe,
+                           budget, profile)
+
+
+def _baseline(p: Plan) -> str:
+    """What the plan's TPOT is compared with: the design of llama.cpp's own expert cache (or, for an analytic
+    plan, the even static split)."""
+    return "static, even split" if p.analytic else "LRU, even split, no prefetching, misses waited for"
+
+
+def _write_chosen(p: Plan, out: str, what: str, hw: str, stats_path: str | None) -> None:
+    """The plan file ``--config`` loads, with its estimate and, in a comment, how it was made."""
+    from ggmoe.cache.config import CacheConfig
+    from ggmoe.control.plan_file import write_plan
+    from ggmoe.control.prefetch import PrefetchConfig
+
     c = p.config
     pre = PrefetchConfig(predictor=c.predictor, stride=c.stride) if c.predictor else None
     cfg = CacheConfig(layer_slots=dict(c.n_slots), policy=c.policy, miss_policy=c.miss_policy,
                       hw_profile=hw if c.miss_policy == "auto" else None, prefetch=pre)
-    baseline = "static, even split" if p.analytic else "LRU, even split, no prefetching, misses waited for"
     estimate = {"tpot_s": p.tpot_s, "baseline_tpot_s": p.baseline_tpot_s}
-    comment = (f"written by ggmoe plan for {Path(path).name}, --vram {vram}, --hw {hw}\n"
+    comment = (f"written by ggmoe plan for {what}\n"
                f"estimated TPOT {p.tpot_s * 1e3:.3f} ms ({'analytic' if p.analytic else 'simulated'}); "
-               f"baseline ({baseline}) {p.baseline_tpot_s * 1e3:.3f} ms")
+               f"baseline ({_baseline(p)}) {p.baseline_tpot_s * 1e3:.3f} ms")
     if c.policy == "static":
         comment += "\nthe static policy needs the statistics at run time: add --stats-in " + str(stats_path)
     write_plan(out, cfg, estimate, comment)
-    if as_json:
-        click.echo(json.dumps({"plan": out, "slots_per_layer": {str(k): v for k, v in c.n_slots.items()},
-                               "policy": c.policy, "predictor": c.predictor, "stride": c.stride,
-                               "miss_policy": c.miss_policy, "allocation": p.allocation,
-                               "tpot_s_estimate": p.tpot_s, "baseline_tpot_s_estimate": p.baseline_tpot_s,
-                               "baseline": baseline, "hit_rate": p.hit_rate, "analytic": p.analytic,
-                               "candidates": [{"label": lab, "tpot_s_estimate": t} for lab, t in p.tried]},
-                              indent=2))
-        return
+
+
+def _chosen_json(p: Plan, out: str) -> dict[str, Any]:
+    """``plan --json``: the choice and every candidate tried."""
+    c = p.config
+    return {"plan": out, "slots_per_layer": {str(k): v for k, v in c.n_slots.items()},
+            "policy": c.policy, "predictor": c.predictor, "stride": c.stride,
+            "miss_policy": c.miss_policy, "allocation": p.allocation,
+            "tpot_s_estimate": p.tpot_s, "baseline_tpot_s_estimate": p.baseline_tpot_s,
+            "baseline": _baseline(p), "hit_rate": p.hit_rate, "analytic": p.analytic,
+            "candidates": [{"label": lab, "tpot_s_estimate": t} for lab, t in p.tried]}
+
+
+def _echo_chosen(p: Plan, out: str) -> None:
+    """The choice in words, its estimate against the baseline's, and how to use the file."""
+    c = p.config
     sizes = sorted(set(c.n_slots.values()))
     click.echo(f"plan: {c.policy}, {p.allocation} split ({sizes[0]}-{sizes[-1]} slots per layer), "
                f"prefetch {c.predictor + f' stride {c.stride}' if c.predictor else 'off'}, "
                f"miss policy {c.miss_policy}")
     click.echo(f"estimated TPOT {p.tpot_s * 1e3:.3f} ms against {p.baseline_tpot_s * 1e3:.3f} ms for the "
-               f"baseline ({baseline}): {p.baseline_tpot_s / p.tpot_s:.2f}x")
+               f"baseline ({_baseline(p)}): {p.baseline_tpot_s / p.tpot_s:.2f}x")
     click.echo(f"wrote {out}; use it with: ggmoe run --config {out} -p ...")
 
 

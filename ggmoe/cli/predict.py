@@ -52,6 +52,7 @@ def eval_predictor(traces: tuple[str, ...], specs: tuple[str, ...], train_paths:
       ggmoe eval-predictor held-out/ --train train/ -p pred.npz -p skip-gate --model m.gguf --plot acc.png
       ggmoe eval-predictor traces/ -p pred-s2.npz --stride 2 --prefetch 16 --json
     """
+    from ggmoe.control.prefetch import default_n_prefetch
     from ggmoe.predict import ModelShape
     from ggmoe.predict.evaluate import (
         build_predictor,
@@ -84,7 +85,7 @@ def eval_predictor(traces: tuple[str, ...], specs: tuple[str, ...], train_paths:
     if model is None and "skip-gate" in specs and (embedded := default_model(test.meta.model_fingerprint)):
         options["model"] = str(embedded)
     shape = ModelShape.from_trace(test.meta, test.layers)
-    m = prefetch if prefetch is not None else min(2 * shape.n_expert_used, shape.n_expert)
+    m = prefetch if prefetch is not None else default_n_prefetch(shape.n_expert_used, shape.n_expert)
     results = []
     for spec in specs:
         pred = build_predictor(spec, shape, stride, train, options)

@@ -214,16 +214,8 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     import uvicorn
 
     from ggmoe.serve.app import ServeSettings, create_app
-    from ggmoe.serve.asgi import is_loopback
-    from ggmoe.units import parse_bytes
 
-    if api_key is not None and not api_key.strip():
-        raise UsageError("--api-key is empty")
-    if model_name is not None and not model_name.strip():
-        raise UsageError("--model-name is empty: leave it out for the file's name")
-    max_body_bytes = parse_bytes(max_body)
-    if max_body_bytes < 1:
-        raise UsageError("--max-body 0 would refuse every request: give a size such as 1MiB")
+    max_body_bytes = _check_http_options(api_key, model_name, max_body)
     path = model_path(model)
     if fit:
         cache = _fit(path, cache, threads)
@@ -231,10 +223,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     _check_server_side(reconfigure_every, reconfigure_hw, slot_save_path, cache)
     n_ctx = n_ctx or default_n_ctx(path)
     _check_parallel(parallel, reconfigure_every, n_ctx)
-    loopback = is_loopback(host)
-    if not loopback and api_key is None:
-        click.echo(f"warning: serving on {host} (not loopback) without an API key: anyone who can reach this "
-                   "port can use the model; set --api-key or GGMOE_API_KEY", err=True)
+    loopback = _loopback(host, api_key)
     settings = ServeSettings(model_id=model_name or Path(path).stem, api_key=api_key, max_queue=max_queue,
                              max_body_bytes=max_body_bytes, loopback_only=loopback,
                              cors_origins=cors_origin, aliases=aliases, strict_openai=strict_openai,
@@ -252,6 +241,32 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
         app.state.server.close()
         _write_stats(llama, opts, out)
     click.echo("ggmoe serve: stopped")
+
+
+def _check_http_options(api_key: str | None, model_name: str | None, max_body: str) -> int:
+    """The HTTP side's options, checked before anything loads; the largest request body in bytes."""
+    from ggmoe.units import parse_bytes
+
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key is empty")
+    if model_name is not None and not model_name.strip():
+        raise UsageError("--model-name is empty: leave it out for the file's name")
+    max_body_bytes = parse_bytes(max_body)
+    if max_body_bytes < 1:
+        raise UsageError("--max-body 0 would refuse every request: give a size such as 1MiB")
+    return max_body_bytes
+
+
+def _loopback(host: str, api_key: str | None) -> bool:
+    """Whether ``host`` is a loopback address (the server then checks the Host header); a warning when the
+    server is open to the network with no key."""
+    from ggmoe.serve.asgi import is_loopback
+
+    loopback = is_loopback(host)
+    if not loopback and api_key is None:
+        click.echo(f"warning: serving on {host} (not loopback) without an API key: anyone who can reach this "
+                   "port can use the model; set --api-key or GGMOE_API_KEY", err=True)
+    return loopback
 
 
 def _check_server_side(reconfigure_every: int | None, reconfigure_hw: str, slot_save_path: str | None,

@@ -249,18 +249,40 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe trace import esft/intent esft/law -o ds2/ --n-expert 64 --top-k 6 && \
         ggmoe simulate ds2/ --hw none --cache-fraction 0.125,0.25,0.5 --policy lru,belady --jobs 2
     """
-    from ggmoe.cache.hardware import load_profile
-    from ggmoe.cache.miss import check_miss_policy
-    from ggmoe.cache.policies import POLICIES
-    from ggmoe.cache.split import split_at
-    from ggmoe.cli.warm import read_stats_in
-    from ggmoe.predict.base import check_predictor
-    from ggmoe.simulate.des import SimConfig, build_predictor
-    from ggmoe.trace import load_traces
-
     if plot_path is not None:
         check_output(plot_path, "--plot", suffixes=PLOT_SUFFIXES)
-    # names first, against their registries: a typo fails before any file is read
+    choices = _check_choices(policy, predictor, miss_policy, decode_mode, theta, plan_predictor)
+    inputs = _load_inputs(traces, model, hw, predictor_train, stats_in, bool(vram), choices.thetas)
+    options = _policy_options(choices.policies, inputs.warm)
+    combos = _combinations(inputs.facts, cache_slots, cache_fraction, vram, choices)
+    _check_predictors(choices.predictors, choices.planners, combos, stride, inputs)
+    if plot_path is not None:
+        pyplot()  # matplotlib missing: say so before simulating, not after
+    configs = _sim_configs(combos, inputs, options, stride, n_prefetch, predictor_s)
+    results = run_configs(configs, inputs.shared(), jobs)
+    _report(traces, hw, inputs, combos, results, plot_path, as_json)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choices:
+    """The names and shares of one simulate call, checked against their registries."""
+
+    policies: list[str]
+    predictors: list[str | None]  # None: no prefetching
+    misses: list[str]
+    modes: list[str]  # sync, async
+    thetas: list[float]  # MoEpic's top shares; 1.0: whole experts
+    planners: list[str | None]  # cross-token predictors planning between tokens; None: no planner
+
+
+def _check_choices(policy: tuple[str, ...], predictor: tuple[str, ...], miss_policy: tuple[str, ...],
+                   decode_mode: tuple[str, ...], theta: tuple[str, ...], plan_predictor: tuple[str, ...]) -> _Choices:
+    """The lists the flags give (with their defaults), every name checked: a typo fails before any file is
+    read."""
+    from ggmoe.cache.miss import check_miss_policy
+    from ggmoe.cache.policies import POLICIES
+    from ggmoe.predict.base import check_predictor
+
     policies = _split(policy, "--policy") or ["lru"]
     predictors = [None if p == "none" else p for p in (_split(predictor, "--predictor") or ["none"])]
     misses = _split(miss_policy, "--miss-policy") or ["wait"]
@@ -279,54 +301,117 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
         if mode not in ("sync", "async"):
             raise UsageError(f"unknown decode mode {mode!r} for the simulator; choose sync or async")
     thetas = _numbers(theta, float, "--theta") or [1.0]
+    return _Choices(policies, predictors, misses, modes, thetas, planners)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What every configuration of one simulate call reads: the traces, the model, the profile, the
+    predictors' training traces and the saved statistics."""
+
+    trace: Any  # the traces, merged
+    facts: Any  # ModelFacts, or the trace's shape for an imported trace without a model
+    path: Path | str | None  # the GGUF (None: an imported trace, counts only)
+    profile: Any  # HardwareProfile, or None for counts only
+    train: Any  # training traces for predictors that learn, or None
+    warm: Any  # the statistics of --stats-in, or None
+
+    def learnt(self, pred: str | None) -> Any:
+        """What the predictor saved in --stats-in learnt, for that predictor (None for any other)."""
+        warm = self.warm
+        return (warm.predictor_state or None) if warm is not None and pred and warm.predictor == pred else None
+
+    def model(self) -> str | None:
+        return str(self.path) if self.path else None
+
+    def shared(self) -> tuple:
+        """What ``_run_one`` reads for every configuration: (trace, bytes per expert, profile, train, model)."""
+        bpe = {il: self.facts.bytes_per_expert(il) for il in self.facts.moe_layers}
+        return (self.trace, bpe, self.profile, self.train, self.model())
+
+
+def _load_inputs(traces: tuple[str, ...], model: str | None, hw: str, predictor_train: tuple[str, ...],
+                 stats_in: str | None, vram: bool, thetas: list[float]) -> _Inputs:
+    """The profile, traces, model and statistics, each checked as it is read (the cheap ones first)."""
+    from ggmoe.cache.hardware import load_profile
+    from ggmoe.cli.warm import read_stats_in
+    from ggmoe.trace import load_traces
+
     profile = None if hw == "none" else load_profile(hw)
     trace = load_traces(list(traces))
     facts, path = trace_model(trace, model, profile is not None, "--hw none")
     if path is None and (vram or stats_in or thetas != [1.0]):
         raise UsageError("--vram, --stats-in and --theta need the model's bytes per expert: give --model")
     train = load_traces(list(predictor_train)) if predictor_train else None
-    options: dict[str, dict] = {}
     warm = read_stats_in(stats_in, facts, Path(path)) if path is not None else None
+    return _Inputs(trace, facts, path, profile, train, warm)
+
+
+def _policy_options(policies: list[str], warm: Any) -> dict[str, dict]:
+    """Options per policy that the call's inputs give: static pins the hottest experts of --stats-in."""
+    options: dict[str, dict] = {}
     if "static" in policies:
         if warm is None:
             raise UsageError("--policy static pins the hottest experts of saved statistics: give --stats-in FILE")
         options["static"] = {"counts": warm.counts_by_layer()}
-    bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+    return options
+
+
+def _combinations(facts: Any, cache_slots: tuple[str, ...], cache_fraction: tuple[str, ...],
+                  vram: tuple[str, ...], choices: _Choices) -> list[tuple]:
+    """Every (size, policy, predictor, miss policy, decode mode, θ) that can run, in the order of the flags."""
     # async reads misses from host memory (miss policy wait), as the engine's; a predictor there prefetches
-    # from the mailbox (the engine's stride prefetch into free slots)
-    combos = [c for c in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), policies, predictors,
-                                           misses, modes, thetas, planners)
-              if (c[4] == "sync" or c[3] == "wait") and (c[5] == 1.0 or c[3] == "wait")]
-    if "async" in modes and not any(c[4] == "async" for c in combos):
+    # from the mailbox (the engine's stride prefetch into free slots); split layers (θ < 1) read what is not
+    # cached from host memory, so they too need wait
+    c = choices
+    combos = [k for k in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), c.policies,
+                                           c.predictors, c.misses, c.modes, c.thetas, c.planners)
+              if (k[4] == "sync" or k[3] == "wait") and (k[5] == 1.0 or k[3] == "wait")]
+    if "async" in c.modes and not any(k[4] == "async" for k in combos):
         raise UsageError("--decode-mode async needs --miss-policy wait among the choices")
+    return combos
 
-    def state(pred: str | None) -> Any:
-        """What the predictor saved in --stats-in learnt, for that predictor."""
-        return (warm.predictor_state or None) if warm is not None and pred and warm.predictor == pred else None
 
-    for pred in predictors:  # refuse what cannot run before simulating any
+def _check_predictors(predictors: list[str | None], planners: list[str | None], combos: list[tuple], stride: int,
+                      inputs: _Inputs) -> None:
+    """Build every predictor once, unfitted: one that cannot run is refused before any is simulated."""
+    from ggmoe.simulate.des import SimConfig, build_predictor
+
+    for pred in predictors:
         if pred is not None:
-            check = SimConfig(n_slots=combos[0][0][1], predictor=pred, stride=stride, predictor_state=state(pred))
-            build_predictor(check, trace, train, str(path) if path else None, fit=False)
+            check = SimConfig(n_slots=combos[0][0][1], predictor=pred, stride=stride,
+                              predictor_state=inputs.learnt(pred))
+            build_predictor(check, inputs.trace, inputs.train, inputs.model(), fit=False)
     for pl in planners:
         if pl is not None:
-            build_predictor(SimConfig(n_slots={}, planner=pl), trace, train, str(path) if path else None, fit=False,
-                            planner=True)
-    if plot_path is not None:
-        pyplot()
+            build_predictor(SimConfig(n_slots={}, planner=pl), inputs.trace, inputs.train, inputs.model(),
+                            fit=False, planner=True)
+
+
+def _sim_configs(combos: list[tuple], inputs: _Inputs, options: dict[str, dict], stride: int,
+                 n_prefetch: int | None, predictor_s: float | None) -> list[Any]:
+    """One ``SimConfig`` per combination; a split row gets the VRAM of its whole-expert row."""
+    from ggmoe.cache.split import split_at
+    from ggmoe.simulate.des import SimConfig
+
     configs = []
     for (_, slots), pol, pred, miss, mode, th, pl in combos:
-        split, n_slots = split_at(facts, slots, th)  # the same VRAM as the whole-expert row
+        split, n_slots = split_at(inputs.facts, slots, th)  # the same VRAM as the whole-expert row
         configs.append(SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
                                  stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
-                                 predictor_state=state(pred), decode_mode=mode, split=split, planner=pl))
-    shared = (trace, bpe, profile, train, str(path) if path else None)
-    results = run_configs(configs, shared, jobs)
+                                 predictor_state=inputs.learnt(pred), decode_mode=mode, split=split, planner=pl))
+    return configs
+
+
+def _report(traces: tuple[str, ...], hw: str, inputs: _Inputs, combos: list[tuple], results: list[Any],
+            plot_path: str | None, as_json: bool) -> None:
+    """The results: the plot if asked, then JSON or the table."""
     rows = [_row(label, r, th) for ((label, _), *_rest, th, _pl), r in zip(combos, results, strict=True)]
     if plot_path is not None:
         plot(plot_path, rows, results)
+    trace = inputs.trace
     if as_json:
-        click.echo(json.dumps({"traces": list(traces), "model": str(path) if path else None, "profile": hw,
+        click.echo(json.dumps({"traces": list(traces), "model": inputs.model(), "profile": hw,
                                "routing": trace.meta.source or "recorded by ggmoe",
                                "estimates": "tpot_s and ttft_s are estimates from the profile's cost model",
                                "results": [dataclasses.asdict(r) for r in results]}, indent=2))
@@ -334,5 +419,5 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
     if trace.meta.source:
         click.echo(f"routing: {trace.meta.source}")
     click.echo(f"{trace.n_tokens} tokens of {trace.n_prompts} prompts; profile {hw}"
-               + ("" if profile else " (counts only: no times)"))
+               + ("" if inputs.profile else " (counts only: no times)"))
     click.echo(render_table(rows))

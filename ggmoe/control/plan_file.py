@@ -24,15 +24,18 @@ Read with ``tomllib`` and validated field by field; written atomically.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ggmoe.cache.config import CacheConfig
 from ggmoe.errors import UsageError
 from ggmoe.outputs import write_text_atomic
 from ggmoe.params import check_params
 from ggmoe.tomlfile import read_toml
+
+if TYPE_CHECKING:
+    from ggmoe.control.prefetch import PrefetchConfig
 
 MAX_PLAN_BYTES = 1 << 20
 MAX_SLOTS, MAX_STRIDE, MAX_PREFETCH = 1 << 16, 1024, 4096  # the bounds of --cache-slots, --stride, --prefetch
@@ -41,10 +44,6 @@ PLAN_VERSION = 1
 
 def read_plan(path: str | Path) -> CacheConfig:
     """The ``CacheConfig`` a plan file describes; UsageError naming the file and the field otherwise."""
-    from ggmoe.cache.miss import check_miss_policy
-    from ggmoe.cache.policies import POLICIES
-    from ggmoe.control.prefetch import PrefetchConfig
-
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--config {p}: no such file")
@@ -58,34 +57,74 @@ def read_plan(path: str | Path) -> CacheConfig:
     cache = data.get("cache")
     if not isinstance(cache, dict):
         raise fail("needs a [cache] table")
+    # field by field, in the order of the file's tables, so the first bad field is the one named
+    layer_slots = _layer_slots(cache, fail)
+    layer_theta = _layer_theta(cache, layer_slots, fail)
+    policy, options = _policy(cache, f"--config {p}", fail)
+    miss, hw = _miss_policy(cache, fail)
+    prefetch = _prefetch(data.get("prefetch"), fail)
+    return CacheConfig(layer_slots=layer_slots, policy=policy, miss_policy=miss, hw_profile=hw, prefetch=prefetch,
+                       policy_options=options or None, layer_theta=layer_theta or None)
+
+
+Fail = Callable[[str], UsageError]  # a message -> the UsageError naming the plan file
+
+
+def _layer(k: object) -> bool:
+    """Whether a TOML key names a MoE layer: digits, at most 9 (an int, never a huge one)."""
+    return isinstance(k, str) and k.isdigit() and len(k) <= 9
+
+
+def _layer_slots(cache: dict, fail: Fail) -> dict[int, int]:
+    """``[cache.slots]``: slots per MoE layer, each a positive integer (at most ``MAX_SLOTS``)."""
     slots = cache.get("slots")
     if not isinstance(slots, dict) or not slots:
         raise fail("[cache.slots] must map MoE layers to slot counts, e.g. \"0\" = 8")
     layer_slots: dict[int, int] = {}
     for k, v in slots.items():
-        if not k.isdigit() or len(k) > 9 or isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SLOTS:
+        if not _layer(k) or isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SLOTS:
             raise fail(f"[cache.slots] {k!r} = {v!r}: layers are numbers, slots positive integers "
                        f"(at most {MAX_SLOTS})")
         layer_slots[int(k)] = v
+    return layer_slots
+
+
+def _layer_theta(cache: dict, layer_slots: dict[int, int], fail: Fail) -> dict[int, float]:
+    """``[cache.theta]`` (optional): MoEpic's top share per layer, a finite number in [0, 1], only for layers
+    that have slots."""
     theta = cache.get("theta", {})
     if not isinstance(theta, dict):
         raise fail("[cache.theta] must map MoE layers to top shares, e.g. \"0\" = 0.5")
     layer_theta: dict[int, float] = {}
     for k, v in theta.items():
-        if not k.isdigit() or len(k) > 9 or isinstance(v, bool) or not isinstance(v, int | float) \
+        if not _layer(k) or isinstance(v, bool) or not isinstance(v, int | float) \
                 or not math.isfinite(v) or not 0 <= v <= 1:
             raise fail(f"[cache.theta] {k!r} = {v!r}: layers are numbers, top shares numbers from 0 to 1")
         if int(k) not in layer_slots:
             raise fail(f"[cache.theta] names layer {k}, which [cache.slots] does not")
         layer_theta[int(k)] = float(v)
+    return layer_theta
+
+
+def _policy(cache: dict, where: str, fail: Fail) -> tuple[str, dict[str, Any]]:
+    """The eviction policy's name and its options, checked against the policy's declared ``PARAMS``."""
+    from ggmoe.cache.policies import POLICIES
+
     policy = cache.get("policy", "lru")
     if not isinstance(policy, str):
         raise fail("[cache] policy must be a string")
     options = cache.get("policy_options", {})
     if not isinstance(options, dict):
         raise fail("[cache.policy_options] must be a table of the policy's options")
-    options = check_params(f"--config {p}: [cache.policy_options] of policy {policy!r}",
+    options = check_params(f"{where}: [cache.policy_options] of policy {policy!r}",
                            POLICIES.get(policy).PARAMS, options, external=True)
+    return policy, options
+
+
+def _miss_policy(cache: dict, fail: Fail) -> tuple[str, str | None]:
+    """The miss policy and, for ``auto``, the hardware profile of its cost model (None: measured)."""
+    from ggmoe.cache.miss import check_miss_policy
+
     miss = cache.get("miss_policy", "wait")
     if not isinstance(miss, str):
         raise fail("[cache] miss_policy must be a string")
@@ -93,21 +132,25 @@ def read_plan(path: str | Path) -> CacheConfig:
     hw = cache.get("hw")
     if hw is not None and (not isinstance(hw, str) or miss != "auto"):
         raise fail("[cache] hw is a profile name or file, for miss_policy = \"auto\"")
-    prefetch = None
-    pre = data.get("prefetch")
-    if pre is not None:
-        if not isinstance(pre, dict) or not isinstance(pre.get("predictor"), str):
-            raise fail("[prefetch] needs predictor = \"NAME\"")
-        stride, n = pre.get("stride", 2), pre.get("n_prefetch")
-        if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= MAX_STRIDE:
-            raise fail(f"[prefetch] stride must be an integer in [1, {MAX_STRIDE}]")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PREFETCH):
-            raise fail(f"[prefetch] n_prefetch must be an integer in [1, {MAX_PREFETCH}]")
-        if not pre["predictor"].strip():
-            raise fail("[prefetch] predictor is empty")
-        prefetch = PrefetchConfig(predictor=pre["predictor"], stride=stride, n_prefetch=n)
-    return CacheConfig(layer_slots=layer_slots, policy=policy, miss_policy=miss, hw_profile=hw, prefetch=prefetch,
-                       policy_options=options or None, layer_theta=layer_theta or None)
+    return miss, hw
+
+
+def _prefetch(pre: object, fail: Fail) -> PrefetchConfig | None:
+    """``[prefetch]`` (optional): the predictor, its stride and experts per layer; None without the table."""
+    from ggmoe.control.prefetch import PrefetchConfig
+
+    if pre is None:
+        return None
+    if not isinstance(pre, dict) or not isinstance(pre.get("predictor"), str):
+        raise fail("[prefetch] needs predictor = \"NAME\"")
+    stride, n = pre.get("stride", 2), pre.get("n_prefetch")
+    if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= MAX_STRIDE:
+        raise fail(f"[prefetch] stride must be an integer in [1, {MAX_STRIDE}]")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PREFETCH):
+        raise fail(f"[prefetch] n_prefetch must be an integer in [1, {MAX_PREFETCH}]")
+    if not pre["predictor"].strip():
+        raise fail("[prefetch] predictor is empty")
+    return PrefetchConfig(predictor=pre["predictor"], stride=stride, n_prefetch=n)
 
 
 def _q(s: str) -> str:

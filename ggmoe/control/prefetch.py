@@ -30,13 +30,20 @@ from ggmoe.predict.base import Predictor
 IDLE_SKIP_MAX = 16  # decode tokens at most that an idle prefetcher leaves the mailbox unread
 
 
+def default_n_prefetch(n_expert_used: int, n_expert: int) -> int:
+    """Experts prefetched per target layer when none is asked (``--prefetch``, ``n_prefetch``): twice the
+    top-k, so a prediction that ranks a used expert just below the top-k still brings it in, and never more
+    than the layer has. The engine, the simulator and ``eval-predictor`` all take it from here."""
+    return min(2 * n_expert_used, n_expert)
+
+
 @dataclass(frozen=True)
 class PrefetchConfig:
     """Which predictor drives prefetching and how far ahead."""
 
     predictor: str  # a registered name (reuse, skip-gate, token, eam, expert-map) or a PRED.npz file
     stride: int = 2  # MoE layers ahead
-    n_prefetch: int | None = None  # experts prefetched per target layer (default: 2 x n_expert_used)
+    n_prefetch: int | None = None  # experts prefetched per target layer (default: default_n_prefetch)
     threshold: float | None = None  # prefetch only experts whose score reaches this (fMoE's delta)
     train: tuple[str, ...] = ()  # training traces for the predictors that learn from traces
     # True: predict on a worker thread, off the route callback's critical path (prefetch counts then depend
@@ -57,6 +64,9 @@ class Prefetcher:
     already been called since the event (``prefetch_late``). Errors of the predictor then surface at the
     next decode.
     """
+
+    # the module's default, reachable through the class for callers that import only the class (the simulator)
+    default_n_prefetch = staticmethod(default_n_prefetch)
 
     def __init__(self, cache: ExpertCache, predictor: Predictor, layers: Sequence[int], n_prefetch: int,
                  threshold: float | None = None, background: bool = False) -> None:
@@ -305,7 +315,8 @@ def live_predictor(spec: str, facts: object, model_path: str, stride: int, train
 def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, model_path: str) -> Prefetcher:
     """The prefetcher for a loaded model: its predictor built (and fitted, if it learns) for the model."""
     pred = live_predictor(config.predictor, facts, model_path, config.stride, config.train, config.state)
-    n = config.n_prefetch if config.n_prefetch is not None else min(2 * facts.n_expert_used, facts.n_expert)
+    n = config.n_prefetch if config.n_prefetch is not None else \
+        default_n_prefetch(facts.n_expert_used, facts.n_expert)
     return Prefetcher(cache, pred, facts.moe_layers, n, config.threshold, background=config.background)
 
 

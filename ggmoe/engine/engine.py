@@ -3,7 +3,8 @@
 Layers, bottom up: ``ggmoe.engine.ggml`` and ``ggmoe.engine.patch`` (raw
 ctypes, C prototypes as comments); ``loader`` over llama-cpp-python's own
 wrappers (``llama_cpp._internals``), ``hooks`` (the gate hook strategies and
-observers), ``slots`` (the cache runtime); here the ``Engine``. Nothing
+observers), ``slot_tensors``, ``copies`` and ``runtime`` (the cache runtime's
+device buffers, copies and owner); here the ``Engine``. Nothing
 outside ``ggmoe/engine/`` touches ctypes.
 
 The model's facts come first, from the bounded inspector: a file llama.cpp
@@ -35,7 +36,7 @@ from ggmoe.engine.hooks import CbEvalHook, Observers, RouteOpHook
 from ggmoe.engine.loader import LoadedModel, expert_placement, gpu_device_name, load_model, new_context
 from ggmoe.engine.log import llama_log
 from ggmoe.engine.pipeline import CachePipeline
-from ggmoe.engine.slots import CacheRuntime
+from ggmoe.engine.runtime import CacheRuntime
 from ggmoe.errors import EngineError, ModelFileError, UsageError
 from ggmoe.hook import RouteObserver
 from ggmoe.inspect import ModelFacts, inspect_model

@@ -42,7 +42,7 @@ from ggmoe.engine import patch as _patched
 from ggmoe.engine.graph_predictor import attach_graph_predictor
 from ggmoe.engine.hooks import Observers, RouteOpHook
 from ggmoe.engine.mailbox import Mailbox, lockstep_from_env
-from ggmoe.engine.slots import CacheRuntime
+from ggmoe.engine.runtime import CacheRuntime
 from ggmoe.engine.stride import StrideReader
 from ggmoe.engine.tables import ExpertTables
 from ggmoe.errors import EngineError, UsageError

@@ -119,14 +119,12 @@ class ExpertTables:
     def __init__(self, ctx_ptr: int, slots: object, n_expert: int, n_expert_used: int, n_layer: int,
                  max_tokens: int) -> None:
         """``slots``: the runtime's ``SlotTensors`` (its pairs give host and slot addresses per kind)."""
-        from ggmoe.inspect.names import CACHED_KINDS
-
         self.ctx_ptr = ctx_ptr
         self.n_expert_used = n_expert_used
         self.n_layer = n_layer
         self.max_tokens = max_tokens
         self.enabled = False
-        pairs = slots.pairs  # il -> [_Pair] in the order of slots.tensors[il]'s kinds
+        pairs = slots.pairs  # il -> [SlotPair] in the order of slots.tensors[il]'s kinds
         n_tables = sum(len(p) for p in pairs.values())
         rows_of = {il: 3 if ps[0].split is not None else 1 for il, ps in pairs.items()}  # split layers: 3
         total = sum(rows_of[il] * len(ps) for il, ps in pairs.items()) * n_expert
@@ -140,41 +138,66 @@ class ExpertTables:
         self.layers: dict[int, _LayerTable] = {}
         try:
             kinds = {il: list(slots.tensors[il]) for il in pairs}  # the kinds, in the pairs' order
-            self.all = self.arena.new_tensor(GGML_TYPE_I64, total, 1, 1, "ggmoe_tables")
-            made: dict[int, list[int]] = {}
-            offsets: dict[int, list[int]] = {}
-            off = 0
-            for il in pairs:
-                made[il], offsets[il] = [], []
-                for k in kinds[il]:
-                    made[il].append(self.arena.new_view_2d(self.all, n_expert, rows_of[il], n_expert * 8, off * 8,
-                                                           f"ggmoe_table.{il}.{k}"))
-                    offsets[il].append(off)
-                    off += rows_of[il] * n_expert
-            self.routing = self.arena.new_tensor(GGML_TYPE_I32, n_expert_used, max_tokens, n_layer,
-                                                 "ggmoe_routing")
-            # benchmarks only: trace-replay routing's ids for table-mode micro-batches (the routing's shape)
-            self.forced = self.arena.new_tensor(GGML_TYPE_I32, n_expert_used, max_tokens, n_layer,
-                                                "ggmoe_forced_routing")
+            made, offsets = self._new_tables(kinds, rows_of, n_expert, total)
+            self._new_routing(n_expert_used, max_tokens, n_layer)
             self.arena.allocate(slots.buft)
             self._all_p = ctypes.cast(self.all, B.ggml_tensor_p)  # cast once: written every token
-            data = lambda t: ctypes.cast(t, B.ggml_tensor_p).contents.data if t else 0  # noqa: E731
-            for il, ps in pairs.items():
-                views = [self.flat[o: o + rows_of[il] * n_expert].reshape(rows_of[il], n_expert) for o in offsets[il]]
-                self.layers[il] = _LayerTable(self, views, offsets[il], ps, n_expert, [data(p.cache) for p in ps],
-                                              [data(p.bottom) for p in ps])
-            self._lo, self._hi, self.dirty = 0, total, 1
+            self._new_layers(pairs, offsets, rows_of, n_expert)
+            self._lo, self._hi, self.dirty = 0, total, 1  # the whole mirror goes to the device once
             self.flush()
-            P = _patched.load()
-            for il, kind_list in kinds.items():
-                by_kind = dict(zip(kind_list, made[il], strict=True))
-                rc = P.llama_ggmoe_set_layer_table(ctx_ptr, il, *(by_kind.get(k) for k in CACHED_KINDS))
-                if rc != _patched.LLAMA_GGMOE_OK:
-                    raise EngineError(f"registering the expert tables of layer {il} failed: "
-                                      f"{_patched.ERROR_NAMES.get(rc, rc)}")
+            self._register(kinds, made)
         except BaseException:
             self.close()
             raise
+        self._start_routing(n_layer, max_tokens, n_expert_used)
+
+    def _new_tables(self, kinds: dict[int, list[str]], rows_of: dict[int, int], n_expert: int,
+                    total: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """The one I64 tensor of every table (``self.all``) and each table as a 2-D view of it: (views per
+        layer, element offset of each view in the mirror per layer), both in the kinds' order."""
+        self.all = self.arena.new_tensor(GGML_TYPE_I64, total, 1, 1, "ggmoe_tables")
+        made: dict[int, list[int]] = {}
+        offsets: dict[int, list[int]] = {}
+        off = 0
+        for il, kind_list in kinds.items():
+            made[il], offsets[il] = [], []
+            for k in kind_list:
+                made[il].append(self.arena.new_view_2d(self.all, n_expert, rows_of[il], n_expert * 8, off * 8,
+                                                       f"ggmoe_table.{il}.{k}"))
+                offsets[il].append(off)
+                off += rows_of[il] * n_expert
+        return made, offsets
+
+    def _new_routing(self, n_expert_used: int, max_tokens: int, n_layer: int) -> None:
+        """The routing output the graph writes, and the forced routing benchmarks replay (the same shape)."""
+        self.routing = self.arena.new_tensor(GGML_TYPE_I32, n_expert_used, max_tokens, n_layer, "ggmoe_routing")
+        # benchmarks only: trace-replay routing's ids for table-mode micro-batches (the routing's shape)
+        self.forced = self.arena.new_tensor(GGML_TYPE_I32, n_expert_used, max_tokens, n_layer,
+                                            "ggmoe_forced_routing")
+
+    def _new_layers(self, pairs: dict[int, list], offsets: dict[int, list[int]], rows_of: dict[int, int],
+                    n_expert: int) -> None:
+        """One ``_LayerTable`` per layer over its rows of the mirror, once the slot tensors have addresses."""
+        data = lambda t: ctypes.cast(t, B.ggml_tensor_p).contents.data if t else 0  # noqa: E731
+        for il, ps in pairs.items():
+            views = [self.flat[o: o + rows_of[il] * n_expert].reshape(rows_of[il], n_expert) for o in offsets[il]]
+            self.layers[il] = _LayerTable(self, views, offsets[il], ps, n_expert, [data(p.cache) for p in ps],
+                                          [data(p.bottom) for p in ps])
+
+    def _register(self, kinds: dict[int, list[str]], made: dict[int, list[int]]) -> None:
+        """Hand every layer's tables to the patched context, by kind (a kind the layer lacks: none)."""
+        from ggmoe.inspect.names import CACHED_KINDS
+
+        P = _patched.load()
+        for il, kind_list in kinds.items():
+            by_kind = dict(zip(kind_list, made[il], strict=True))
+            rc = P.llama_ggmoe_set_layer_table(self.ctx_ptr, il, *(by_kind.get(k) for k in CACHED_KINDS))
+            if rc != _patched.LLAMA_GGMOE_OK:
+                raise EngineError(f"registering the expert tables of layer {il} failed: "
+                                  f"{_patched.ERROR_NAMES.get(rc, rc)}")
+
+    def _start_routing(self, n_layer: int, max_tokens: int, n_expert_used: int) -> None:
+        """The host buffers of the routing output and the forced routing; both device tensors start defined."""
         self._buf = np.zeros((n_layer, max_tokens, n_expert_used), dtype=np.int32)  # routing, read back
         # both start defined (-1: no expert; the forced routing is written before each decode that reads it)
         none = np.full_like(self._buf, -1)

@@ -29,69 +29,81 @@ class CacheCollector(Collector):
         cache = self._stats().get("cache")
         if not cache:
             return
-        hits = CounterMetricFamily("ggmoe_cache_hits", "Distinct experts found resident, per MoE layer",
-                                   labels=["il"])
-        misses = CounterMetricFamily("ggmoe_cache_misses", "Distinct experts copied in, per MoE layer",
-                                     labels=["il"])
-        copied = CounterMetricFamily("ggmoe_cache_copied_bytes", "Bytes of expert weights copied into slots",
-                                     labels=["il"])
-        rate = GaugeMetricFamily("ggmoe_cache_hit_rate", "Hits / (hits + misses) since load, per MoE layer",
-                                 labels=["il"])
-        host = CounterMetricFamily("ggmoe_cache_host_computed", "Distinct experts computed on the CPU (host path), "
-                                   "per MoE layer", labels=["il"])
-        issued = CounterMetricFamily("ggmoe_prefetch_issued", "Experts prefetched on a prediction, per MoE layer",
-                                     labels=["il"])
-        precision = GaugeMetricFamily("ggmoe_prefetch_precision", "Prefetched experts later used / prefetched, "
-                                      "per MoE layer (0 before any prefetch)", labels=["il"])
-        # every prefetched expert ends used (its layer read it from its slot), wasted (evicted unused) or late
-        # (its layer started before the copy landed and read it from host memory)
-        fate = CounterMetricFamily("ggmoe_prefetch_experts", "Prefetched experts by outcome (used, wasted, late), "
-                                   "per MoE layer", labels=["il", "outcome"])
-        wasted_bytes = CounterMetricFamily("ggmoe_prefetch_wasted_bytes", "Bytes of prefetched experts evicted "
-                                           "unused, per MoE layer", labels=["il"])
-        reads = CounterMetricFamily("ggmoe_cache_host_read_bytes", "Bytes of missed experts the device read from "
-                                    "host memory (async decode), per MoE layer", labels=["il"])
-        lag = GaugeMetricFamily("ggmoe_cache_admission_lag_tokens", "Mean tokens from an admission's copy to its "
-                                "slot being readable (async decode's epoch lag), per MoE layer", labels=["il"])
-        mode = GaugeMetricFamily("ggmoe_decode_mode", "1 for the decode mode in effect (async: expert table, no "
-                                 "sync per MoE layer; sync: the route op per layer), with the reason",
-                                 labels=["mode", "asked", "reason"])
-        if cache.get("decode_mode_in_effect"):
-            mode.add_metric([cache["decode_mode_in_effect"], cache["decode_mode"], cache["decode_mode_reason"]], 1)
-        stream = GaugeMetricFamily("ggmoe_copy_stream", "1 for the expert cache's copy stream in effect (events: "
-                                   "a GPU's, readiness by event query; immediate or deferred: the CPU build's)",
-                                   labels=["stream"])
-        if cache.get("copy_stream"):
-            stream.add_metric([cache["copy_stream"]], 1)
-        top = CounterMetricFamily("ggmoe_cache_top_hits", "Split layers (MoEpic): distinct experts found with only "
-                                  "their top segment resident (the bottom read from host memory), per MoE layer",
-                                  labels=["il"])
-        bottom_read = CounterMetricFamily("ggmoe_cache_bottom_read_bytes", "Split layers: bytes of bottom segments "
-                                          "read from host memory, per MoE layer", labels=["il"])
-        bottom_pre = CounterMetricFamily("ggmoe_cache_bottom_prefetch_bytes", "Split layers: bytes of bottom "
-                                         "segments prefetched into bottom buffers, per MoE layer", labels=["il"])
-        occ = GaugeMetricFamily("ggmoe_cache_occupancy", "Experts resident in the layer's slots", labels=["il"])
-        slots = GaugeMetricFamily("ggmoe_cache_slots", "Cache slots of the layer", labels=["il"])
+        families = _layer_families()
         for il, s in cache["layers"].items():
-            hits.add_metric([il], s["hits"])
-            misses.add_metric([il], s["misses"])
-            copied.add_metric([il], s["bytes_copied"])
-            rate.add_metric([il], s["hit_rate"])
-            host.add_metric([il], s["host_computed"])
-            issued.add_metric([il], s["prefetch_issued"])
-            precision.add_metric([il], s["prefetch_hits"] / s["prefetch_issued"] if s["prefetch_issued"] else 0.0)
-            for outcome, key in (("used", "prefetch_hits"), ("wasted", "prefetch_wasted"), ("late", "prefetch_late")):
-                fate.add_metric([il, outcome], s[key])
-            wasted_bytes.add_metric([il], s["prefetch_wasted_bytes"])
-            reads.add_metric([il], s["host_read_bytes"])
-            lag.add_metric([il], s["mean_lag_tokens"])
-            top.add_metric([il], s["top_hits"])
-            bottom_read.add_metric([il], s["bottom_read_bytes"])
-            bottom_pre.add_metric([il], s["bottom_prefetch_bytes"])
-            occ.add_metric([il], cache["occupancy"].get(il, 0))
-            slots.add_metric([il], cache["slots_per_layer"].get(il, 0))
-        yield from (hits, misses, copied, rate, host, issued, precision, fate, wasted_bytes, reads, lag, top,
-                    bottom_read, bottom_pre, occ, slots, mode, stream)
+            _add_layer(families, il, s, cache)
+        yield from families.values()
+        yield from _mode_families(cache)
+
+
+def _layer_families() -> dict[str, Any]:
+    """The per-layer families, empty, by short name, in the order a scrape lists them."""
+    f: dict[str, Any] = {}
+    f["hits"] = CounterMetricFamily("ggmoe_cache_hits", "Distinct experts found resident, per MoE layer",
+                                    labels=["il"])
+    f["misses"] = CounterMetricFamily("ggmoe_cache_misses", "Distinct experts copied in, per MoE layer",
+                                      labels=["il"])
+    f["copied"] = CounterMetricFamily("ggmoe_cache_copied_bytes", "Bytes of expert weights copied into slots",
+                                      labels=["il"])
+    f["rate"] = GaugeMetricFamily("ggmoe_cache_hit_rate", "Hits / (hits + misses) since load, per MoE layer",
+                                  labels=["il"])
+    f["host"] = CounterMetricFamily("ggmoe_cache_host_computed", "Distinct experts computed on the CPU (host "
+                                    "path), per MoE layer", labels=["il"])
+    f["issued"] = CounterMetricFamily("ggmoe_prefetch_issued", "Experts prefetched on a prediction, per MoE "
+                                      "layer", labels=["il"])
+    f["precision"] = GaugeMetricFamily("ggmoe_prefetch_precision", "Prefetched experts later used / prefetched, "
+                                       "per MoE layer (0 before any prefetch)", labels=["il"])
+    # every prefetched expert ends used (its layer read it from its slot), wasted (evicted unused) or late
+    # (its layer started before the copy landed and read it from host memory)
+    f["fate"] = CounterMetricFamily("ggmoe_prefetch_experts", "Prefetched experts by outcome (used, wasted, "
+                                    "late), per MoE layer", labels=["il", "outcome"])
+    f["wasted_bytes"] = CounterMetricFamily("ggmoe_prefetch_wasted_bytes", "Bytes of prefetched experts evicted "
+                                            "unused, per MoE layer", labels=["il"])
+    f["reads"] = CounterMetricFamily("ggmoe_cache_host_read_bytes", "Bytes of missed experts the device read "
+                                     "from host memory (async decode), per MoE layer", labels=["il"])
+    f["lag"] = GaugeMetricFamily("ggmoe_cache_admission_lag_tokens", "Mean tokens from an admission's copy to "
+                                 "its slot being readable (async decode's epoch lag), per MoE layer",
+                                 labels=["il"])
+    f["top"] = CounterMetricFamily("ggmoe_cache_top_hits", "Split layers (MoEpic): distinct experts found with "
+                                   "only their top segment resident (the bottom read from host memory), per MoE "
+                                   "layer", labels=["il"])
+    f["bottom_read"] = CounterMetricFamily("ggmoe_cache_bottom_read_bytes", "Split layers: bytes of bottom "
+                                           "segments read from host memory, per MoE layer", labels=["il"])
+    f["bottom_pre"] = CounterMetricFamily("ggmoe_cache_bottom_prefetch_bytes", "Split layers: bytes of bottom "
+                                          "segments prefetched into bottom buffers, per MoE layer", labels=["il"])
+    f["occ"] = GaugeMetricFamily("ggmoe_cache_occupancy", "Experts resident in the layer's slots", labels=["il"])
+    f["slots"] = GaugeMetricFamily("ggmoe_cache_slots", "Cache slots of the layer", labels=["il"])
+    return f
+
+
+def _add_layer(f: dict[str, Any], il: str, s: dict[str, Any], cache: dict[str, Any]) -> None:
+    """One layer's figures (``s``: its entry of the cache's ``layers``) into the families."""
+    for name, key in (("hits", "hits"), ("misses", "misses"), ("copied", "bytes_copied"), ("rate", "hit_rate"),
+                      ("host", "host_computed"), ("issued", "prefetch_issued"),
+                      ("wasted_bytes", "prefetch_wasted_bytes"), ("reads", "host_read_bytes"),
+                      ("lag", "mean_lag_tokens"), ("top", "top_hits"), ("bottom_read", "bottom_read_bytes"),
+                      ("bottom_pre", "bottom_prefetch_bytes")):
+        f[name].add_metric([il], s[key])
+    f["precision"].add_metric([il], s["prefetch_hits"] / s["prefetch_issued"] if s["prefetch_issued"] else 0.0)
+    for outcome, key in (("used", "prefetch_hits"), ("wasted", "prefetch_wasted"), ("late", "prefetch_late")):
+        f["fate"].add_metric([il, outcome], s[key])
+    f["occ"].add_metric([il], cache["occupancy"].get(il, 0))
+    f["slots"].add_metric([il], cache["slots_per_layer"].get(il, 0))
+
+
+def _mode_families(cache: dict[str, Any]) -> tuple[Any, Any]:
+    """The decode mode and the copy stream in effect, each a gauge of 1 labelled with its name."""
+    mode = GaugeMetricFamily("ggmoe_decode_mode", "1 for the decode mode in effect (async: expert table, no "
+                             "sync per MoE layer; sync: the route op per layer), with the reason",
+                             labels=["mode", "asked", "reason"])
+    if cache.get("decode_mode_in_effect"):
+        mode.add_metric([cache["decode_mode_in_effect"], cache["decode_mode"], cache["decode_mode_reason"]], 1)
+    stream = GaugeMetricFamily("ggmoe_copy_stream", "1 for the expert cache's copy stream in effect (events: "
+                               "a GPU's, readiness by event query; immediate or deferred: the CPU build's)",
+                               labels=["stream"])
+    if cache.get("copy_stream"):
+        stream.add_metric([cache["copy_stream"]], 1)
+    return mode, stream
 
 
 class SlotCollector(Collector):

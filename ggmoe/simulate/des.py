@@ -227,7 +227,7 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
     miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert)  # as the engine
     pred = build_predictor(config, trace, train, model_path) if config.predictor else None
-    n_pre = config.n_prefetch if config.n_prefetch is not None else min(2 * m.n_expert_used, m.n_expert)
+    n_pre = config.n_prefetch if config.n_prefetch is not None else Prefetcher.default_n_prefetch(m.n_expert_used, m.n_expert)
     cache = ExpertCache(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
                         bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=miss_policy,
                         costs=miss_costs, split=split, n_bottom=n_pre if pred is not None and split else 0)

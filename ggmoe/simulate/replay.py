@@ -23,6 +23,7 @@ import numpy as np
 from ggmoe.cache import CacheStats, CopyBackend, ExpertCache
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.policies import make_policy
+from ggmoe.control.assemble import CacheParts, assemble_cache
 from ggmoe.trace.format import STAGE_PREFILL, Trace
 
 
@@ -80,8 +81,8 @@ def replay(trace: Trace, n_slots: int | dict[int, int], policy: str = "lru", cop
     slots = n_slots if isinstance(n_slots, dict) else {il: int(n_slots) for il in layers}
     m = trace.meta
     pol = make_policy(policy, m.n_expert, layers, policy_options)
-    cache = ExpertCache(m.n_expert, m.n_expert_used, slots, pol, copies=copies, bytes_per_expert=bytes_per_expert,
-                        clock=ManualClock(), miss_policy=miss_policy)
+    cache = assemble_cache(CacheParts(m.n_expert, m.n_expert_used, slots, pol, copies=copies, clock=ManualClock(),
+                                      bytes_per_expert=bytes_per_expert, miss_policy=miss_policy))
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
     schedule = _schedule(trace, cache, layers, n_ubatch)

@@ -112,9 +112,9 @@ def test_worker_threads_keep_logits_exact(arch_model, stock_logits, monkeypatch,
     once, the rest one chunk at a time on a worker) over the CPU build's memcpy "stream": counts depend on
     timing, the logits never do."""
     from ggmoe.cache.copy import StreamCopyBackend
-    from ggmoe.engine import slots
+    from ggmoe.engine import runtime
 
-    monkeypatch.setattr(slots, "use_copy_queue", lambda ggml, config, miss: queue)  # on any copy stream
+    monkeypatch.setattr(runtime, "use_copy_queue", lambda ggml, config, miss: queue)  # on any copy stream
     arch, path = arch_model
     facts = inspect_model(path)
     ref = stock_logits(path)

@@ -1,0 +1,166 @@
+"""The engine's expert cache at run time: slot tensors, copy backend and ``ExpertCache``, on a context.
+
+Engine layer (ctypes allowed). ``CacheRuntime`` allocates the slot tensors
+(``ggmoe.engine.slot_tensors``) on the GPU when there is one, opens the copy
+stream and the ggml copy backend over them (``ggmoe.engine.copies``), with the
+priority queue in front when low-priority copies must not hold up demand
+copies, builds the ``ExpertCache`` and registers the slot tensors with the
+patched context. The route callback that drives the cache lives in
+``ggmoe.engine.hooks``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ggmoe.cache import CacheConfig, MonotonicClock, ThreadedCopyBackend
+from ggmoe.cache.copy import StreamCopyBackend
+from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy
+from ggmoe.cache.policies import POLICIES
+from ggmoe.cache.split import LayerSplit, model_split
+from ggmoe.control.assemble import CacheParts, assemble_cache
+from ggmoe.control.prefetch import default_n_prefetch
+from ggmoe.engine import ggml as B
+from ggmoe.engine import patch as _patched
+from ggmoe.engine.copies import GgmlCopyBackend, measure_costs
+from ggmoe.engine.slot_tensors import SlotTensors
+from ggmoe.engine.streams import open_stream
+from ggmoe.errors import EngineError
+from ggmoe.inspect.facts import ModelFacts
+from ggmoe.inspect.names import CACHED_KINDS
+
+
+def _device_bufts() -> tuple[int, int | None, int | None]:
+    """(buffer type for slots, copy backend, its device): the GPU's when there is one, else CPU and none."""
+    dev = B.libggml.ggml_backend_dev_by_type(B.GGML_BACKEND_DEVICE_TYPE_GPU)
+    if dev:
+        backend = B.libggml.ggml_backend_dev_init(dev, None)
+        if not backend:
+            raise EngineError("could not create a copy stream on the GPU")
+        return B.libggml.ggml_backend_dev_buffer_type(dev), backend, dev
+    return B.libggml_cpu.ggml_backend_cpu_buffer_type(), None, None
+
+
+def use_copy_queue(ggml: GgmlCopyBackend, config: CacheConfig, miss_policy: str) -> bool:
+    """Whether copies go through the priority queue (``StreamCopyBackend``): on an asynchronous stream (a
+    GPU's, or the CPU build's deferred one), when there are low-priority copies (prefetches, or admissions of
+    the host path) that a demand copy must not wait behind. Otherwise every copy is a demand copy and the
+    plain stream does (no worker thread)."""
+    return ggml.stream.name != "immediate" and config.copy_delay_s is None and (
+        config.prefetch is not None or miss_policy != "wait")
+
+
+class CacheRuntime:
+    """Slot tensors + copy backend + ``ExpertCache``, registered with the context layer by layer."""
+
+    def __init__(self, model_ptr: int, ctx_ptr: int, config: CacheConfig, moe_layers: tuple[int, ...],
+                 n_expert: int, n_expert_used: int, bytes_per_expert: dict[int, int],
+                 n_threads: int | None = None, split: dict[int, LayerSplit] | None = None) -> None:
+        """``split``: the layers whose slots hold top segments (MoEpic, from the config's top shares)."""
+        self.split = split or {}
+        slot_bytes = {il: self.split[il].top_bytes if il in self.split else bytes_per_expert[il] for il in moe_layers}
+        n_slots = config.slots(slot_bytes, n_expert, n_expert_used)
+        # bottom buffers of a split layer: as many as the prefetcher queues per layer (MoEpic's y)
+        pre = config.prefetch
+        self.n_bottom = (getattr(pre, "n_prefetch", None) or default_n_prefetch(n_expert_used, n_expert)) \
+            if self.split and pre is not None else 0
+        policy = POLICIES.get(config.policy)(n_expert, list(moe_layers), **dict(config.policy_options or {}))
+        self.copies: GgmlCopyBackend | ThreadedCopyBackend | None = None
+        self._ggml: GgmlCopyBackend | None = None
+        self.slots: SlotTensors | None = None
+        asked = check_miss_policy(config.miss_policy)
+        if self.split and asked != "wait":
+            raise EngineError("split experts read what is not cached from host memory through the expert "
+                              f"table: --miss-policy {asked} (the host path) cannot serve them; use wait")
+        try:
+            self._allocate(model_ptr, n_slots, config, zero_slot=asked == "cpu")
+            costs = self._costs(config, n_threads or os.cpu_count() or 1) if asked == "auto" else None
+            # what runs: auto becomes wait when the CPU is never sooner than a copy (the host path only costs)
+            self.miss_policy, self.miss_policy_note = effective_miss_policy(asked, costs,
+                                                                            self.slots.bytes_per_expert())
+            host_path = self.miss_policy != "wait"
+            if host_path and asked == "auto":  # the host path reads a zero slot: allocate again with it
+                self._allocate(model_ptr, n_slots, config, zero_slot=True)
+            if use_copy_queue(self._ggml, config, self.miss_policy):
+                self.copies = StreamCopyBackend(self._ggml)
+        except BaseException:
+            self.close()
+            raise
+        self.cache = assemble_cache(CacheParts(n_expert, n_expert_used, n_slots, policy, self.copies,
+                                               clock=MonotonicClock(), bytes_per_expert=self.slots.bytes_per_expert(),
+                                               miss_policy=self.miss_policy, costs=costs, split=self.split,
+                                               n_bottom=self.n_bottom))
+        P = _patched.load()
+        for il, n in n_slots.items():
+            t = self.slots.tensors[il]
+            rc = P.llama_ggmoe_set_layer_cache(ctx_ptr, il, self.slots.registered[il],
+                                               *(t.get(k) for k in CACHED_KINDS))
+            if rc == _patched.LLAMA_GGMOE_OK and host_path:
+                rc = P.llama_ggmoe_set_host_path(ctx_ptr, il, n)
+                if rc == _patched.LLAMA_GGMOE_ERR_HOST:
+                    self.close()
+                    raise EngineError(f"layer {il} has {n} cache slots: the host path needs at least 2 (one "
+                                      "holds zeros); use more slots or --miss-policy wait")
+            if rc != _patched.LLAMA_GGMOE_OK:
+                self.close()
+                raise EngineError(f"configuring the cache of layer {il} failed: {_patched.ERROR_NAMES.get(rc, rc)}")
+
+    def _allocate(self, model_ptr: int, n_slots: dict[int, int], config: CacheConfig, zero_slot: bool) -> None:
+        """(Re)create the slot tensors and the copy backend over them (the GPU's copy stream when there is one,
+        else the CPU build's stream that ``GGMOE_COPY_STREAM`` names)."""
+        self.close()
+        buft, backend, device = _device_bufts()
+        try:
+            if config.copy_delay_s is not None and backend:
+                raise EngineError("copy_delay_s simulates a slow link on a CPU-only build; a GPU has a real one")
+            stream = open_stream(backend, device)
+        except BaseException:
+            if backend:
+                B.libggml_base.ggml_backend_free(backend)
+            raise
+        try:
+            self.slots = SlotTensors(model_ptr, n_slots, buft, zero_slot=zero_slot, split=self.split,
+                                     n_bottom=self.n_bottom)
+        except BaseException:
+            stream.close()
+            raise
+        self.copies = self._ggml = GgmlCopyBackend(self.slots, stream)
+        self._link_s = 0.0  # s per expert copy that the simulated link adds (copy_delay_s per chunk)
+        if config.copy_delay_s is not None:
+            ggml = self.copies
+            self._link_s = config.copy_delay_s * ggml.n_chunks
+            self.copies = ThreadedCopyBackend(ggml.copy_now, config.copy_delay_s, chunks=ggml.n_chunks,
+                                              copy_chunk=ggml.copy_chunk)
+
+    def _costs(self, config: CacheConfig, n_threads: int) -> MissCosts:
+        """The auto policy's cost model: the hardware profile's, or measured now on the slots."""
+        if config.hw_profile is not None:
+            from ggmoe.cache.hardware import load_profile
+
+            return load_profile(config.hw_profile).miss_costs()
+        return measure_costs(self.slots, self._ggml, n_threads, self._link_s)
+
+    @property
+    def stream(self) -> GgmlCopyBackend:
+        """The ggml copies under the queue (the GPU's copy stream; memcpy on a CPU-only build)."""
+        return self._ggml
+
+    @classmethod
+    def for_model(cls, model_ptr: int, ctx_ptr: int, config: CacheConfig, facts: ModelFacts,
+                  n_threads: int | None = None) -> CacheRuntime:
+        """The runtime for a loaded model, its layers and bytes per expert from the GGUF's facts; ``n_threads``:
+        the CPU threads llama.cpp computes with (the auto policy's CPU cost; None: every core)."""
+        bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+        return cls(model_ptr, ctx_ptr, config, facts.moe_layers, facts.n_expert, facts.n_expert_used, bpe,
+                   n_threads, split=model_split(facts, config.layer_theta))
+
+    def close(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
+            self.copies = None
+        if self._ggml is not None:  # the stream under a queue (closing twice is harmless)
+            self._ggml.close()
+            self._ggml = None
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
