@@ -65,9 +65,6 @@ class Prefetcher:
     next decode.
     """
 
-    # the module's default, reachable through the class for callers that import only the class (the simulator)
-    default_n_prefetch = staticmethod(default_n_prefetch)
-
     def __init__(self, cache: ExpertCache, predictor: Predictor, layers: Sequence[int], n_prefetch: int,
                  threshold: float | None = None, background: bool = False) -> None:
         if n_prefetch < 1:

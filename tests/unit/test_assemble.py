@@ -13,7 +13,7 @@ from ggmoe.cache.cache import ExpertCache
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.policies import make_policy
 from ggmoe.control.assemble import CacheParts, assemble_cache
-from ggmoe.control.prefetch import Prefetcher, default_n_prefetch
+from ggmoe.control.prefetch import default_n_prefetch
 from ggmoe.errors import UsageError
 
 pytestmark = pytest.mark.unit
@@ -50,4 +50,3 @@ def test_assembly_keeps_the_cache_checks():
 @pytest.mark.parametrize(("k", "n_expert", "want"), [(2, 8, 4), (4, 6, 6), (1, 1, 1), (8, 128, 16)])
 def test_default_n_prefetch_is_twice_top_k_at_most_every_expert(k, n_expert, want):
     assert default_n_prefetch(k, n_expert) == want
-    assert Prefetcher.default_n_prefetch(k, n_expert) == want  # the simulator's way to it
