@@ -584,6 +584,7 @@ class ExpertCache:
         submitted, submit_token = self._submitted, self._submit_token
         # a demand copy is waited for by the call that submits it (_wait_for): its age and token never matter
         record = priority is not Priority.DEMAND
+        now = self.time.now() if record else 0.0  # s; one reading for the call's copies
         handles = []
         cand: list[int] | None = None  # victims, computed once (a miss's own copy is in use, so never one)
         evicted = 0
@@ -610,7 +611,7 @@ class ExpertCache:
                 table.unmap(slot)
             h = submit(il, e, slot, priority)
             if record:
-                submitted[h.id] = self.time.now()
+                submitted[h.id] = now
                 submit_token[h.id] = token
             table.place(e, slot, h)
             handles.append(h)

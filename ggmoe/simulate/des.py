@@ -379,6 +379,7 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
         fits = st.fits[n_tok] = [cache.fits(il, n_tok) for il in layers]
     split = cache.split
     track = type(st.link) is FlagLinkCopyBackend  # the plain link answers lazily: nothing to settle
+    observers = [o for o in (st.prefetcher, st.planner) if o is not None]  # the route observers that predict
     for j, il in enumerate(layers):
         clock.advance(before)
         flat = flats[j]
@@ -389,32 +390,38 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
             cache.observe(il, sel_all[:, j])
             clock.advance(costs.native_upload(il) + costs.experts(il, need))
             continue
-        lst = cache.stats.layers[il]
-        read0, miss0 = lst.host_read_bytes, lst.misses  # a split layer reads misses and bottoms in place
+        in_split = il in split
+        if in_split:  # a split layer reads misses and bottoms in place
+            lst = cache.stats.layers[il]
+            read0, miss0 = lst.host_read_bytes, lst.misses
         if future is None:
             slots = cache.route_flat(il, flat)
         else:
             slots = cache.route_flat(il, flat, next_use=future[fi])
             fi += 1
         n_host = len({e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST}) if SLOT_HOST in slots else 0
-        for obs in (st.prefetcher, st.planner):  # the route observers that predict, in the callback's time
-            if obs is None:
-                continue
-            tp = time.perf_counter()
-            p = obs.predictor
-            probs = trace.probs[rows, j].astype(np.float32) if p.needs_probs else None
-            hidden = trace.hidden[rows, j].astype(np.float32) if p.needs_hidden else None
-            obs.on_route(RouteEvent(il=il, ids=sel_all[:, j], probs=probs, hidden=hidden))
-            pred_s = time.perf_counter() - tp if st.config.predictor_s is None else st.config.predictor_s
-            clock.advance(pred_s if st.timed else 0.0)
-        if il in split:  # what it read in place holds the link; whole misses are bound by it
+        for obs in observers:
+            _observe(st, obs, trace, rows, sel_all, j, il)
+        if in_split:  # what it read in place holds the link; whole misses are bound by it
             read_s = costs.zero_copy(lst.host_read_bytes - read0)
             st.link.occupy(read_s)
-            in_place = lst.misses - miss0
-        else:  # a whole-expert layer reads nothing in place on the sync path
-            read_s, in_place = 0.0, 0
-        clock.advance(max(costs.experts(il, need - n_host - in_place) + read_s, costs.cpu(il, n_host)))
+            clock.advance(max(costs.experts(il, need - n_host - (lst.misses - miss0)) + read_s, costs.cpu(il, n_host)))
+        elif n_host:  # a whole-expert layer reads nothing in place on the sync path
+            clock.advance(max(costs.experts(il, need - n_host), costs.cpu(il, n_host)))
+        else:  # the GPU computes them all (max(t + 0.0, 0.0) is t: the same time)
+            clock.advance(costs.experts(il, need))
     return fi
+
+
+def _observe(st: _Step, obs: Any, trace: Trace, rows: slice, sel_all: np.ndarray, j: int, il: int) -> None:
+    """A route observer that predicts (prefetcher or planner) sees the layer's routing, in the callback's time."""
+    tp = time.perf_counter()
+    p = obs.predictor
+    probs = trace.probs[rows, j].astype(np.float32) if p.needs_probs else None
+    hidden = trace.hidden[rows, j].astype(np.float32) if p.needs_hidden else None
+    obs.on_route(RouteEvent(il=il, ids=sel_all[:, j], probs=probs, hidden=hidden))
+    pred_s = time.perf_counter() - tp if st.config.predictor_s is None else st.config.predictor_s
+    st.clock.advance(pred_s if st.timed else 0.0)
 
 
 def _stride_prefetch(cache: ExpertCache, prefetcher: Prefetcher, n_expert: int, n_expert_used: int) -> None:
