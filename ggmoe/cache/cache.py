@@ -33,6 +33,16 @@ def keep_free_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: in
     return {il: 0 if n >= n_expert else min(n_prefetch, n - n_expert_used) for il, n in n_slots.items()}
 
 
+def _check_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: int) -> None:
+    """Every layer's slots hold a token's experts and no more than the layer has."""
+    for il, n in n_slots.items():
+        if n < n_expert_used:
+            raise UsageError(f"layer {il}: {n} cache slots < n_expert_used {n_expert_used}: "
+                             "a token could not have all its experts resident")
+        if n > n_expert:
+            raise UsageError(f"layer {il}: {n} cache slots > n_expert {n_expert}")
+
+
 class ExpertCache:
     """Slot tables for every MoE layer, driven by a policy; ``route`` maps ids to slots."""
 
@@ -42,12 +52,7 @@ class ExpertCache:
                  split: Mapping[int, LayerSplit] | None = None, n_bottom: int = 0) -> None:
         """``split``: the layers whose slots hold top segments (MoEpic, ``ggmoe.cache.split``), each with
         ``n_bottom`` bottom buffers for prefetched bottoms."""
-        for il, n in n_slots.items():
-            if n < n_expert_used:
-                raise UsageError(f"layer {il}: {n} cache slots < n_expert_used {n_expert_used}: "
-                                 "a token could not have all its experts resident")
-            if n > n_expert:
-                raise UsageError(f"layer {il}: {n} cache slots > n_expert {n_expert}")
+        _check_slots(n_slots, n_expert, n_expert_used)
         self.n_expert = n_expert
         self.n_expert_used = n_expert_used
         self.n_slots = dict(n_slots)

@@ -356,6 +356,23 @@ def _plan_config(planner: str | None, train: Sequence[str]) -> object | None:
     return PlanConfig(predictor=planner, train=tuple(train))
 
 
+def _plan_file_cache(config: str | os.PathLike, facts: Any, decode_mode: str | None, plan_predictor: str | None,
+                     predictor_train: Sequence[str]) -> CacheConfig:
+    """The cache a plan file (``ggmoe plan``) sets, checked against the model; ``decode_mode`` and a planner
+    still apply on top of it."""
+    from ggmoe.control.plan_file import read_plan
+
+    cache = read_plan(config)
+    cache.check_model(facts)
+    if decode_mode is not None:
+        from ggmoe.cache.decode_mode import check_decode_mode
+
+        cache = dataclasses.replace(cache, decode_mode=check_decode_mode(decode_mode))
+    if plan_predictor is not None:
+        cache = dataclasses.replace(cache, planner=_plan_config(plan_predictor, predictor_train))
+    return cache
+
+
 def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None,
          cache_slots: int | None = None, policy: str | None = None, predictor: str | None = None,
          stride: int = 2, n_prefetch: int | None = None, prefetch_threshold: float | None = None,
@@ -395,16 +412,7 @@ def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None
     if config is not None:
         if cache is not None or any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw)):
             raise UsageError("config= (a plan file) sets the cache; give no other cache options with it")
-        from ggmoe.control.plan_file import read_plan
-
-        cache = read_plan(config)
-        cache.check_model(facts)
-        if decode_mode is not None:
-            from ggmoe.cache.decode_mode import check_decode_mode
-
-            cache = dataclasses.replace(cache, decode_mode=check_decode_mode(decode_mode))
-        if plan_predictor is not None:
-            cache = dataclasses.replace(cache, planner=_plan_config(plan_predictor, predictor_train))
+        cache = _plan_file_cache(config, facts, decode_mode, plan_predictor, predictor_train)
     elif cache is None:
         prefetch = build_prefetch_config(predictor, stride, n_prefetch, prefetch_threshold,
                                          tuple(predictor_train) if predictor is not None or plan_predictor is None

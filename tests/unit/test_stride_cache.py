@@ -125,6 +125,7 @@ def test_a_queued_admission_of_an_expert_missed_again_keeps_its_place():
     assert sorted(x for x in table.expert_in_list if x >= 0) == [2, 3]
 
 
+
 class Fixed(Predictor):
     """Predicts experts 10..13 for every layer."""
 
