@@ -147,4 +147,6 @@ def default_protect(n_expert: int, n_expert_used: int) -> int:
     the embedded model's held-out traces (8 slots, async) the hit rate rose with it from 1 to 3 x
     n_expert_used; beside a stride prefetcher 2 x kept nearly all of the gain (docs/predictors.md, "Planning
     the next token")."""
-    return min(2 * n_expert_used, n_expert)
+    from ggmoe.control.prefetch import default_n_prefetch
+
+    return default_n_prefetch(n_expert_used, n_expert)

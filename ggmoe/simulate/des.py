@@ -222,9 +222,9 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
     sim = _build(trace, config, bytes_per_expert, profile, train, n_chunks, model_path, layers)
     with _without_cycle_collector():
         decode_s, prefill_s, ttft = _replay(sim, trace)
-    if sim.prefetcher is not None:
-        sim.prefetcher.close()
-    return _result(config, trace, sim.cache, sim.link, profile, bytes_per_expert, decode_s, prefill_s, ttft)
+    if sim.step.prefetcher is not None:
+        sim.step.prefetcher.close()
+    return _result(config, trace, sim.step.cache, sim.step.link, profile, bytes_per_expert, decode_s, prefill_s, ttft)
 
 
 @contextmanager
@@ -246,10 +246,7 @@ def _without_cycle_collector() -> Iterator[None]:
 class _Sim:
     """One replay's parts, wired as the engine wires them (``_build``)."""
 
-    clock: ManualClock
-    link: LinkCopyBackend
-    cache: ExpertCache
-    step: _Step  # what the sync micro-batches share
+    step: _Step  # clock, cache, link, costs, prefetcher and planner: what every micro-batch shares
     controller: TokenController | None  # the async decode's (None: sync)
     mailbox: _Mailbox | None  # the async stride prefetch's (None: none)
     rows_now: _Row  # the trace row a one-token micro-batch replays
@@ -260,8 +257,6 @@ class _Sim:
     is_async: list[bool]  # per micro-batch: read through the expert tables (the async decode)
     future: list[dict[int, float]] | None  # Belady's next uses per cache call; None without
     policy: Any
-    prefetcher: Prefetcher | None
-    planner: NextTokenPlanner | None
 
 
 def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int], profile: HardwareProfile | None,
@@ -302,13 +297,12 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     step = _Step(clock, cache, link, _Costs(profile, bytes_per_expert, m.n_expert), prefetcher, pred, config,
                  profile is not None, planner)
     mailbox = _Mailbox(prefetcher, trace, pos) if controller is not None and prefetcher is not None else None
-    return _Sim(clock, link, cache, step, controller, mailbox, rows_now, layers, pos, ids, batches, is_async,
-                future, policy, prefetcher, planner)
+    return _Sim(step, controller, mailbox, rows_now, layers, pos, ids, batches, is_async, future, policy)
 
 
 def _replay(sim: _Sim, trace: Trace) -> tuple[float, float, list[float]]:
     """Every micro-batch in order: (decode seconds, prefill seconds, each prompt's time to its first token)."""
-    clock, ids, future = sim.clock, sim.ids, sim.future
+    clock, ids, future, st = sim.step.clock, sim.ids, sim.future, sim.step
     decode_s = prefill_s = 0.0
     ttft: list[float] = []
     first_pending: float | None = None  # a prompt's prefill time, until its first decode step
@@ -324,10 +318,10 @@ def _replay(sim: _Sim, trace: Trace) -> tuple[float, float, list[float]]:
                     fi += 1
             if sim.mailbox is not None:
                 sim.mailbox.row = rows.start
-            _async_step(clock, sim.cache, sim.link, sim.controller, sim.step.costs, sim.layers, ids[rows], sim.pos,
+            _async_step(clock, st.cache, st.link, sim.controller, st.costs, sim.layers, ids[rows], sim.pos,
                         sim.mailbox)
         else:
-            fi = _sync_step(sim.step, trace, rows, ids[rows], sim.layers, future, fi)
+            fi = _sync_step(st, trace, rows, ids[rows], sim.layers, future, fi)
         dt = clock.now() - t0
         if trace.stage[rows.start] == STAGE_PREFILL:
             prefill_s += dt
@@ -342,13 +336,13 @@ def _replay(sim: _Sim, trace: Trace) -> tuple[float, float, list[float]]:
 
 def _begin_step(sim: _Sim, trace: Trace, rows: slice) -> None:
     """A micro-batch starts: the predictor and the planner see its tokens (an oracle also the truth)."""
-    if sim.prefetcher is not None:
-        pred = sim.step.pred
-        if getattr(pred, "needs_truth", False) and rows.stop - rows.start == 1:
-            pred.reveal(sim.ids[rows.start])
-        sim.prefetcher.begin_step([int(t) for t in trace.token_ids[rows]])
-    if sim.planner is not None:
-        sim.planner.begin_step([int(t) for t in trace.token_ids[rows]])
+    st = sim.step
+    if st.prefetcher is not None:
+        if getattr(st.pred, "needs_truth", False) and rows.stop - rows.start == 1:
+            st.pred.reveal(sim.ids[rows.start])
+        st.prefetcher.begin_step([int(t) for t in trace.token_ids[rows]])
+    if st.planner is not None:
+        st.planner.begin_step([int(t) for t in trace.token_ids[rows]])
 
 
 @dataclass(frozen=True)
