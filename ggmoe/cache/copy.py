@@ -69,7 +69,9 @@ class CopyBackend(Protocol):
 
     # Optional (a backend with a queue): ``promote(handle)`` moves a queued copy to demand priority (a layer
     # is about to wait for it); ``remaining_s(handle)`` is the seconds until it would land if served next
-    # (None: unknown), which the auto miss policy weighs against the CPU.
+    # (None: unknown), which the auto miss policy weighs against the CPU. ``lands_later`` (True: a copy never
+    # lands within the cache call that submits it, as on the simulator's costed link) lets the cache skip
+    # looking for copies its own admissions landed.
 
 
 class NullCopyBackend:
