@@ -269,8 +269,8 @@ class Prefetcher:
         top = ranked[:n]
         top_scores = scores[order[:n]].tolist()
         if self.threshold is not None:
-            keep = [j for j, v in enumerate(top_scores) if v >= self.threshold]
-            top, top_scores = [top[j] for j in keep], [top_scores[j] for j in keep]
+            above = [j for j, v in enumerate(top_scores) if v >= self.threshold]
+            top, top_scores = [top[j] for j in above], [top_scores[j] for j in above]
         if not top:
             return
         # fMoE's priority p / (l - l_now): likelier experts of nearer layers are copied first

@@ -125,7 +125,6 @@ def test_a_queued_admission_of_an_expert_missed_again_keeps_its_place():
     assert sorted(x for x in table.expert_in_list if x >= 0) == [2, 3]
 
 
-
 class Fixed(Predictor):
     """Predicts experts 10..13 for every layer."""
 
@@ -174,3 +173,17 @@ def test_an_idle_prefetcher_leaves_the_mailbox_unread_for_longer_and_longer():
     assert pf.wants_token()
     pf.begin_step([7])
     assert pf.wants_token() is False  # that last token issued nothing: idle again, one skipped
+
+
+def test_a_prefetch_threshold_filters_the_guesses_and_protects_nothing_else():
+    from ggmoe.hook import RouteEvent
+    from ggmoe.predict import ModelShape
+
+    cache, _ = _cache(n_slots=4)
+    for pair in ([0, 1], [2, 3]):
+        cache.route_flat(1, pair)  # layer 1 full of experts 0..3, every copy landed
+    pf = Prefetcher(cache, Fixed(ModelShape("x", (0, 1), 16, 2, 4), 1), [0, 1], n_prefetch=4, threshold=0.5)
+    pf.begin_step([7])
+    pf.on_route(RouteEvent(il=0, ids=np.array([[4, 5]], dtype=np.int32), probs=None, hidden=None))
+    # 10..13 pass the threshold and evict 0..3 (the positions of the kept guesses name no expert to protect)
+    assert sorted(x for x in cache.tables[1].expert_in_list if x >= 0) == [10, 11, 12, 13]
