@@ -107,7 +107,7 @@ def test_streams_on_named_slots_show_there(par):
             seen = watcher.get("/slots").json()
             rest = [*la, *lb]  # both streams to their end
             assert sum(ln.startswith("data: ") for ln in rest) >= 2
-        for _ in range(100):
+        for _ in range(600):  # up to 60 s on a slow machine; a fast one breaks at once
             idle = watcher.get("/slots").json()
             if not any(s["is_processing"] for s in idle):
                 break
@@ -163,7 +163,7 @@ def test_a_burst_past_slots_and_queue_is_answered_or_told_to_retry(par):
             assert body["error"]["type"] == "rate_limit_error" and int(headers["retry-after"]) >= 1
         else:
             assert body["choices"][0]["text"]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # generous for a slow machine: the loop ends as soon as it holds
     while time.monotonic() < deadline:
         with par.client() as c:
             h = c.get("/health").json()
@@ -210,7 +210,7 @@ def test_a_client_gone_mid_stream_frees_its_slot_and_the_others_go_on(par):
                 "prompt": PROMPTS[1], "n_predict": 240, "ignore_eos": True, "stream": True}) as r:
             next(r.iter_lines())
         assert other.result(timeout=60) == want
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # generous for a slow machine: the loop ends as soon as it holds
     while time.monotonic() < deadline:
         with par.client() as c:
             idle = c.get("/health").json()["running"] == 0
