@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from itertools import compress
 
 import numpy as np
 
@@ -75,6 +76,9 @@ class ExpertCache:
         # whether a copy never lands within the call that submits it (a simulated link with a cost model):
         # after_token then need not look for copies its own admissions landed
         self._lands_later = bool(getattr(self.copies, "lands_later", False))
+        # copy_now(il, n): n demand copies of layer il run and waited for at once, without handles, when the
+        # backend's queue is empty (the simulated link); False, having done nothing, when it is not
+        self._copy_now = getattr(self.copies, "copy_now", None)
         self.miss_policy = check_miss_policy(miss_policy)
         self.costs = costs  # for "auto"
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
@@ -117,7 +121,7 @@ class ExpertCache:
 
     def route_flat(self, il: int, flat: list[int], next_use: Mapping[int, float] | None = None) -> list[int]:
         with self.lock:  # a prefetch worker may be placing experts (uncontended: about 0.1 us)
-            if il in self.split:  # read through the table: the matmuls take the expert ids themselves
+            if il in self.split.layers:  # read through the table: the matmuls take the expert ids themselves
                 if next_use is not None:
                     self.policy.set_future(il, next_use)
                 self.split.access(self, il, flat, before_compute=True)
@@ -154,7 +158,9 @@ class ExpertCache:
         host: set[int] = set()
         if self.miss_policy != "wait" and len(flat) <= HOST_MAX_TOKENS * self.n_expert_used:
             host, pending, missing = self._to_host(il, pending, missing)
-        if missing:
+        if missing and not pending and not host and self._copy_now is not None and table.listener is None:
+            self._load_now(il, st, table, need, missing)
+        elif missing:
             loaded = self._load(il, table, need, missing, Priority.DEMAND)
             pending += loaded
             st.demand_copies += len(loaded)
@@ -177,6 +183,20 @@ class ExpertCache:
         self._land_done(table)
         self._drop_stale_prefetches(il, table, need)
         return self._in_flight(table, need) if table.n_loading else []
+
+    def _load_now(self, il: int, st: LayerStats, table: SlotTable, need: list[int], missing: list[int]) -> None:
+        """The demand copies of ``missing``, waited for at once, when the backend can run them without handles
+        (``copy_now``: nothing else queued on the simulated link, the sync decode's common call): the same slots,
+        victims and time as ``_load`` then ``_wait_for``, without a handle or a job per copy."""
+        tw = self.time.now()
+        if not self._copy_now(il, len(missing)):  # something is queued: copies must be jobs among the others
+            loaded = self._load(il, table, need, missing, Priority.DEMAND)
+            st.demand_copies += len(loaded)
+            self._wait_for(st, table, loaded)
+            return
+        st.wait_s += self.time.now() - tw
+        self._load(il, table, need, missing, Priority.DEMAND, direct=True)
+        st.demand_copies += len(missing)
 
     def _wait_for(self, st: LayerStats, table: SlotTable, pending: list[CopyHandle]) -> None:
         """The layer waits until ``pending`` (its demand copies and the copies in flight it reads) landed."""
@@ -230,7 +250,7 @@ class ExpertCache:
         memory first). Nothing waits: a later token finds the admitted experts once their copies landed.
         """
         with self.lock:
-            if il in self.split:
+            if il in self.split.layers:
                 self.split.access(self, il, flat, before_compute=False)
                 return
             st = self.stats.layers[il]
@@ -277,7 +297,7 @@ class ExpertCache:
         not landed was late."""
         with self.lock:
             table = self.tables.get(il)
-            if table is None or il in self.split:
+            if table is None or il in self.split.layers:
                 return
             if table.n_loading:
                 self._land_done(table)
@@ -477,8 +497,9 @@ class ExpertCache:
         positions."""
         out = []
         cancel, submitted, submit_token = self.copies.cancel, self._submitted, self._submit_token
-        for i, h in enumerate(handles):
-            if h is not None and h.priority is priority and stale(h) and cancel(h):
+        for i in compress(range(len(handles)), handles):  # the positions holding a copy, found in C
+            h = handles[i]
+            if h.priority is priority and stale(h) and cancel(h):
                 submitted.pop(h.id, None)
                 submit_token.pop(h.id, None)
                 out.append(i)
@@ -489,9 +510,16 @@ class ExpertCache:
         free again, except those of experts this token ``missed`` again, which keep their place in the queue.
         On a link slower than the misses come, a queue of old admissions would only grow, each landing too late
         to be used; the newest token's misses are the likeliest to come back."""
-        token, submitted = self.token, self._submit_token
-        dropped = self._cancel_where(table.copy, Priority.ADMISSION,
-                                     lambda h: h.expert not in missed and submitted.get(h.id, token) < token)
+        token, submit_token, copy = self.token, self._submit_token, table.copy
+        cancel, submitted, admission = self.copies.cancel, self._submitted, Priority.ADMISSION
+        dropped = []  # _cancel_where's loop, its test inlined: a replay asks it of millions of copies
+        for i in compress(range(len(copy)), copy):
+            h = copy[i]
+            if (h.priority is admission and h.expert not in missed and submit_token.get(h.id, token) < token
+                    and cancel(h)):
+                submitted.pop(h.id, None)
+                submit_token.pop(h.id, None)
+                dropped.append(i)
         if dropped:
             self.stats.layers[il].admissions_dropped += len(dropped)
             on_evict, expert_in = self._on_evict, table.expert_in_list
@@ -531,26 +559,22 @@ class ExpertCache:
         the one after. A readiness query per copy in flight; nothing waits."""
         with self.lock:
             for il, table in self.tables.items():
-                if il in self.split:
+                if il in self.split.layers:
                     self.split.land(self, il)  # tops and bottom buffers
                 elif table.n_loading:
                     self._land_done(table)
 
     def _land_done(self, table: SlotTable) -> None:
         """Mark every copy that has landed since the last look (their slots may be read and evicted again)."""
-        done, left = self.copies.done, table.n_loading  # left: copies in flight not looked at yet
-        for slot, h in enumerate(table.copy):
-            if h is None:
-                continue
+        done, copy = self.copies.done, table.copy
+        for slot in compress(range(len(copy)), copy):  # the slots with a copy in flight, found in C
+            h = copy[slot]
             if done(h):
                 table.landed(slot)
                 self._submitted.pop(h.id, None)
                 st = self.stats.layers[h.il]
                 st.landed += 1
                 st.lag_tokens += self.token - self._submit_token.pop(h.id, self.token)
-            left -= 1
-            if not left:  # the later slots hold no copy in flight
-                break
 
     def _land_all(self, table: SlotTable) -> None:
         handles = [h for h in table.copy if h is not None]
@@ -580,9 +604,10 @@ class ExpertCache:
                 self.split.land(self, il)
 
     def _load(self, il: int, table: SlotTable, need: list[int], missing: list[int],
-              priority: Priority, reserve: int = 0) -> list[CopyHandle]:
+              priority: Priority, reserve: int = 0, direct: bool = False) -> list[CopyHandle]:
         """Copies of ``missing`` into free slots or the policy's victims (never a slot this call reads);
-        ``reserve`` free slots are left for the async decode's prefetches."""
+        ``reserve`` free slots are left for the async decode's prefetches. ``direct``: the copies have landed
+        already (``_load_now``): the experts are placed ready, no copy submitted, no handle returned."""
         policy, submit, token, clock = self.policy, self.copies.submit, self.token, self.clock
         on_insert, on_evict = self._on_insert, self._on_evict
         free, prefetched, listener = table.free, table.prefetched, table.listener
@@ -592,7 +617,7 @@ class ExpertCache:
         now = self.time.now() if record else 0.0  # s; one reading for the call's copies
         handles = []
         cand: list[int] | None = None  # victims, computed once (a miss's own copy is in use, so never one)
-        evicted = 0
+        evicted = n = 0
         for e in missing:
             if len(free) > reserve:
                 slot = free.pop(0)
@@ -614,15 +639,19 @@ class ExpertCache:
                 self._note_eviction(il, table, slot)
             if listener is not None:  # the expert table stops pointing at the slot before the copy may write it
                 table.unmap(slot)
-            h = submit(il, e, slot, priority)
-            if record:
-                submitted[h.id] = now
-                submit_token[h.id] = token
-            table.place(e, slot, h)
-            handles.append(h)
+            n += 1
+            if direct:
+                table.place(e, slot, None)
+            else:
+                h = submit(il, e, slot, priority)
+                if record:
+                    submitted[h.id] = now
+                    submit_token[h.id] = token
+                table.place(e, slot, h)
+                handles.append(h)
             if on_insert is not None:
                 on_insert(il, e, clock)
         st = self.stats.layers[il]
         st.evictions += evicted
-        st.bytes_copied += self.slot_bytes[il] * len(handles)
+        st.bytes_copied += self.slot_bytes[il] * n
         return handles

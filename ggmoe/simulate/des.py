@@ -61,7 +61,7 @@ from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.base import check_trace_inputs, is_predictor_file
-from ggmoe.simulate.replay import micro_batches, next_uses
+from ggmoe.simulate.replay import micro_batches, next_uses_flat
 from ggmoe.simulate.timeline import FlagLinkCopyBackend, LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace
 
@@ -219,8 +219,8 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
         raise UsageError(f"no slot count for MoE layers {missing}")
     if config.decode_mode not in ("sync", "async"):
         raise UsageError(f"decode mode {config.decode_mode!r}: the simulator runs sync or async")
-    sim = _build(trace, config, bytes_per_expert, profile, train, n_chunks, model_path, layers)
-    with _without_cycle_collector():
+    with _without_cycle_collector():  # the build's next uses are a million dicts too
+        sim = _build(trace, config, bytes_per_expert, profile, train, n_chunks, model_path, layers)
         decode_s, prefill_s, ttft = _replay(sim, trace)
     if sim.step.prefetcher is not None:
         sim.step.prefetcher.close()
@@ -528,13 +528,48 @@ def _read_in_place(cache: ExpertCache, il: int, need: set[int]) -> int:
 def _future(trace: Trace, cache: ExpertCache, layers: list[int], batches: Sequence[slice], is_async: list[bool],
             ids: np.ndarray, pos: dict[int, int]) -> list[dict[int, float]]:
     """Next uses (``replay.next_uses``) over the cache's calls in the order the replay makes them: every layer
-    of an async micro-batch (the controller's ``after_token``), the routed layers of a sync one."""
-    routed = []
+    of an async micro-batch (the controller's ``after_token``), the routed layers of a sync one. Runs of
+    one-token micro-batches that route every layer (the decode) are taken as arrays, a run at a time."""
+    cols = [pos[il] for il in layers]
+    all_fit = all(cache.fits(il, 1) for il in layers)
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (call_il, lens, experts), in call order
+    run = -1  # first row of the current run of one-token micro-batches (-1: none)
     for rows, a in zip(batches, is_async, strict=True):
-        n_tok = rows.stop - rows.start
-        per_layer = ids[rows].transpose(1, 0, 2).reshape(ids.shape[1], -1).tolist()  # one list per trace layer
-        routed += [(il, sorted(set(per_layer[pos[il]]))) for il in layers if a or cache.fits(il, n_tok)]
-    return next_uses(routed, trace.meta.n_expert)
+        if rows.stop - rows.start == 1 and (a or all_fit):
+            run = rows.start if run < 0 else run  # batches are consecutive rows: the run goes on
+            continue
+        if run >= 0:
+            parts.append(_decode_calls(ids[run:rows.start, cols], layers))
+            run = -1
+        parts.append(_batch_calls(ids[rows], layers, cols, a, cache))
+    if run >= 0:
+        parts.append(_decode_calls(ids[run:batches[-1].stop, cols], layers))
+    if not parts:
+        return []
+    call_il, lens, experts = (np.concatenate(x) for x in zip(*parts, strict=True))
+    return next_uses_flat(call_il, lens, experts, trace.meta.n_expert)
+
+
+def _decode_calls(sel: np.ndarray, layers: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(call_il, lens, experts) of one-token micro-batches ``sel`` [n_tokens, n_layers, n_expert_used], every
+    layer routed: each call's distinct experts, ascending."""
+    block = np.sort(sel.reshape(-1, sel.shape[2]).astype(np.int64), axis=1)  # [n_calls, n_expert_used]
+    keep = np.ones(block.shape, dtype=bool)
+    keep[:, 1:] = block[:, 1:] != block[:, :-1]  # an expert named twice in a token counts once
+    return np.tile(np.asarray(layers, dtype=np.int64), sel.shape[0]), keep.sum(axis=1), block[keep]
+
+
+def _batch_calls(sel: np.ndarray, layers: list[int], cols: list[int], is_async: bool, cache: ExpertCache
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(call_il, lens, experts) of one micro-batch ``sel`` [n_tokens, n_layers, n_expert_used]: every layer if
+    async, else those that run on the cache; each call's distinct experts over its tokens, ascending."""
+    routed = [(il, np.unique(sel[:, j])) for il, j in zip(layers, cols, strict=True)
+              if is_async or cache.fits(il, sel.shape[0])]
+    if not routed:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return (np.asarray([il for il, _ in routed], dtype=np.int64),
+            np.asarray([len(u) for _, u in routed], dtype=np.int64),
+            np.concatenate([u for _, u in routed]).astype(np.int64))
 
 
 def _result(config: SimConfig, trace: Trace, cache: ExpertCache, link: LinkCopyBackend,

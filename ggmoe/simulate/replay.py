@@ -53,20 +53,37 @@ def next_uses(calls: list[tuple[int, list[int]]], n_expert: int) -> list[dict[in
     Access numbers count routed calls from 1, as ``ExpertCache.clock`` does. A layer's first call also names
     the first use of every expert it does not use itself (inf: never), so a prefetched expert is known too.
     """
-    upcoming: dict[int, dict[int, float]] = {}  # il -> expert -> access number of its next use
-    out: list[dict[int, float]] = [{} for _ in calls]
-    for i in range(len(calls) - 1, -1, -1):  # backwards: what comes after call i is known at call i
-        il, need = calls[i]
-        up = upcoming.setdefault(il, {})
-        out[i] = {e: up.get(e, math.inf) for e in need}
-        for e in need:
-            up[e] = float(i + 1)
-    first: dict[int, int] = {}
-    for i, (il, _) in enumerate(calls):
-        first.setdefault(il, i)
-    for il, i in first.items():
-        for e in range(n_expert):
-            out[i].setdefault(e, upcoming[il].get(e, math.inf))
+    call_il = np.fromiter((il for il, _ in calls), dtype=np.int64, count=len(calls))
+    lens = np.fromiter((len(need) for _, need in calls), dtype=np.int64, count=len(calls))
+    experts = np.fromiter((e for _, need in calls for e in need), dtype=np.int64, count=int(lens.sum()))
+    return next_uses_flat(call_il, lens, experts, n_expert)
+
+
+def next_uses_flat(call_il: np.ndarray, lens: np.ndarray, experts: np.ndarray, n_expert: int
+                   ) -> list[dict[int, float]]:
+    """``next_uses`` of calls given as arrays (a long replay's million calls, without a Python loop over
+    their experts): ``call_il`` [n_calls] the layer, ``lens`` [n_calls] how many distinct experts each call
+    uses, ``experts`` [sum(lens)] those experts, call after call."""
+    if len(experts) and (experts.min() < 0 or experts.max() >= n_expert):
+        raise ValueError(f"expert ids must lie in [0, {n_expert}): got {experts.min()}..{experts.max()}")
+    n_calls = len(call_il)
+    call = np.repeat(np.arange(n_calls, dtype=np.int64), lens)  # [n_pairs] the call of each (call, expert)
+    layers, firsts, dense = np.unique(call_il, return_index=True, return_inverse=True)
+    group = dense.reshape(-1)[call] * n_expert + experts  # [n_pairs] (layer, expert) as one number
+    # by group, each group's uses in call order (a stable sort; a radix sort where the groups fit 16 bits)
+    order = np.argsort(group.astype(np.uint16) if len(layers) * n_expert <= 1 << 16 else group, kind="stable")
+    sorted_group = group[order]
+    same = sorted_group[1:] == sorted_group[:-1]  # the next pair in order is a later use of the same group
+    nxt = np.full(len(order), math.inf)  # [n_pairs] access number of the next use (inf: never again)
+    nxt[order[:-1][same]] = call[order][1:][same] + 1.0
+    es, ts, ends = experts.tolist(), nxt.tolist(), np.cumsum(lens).tolist()
+    out = [dict(zip(es[a:b], ts[a:b], strict=True)) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    first_pair = np.ones(len(order), dtype=bool)  # the first use of each (layer, expert)
+    first_pair[1:] = ~same
+    first_use = {(int(call_il[call[q]]), int(experts[q])): float(call[q] + 1) for q in order[first_pair]}
+    for layer, i in zip(layers.tolist(), firsts.tolist(), strict=True):  # a layer's first call also names
+        for e in range(n_expert):  # every expert's first use
+            out[i].setdefault(e, first_use.get((layer, e), math.inf))
     return out
 
 

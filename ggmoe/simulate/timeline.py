@@ -137,6 +137,34 @@ class LinkCopyBackend:
         # already settled has run still (an advance runs only chunks that start before the clock's time)
         return h
 
+    def copy_now(self, il: int, n: int) -> bool:
+        """``n`` demand copies of whole experts of layer ``il`` submitted at the clock's time and waited for at
+        once, when nothing else is queued (the sync decode's misses): they run whole from the link's next free
+        moment, one after another, and the clock moves to the last one's landing, exactly as ``submit`` then
+        ``wait`` (``_wait_idle``) would, without a handle or job per copy. False, having done nothing, when
+        something is queued or held (the copies must then be jobs among the others) or the layer is split."""
+        if self._queue or self._idle or il in self.split:
+            return False
+        if self.profile is None:  # every copy lands when submitted: nothing moves
+            return True
+        cs = self._chunk_of.get(il)
+        if cs is None:
+            cs = self._chunk_of[il] = self.profile.copy_latency_s + self.bytes_per_expert.get(il, 0) / self.n_chunks \
+                / self.profile.copy_bytes_per_s
+        now = self.clock.t
+        t, busy = (self._busy_until if self._busy_until > now else now), self.busy_s
+        for _ in range(n * self.n_chunks):  # chunk by chunk: the same additions as _wait_idle's
+            t = t + cs
+            busy += cs
+        self._busy_until, self.busy_s = t, busy
+        self._ready.clear()  # every entry is stale: no job is queued
+        self._pending.clear()
+        if t > now:
+            self.clock.advance(t - now)
+        if self._track:
+            self.settle()
+        return True
+
     def _jobs_for_idle(self) -> None:
         """The held demand copies become queued jobs, in submission order, as ``submit`` makes them."""
         n = self.n_chunks
@@ -174,9 +202,12 @@ class LinkCopyBackend:
     def _top(self) -> _Job | None:
         """The most urgent ready job (stale heap entries dropped)."""
         r = self._ready
-        while r and (not r[0][2].live or r[0][0] != r[0][2].key):
+        while r:
+            key, _, job = r[0]
+            if job.live and key is job.key:  # promote gives a job a new key object: an entry with the old is stale
+                return job
             heapq.heappop(r)
-        return r[0][2] if r else None
+        return None
 
     def _make_ready(self, start: float) -> bool:
         """Jobs submitted by ``start`` join the ready heap; whether any did."""
@@ -228,6 +259,9 @@ class LinkCopyBackend:
         """Run every chunk that starts before now (a chunk started finishes, even past now)."""
         now = self.clock.now()
         if not self._queue or now == self._settled:
+            return
+        if self._busy_until >= now:  # every chunk yet to run starts at or after the link's next free moment
+            self._settled = now
             return
         while self._step(now) is not None:
             pass

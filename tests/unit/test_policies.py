@@ -180,6 +180,33 @@ def test_next_uses_by_hand():
     ]
 
 
+def next_uses_by_scan(calls: list[tuple[int, list[int]]], n_expert: int) -> list[dict[int, float]]:
+    """next_uses by its definition, a forward scan for each (call, expert) (independent of replay.py)."""
+
+    def use_after(i: int, il: int, e: int) -> float:  # access number of layer il's next call after i using e
+        return next((j + 1.0 for j in range(i + 1, len(calls)) if calls[j][0] == il and e in calls[j][1]), math.inf)
+
+    out = []
+    for i, (il, need) in enumerate(calls):
+        first = all(calls[j][0] != il for j in range(i))
+        out.append({e: use_after(i, il, e) for e in (range(n_expert) if first else need)})
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("n_layers,n_expert,k", [(1, 4, 2), (3, 8, 3), (2, 64, 6)])
+def test_next_uses_matches_a_scan(seed: int, n_layers: int, n_expert: int, k: int):
+    rng = np.random.default_rng(seed)
+    calls = [(int(rng.integers(n_layers)) * 2, sorted({int(e) for e in rng.integers(0, n_expert, k)}))
+             for _ in range(int(rng.integers(0, 40)))]
+    assert next_uses(calls, n_expert) == next_uses_by_scan(calls, n_expert)
+
+
+def test_next_uses_refuses_an_expert_out_of_range():
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        next_uses([(0, [1, 4])], 4)
+
+
 def brute_force_hits(calls: list[list[int]], n_slots: int) -> int:
     """Most hits any eviction choice gives (exhaustive; independent of ggmoe.cache)."""
 
