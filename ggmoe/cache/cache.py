@@ -70,6 +70,8 @@ class ExpertCache:
         # hottest loops skip the call
         self._on_insert = policy.on_insert if type(policy).on_insert is not Policy.on_insert else None
         self._on_evict = policy.on_evict if type(policy).on_evict is not Policy.on_evict else None
+        # the policy's several victims at once (one sort instead of a scan per eviction), where it has them
+        self._pick_victims = policy.victims if type(policy).victims is not Policy.victims else None
         # the copy queue's optional hooks, looked up once rather than per call (None: the backend has no queue)
         self._promote = getattr(self.copies, "promote", None)
         self._remaining = getattr(self.copies, "remaining_s", None)
@@ -576,6 +578,18 @@ class ExpertCache:
                 st.landed += 1
                 st.lag_tokens += self.token - self._submit_token.pop(h.id, self.token)
 
+    def _candidates(self, il: int, table: SlotTable, need: list[int], priority: Priority, n: int) -> list[int]:
+        """``_load``'s victims for its ``n`` copies left (empty: none for a low-priority copy): the experts that
+        may be evicted, or, for a policy that picks several at once (``Policy.victims``), its picks in reverse
+        order (taken from the end)."""
+        cand = self._victims(table, set(need))  # never evict what this call uses
+        if not cand and priority == Priority.DEMAND:
+            self._land_all(table)  # a demand copy may take a slot whose copy landed
+            cand = self._victims(table, set(need))
+        if cand and self._pick_victims is not None:
+            cand = self._pick_victims(il, cand, n, self.clock)[::-1]
+        return cand
+
     def _land_all(self, table: SlotTable) -> None:
         handles = [h for h in table.copy if h is not None]
         self.copies.wait(handles)
@@ -617,20 +631,21 @@ class ExpertCache:
         now = self.time.now() if record else 0.0  # s; one reading for the call's copies
         handles = []
         cand: list[int] | None = None  # victims, computed once (a miss's own copy is in use, so never one)
+        batch = self._pick_victims
         evicted = n = 0
-        for e in missing:
+        for i, e in enumerate(missing):
             if len(free) > reserve:
                 slot = free.pop(0)
             else:
                 if not cand:
-                    cand = self._victims(table, set(need))  # never evict what this call uses
-                if not cand:
-                    if priority != Priority.DEMAND:
+                    cand = self._candidates(il, table, need, priority, len(missing) - i)
+                    if not cand:
                         break  # every other slot is in use or still loading: no room for a low-priority copy
-                    self._land_all(table)  # a demand copy may take a slot whose copy landed
-                    cand = self._victims(table, set(need))
-                victim = policy.victim(il, cand, clock)
-                cand.remove(victim)
+                if batch is not None:
+                    victim = cand.pop()  # the policy's next pick
+                else:
+                    victim = policy.victim(il, cand, clock)
+                    cand.remove(victim)
                 slot = table.slot_of_list[victim]
                 if on_evict is not None:
                     on_evict(il, victim)

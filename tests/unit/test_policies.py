@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from ggmoe.cache import ExpertCache, NullCopyBackend
 from ggmoe.cache.policies import POLICIES
+from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.policies.classlru import frequency_class
 from ggmoe.cache.policies.static import trace_counts
 from ggmoe.errors import UsageError
@@ -42,7 +43,15 @@ def victims_of(policy, calls: list[list[int]], n_slots: int, k: int = 1, layers=
         seen.append(v)
         return v
 
+    def recording_several(il, candidates, n, clock):  # a policy that picks several at once (Policy.victims)
+        out = type(policy).victims(policy, il, candidates, n, clock)
+        assert set(out) <= set(candidates) and len(out) == min(n, len(candidates))
+        seen.extend(out)
+        return out
+
     policy.victim = recording
+    if type(policy).victims is not Policy.victims:
+        policy.victims = recording_several
     cache = ExpertCache(E, k, {il: n_slots for il in layers}, policy)
     future = next_uses([(0, sorted(c)) for c in calls], E) if policy.needs_future else None
     for i, c in enumerate(calls):
@@ -362,3 +371,17 @@ def test_cli_lists_every_policy_with_a_description():
     assert set(lines) == set(POLICIES.names())
     assert {"lfu", "lcp", "classlru", "eam", "fmoe", "static", "belady"} <= set(lines)
     assert all(len(ln.split(None, 1)) == 2 for ln in lines.values())  # a description after each name
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("name", sorted(n for n in POLICIES.names() if POLICIES.get(n).victims is not Policy.victims))
+def test_several_victims_at_once_equal_one_after_another(name: str, seed: int):
+    """A policy's own ``victims`` (one sort) picks what ``victim`` picks one after another, ties included."""
+    rng = np.random.default_rng(seed)
+    policy = make(name)
+    for clock in range(1, 30):  # accesses with repeats, so that ages and next uses tie
+        policy.on_access(0, sorted({int(e) for e in rng.integers(0, E, 2)}), clock // 3)
+    policy.set_future(0, {e: float(rng.choice([5, 9, math.inf])) for e in range(E)})
+    cand = sorted({int(e) for e in rng.integers(0, E, 6)})
+    for n in range(len(cand) + 2):
+        assert policy.victims(0, cand, n, 30) == Policy.victims(policy, 0, cand, n, 30)

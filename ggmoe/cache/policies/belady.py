@@ -36,9 +36,17 @@ class Belady(Policy):
             nu[e] = t
         self.told[il] = True
 
-    def victim(self, il: int, candidates: list[int], clock: int) -> int:
+    def _check_told(self, il: int) -> None:
         if not self.told[il]:
             raise UsageError("the belady policy needs the future (next-use times through set_future): it runs "
                              "only in the simulator, replaying a trace; live, choose another policy")
+
+    def victim(self, il: int, candidates: list[int], clock: int) -> int:
+        self._check_told(il)
         # the first of the furthest: candidates are ascending, so ties go to the lowest expert id
         return max(candidates, key=self.next_use[il].__getitem__)
+
+    def victims(self, il: int, candidates: list[int], n: int, clock: int) -> list[int]:
+        # the furthest first; reverse=True keeps ties in ascending id (the sort stays stable), as victim's max
+        self._check_told(il)
+        return sorted(candidates, key=self.next_use[il].__getitem__, reverse=True)[:n]

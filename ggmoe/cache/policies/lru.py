@@ -20,3 +20,7 @@ class LRU(Policy):
 
     def victim(self, il: int, candidates: list[int], clock: int) -> int:
         return min(candidates, key=self.last_use[il].__getitem__)  # ties: lowest expert id among the oldest
+
+    def victims(self, il: int, candidates: list[int], n: int, clock: int) -> list[int]:
+        # the oldest first; a stable sort keeps ties in ascending id, as victim's min does (no hook changes ages)
+        return sorted(candidates, key=self.last_use[il].__getitem__)[:n]
