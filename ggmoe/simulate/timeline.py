@@ -73,10 +73,11 @@ class LinkCopyBackend:
         self._ids = itertools.count()
         # Jobs not finished nor cancelled, by handle id. Submissions come at a clock that never goes back, so
         # jobs not yet submitted by the link's time wait in submission order (_pending); the others sit in a
-        # heap by key (_ready: entries (key, id, job); an entry whose job is gone or whose key changed is stale)
+        # heap by key (_ready: entries (priority, rank, id, job), the key's fields flat, which a heap compares
+        # faster than a nested key; an entry whose job is gone or whose priority changed is stale)
         self._queue: dict[int, _Job] = {}
         self._pending: collections.deque[_Job] = collections.deque()
-        self._ready: list[tuple[tuple[int, float, int], int, _Job]] = []
+        self._ready: list[tuple[int, float, int, _Job]] = []
         self._landed: dict[int, float] = {}  # handle id -> landing time (s)
         self._busy_until = 0.0  # s: the link is busy with a chunk until then
         self._settled = -1.0  # clock time by which every chunk that starts before it has run
@@ -203,8 +204,8 @@ class LinkCopyBackend:
         """The most urgent ready job (stale heap entries dropped)."""
         r = self._ready
         while r:
-            key, _, job = r[0]
-            if job.live and key is job.key:  # promote gives a job a new key object: an entry with the old is stale
+            prio, _, _, job = r[0]
+            if job.live and prio == job.key[0]:  # promote raises a job's priority: the entry with the old is stale
                 return job
             heapq.heappop(r)
         return None
@@ -217,7 +218,7 @@ class LinkCopyBackend:
             job = p.popleft()
             if job.live:
                 job.ready = pushed = True
-                heapq.heappush(self._ready, (job.key, job.handle.id, job))
+                heapq.heappush(self._ready, (*job.key, job))
         return pushed
 
     def _step(self, until: float | None) -> int | None:
@@ -328,7 +329,7 @@ class LinkCopyBackend:
                 self._run(rest, pending, start)
                 for job in rest:  # what the list had left joins the ready heap, as _make_ready would have put it
                     job.ready = True
-                    heapq.heappush(self._ready, (job.key, job.handle.id, job))
+                    heapq.heappush(self._ready, (*job.key, job))
                 return
         self._make_ready(start)
         self._run(iter(self._top, None), pending, start)
@@ -382,7 +383,7 @@ class LinkCopyBackend:
         if j is not None and j.key[0] > Priority.DEMAND:
             j.key = (int(Priority.DEMAND), j.key[1], j.key[2])
             if j.ready:  # a new entry; the old one is stale
-                heapq.heappush(self._ready, (j.key, j.handle.id, j))
+                heapq.heappush(self._ready, (*j.key, j))
 
     def remaining_s(self, handle: CopyHandle) -> float | None:
         """Seconds until ``handle`` lands if the link served it next (0: landed; None: unknown)."""
