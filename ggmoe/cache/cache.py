@@ -78,9 +78,9 @@ class ExpertCache:
         # whether a copy never lands within the call that submits it (a simulated link with a cost model):
         # after_token then need not look for copies its own admissions landed
         self._lands_later = bool(getattr(self.copies, "lands_later", False))
-        # copy_now(il, n): n demand copies of layer il run and waited for at once, without handles, when the
+        # demand_now(il, n): n demand copies of layer il run and waited for at once, without handles, when the
         # backend's queue is empty (the simulated link); False, having done nothing, when it is not
-        self._copy_now = getattr(self.copies, "copy_now", None)
+        self._demand_now = getattr(self.copies, "demand_now", None)
         self.miss_policy = check_miss_policy(miss_policy)
         self.costs = costs  # for "auto"
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
@@ -160,7 +160,7 @@ class ExpertCache:
         host: set[int] = set()
         if self.miss_policy != "wait" and len(flat) <= HOST_MAX_TOKENS * self.n_expert_used:
             host, pending, missing = self._to_host(il, pending, missing)
-        if missing and not pending and not host and self._copy_now is not None and table.listener is None:
+        if missing and not pending and not host and self._demand_now is not None and table.listener is None:
             self._load_now(il, st, table, need, missing)
         elif missing:
             loaded = self._load(il, table, need, missing, Priority.DEMAND)
@@ -188,10 +188,10 @@ class ExpertCache:
 
     def _load_now(self, il: int, st: LayerStats, table: SlotTable, need: list[int], missing: list[int]) -> None:
         """The demand copies of ``missing``, waited for at once, when the backend can run them without handles
-        (``copy_now``: nothing else queued on the simulated link, the sync decode's common call): the same slots,
+        (``demand_now``: nothing else queued on the simulated link, the sync decode's common call): the same slots,
         victims and time as ``_load`` then ``_wait_for``, without a handle or a job per copy."""
         tw = self.time.now()
-        if not self._copy_now(il, len(missing)):  # something is queued: copies must be jobs among the others
+        if not self._demand_now(il, len(missing)):  # something is queued: copies must be jobs among the others
             loaded = self._load(il, table, need, missing, Priority.DEMAND)
             st.demand_copies += len(loaded)
             self._wait_for(st, table, loaded)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -71,7 +72,9 @@ class CopyBackend(Protocol):
     # is about to wait for it); ``remaining_s(handle)`` is the seconds until it would land if served next
     # (None: unknown), which the auto miss policy weighs against the CPU. ``lands_later`` (True: a copy never
     # lands within the cache call that submits it, as on the simulator's costed link) lets the cache skip
-    # looking for copies its own admissions landed.
+    # looking for copies its own admissions landed. ``demand_now(il, n)`` (the simulator's link) runs ``n``
+    # demand copies of layer ``il`` and waits for them without handles when nothing else is queued (False,
+    # having done nothing, otherwise).
 
 
 class NullCopyBackend:
@@ -105,7 +108,10 @@ class ThreadedCopyBackend:
     ``copy(il, expert, slot)`` does a whole copy; with ``chunks`` > 1, ``copy_chunk(il, expert, slot, i)``
     does part ``i`` (one expert tensor kind, say) and the worker picks the most urgent job again after
     each chunk, so a demand copy waits at most one chunk of a prefetch already running. ``delay_s``
-    seconds pass before each chunk (a slow link).
+    seconds pass before each chunk (a slow link), on the link's own timeline: a chunk lands ``delay_s`` after
+    the previous one landed or after its copy was submitted, whichever is later, however late the worker
+    thread wakes (a thread that sleeps ``delay_s`` per chunk would add its wake-up latency to every chunk:
+    on a busy 2-core machine a 10 µs link then ran ten times slower than itself).
     """
 
     def __init__(self, copy: Callable[[int, int, int], None], delay_s: float = 0.0, chunks: int = 1,
@@ -125,6 +131,8 @@ class ThreadedCopyBackend:
         self.error: BaseException | None = None  # the first copy that raised; re-raised by wait()
         self.order: list[CopyHandle] = []  # copies in the order they finished (tests)
         self.chunk_log: list[tuple[int, int]] = []  # (handle id, chunk) in the order they ran (tests)
+        self._link_free = 0.0  # perf_counter s at which the simulated link lands its last chunk (delay_s)
+        self._submit_t: dict[int, float] = {}  # handle id -> perf_counter s it was submitted (delay_s only)
         self._thread = threading.Thread(target=self._work, name="ggmoe-copies", daemon=True)
         self._thread.start()
 
@@ -134,6 +142,8 @@ class ThreadedCopyBackend:
             if self._closed:
                 raise RuntimeError("copy backend is closed")
             heapq.heappush(self._queue, (int(h.priority), rank, h.id, h))
+            if self.delay_s:
+                self._submit_t[h.id] = time.perf_counter()
             self._cv.notify_all()
         return h
 
@@ -169,6 +179,7 @@ class ThreadedCopyBackend:
                 return False
             self._queue = [item for item in self._queue if item[2] != handle.id]
             heapq.heapify(self._queue)
+            self._submit_t.pop(handle.id, None)
             self._done.add(handle.id)
             self._cv.notify_all()
             return True
@@ -184,11 +195,8 @@ class ThreadedCopyBackend:
                 self._progress[h.id] = chunk
             try:
                 if self.delay_s:
-                    threading.Event().wait(self.delay_s)
-                if self.chunks > 1:
-                    self._copy_chunk(h.il, h.expert, h.slot, chunk)
-                else:
-                    self._copy(h.il, h.expert, h.slot)
+                    self._link_wait(h)
+                self._run_chunk(h, chunk)
             except BaseException as e:  # noqa: BLE001 - reported to the waiter, the thread stays alive
                 with self._cv:
                     self.error = self.error or e
@@ -200,9 +208,27 @@ class ThreadedCopyBackend:
                 self._queue = [item for item in self._queue if item[2] != h.id]
                 heapq.heapify(self._queue)
                 self._progress.pop(h.id, None)
+                self._submit_t.pop(h.id, None)
                 self.order.append(h)
                 self._done.add(h.id)
                 self._cv.notify_all()
+
+    def _run_chunk(self, h: CopyHandle, chunk: int) -> None:
+        """The worker's part ``chunk`` of copy ``h`` (the whole copy when it is one chunk)."""
+        if self.chunks > 1:
+            self._copy_chunk(h.il, h.expert, h.slot, chunk)
+        else:
+            self._copy(h.il, h.expert, h.slot)
+
+    def _link_wait(self, h: CopyHandle) -> None:
+        """Sleep until the simulated link lands this chunk of ``h``: ``delay_s`` after the link's previous chunk
+        or the copy's submission, whichever is later (no sleep when the worker is already past it)."""
+        with self._cv:
+            start = max(self._link_free, self._submit_t.get(h.id, 0.0))
+            self._link_free = land = start + self.delay_s
+        left = land - time.perf_counter()
+        if left > 0:
+            threading.Event().wait(left)
 
     def close(self) -> None:
         with self._cv:
@@ -225,6 +251,51 @@ class CopyStream(Protocol):
 
     def wait_marker(self, marker: object) -> None:
         """Block until the chunk of ``marker`` has landed."""
+
+
+class LinkStreamCopyBackend(ThreadedCopyBackend):
+    """A simulated slow link (``delay_s`` per chunk, on the base class's timeline) in front of an asynchronous
+    copy stream (the CPU build's deferred stream). The link's worker puts each chunk on the stream once the
+    link has moved it and goes on at once, as a DMA engine would; a copy has landed when the link moved its
+    last chunk and the stream's markers of all its chunks are ready: the same readiness query as without a
+    link. (Waiting for each chunk's marker on the worker, as ``copy_chunk`` does, made every chunk a thread
+    hand-off: the link ran at the threads' pace, not at ``delay_s``.)"""
+
+    def __init__(self, stream: CopyStream, delay_s: float) -> None:
+        self.stream = stream
+        self._markers: dict[int, list[object]] = {}  # handle id -> the markers of its chunks put so far
+        super().__init__(self._never, delay_s, chunks=stream.n_chunks, copy_chunk=self._never)
+
+    @staticmethod
+    def _never(*_: int) -> None:
+        raise AssertionError("the link puts chunks on the stream (_run_chunk)")
+
+    def _run_chunk(self, h: CopyHandle, chunk: int) -> None:
+        m = self.stream.issue_chunk(h.il, h.expert, h.slot, chunk)
+        with self._cv:
+            self._markers.setdefault(h.id, []).append(m)
+
+    def done(self, handle: CopyHandle) -> bool:
+        with self._cv:
+            if handle.id not in self._done:
+                return False  # the link has not moved every chunk yet
+            markers = self._markers.get(handle.id)
+        if markers is None:
+            return True  # seen landed before, or cancelled
+        if not all(self.stream.ready(m) for m in markers):
+            return False
+        with self._cv:
+            self._markers.pop(handle.id, None)
+        return True
+
+    def wait(self, handles: Iterable[CopyHandle]) -> None:
+        handles = list(handles)
+        super().wait(handles)  # the link moved them all
+        for h in handles:
+            with self._cv:
+                markers = self._markers.pop(h.id, [])
+            for m in markers:
+                self.stream.wait_marker(m)
 
 
 class StreamCopyBackend(ThreadedCopyBackend):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from ggmoe.cache import CacheConfig, MonotonicClock, ThreadedCopyBackend
-from ggmoe.cache.copy import StreamCopyBackend
+from ggmoe.cache.copy import LinkStreamCopyBackend, StreamCopyBackend
 from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.split import LayerSplit, model_split
@@ -129,8 +129,7 @@ class CacheRuntime:
         if config.copy_delay_s is not None:
             ggml = self.copies
             self._link_s = config.copy_delay_s * ggml.n_chunks
-            self.copies = ThreadedCopyBackend(ggml.copy_now, config.copy_delay_s, chunks=ggml.n_chunks,
-                                              copy_chunk=ggml.copy_chunk)
+            self.copies = LinkStreamCopyBackend(ggml, config.copy_delay_s)
 
     def _costs(self, config: CacheConfig, n_threads: int) -> MissCosts:
         """The auto policy's cost model: the hardware profile's, or measured now on the slots."""

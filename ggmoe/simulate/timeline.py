@@ -138,7 +138,7 @@ class LinkCopyBackend:
         # already settled has run still (an advance runs only chunks that start before the clock's time)
         return h
 
-    def copy_now(self, il: int, n: int) -> bool:
+    def demand_now(self, il: int, n: int) -> bool:
         """``n`` demand copies of whole experts of layer ``il`` submitted at the clock's time and waited for at
         once, when nothing else is queued (the sync decode's misses): they run whole from the link's next free
         moment, one after another, and the clock moves to the last one's landing, exactly as ``submit`` then

@@ -325,3 +325,33 @@ def test_stream_queue_drives_the_cache_exactly():
         assert sorted(c for e, c in s.issued if e == 4) == [0, 1, 2]  # every chunk of the demand copy
     finally:
         b.close()
+
+
+def test_a_link_in_front_of_a_stream_lands_a_copy_only_when_its_markers_are_ready():
+    """LinkStreamCopyBackend: the link's worker puts chunks on the stream without waiting for them; a copy is
+    done once the link moved every chunk and the stream's readiness query says they landed."""
+    from ggmoe.cache.copy import LinkStreamCopyBackend
+
+    s = FakeStream()
+    b = LinkStreamCopyBackend(s, delay_s=1e-6)
+    try:
+        h = b.submit(0, 5, 1, Priority.ADMISSION)
+        deadline = time.monotonic() + 30
+        while len(s.issued) < 3 and time.monotonic() < deadline:  # the link moves all three chunks
+            time.sleep(0.001)
+        assert s.issued == [(5, 0), (5, 1), (5, 2)] and s.syncs == 0  # the worker never waited on a marker
+        assert not b.done(h)  # on the stream, not landed: the readiness query says no
+        with s.lock:
+            s.landed = 2
+        assert not b.done(h)  # two of three chunks
+        with s.lock:
+            s.landed = 3
+        assert b.done(h) and b.done(h)  # and stays done
+        d = b.submit(0, 6, 2, Priority.DEMAND)
+        b.wait([d])  # blocks until the link moved it, then waits on its markers
+        assert b.done(d) and s.issued[3:] == [(6, 0), (6, 1), (6, 2)]
+        q = b.submit(0, 7, 3, Priority.PREFETCH)
+        if b.cancel(q):  # not started: never put on the stream, and done as cancelled
+            assert b.done(q) and all(e != 7 for e, _ in s.issued)
+    finally:
+        b.close()

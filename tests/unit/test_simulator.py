@@ -88,26 +88,26 @@ def test_without_a_profile_copies_land_at_once():
     assert clock.now() == 0.0
 
 
-def test_copy_now_runs_whole_copies_only_on_an_idle_link():
+def test_demand_now_runs_whole_copies_only_on_an_idle_link():
     clock, b = link()
-    assert b.copy_now(0, 2)  # nothing queued: both copies run whole, the clock at the second's landing
+    assert b.demand_now(0, 2)  # nothing queued: both copies run whole, the clock at the second's landing
     assert clock.now() == pytest.approx(6 * CHUNK) and b.busy_s == pytest.approx(6 * CHUNK)
     p = b.submit(0, 1, 0, Priority.PREFETCH)
-    assert not b.copy_now(0, 1)  # a queued prefetch: the copies must be jobs among the others
+    assert not b.demand_now(0, 1)  # a queued prefetch: the copies must be jobs among the others
     assert clock.now() == pytest.approx(6 * CHUNK) and not b.done(p)
 
 
 @pytest.mark.parametrize("policy", ["lru", "belady"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_copies_without_handles_change_nothing(monkeypatch, policy: str, mode: str):
-    """A replay whose idle-link demand copies skip handles (copy_now) equals one that makes every handle."""
+    """A replay whose idle-link demand copies skip handles (demand_now) equals one that makes every handle."""
     rng = np.random.default_rng(3)
     tr = trace(rng.integers(0, 8, (60, 3, 2)).tolist(), n_prefill=5)
     tr.ids.sort(axis=2)
     tr.ids[:, :, 1] = np.where(tr.ids[:, :, 0] == tr.ids[:, :, 1], (tr.ids[:, :, 1] + 1) % 8, tr.ids[:, :, 1])
     cfg = SimConfig({0: 3, 1: 3, 2: 4}, policy=policy, decode_mode=mode)
     fast = simulate(tr, cfg, {0: BPE, 1: BPE, 2: BPE}, PROFILE)
-    monkeypatch.setattr(LinkCopyBackend, "copy_now", lambda self, il, n: False)
+    monkeypatch.setattr(LinkCopyBackend, "demand_now", lambda self, il, n: False)
     assert simulate(tr, cfg, {0: BPE, 1: BPE, 2: BPE}, PROFILE) == fast
 
 
