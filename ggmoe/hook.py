@@ -43,7 +43,9 @@ class HookRequest:
 
 
 class RouteObserver(Protocol):
-    """Receives every MoE layer's routing, in graph order, during a decode."""
+    """Receives every MoE layer's routing, in graph order, during a decode. An observer may also have
+    ``wants_routing`` (read once per decoded token; absent: True): False tells the async decode's controller
+    to build it no events between tokens (the stride prefetcher, which reads the mailbox instead)."""
 
     request: HookRequest
 

@@ -99,6 +99,9 @@ class ExpertCache:
         # next call, likeliest first. Admissions between tokens follow this order, and neither they, nor the
         # free slots kept for prefetches, nor a prefetch at a token's start (the prefetcher's keep) evict any.
         self.plan: dict[int, list[int]] = {}
+        # prefetches issued plus their outcomes (used, wasted, late) counted so far, every layer: the async
+        # prefetcher's budget looks at the layers only when this moved
+        self.prefetch_events = 0
         unknown = sorted(set(split or {}) - set(n_slots))
         if unknown:
             raise UsageError(f"split layers {unknown} have no cache slots")
@@ -289,8 +292,12 @@ class ExpertCache:
             self.plan[il] = experts
 
     def has_free_slot(self) -> bool:
-        """Whether some whole-expert layer has a free slot (a prefetch into a running graph could go there)."""
-        return any(t.free for il, t in self.tables.items() if il not in self.split)
+        """Whether some whole-expert layer that cannot hold all its experts has a free slot (a prefetch into a
+        running graph could go there and pay). A layer with a slot for every expert admits each miss between
+        tokens and never evicts: a prefetch there could save only an expert's first miss, at most ``n_expert``
+        hits in a whole session, never worth the mailbox reader's CPU."""
+        n = self.n_expert
+        return any(t.free for il, t in self.tables.items() if il not in self.split.layers and t.n_slots < n)
 
     def seen_start(self, il: int, flat: list[int]) -> None:
         """Async decode with the mailbox: layer ``il`` has started with experts ``flat`` (the device reads their
@@ -311,6 +318,7 @@ class ExpertCache:
                     seen.add(e)
                 elif s >= 0 and table.prefetched[s]:
                     self.stats.layers[il].prefetch_late += 1
+                    self.prefetch_events += 1
             self._seen[il] = seen
 
     def _make_room(self, il: int, table: SlotTable, need: list[int], n_free: int) -> None:
@@ -404,6 +412,7 @@ class ExpertCache:
         with self.lock:
             if if_calls is not None and self.stats.layers[il].calls != if_calls:
                 self.stats.layers[il].prefetch_late += 1
+                self.prefetch_events += 1
                 return 0
             if free_only:
                 if il in self.split or not self.tables[il].free:
@@ -465,6 +474,7 @@ class ExpertCache:
             st.bytes_copied += self.slot_bytes[il]
             n += 1
         st.prefetch_issued += n
+        self.prefetch_events += n
         return n
 
     def _note_eviction(self, il: int, table: SlotTable, slot: int) -> None:
@@ -472,6 +482,7 @@ class ExpertCache:
         if table.prefetched[slot]:
             st = self.stats.layers[il]
             st.prefetch_wasted += 1
+            self.prefetch_events += 1
             st.prefetch_wasted_bytes += self.slot_bytes[il]
             table.prefetched[slot] = False
             self.n_prefetched[il] -= 1
@@ -484,6 +495,7 @@ class ExpertCache:
                 table.prefetched[s] = False
                 self.n_prefetched[il] -= 1
                 st.prefetch_hits += 1
+                self.prefetch_events += 1
 
     def cancel_stale(self, il: int, handles: list[CopyHandle | None], need: list[int]) -> list[int]:
         """Early preemption at the gate: the positions in ``handles`` (a layer's copies in flight, by slot or

@@ -54,7 +54,8 @@ class TokenController:
         self.tokens += 1
         if cache is not None:
             cache.token += 1
-        observers = tuple(self.observers) if self.observers is not None else ()
+        observers = tuple(o for o in self.observers if getattr(o, "wants_routing", True)) \
+            if self.observers is not None else ()
         rows_of = routing.tolist()  # [n_layer][n_tokens][n_expert_used]
         planner = self.planner  # a plan follows one decoded token (not a prefill's last micro-batch)
         if planner is not None and (routing.shape[1] != 1 or not planner.decoding):

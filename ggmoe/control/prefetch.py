@@ -97,6 +97,8 @@ class Prefetcher:
         # tokens in a row whose predictions issued nothing (every predicted expert resident), and decode tokens
         # the mailbox is left unread for: 1, 2, 4 ... up to IDLE_SKIP_MAX, back to 0 once a prefetch is issued
         self._idle = 0
+        self._events_seen = -1  # the cache's prefetch_events at the last look (-1: none yet)
+        self._steady = False  # the last look found nothing moved (keep_free then stands as it is)
         self._skip = 0
         self._was_read = False  # whether the last decode token's mailbox was read
         if background:
@@ -156,6 +158,11 @@ class Prefetcher:
     def _throttle(self) -> None:
         """Between tokens (async decode): the budget from the bytes the last token's prefetches saved (used:
         read from a slot instead of over the link) against those they cost for nothing (wasted or late)."""
+        events = self.cache.prefetch_events
+        if events == self._events_seen and self._steady:  # nothing issued or resolved since a look that saw
+            self._idle_token()  # nothing either: budget and kept slots stand; only the reader's skip moves
+            return
+        self._steady, self._events_seen = events == self._events_seen, events
         st = self.cache.stats
         used = wasted = 0
         issued: dict[int, int] = {}
@@ -179,10 +186,15 @@ class Prefetcher:
                                 for il, c in cap.items()}
         if sum(issued.values()) != sum(self._issued.values()):  # prefetches were issued: read every token
             self._idle = self._skip = 0
-        elif self._was_read:  # a token read for nothing: leave the next ones unread, longer each time
+        else:
+            self._idle_token()
+        self._issued = issued
+
+    def _idle_token(self) -> None:
+        """The last token issued no prefetch: if it was read, leave the next ones unread, longer each time."""
+        if self._was_read:
             self._idle += 1
             self._skip = min(IDLE_SKIP_MAX, 1 << (self._idle - 1))
-        self._issued = issued
 
     def wants_token(self) -> bool:
         """Async decode: whether the mailbox's reader should read the token about to decode. After tokens whose
@@ -202,6 +214,8 @@ class Prefetcher:
             return
         self.predictor.begin_token(int(tokens[0]))
         for il, n in calls.items():  # targets that no earlier layer of this token predicts
+            if self.free_only and self._full(il):  # nowhere to put a prefetch: no prediction (as _observe)
+                continue
             self._prefetch(il, self.predictor.predict(il), n, at_start=True)
 
     def _planned(self, il: int) -> np.ndarray | None:
@@ -213,6 +227,12 @@ class Prefetcher:
         scores = np.zeros(self.cache.n_expert, dtype=np.float32)
         scores[plan] = 1.0 - np.arange(len(plan), dtype=np.float32) / len(plan)
         return scores
+
+    @property
+    def wants_routing(self) -> bool:
+        """The controller's events between tokens: not when the mailbox brings the routing (``on_route``
+        would drop them)."""
+        return not self.via_mailbox
 
     def on_route(self, event: RouteEvent) -> None:
         if self.via_mailbox or not self._decoding or event.n_tokens != 1:
@@ -244,9 +264,10 @@ class Prefetcher:
             self._prefetch(target, self.predictor.predict(target), calls)
 
     def _full(self, target: int) -> bool:
-        """No free slot in ``target`` (a prefetch into a running graph could go nowhere): skip predicting."""
+        """No free slot in ``target`` where a prefetch into a running graph pays: skip predicting. A layer with a
+        slot for every expert never evicts, so a prefetch there pays nothing (``ExpertCache.has_free_slot``)."""
         table = self.cache.tables.get(target)
-        return table is None or not table.free
+        return table is None or not table.free or table.n_slots >= self.cache.n_expert
 
     def _prefetch(self, target: int, scores: np.ndarray | None, calls: int | None = None,
                   at_start: bool = False) -> None:

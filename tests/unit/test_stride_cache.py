@@ -169,6 +169,7 @@ def test_an_idle_prefetcher_leaves_the_mailbox_unread_for_longer_and_longer():
         read.append(pf.wants_token())
     assert read == [True, False, True, False, False, True, False, False, False, False, True, False]
     cache.stats.layers[0].prefetch_issued += 2  # a token's predictions issued copies: read every token again
+    cache.prefetch_events += 2  # as the cache counts them
     pf.begin_step([7])
     assert pf.wants_token()
     pf.begin_step([7])
@@ -187,3 +188,37 @@ def test_a_prefetch_threshold_filters_the_guesses_and_protects_nothing_else():
     pf.on_route(RouteEvent(il=0, ids=np.array([[4, 5]], dtype=np.int32), probs=None, hidden=None))
     # 10..13 pass the threshold and evict 0..3 (the positions of the kept guesses name no expert to protect)
     assert sorted(x for x in cache.tables[1].expert_in_list if x >= 0) == [10, 11, 12, 13]
+
+
+def test_no_prefetch_is_predicted_for_a_layer_that_holds_every_expert():
+    """A layer with a slot for every expert never evicts: its free slots are no reason to read the mailbox."""
+    from ggmoe.predict import ModelShape
+
+    full, _ = _cache(n_slots=16)  # n_expert 16: every expert fits, most slots still free
+    assert full.tables[0].free and not full.has_free_slot()
+    part, _ = _cache(n_slots=8)
+    assert part.has_free_slot()
+    pf = Prefetcher(full, Fixed(ModelShape("x", (0, 1), 16, 2, 4), 1), [0, 1], n_prefetch=4)
+    pf.free_only = True
+    pf.begin_step([7])  # the first layers' predictions at the token's start: none issued
+    assert full.stats.total().prefetch_issued == 0 and full.prefetch_events == 0
+
+
+def test_the_controller_builds_no_events_for_an_observer_that_reads_the_mailbox():
+    from ggmoe.control.controller import TokenController
+
+    cache, _ = _cache(n_slots=8)
+    seen = {"plain": 0, "mailbox": 0}
+
+    class Plain:
+        def on_route(self, event):
+            seen["plain"] += 1
+
+    class ViaMailbox(Plain):
+        wants_routing = False
+
+        def on_route(self, event):
+            seen["mailbox"] += 1
+
+    TokenController(cache, [Plain(), ViaMailbox()]).on_routing([0, 1], np.array([[[1, 2]], [[3, 4]]], np.int32))
+    assert seen == {"plain": 2, "mailbox": 0}
