@@ -11,6 +11,7 @@ takes ``async`` unless one of those holds, and says why.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ggmoe.errors import UsageError
@@ -73,8 +74,41 @@ def sync_reasons(miss_policy: str, prefetch_note: str | None, backend_note: str 
     return out
 
 
-def choose_decode_mode(asked: str, reasons: list[str]) -> DecodeMode:
-    """``asked`` against what needs sync: ``auto`` picks, ``async`` with a conflict is a usage error."""
+@dataclass(frozen=True)
+class ModeEstimate:
+    """What ``auto`` weighs for a stride prefetch (estimates): per decoded token, the time the cache adds to
+    each mode's decode, and where the figures come from."""
+
+    sync_s: float  # s per token: a device sync per cached layer plus the waits for its misses' copies
+    async_s: float  # s per token: the misses read in place over the link (no sync, no wait)
+    source: str  # where the costs come from (a profile, measured here)
+
+    def line(self) -> str:
+        return (f"sync {self.sync_s * 1e3:.3f} ms a token against async {self.async_s * 1e3:.3f} ms "
+                f"(estimates; {self.source})")
+
+
+def weigh_modes(bytes_per_expert: Mapping[int, int], n_slots: Mapping[int, int], n_expert: int, n_expert_used: int,
+                copy_s: Callable[[int], float], sync_s: float, read_s: Callable[[int], float] | None,
+                source: str) -> ModeEstimate:
+    """Per token, the sync decode's cost (``sync_s`` per cached layer: the route op's graph split and device
+    sync, plus a wait of ``copy_s(bytes)`` for each miss) against the async decode's (``read_s(bytes)`` for
+    each miss read in place; None: in place costs nothing beyond the compute, as on the CPU build, whose
+    experts are in the memory the CPU reads). A layer misses ``n_expert_used x (1 - slots / n_expert)``
+    experts a token, the share it does not cache under uniform routing; a stride prefetch lands copies in
+    both modes alike, so it moves both sides by the same misses and is not counted."""
+    sync = read = 0.0
+    for il, n in n_slots.items():
+        nb = bytes_per_expert.get(il, 0)
+        misses = n_expert_used * max(0.0, 1.0 - n / n_expert)
+        sync += sync_s + misses * copy_s(nb)
+        read += misses * read_s(nb) if read_s is not None else 0.0
+    return ModeEstimate(sync, read, source)
+
+
+def choose_decode_mode(asked: str, reasons: list[str], weighed: ModeEstimate | None = None) -> DecodeMode:
+    """``asked`` against what needs sync: ``auto`` picks, ``async`` with a conflict is a usage error. With
+    ``weighed`` (a stride prefetch, which either mode runs), ``auto`` takes the mode it estimates faster."""
     asked = check_decode_mode(asked)
     if asked == "sync":
         return DecodeMode(asked, "sync", "asked for (--decode-mode sync)")
@@ -82,6 +116,10 @@ def choose_decode_mode(asked: str, reasons: list[str]) -> DecodeMode:
         if asked == "async":
             raise UsageError(f"--decode-mode async cannot run here: {reasons[0]}; use --decode-mode sync or auto")
         return DecodeMode(asked, "sync", reasons[0])
-    why = "asked for (--decode-mode async)" if asked == "async" else (
-        "no layer needs the CPU's answer: experts read through the device-side table, no sync per layer")
-    return DecodeMode(asked, "async", why)
+    if asked == "async":
+        return DecodeMode(asked, "async", "asked for (--decode-mode async)")
+    if weighed is not None:
+        faster = "sync" if weighed.sync_s < weighed.async_s else "async"
+        return DecodeMode(asked, faster, f"auto, with a stride prefetch, chose the faster: {weighed.line()}")
+    return DecodeMode(asked, "async", "no layer needs the CPU's answer: experts read through the device-side "
+                      "table, no sync per layer")

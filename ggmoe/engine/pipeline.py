@@ -19,6 +19,7 @@ every micro-batch takes the route op (the sync path), with the tables kept curre
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -143,15 +144,14 @@ class CachePipeline:
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
         reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note)
-        if self.prefetcher is not None and cache.decode_mode == "auto":
-            # No GPU has measured the mailbox's prefetch against the sync decode's yet, and on the CPU build its
-            # reader shares the decode's cores: auto keeps the measured one; --decode-mode async runs it.
-            reasons.append("auto keeps a predictor's stride prefetch in the sync decode until a GPU has measured "
-                           "the async decode's (--decode-mode async prefetches from the mailbox)")
         max_tokens = table_max_tokens(self._n_batch, self.n_ubatch)
         if not max_tokens:
             reasons.append(f"micro-batches of {self.n_ubatch} tokens are too small for the routing output")
-        self.decode_mode = choose_decode_mode(cache.decode_mode, reasons)
+        # a stride prefetch runs in either mode (the route op's callback, or the mailbox's reader): auto weighs
+        # what each costs a token on this machine
+        weighed = (self.runtime.mode_estimate(cache, self._n_threads or os.cpu_count() or 1)
+                   if self.prefetcher is not None and cache.decode_mode == "auto" and not reasons else None)
+        self.decode_mode = choose_decode_mode(cache.decode_mode, reasons, weighed)
         if self.prefetcher is not None and self.decode_mode.mode == "sync":
             self._sync_prefetch(cache)
         if self.decode_mode.mode == "async" or split:

@@ -15,6 +15,7 @@ import os
 
 from ggmoe.cache import CacheConfig, MonotonicClock, ThreadedCopyBackend
 from ggmoe.cache.copy import LinkStreamCopyBackend, StreamCopyBackend
+from ggmoe.cache.decode_mode import ModeEstimate, weigh_modes
 from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.split import LayerSplit, model_split
@@ -130,6 +131,27 @@ class CacheRuntime:
             ggml = self.copies
             self._link_s = config.copy_delay_s * ggml.n_chunks
             self.copies = LinkStreamCopyBackend(ggml, config.copy_delay_s)
+
+    def mode_estimate(self, config: CacheConfig, n_threads: int) -> ModeEstimate:
+        """``auto``'s weighing of the two decode modes for a stride prefetch (estimates): the copy cost measured
+        here (or the profile's), the route op's sync per layer and the misses' reads in place from the profile,
+        else the h100 profile's measured sync on a GPU (the CPU build's reads in place and its route op's
+        split cost nothing a GPU's would: its own callback, in both modes)."""
+        from ggmoe.cache import parts as P
+        from ggmoe.cache.hardware import load_profile
+
+        cache, nb = self.cache, self.slots.bytes_per_expert()
+        if config.hw_profile is not None:
+            prof = load_profile(config.hw_profile)
+            return weigh_modes(nb, cache.n_slots, cache.n_expert, cache.n_expert_used, prof.copy_s, prof.hook_s,
+                               prof.zero_copy_s, f"profile {config.hw_profile}")
+        costs = measure_costs(self.slots, self._ggml, n_threads, self._link_s)
+        if self._ggml.backend:  # a GPU: the misses read over the link at the copies' speed, a sync per layer
+            return weigh_modes(nb, cache.n_slots, cache.n_expert, cache.n_expert_used, costs.copy_s, P.HOOK_S,
+                               costs.copy_s, "copies measured here; a sync per layer as measured on an H100, "
+                               "reads in place at the copies' speed")
+        return weigh_modes(nb, cache.n_slots, cache.n_expert, cache.n_expert_used, costs.copy_s, 0.0, None,
+                           "copies measured here; the CPU build reads in place from the memory it computes from")
 
     def _costs(self, config: CacheConfig, n_threads: int) -> MissCosts:
         """The auto policy's cost model: the hardware profile's, or measured now on the slots."""

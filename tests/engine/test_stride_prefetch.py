@@ -138,12 +138,20 @@ def test_entries_never_point_at_a_slot_before_its_copy_landed(qwen3moe_model):
         assert eng.cache_stats.total().prefetch_issued > 0
 
 
-def test_auto_keeps_the_sync_prefetch_and_async_refuses_a_predictor_of_probabilities(qwen3moe_model, monkeypatch):
+def test_auto_weighs_the_modes_for_a_prefetch_and_async_refuses_a_predictor_of_probabilities(qwen3moe_model,
+                                                                                             monkeypatch):
+    from ggmoe.cache.decode_mode import ModeEstimate
+    from ggmoe.engine.runtime import CacheRuntime
     from ggmoe.predict.simple import Reuse
 
-    with _engine(qwen3moe_model, 5, "reuse", mode="auto") as eng:  # not measured on a GPU yet: sync, saying so
+    with _engine(qwen3moe_model, 5, "reuse", mode="auto") as eng:  # the CPU build: reads in place cost nothing
+        assert eng.decode_mode["decode_mode_in_effect"] == "async" and eng.pipeline.stride is not None
+        assert "estimates" in eng.decode_mode["decode_mode_reason"]
+    # a machine whose estimates favour the sync decode: auto takes it, with the prefetch on the route op
+    monkeypatch.setattr(CacheRuntime, "mode_estimate", lambda self, cfg, n: ModeEstimate(1e-3, 2e-3, "forced"))
+    with _engine(qwen3moe_model, 5, "reuse", mode="auto") as eng:
         assert eng.decode_mode["decode_mode_in_effect"] == "sync" and eng.pipeline.stride is None
-        assert "--decode-mode async prefetches from the mailbox" in eng.decode_mode["decode_mode_reason"]
+        assert "forced" in eng.decode_mode["decode_mode_reason"]
     monkeypatch.setattr(Reuse, "needs_probs", True)  # as expert-map's (which needs training traces)
     with _engine(qwen3moe_model, 5, "reuse", mode="auto") as eng:
         assert "router probabilities" in eng.decode_mode["decode_mode_reason"]

@@ -7,7 +7,7 @@ import pytest
 
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.copy import CopyHandle, Priority
-from ggmoe.cache.decode_mode import choose_decode_mode, sync_reasons, table_type_note
+from ggmoe.cache.decode_mode import choose_decode_mode, sync_reasons, table_type_note, weigh_modes
 from ggmoe.cache.policies import POLICIES
 from ggmoe.control import TokenController
 from ggmoe.errors import UsageError
@@ -127,6 +127,30 @@ def test_decode_mode_choice_is_explained():
     assert sync_reasons("wait", None, None) == []  # a predictor on the mailbox leaves the async decode free
     with pytest.raises(UsageError, match="unknown decode mode"):
         choose_decode_mode("fastest", [])
+
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize(("slots", "sync_s", "read_bw", "faster"), [
+    (2, 57e-6, 25e9, "async"),  # misses read over PCIe in place beat a sync per layer plus a copy each
+    (2, 57e-6, 2e9, "sync"),  # reads in place ten times slower than copies: waiting for copies wins
+    (8, 57e-6, 2e9, "async"),  # every expert cached: no misses, only the sync per layer is left
+    (2, 0.0, None, "async"),  # the CPU build: in place costs nothing
+])
+def test_auto_weighs_the_two_modes_for_a_stride_prefetch(slots, sync_s, read_bw, faster):
+    """Two layers of 8 experts, top-2, 4 MiB experts, copies at 25 GB/s + 10 us (by hand: at 2 of 8 slots a
+    layer misses 1.5 experts a token)."""
+    copy_s = lambda nb: 10e-6 + nb / 25e9  # noqa: E731
+    read_s = (lambda nb: nb / read_bw) if read_bw else None  # noqa: E731
+    est = weigh_modes({0: 4 * MB, 1: 4 * MB}, {0: slots, 1: slots}, 8, 2, copy_s, sync_s, read_s, "by hand")
+    misses = 2 * 1.5 if slots == 2 else 0.0
+    assert est.sync_s == pytest.approx(2 * sync_s + misses * copy_s(4 * MB))
+    assert est.async_s == pytest.approx(misses * 4 * MB / read_bw if read_bw else 0.0)
+    m = choose_decode_mode("auto", [], est)
+    assert m.mode == faster and "estimates" in m.reason and "by hand" in m.reason
+    assert choose_decode_mode("async", [], est).mode == "async"  # asked for: no weighing
+    assert choose_decode_mode("sync", [], est).mode == "sync"
 
 
 @pytest.mark.parametrize(("backend", "types", "refused"), [
