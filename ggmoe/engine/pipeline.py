@@ -147,6 +147,8 @@ class CachePipeline:
         max_tokens = table_max_tokens(self._n_batch, self.n_ubatch)
         if not max_tokens:
             reasons.append(f"micro-batches of {self.n_ubatch} tokens are too small for the routing output")
+        if split and self.prefetcher is not None and cache.decode_mode == "auto":
+            reasons.append("the prefetcher fills split layers' bottom buffers in the sync decode only")
         # a stride prefetch runs in either mode (the route op's callback, or the mailbox's reader): auto weighs
         # what each costs a token on this machine
         weighed = (self.runtime.mode_estimate(cache, self._n_threads or os.cpu_count() or 1)

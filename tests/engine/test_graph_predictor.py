@@ -2,7 +2,8 @@
 
 The in-graph predictor's logits equal numpy's on the same MoE input, the model's logits stay exact, the
 prefetches follow the same scores as in Python, and ``llama_ggmoe_set_predictor`` refuses what it cannot
-compute.
+compute. The in-graph predictor serves the sync decode's route op: every engine here asks for the sync mode
+(``auto`` weighs the modes and takes async on the CPU build).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_graph_logits_equal_numpy(tmp_path, kind, stride):
     pred = random_predictor_file(model, tmp_path / "p.npz", kind=kind, stride=stride, hidden=48, seed=stride)
     rec = Recorder()
     cfg = EngineConfig(model_path=model, n_ctx=256, cache=CacheConfig(
-        n_slots=8, prefetch=PrefetchConfig(str(pred), stride=stride)))
+        n_slots=8, prefetch=PrefetchConfig(str(pred), stride=stride), decode_mode="sync"))
     with Engine(cfg, observer=rec) as eng:
         assert eng._graph_predictor is not None
         assert eng.prefetcher.request.hidden is False  # the graph computes from the input: no copy for it
@@ -74,7 +75,8 @@ def test_logits_stay_exact_with_the_predictor_in_the_graph(arch_model, stock_log
     stride = min(2, len(facts.moe_layers) - 1)
     pred = random_predictor_file(path, tmp_path / "p.npz", stride=stride, hidden=32)
     cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=CacheConfig(
-        n_slots=facts.n_expert_used + 2, miss_policy=miss_policy, prefetch=PrefetchConfig(str(pred), stride=stride)))
+        n_slots=facts.n_expert_used + 2, miss_policy=miss_policy, prefetch=PrefetchConfig(str(pred), stride=stride),
+        decode_mode="sync"))  # the graph computes the nets for the route op's callback: the sync decode
     with Engine(cfg) as eng:
         assert eng._graph_predictor is not None
         got = run_sequences(eng)
@@ -91,7 +93,7 @@ def test_prefetches_follow_the_same_scores_in_the_graph_and_in_numpy(tmp_path):
     counts = {}
     for in_graph in (True, False):
         cfg = EngineConfig(model_path=model, n_ctx=256, cache=CacheConfig(
-            n_slots=8, prefetch=PrefetchConfig(str(pred), stride=2, in_graph=in_graph)))
+            n_slots=8, prefetch=PrefetchConfig(str(pred), stride=2, in_graph=in_graph), decode_mode="sync"))
         with Engine(cfg) as eng:
             assert (eng._graph_predictor is not None) == in_graph
             tokens = eng.generate("The expert cache keeps", 24).token_ids
@@ -102,7 +104,7 @@ def test_prefetches_follow_the_same_scores_in_the_graph_and_in_numpy(tmp_path):
 
 def test_non_mlp_predictors_stay_in_python():
     cfg = EngineConfig(model_path=default_model_path(), n_ctx=128, cache=CacheConfig(
-        n_slots=8, prefetch=PrefetchConfig("reuse", stride=1)))
+        n_slots=8, prefetch=PrefetchConfig("reuse", stride=1), decode_mode="sync"))
     with Engine(cfg) as eng:
         assert eng._graph_predictor is None
         eng.generate("hi", 4)
@@ -154,7 +156,8 @@ def test_load_puts_the_mlp_in_the_graph(tmp_path):
 
     model = default_model_path()
     pred = random_predictor_file(model, tmp_path / "p.npz", stride=2, hidden=32)
-    llm = ggmoe.load(model, cache_slots=8, predictor=str(pred), stride=2, n_ctx=256, verbose=False)
+    llm = ggmoe.load(model, cache_slots=8, predictor=str(pred), stride=2, n_ctx=256, decode_mode="sync",
+                     verbose=False)
     try:
         assert llm.attachment.graph_predictor is not None
         out = llm.create_completion("def fib(n):", max_tokens=8, temperature=0)
