@@ -4,7 +4,7 @@
     python tools/bench_stride.py DOCS.jsonl [DOCS2.jsonl ...] --predictor PRED.npz [--model M.gguf]
         [--docs-per-file 10] [--share 0.25] [--stride 2] [--link-us 10] [--stream deferred|immediate]
         [--lockstep] [--json]
-    python tools/bench_stride.py --speed --predictor PRED.npz [--model M.gguf] [--threads 2]
+    python tools/bench_stride.py --speed --predictor PRED.npz [--model M.gguf] [--threads 2] [--rounds 7]
 
 Hit rates: every configuration runs the same held-out documents teacher-forced (64 prefill tokens, then
 the document's next 64 tokens one decode step each) on the deferred copy stream (copies land later, on
@@ -135,6 +135,7 @@ def main() -> int:
                     help="GGMOE_MAILBOX_LOCKSTEP=1: each layer waits until the mailbox's reader handled it (the CPU "
                          "build cannot give the reader the idle cores a GPU machine has; hit rates only)")
     ap.add_argument("--speed", action="store_true", help="decode speed with every expert cached instead")
+    ap.add_argument("--rounds", type=int, default=7, help="--speed: alternating rounds of 64 decode steps")
     ap.add_argument("--threads", type=int, default=None,
                     help="compute threads (speed: default the core count; hit rates: default 1, so that on the CPU "
                          "build a core is left to what a GPU's copy engine and host thread would do)")
@@ -146,7 +147,7 @@ def main() -> int:
     machine = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                "model": str(a.model), "predictor": a.predictor}
     if a.speed:
-        print(json.dumps({**machine, **speed_rows(a.model, a.predictor, a.stride, a.threads)}, indent=2))
+        print(json.dumps({**machine, **speed_rows(a.model, a.predictor, a.stride, a.threads, a.rounds)}, indent=2))
         return 0
     if not a.docs:
         ap.error("give DOCS.jsonl files (or --speed)")

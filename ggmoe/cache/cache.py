@@ -280,7 +280,8 @@ class ExpertCache:
                 self._score_guess(st, self.predicted.pop(il), need)
             if self.n_prefetched[il]:
                 self._count_prefetch_hits(il, table, [e for e in need if e not in missing])
-            self._admit_after(il, table, need, missing)
+            if missing or table.n_loading or self._releases:  # else nothing to admit, drop or release
+                self._admit_after(il, table, need, missing)
             if table.n_loading and not self._lands_later:  # a synchronous backend (the CPU build's memcpy)
                 self._land_done(table)  # has landed them already
             if self.keep_free.get(il):
