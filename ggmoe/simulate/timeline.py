@@ -157,13 +157,7 @@ class LinkCopyBackend:
         for _ in range(n * self.n_chunks):  # chunk by chunk: the same additions as _wait_idle's
             t = t + cs
             busy += cs
-        self._busy_until, self.busy_s = t, busy
-        self._ready.clear()  # every entry is stale: no job is queued
-        self._pending.clear()
-        if t > now:
-            self.clock.advance(t - now)
-        if self._track:
-            self.settle()
+        self._ran_until(t, busy, now)
         return True
 
     def _jobs_for_idle(self) -> None:
@@ -192,6 +186,11 @@ class LinkCopyBackend:
                 heapq.heappush(self._future, (t, h.id, h))
         self._idle.clear()
         self._idle_handles.clear()
+        self._ran_until(t, busy, now)
+
+    def _ran_until(self, t: float, busy: float, now: float) -> None:
+        """With nothing queued, the link ran whole copies from ``now`` until ``t`` (s), ``busy`` its busy time
+        since the start: the GPU waited for them, so the clock moves to ``t``."""
         self._busy_until, self.busy_s = t, busy
         self._ready.clear()  # every entry is stale: no job is queued
         self._pending.clear()
