@@ -271,9 +271,16 @@ class LinkStreamCopyBackend(ThreadedCopyBackend):
         raise AssertionError("the link puts chunks on the stream (_run_chunk)")
 
     def _run_chunk(self, h: CopyHandle, chunk: int) -> None:
-        m = self.stream.issue_chunk(h.il, h.expert, h.slot, chunk)
+        """Once the link has moved the copy's last chunk, the whole copy goes on the stream as one piece of
+        work (``issue`` where the stream has it: one marker, one hand-off to the stream's threads instead of
+        one per chunk); the data cannot be read before then either way (``done`` needs every chunk)."""
+        if chunk < self.chunks - 1:
+            return
+        issue = getattr(self.stream, "issue", None)
+        ms = ([issue(h.il, h.expert, h.slot)] if issue is not None
+              else [self.stream.issue_chunk(h.il, h.expert, h.slot, i) for i in range(self.chunks)])
         with self._cv:
-            self._markers.setdefault(h.id, []).append(m)
+            self._markers[h.id] = ms
 
     def done(self, handle: CopyHandle) -> bool:
         with self._cv:
