@@ -41,6 +41,9 @@ class CacheConfig:
     # MoEpic's split: the share θ of each named MoE layer's neurons whose top segment a slot holds (the rest is
     # read from host memory or prefetched); layers not named, and θ = 1, cache whole experts (ggmoe.cache.split)
     layer_theta: Mapping[int, float] | None = None
+    # saved routing statistics' counts (il -> [n_expert] tokens that chose each expert; --stats-in): auto's
+    # weighing of the decode modes takes each layer's misses from them instead of uniform routing
+    routing_counts: Mapping[int, Any] | None = None
 
     def __post_init__(self) -> None:
         """The policy's options checked against what it declares (ggmoe.params), before anything is built;

@@ -11,7 +11,7 @@ takes ``async`` unless one of those holds, and says why.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ggmoe.errors import UsageError
@@ -90,20 +90,31 @@ class ModeEstimate:
 
 def weigh_modes(bytes_per_expert: Mapping[int, int], n_slots: Mapping[int, int], n_expert: int, n_expert_used: int,
                 copy_s: Callable[[int], float], sync_s: float, read_s: Callable[[int], float] | None,
-                source: str) -> ModeEstimate:
+                source: str, counts: Mapping[int, Sequence[int]] | None = None) -> ModeEstimate:
     """Per token, the sync decode's cost (``sync_s`` per cached layer: the route op's graph split and device
     sync, plus a wait of ``copy_s(bytes)`` for each miss) against the async decode's (``read_s(bytes)`` for
     each miss read in place; None: in place costs nothing beyond the compute, as on the CPU build, whose
-    experts are in the memory the CPU reads). A layer misses ``n_expert_used x (1 - slots / n_expert)``
-    experts a token, the share it does not cache under uniform routing; a stride prefetch lands copies in
-    both modes alike, so it moves both sides by the same misses and is not counted."""
+    experts are in the memory the CPU reads). A stride prefetch lands copies in both modes alike, so it
+    moves both sides by the same misses and is not counted. A layer's misses a token: see ``miss_share``."""
     sync = read = 0.0
     for il, n in n_slots.items():
         nb = bytes_per_expert.get(il, 0)
-        misses = n_expert_used * max(0.0, 1.0 - n / n_expert)
+        misses = n_expert_used * miss_share(n, n_expert, counts.get(il) if counts else None)
         sync += sync_s + misses * copy_s(nb)
         read += misses * read_s(nb) if read_s is not None else 0.0
+    if counts:
+        source += "; misses from the routing statistics' counts"
     return ModeEstimate(sync, read, source)
+
+
+def miss_share(n_slots: int, n_expert: int, counts: Sequence[int] | None) -> float:
+    """The share of a layer's expert selections a cache of ``n_slots`` misses: with routing statistics
+    (``counts`` [n_expert], tokens that chose each expert), what its ``n_slots`` most chosen experts do not
+    cover; without them (or with none counted), ``1 - slots / n_expert``, uniform routing."""
+    total = sum(counts) if counts is not None else 0
+    if not total:
+        return max(0.0, 1.0 - n_slots / n_expert)
+    return max(0.0, 1.0 - sum(sorted(counts, reverse=True)[:n_slots]) / total)
 
 
 def choose_decode_mode(asked: str, reasons: list[str], weighed: ModeEstimate | None = None) -> DecodeMode:

@@ -55,6 +55,9 @@ def warm_start(cache: CacheConfig | None, stats: RoutingStats | None) -> CacheCo
             raise UsageError("--policy static pins the hottest experts of saved routing statistics: give "
                              "--stats-in FILE (written by --stats-out)")
         cache = dataclasses.replace(cache, policy_options={"counts": stats.counts_by_layer()})
+    if stats is not None:  # auto's weighing of the decode modes reads each layer's skew from them
+        cache = dataclasses.replace(cache, routing_counts={il: tuple(int(x) for x in c)
+                                                           for il, c in stats.counts_by_layer().items()})
     pre = cache.prefetch
     if stats is not None and pre is not None and stats.predictor == pre.predictor and stats.predictor_state:
         cache = dataclasses.replace(cache, prefetch=dataclasses.replace(pre, state=dict(stats.predictor_state)))

@@ -89,3 +89,14 @@ def test_stats_of_another_model_are_refused(tmp_path, qwen3moe_model):
     r = subprocess.run([sys.executable, "-m", "ggmoe", "run", str(qwen3moe_model), "-p", "x", "--stats-in", str(a)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "another model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_auto_weighs_the_decode_modes_with_the_saved_counts(tmp_path, train_trace):
+    """--stats-in gives auto's weighing each layer's skew: the reason says the misses came from the counts."""
+    _, stats_path = train_trace
+    out = tmp_path / "cache.json"
+    ggmoe("run", "-p", PROMPT, "-n", "8", "--cache-slots", "8", "--predictor", "reuse", "--stats-in",
+          str(stats_path), "--stats-json", str(out))
+    d = json.loads(out.read_text())
+    assert d["decode_mode_in_effect"] == "async", d["decode_mode_reason"]
+    assert "routing statistics' counts" in d["decode_mode_reason"]

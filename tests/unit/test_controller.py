@@ -7,7 +7,7 @@ import pytest
 
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.copy import CopyHandle, Priority
-from ggmoe.cache.decode_mode import choose_decode_mode, sync_reasons, table_type_note, weigh_modes
+from ggmoe.cache.decode_mode import choose_decode_mode, miss_share, sync_reasons, table_type_note, weigh_modes
 from ggmoe.cache.policies import POLICIES
 from ggmoe.control import TokenController
 from ggmoe.errors import UsageError
@@ -151,6 +151,28 @@ def test_auto_weighs_the_two_modes_for_a_stride_prefetch(slots, sync_s, read_bw,
     assert m.mode == faster and "estimates" in m.reason and "by hand" in m.reason
     assert choose_decode_mode("async", [], est).mode == "async"  # asked for: no weighing
     assert choose_decode_mode("sync", [], est).mode == "sync"
+
+
+@pytest.mark.parametrize(("slots", "counts", "share"), [
+    (2, None, 0.75),  # uniform routing: 6 of 8 experts not cached
+    (2, [0] * 8, 0.75),  # nothing counted: uniform
+    (2, [50, 30, 10, 10, 0, 0, 0, 0], 0.2),  # the two hottest cover 80 of 100 selections
+    (4, [50, 30, 10, 10, 0, 0, 0, 0], 0.0),
+    (1, [5, 5, 5, 5, 5, 5, 5, 5], 0.875),
+])
+def test_a_layers_misses_come_from_routing_statistics_when_there_are_any(slots, counts, share):
+    assert miss_share(slots, 8, counts) == pytest.approx(share)
+
+
+def test_skewed_routing_statistics_move_auto_towards_the_sync_decode():
+    """Reads in place ten times slower than copies: with uniform routing the misses make sync faster; with
+    statistics where 2 slots cover every selection, only sync's per-layer sync is left and async wins."""
+    copy_s = lambda nb: nb / 25e9  # noqa: E731
+    args = ({0: 4 * MB}, {0: 2}, 8, 2, copy_s, 57e-6, lambda nb: nb / 2.5e9, "by hand")
+    assert choose_decode_mode("auto", [], weigh_modes(*args)).mode == "sync"
+    est = weigh_modes(*args, counts={0: [60, 40, 0, 0, 0, 0, 0, 0]})
+    assert est.async_s == 0.0 and "routing statistics" in est.source
+    assert choose_decode_mode("auto", [], est).mode == "async"
 
 
 @pytest.mark.parametrize(("backend", "types", "refused"), [
