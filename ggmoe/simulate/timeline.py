@@ -28,6 +28,8 @@ from ggmoe.cache.copy import CopyHandle, Priority, bottom_buffer
 from ggmoe.cache.hardware import HardwareProfile
 from ggmoe.cache.split import LayerSplit
 
+_ADMISSION = Priority.ADMISSION
+
 
 @dataclass(frozen=True, eq=False)
 class _Handle(CopyHandle):
@@ -58,7 +60,7 @@ class LinkCopyBackend:
     """Copies of ``bytes_per_expert[il]`` bytes over one simulated link (see the module docstring); a split
     layer's (``split``, MoEpic) move its top segment into a slot and its bottom into a bottom buffer."""
 
-    __slots__ = ("clock", "bytes_per_expert", "split", "profile", "n_chunks", "_ids", "_queue", "_pending", "_ready",
+    __slots__ = ("clock", "bytes_per_expert", "split", "profile", "n_chunks", "_ids", "_queue", "_pending", "_ready", "_fifo",
                  "_landed", "_busy_until", "_settled", "busy_s", "late_prefetches", "_chunk_of", "_track",
                  "_future", "_idle", "_idle_handles")  # a replay asks
     # millions of times: slots are read faster than a dict's entries
@@ -78,6 +80,10 @@ class LinkCopyBackend:
         self._queue: dict[int, _Job] = {}
         self._pending: collections.deque[_Job] = collections.deque()
         self._ready: list[tuple[int, float, int, _Job]] = []
+        # Ready admissions of rank 0 (the async decode's, millions in a replay) wait here instead: they become
+        # ready in submission order, which is their key order, so a FIFO keeps them in order without a heap's
+        # comparisons. An entry whose job is gone or was promoted (now in the heap) is stale.
+        self._fifo: collections.deque[_Job] = collections.deque()
         self._landed: dict[int, float] = {}  # handle id -> landing time (s)
         self._busy_until = 0.0  # s: the link is busy with a chunk until then
         self._settled = -1.0  # clock time by which every chunk that starts before it has run
@@ -193,6 +199,7 @@ class LinkCopyBackend:
         since the start: the GPU waited for them, so the clock moves to ``t``."""
         self._busy_until, self.busy_s = t, busy
         self._ready.clear()  # every entry is stale: no job is queued
+        self._fifo.clear()
         self._pending.clear()
         if t > now:
             self.clock.advance(t - now)
@@ -201,13 +208,16 @@ class LinkCopyBackend:
 
     def _top(self) -> _Job | None:
         """The most urgent ready job (stale heap entries dropped)."""
+        q = self._fifo
+        while q and (not q[0].live or q[0].key[0] is not _ADMISSION):  # gone, or promoted into the heap
+            q.popleft()
         r = self._ready
         while r:
             prio, _, _, job = r[0]
             if job.live and prio == job.key[0]:  # promote raises a job's priority: the entry with the old is stale
-                return job
+                return q[0] if q and q[0].key < job.key else job
             heapq.heappop(r)
-        return None
+        return q[0] if q else None
 
     def _make_ready(self, start: float) -> bool:
         """Jobs submitted by ``start`` join the ready heap; whether any did."""
@@ -217,8 +227,16 @@ class LinkCopyBackend:
             job = p.popleft()
             if job.live:
                 job.ready = pushed = True
-                heapq.heappush(self._ready, (*job.key, job))
+                self._push_ready(job)
         return pushed
+
+    def _push_ready(self, job: _Job) -> None:
+        """``job`` joins the ready jobs (submission order: see ``_fifo``)."""
+        key = job.key
+        if key[0] is _ADMISSION and not key[1]:
+            self._fifo.append(job)
+        else:
+            heapq.heappush(self._ready, (*key, job))
 
     def _step(self, until: float | None) -> int | None:
         """Run the most urgent job available at the link's time, chunk after chunk while no more urgent job
@@ -314,7 +332,7 @@ class LinkCopyBackend:
         waits, and after ``_advance`` the link's next start is at or after every submission: every queued job
         is ready then, so the jobs run whole, one after another in key order, each chunk's end the previous
         one's plus its time (the same additions as chunk by chunk)."""
-        if self._ready and self._top() is not None:
+        if (self._ready or self._fifo) and self._top() is not None:
             start = self._busy_until
         else:
             jobs = [j for j in self._pending if j.live]
@@ -328,7 +346,7 @@ class LinkCopyBackend:
                 self._run(rest, pending, start)
                 for job in rest:  # what the list had left joins the ready heap, as _make_ready would have put it
                     job.ready = True
-                    heapq.heappush(self._ready, (*job.key, job))
+                    self._push_ready(job)
                 return
         self._make_ready(start)
         self._run(iter(self._top, None), pending, start)
@@ -415,6 +433,7 @@ class LinkCopyBackend:
         self._queue.clear()
         self._pending.clear()
         self._ready.clear()
+        self._fifo.clear()
 
 
 class FlagLinkCopyBackend(LinkCopyBackend):
