@@ -64,23 +64,7 @@ class ExpertCache:
         self.tables = {il: SlotTable(n_expert, n) for il, n in n_slots.items()}
         self.stats = CacheStats({il: LayerStats() for il in n_slots})
         self.clock = 0  # access counter: one per routed layer call
-        # whether the policy drops experts after a call (on-demand); checked once, not per call
-        self._releases = type(policy).release is not Policy.release
-        # the policy's insert and evict hooks, None where it keeps the base class's (which does nothing): the
-        # hottest loops skip the call
-        self._on_insert = policy.on_insert if type(policy).on_insert is not Policy.on_insert else None
-        self._on_evict = policy.on_evict if type(policy).on_evict is not Policy.on_evict else None
-        # the policy's several victims at once (one sort instead of a scan per eviction), where it has them
-        self._pick_victims = policy.victims if type(policy).victims is not Policy.victims else None
-        # the copy queue's optional hooks, looked up once rather than per call (None: the backend has no queue)
-        self._promote = getattr(self.copies, "promote", None)
-        self._remaining = getattr(self.copies, "remaining_s", None)
-        # whether a copy never lands within the call that submits it (a simulated link with a cost model):
-        # after_token then need not look for copies its own admissions landed
-        self._lands_later = bool(getattr(self.copies, "lands_later", False))
-        # demand_now(il, n): n demand copies of layer il run and waited for at once, without handles, when the
-        # backend's queue is empty (the simulated link); False, having done nothing, when it is not
-        self._demand_now = getattr(self.copies, "demand_now", None)
+        self._bind_hooks()
         self.miss_policy = check_miss_policy(miss_policy)
         self.costs = costs  # for "auto"
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
@@ -112,6 +96,27 @@ class ExpertCache:
         # bytes one copy into a slot moves: a whole expert, or a split layer's top segment
         self.slot_bytes = {il: (self.split.layers[il].top_bytes if il in self.split else self.bytes_per_expert.get(il, 0))
                            for il in n_slots}
+
+    def _bind_hooks(self) -> None:
+        """The policy's and the copy backend's optional hooks, looked up once rather than per call."""
+        policy, copies = self.policy, self.copies
+        # whether the policy drops experts after a call (on-demand)
+        self._releases = type(policy).release is not Policy.release
+        # the policy's insert and evict hooks, None where it keeps the base class's (which does nothing): the
+        # hottest loops skip the call
+        self._on_insert = policy.on_insert if type(policy).on_insert is not Policy.on_insert else None
+        self._on_evict = policy.on_evict if type(policy).on_evict is not Policy.on_evict else None
+        # the policy's several victims at once (one sort instead of a scan per eviction), where it has them
+        self._pick_victims = policy.victims if type(policy).victims is not Policy.victims else None
+        # the copy queue's (None: the backend has no queue)
+        self._promote = getattr(copies, "promote", None)
+        self._remaining = getattr(copies, "remaining_s", None)
+        # whether a copy never lands within the call that submits it (a simulated link with a cost model):
+        # after_token then need not look for copies its own admissions landed
+        self._lands_later = bool(getattr(copies, "lands_later", False))
+        # demand_now(il, n): n demand copies of layer il run and waited for at once, without handles, when the
+        # backend's queue is empty (the simulated link); False, having done nothing, when it is not
+        self._demand_now = getattr(copies, "demand_now", None)
 
     def fits(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of ``n_tokens`` runs on the cache (else the native path)."""
