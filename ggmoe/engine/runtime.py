@@ -76,6 +76,7 @@ class CacheRuntime:
         try:
             self._allocate(model_ptr, n_slots, config, zero_slot=asked == "cpu")
             costs = self._costs(config, n_threads or os.cpu_count() or 1) if asked == "auto" else None
+            self._measured = costs if config.hw_profile is None else None  # measured here (mode_estimate's too)
             # what runs: auto becomes wait when the CPU is never sooner than a copy (the host path only costs)
             self.miss_policy, self.miss_policy_note = effective_miss_policy(asked, costs,
                                                                             self.slots.bytes_per_expert())
@@ -147,7 +148,7 @@ class CacheRuntime:
             prof = load_profile(config.hw_profile)
             return weigh_modes(*shape, prof.copy_s, prof.hook_s, prof.zero_copy_s, f"profile {config.hw_profile}",
                                counts)
-        costs = measure_costs(self.slots, self._ggml, n_threads, self._link_s)
+        costs = self._measured or measure_costs(self.slots, self._ggml, n_threads, self._link_s)
         if self._ggml.backend:  # a GPU: the misses read over the link at the copies' speed, a sync per layer
             return weigh_modes(*shape, costs.copy_s, P.HOOK_S, costs.copy_s, "copies measured here; a sync per "
                                "layer as measured on an H100, reads in place at the copies' speed", counts)

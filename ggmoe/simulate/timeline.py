@@ -112,8 +112,12 @@ class LinkCopyBackend:
         return sp.bottom_bytes if bottom_buffer(h.slot) is not None else sp.top_bytes
 
     def _chunk_s(self, h: CopyHandle) -> float:
+        return self._chunk_of_bytes(self.copy_bytes(h))
+
+    def _chunk_of_bytes(self, nbytes: int) -> float:
+        """s one chunk of a copy of ``nbytes`` takes on the link."""
         p = self.profile
-        return p.copy_latency_s + self.copy_bytes(h) / self.n_chunks / p.copy_bytes_per_s
+        return p.copy_latency_s + nbytes / self.n_chunks / p.copy_bytes_per_s
 
     def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
         # the handle's fields stored at once: a frozen dataclass's own __init__ sets each through
@@ -156,8 +160,7 @@ class LinkCopyBackend:
             return True
         cs = self._chunk_of.get(il)
         if cs is None:
-            cs = self._chunk_of[il] = self.profile.copy_latency_s + self.bytes_per_expert.get(il, 0) / self.n_chunks \
-                / self.profile.copy_bytes_per_s
+            cs = self._chunk_of[il] = self._chunk_of_bytes(self.bytes_per_expert.get(il, 0))
         now = self.clock.t
         t, busy = (self._busy_until if self._busy_until > now else now), self.busy_s
         for _ in range(n * self.n_chunks):  # chunk by chunk: the same additions as _wait_idle's

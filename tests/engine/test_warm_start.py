@@ -48,12 +48,16 @@ def test_counts_continue_across_runs(tmp_path):
     assert (sb.counts == 2 * sa.counts).all() and (sb.coact == 2 * sa.coact).all()
 
 
+def _run_stats(tmp_path, *args: str) -> dict:
+    """``ggmoe run`` of PROMPT with 8 cache slots and ``args``; its --stats-json."""
+    out = tmp_path / "cache.json"
+    ggmoe("run", "-p", PROMPT, "--cache-slots", "8", *args, "--stats-json", str(out))
+    return json.loads(out.read_text())
+
+
 def test_static_pins_the_hottest_experts_of_the_saved_counts(tmp_path, train_trace):
     _, stats_path = train_trace
-    out = tmp_path / "cache.json"
-    ggmoe("run", "-p", PROMPT, "-n", "16", "--cache-slots", "8", "--policy", "static", "--stats-in",
-          str(stats_path), "--stats-json", str(out))
-    d = json.loads(out.read_text())
+    d = _run_stats(tmp_path, "-n", "16", "--policy", "static", "--stats-in", str(stats_path))
     assert d["policy"] == "static"
     assert d["total"]["hits"] > 0
 
@@ -94,9 +98,6 @@ def test_stats_of_another_model_are_refused(tmp_path, qwen3moe_model):
 def test_auto_weighs_the_decode_modes_with_the_saved_counts(tmp_path, train_trace):
     """--stats-in gives auto's weighing each layer's skew: the reason says the misses came from the counts."""
     _, stats_path = train_trace
-    out = tmp_path / "cache.json"
-    ggmoe("run", "-p", PROMPT, "-n", "8", "--cache-slots", "8", "--predictor", "reuse", "--stats-in",
-          str(stats_path), "--stats-json", str(out))
-    d = json.loads(out.read_text())
+    d = _run_stats(tmp_path, "-n", "8", "--predictor", "reuse", "--stats-in", str(stats_path))
     assert d["decode_mode_in_effect"] == "async", d["decode_mode_reason"]
     assert "routing statistics' counts" in d["decode_mode_reason"]
