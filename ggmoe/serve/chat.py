@@ -1,16 +1,18 @@
 """``ggmoe chat``: an interactive terminal chat over ``GgmoeLlama.create_chat_completion``.
 
 Answers stream as they are generated, formatted by the model's chat template.
-Ctrl-C while an answer streams stops that answer at the next token (a SIGINT
-handler sets the generation's cancel flag: no exception unwinds through
-llama.cpp) and the chat goes on; Ctrl-D or /quit leaves. /reset forgets the
-conversation, /stats prints the cache statistics.
+One SIGINT handler (``CtrlC``) serves the whole chat: at the prompt Ctrl-C gives
+a fresh prompt; from the moment a line is read until its answer ends it stops
+that answer at the next token (it sets the generation's cancel flag: no
+exception unwinds through llama.cpp), and the chat goes on. Ctrl-D or /quit
+leaves. /reset forgets the conversation, /stats prints the cache statistics.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,11 +46,11 @@ class Chat:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.options.system}] if self.options.system else []
 
-    def answer(self, text: str) -> bool:
-        """Stream the reply to ``text``; False when Ctrl-C stopped it (the partial reply is kept)."""
-        # Ctrl-C stops the answer from the moment it is asked for (the context check included), never the chat
+    def answer(self, text: str, stop: threading.Event) -> bool:
+        """Stream the reply to ``text`` until it ends or ``stop`` is set (Ctrl-C: the partial reply is kept);
+        False when it was stopped."""
         watch = Watch(time.monotonic(), self.llama.n_ctx(), None, self.llama.is_eog)
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: watch.cancel.set())
+        watch.cancel = stop  # set by Ctrl-C, even before the generation began: it then stops at once
         self.llama.watch = watch
         parts: list[str] = []
         try:
@@ -68,7 +70,6 @@ class Chat:
                     self.write(piece)
         finally:
             self.llama.watch = None
-            signal.signal(signal.SIGINT, previous)
         self.messages.append({"role": "assistant", "content": "".join(parts)})
         return not watch.cancel.is_set()
 
@@ -95,14 +96,46 @@ class Chat:
         return True
 
 
+class CtrlC:
+    """The chat's one SIGINT handler, installed for its whole life: while the prompt reads a line Ctrl-C
+    raises ``KeyboardInterrupt`` (a fresh prompt, as in a shell); at any other moment it sets ``stop``, so a
+    Ctrl-C between the line's Enter and the answer's first token stops that answer too, never the chat."""
+
+    def __init__(self) -> None:
+        self.reading = False
+        self.stop = threading.Event()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.reading:
+            raise KeyboardInterrupt
+        self.stop.set()
+
+    def read(self, read: Callable[[str], str], prompt: str) -> str:
+        """One line from ``read``; a new line starts with ``stop`` clear."""
+        self.stop.clear()
+        self.reading = True
+        try:
+            return read(prompt)
+        finally:
+            self.reading = False
+
+
 def run_chat(llama: GgmoeLlama, options: ChatOptions, read: Callable[[str], str],
              write: Callable[[str], None]) -> None:
     """The read-answer loop until /quit or end of input."""
-    chat = Chat(llama, options, write)
+    ctrl_c = CtrlC()
+    previous = signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        _loop(Chat(llama, options, write), ctrl_c, read, write)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _loop(chat: Chat, ctrl_c: CtrlC, read: Callable[[str], str], write: Callable[[str], None]) -> None:
     write(f"ggmoe chat ({HELP})\n")
     while True:
         try:
-            line = read("> ")
+            line = ctrl_c.read(read, "> ")
         except EOFError:
             write("\n")
             return
@@ -115,5 +148,5 @@ def run_chat(llama: GgmoeLlama, options: ChatOptions, read: Callable[[str], str]
             if not chat.command(line):
                 return
             continue
-        finished = chat.answer(line)
+        finished = chat.answer(line, ctrl_c.stop)
         write("\n" if finished else " [stopped]\n")

@@ -30,6 +30,7 @@ def test_chat_session(chat):
     child.expect_exact(PROMPT)
     # a long answer, stopped by Ctrl-C: the chat goes on
     child.sendline("Tell me a long story")
+    child.expect_exact("Tell me a long story\r\n")  # readline took the line (its echo ends at Enter)
     child.expect(r"\S")  # the answer starts streaming
     child.sendintr()
     child.expect_exact("[stopped]")
