@@ -252,6 +252,9 @@ class CopyStream(Protocol):
     def wait_marker(self, marker: object) -> None:
         """Block until the chunk of ``marker`` has landed."""
 
+    # Optional: ``issue(il, expert, slot, engine=False)`` puts the whole copy on the stream under one marker;
+    # ``engine=True`` says the caller is the stream's copy engine (the simulated link's worker).
+
 
 class LinkStreamCopyBackend(ThreadedCopyBackend):
     """A simulated slow link (``delay_s`` per chunk, on the base class's timeline) in front of an asynchronous
@@ -259,7 +262,10 @@ class LinkStreamCopyBackend(ThreadedCopyBackend):
     link has moved it and goes on at once, as a DMA engine would; a copy has landed when the link moved its
     last chunk and the stream's markers of all its chunks are ready: the same readiness query as without a
     link. (Waiting for each chunk's marker on the worker, as ``copy_chunk`` does, made every chunk a thread
-    hand-off: the link ran at the threads' pace, not at ``delay_s``.)"""
+    hand-off: the link ran at the threads' pace, not at ``delay_s``.) The link's worker is the stream's copy
+    engine: it issues with ``engine=True``, so a stream without a random delay of its own (the deferred one
+    in ``tools/bench_stride.py``) lands the copy on the worker when the link has moved it, as a GPU's copy
+    engine does, instead of a second thread's wake-up later."""
 
     def __init__(self, stream: CopyStream, delay_s: float) -> None:
         self.stream = stream
@@ -277,7 +283,7 @@ class LinkStreamCopyBackend(ThreadedCopyBackend):
         if chunk < self.chunks - 1:
             return
         issue = getattr(self.stream, "issue", None)
-        ms = ([issue(h.il, h.expert, h.slot)] if issue is not None
+        ms = ([issue(h.il, h.expert, h.slot, engine=True)] if issue is not None
               else [self.stream.issue_chunk(h.il, h.expert, h.slot, i) for i in range(self.chunks)])
         with self._cv:
             self._markers[h.id] = ms

@@ -71,9 +71,10 @@ class GgmlCopyBackend:
                 B.libggml_base.ggml_backend_tensor_set_2d(t, src + r.src, at + r.dst, r.size, r.n, r.dst_stride,
                                                           r.src_stride)
 
-    def issue(self, il: int, expert: int, slot: int, chunks: range | None = None) -> object:
+    def issue(self, il: int, expert: int, slot: int, chunks: range | None = None, engine: bool = False) -> object:
         """Put expert tensor kinds ``chunks`` (default: all) of ``expert``'s copy into ``slot`` on the stream;
-        returns the stream's marker for them."""
+        returns the stream's marker for them. ``engine``: the caller is the stream's copy engine (the simulated
+        link's thread, its link done with the copy): the stream's ``put_on_engine`` where it has one."""
         pairs = self.pairs[il]
         kinds = [i for i in (chunks if chunks is not None else range(len(pairs))) if i < len(pairs)]
         flip = self.flip
@@ -84,7 +85,8 @@ class GgmlCopyBackend:
                 if flip is not None and slot >= 0:
                     self._flip(flip(il, i, expert, slot), stream)
 
-        return self.stream.put(work)
+        put = getattr(self.stream, "put_on_engine", None) if engine else None
+        return (put or self.stream.put)(work)
 
     @staticmethod
     def _flip(entry: tuple[int, int, int] | None, stream: int | None) -> None:

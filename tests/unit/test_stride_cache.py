@@ -153,6 +153,52 @@ def test_the_prefetch_budget_halves_when_prefetches_are_wasted_and_grows_back():
     assert pf.limit == 3
 
 
+def _token(pf, st, used, wasted):
+    """One decode token whose prefetches into layer 1 were ``used`` and ``wasted`` (no misses, none admitted)."""
+    st.prefetch_hits += used
+    st.prefetch_wasted += wasted
+    pf.cache.prefetch_events += used + wasted  # as the cache counts them
+    pf.begin_step([7])
+    return pf.limit
+
+
+def test_the_budget_weighs_a_moving_balance_not_each_token():
+    """A predictor that saves more than it wastes over a few tokens keeps its whole budget though half its tokens
+    waste more than they save; one that wastes more overall is throttled to one prefetch."""
+    from ggmoe.predict import ModelShape
+
+    for (a, b), want in (((3, 0), (0, 2)), 4), (((2, 0), (0, 3)), 1):
+        cache, _ = _cache(n_slots=8)
+        pf = Prefetcher(cache, Fixed(ModelShape("x", (0, 1), 16, 2, 4), 1), [0, 1], n_prefetch=4)
+        pf.free_only = True
+        st = cache.stats.layers[1]
+        limits = [_token(pf, st, *(a if i % 2 == 0 else b)) for i in range(24)]
+        assert limits[-1] == want and (want == 1 or min(limits) == 4), limits
+
+
+class StartBlind(Fixed):
+    """Predicts nothing for layer 0 between tokens (as an MLP reading the MoE input)."""
+
+    name = "test-start-blind"
+
+    def predict(self, il):
+        return None if il == 0 else super().predict(il)
+
+
+def test_a_layer_nothing_predicts_between_tokens_keeps_no_free_slot():
+    from ggmoe.predict import ModelShape
+
+    for predictor, kept in ((StartBlind, False), (Fixed, True)):
+        cache, _ = _cache(n_slots=8)
+        pf = Prefetcher(cache, predictor(ModelShape("x", (0, 1), 16, 2, 4), 1), [0, 1], n_prefetch=4)
+        pf.free_only = True
+        pf.begin_step([7])  # layer 0 is predicted (or not) at the token's start
+        cache.stats.layers[1].prefetch_hits += 1  # something moved: the next look sets the kept slots
+        cache.prefetch_events += 1
+        pf.begin_step([7])
+        assert (cache.keep_free[0] > 0) is kept and cache.keep_free[1] > 0, (predictor, cache.keep_free)
+
+
 def test_an_idle_prefetcher_leaves_the_mailbox_unread_for_longer_and_longer():
     from ggmoe.predict import ModelShape
 
