@@ -42,6 +42,7 @@ class TokenController:
         self.inputs = inputs  # the MoE input rows the planner's predictor reads (None: ids only)
         self.tokens = 0  # table-mode micro-batches handled
         self.calls = 0  # layer routings handled (one per MoE layer per micro-batch)
+        self._cached_layers: tuple[int, ...] | None = None  # the layers read through tables (a roomy cache)
 
     def on_routing(self, layers: Iterable[int], routing: np.ndarray) -> None:
         """``routing`` I32 [n_layer, n_tokens, n_expert_used]: the selected experts of ``layers`` (the MoE
@@ -60,6 +61,12 @@ class TokenController:
         planner = self.planner  # a plan follows one decoded token (not a prefill's last micro-batch)
         if planner is not None and (routing.shape[1] != 1 or not planner.decoding):
             planner = None
+        if cache is not None and cache.roomy and planner is None and not observers and routing.shape[1] == 1:
+            if self._cached_layers is None:  # the cached layers (the same every call)
+                self._cached_layers = tuple(il for il in layers if il in tables)
+            self.calls += len(self._cached_layers)
+            cache.after_roomy_token(self._cached_layers, rows_of)  # a slot for every expert: one call a token
+            return
         for il in layers:
             rows = rows_of[il]
             if rows[-1][0] < 0:  # the layer computed fewer tokens (llama.cpp's output skipping)

@@ -161,6 +161,8 @@ class Prefetcher:
         """The engine is about to decode ``tokens``: a prefill starts a request, one token starts a token."""
         self._decoding = len(tokens) == 1
         if self.free_only and self._decoding:
+            if not self.cache.partial_layers:  # every layer holds every expert: no prefetch can ever pay, and
+                return  # the mailbox is never read (has_free_slot), so the token is not even begun
             self._throttle()
         calls = {il: self.cache.stats.layers[il].calls for il in self.layers[: self.predictor.stride]}
         self._do(self._begin, list(tokens), calls)

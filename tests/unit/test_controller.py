@@ -197,3 +197,63 @@ def test_the_table_path_refuses_what_the_backend_cannot_read(backend, types, ref
         choose_decode_mode("async", [note])
     assert all(part in str(e.value) for part in refused)
     assert choose_decode_mode("auto", [note]).mode == "sync"
+
+
+class Counting:
+    """An observer that only counts (its presence keeps the controller on the per-layer path)."""
+
+    def __init__(self) -> None:
+        self.events = 0
+
+    def on_route(self, event: RouteEvent) -> None:
+        self.events += 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fmoe"])
+def test_a_roomy_cache_counts_in_one_call_what_the_layer_calls_count(policy):
+    """Every layer has a slot for every expert: the controller hands the cache the whole token at once
+    (``after_roomy_token``), which counts a layer whose experts were all resident itself and sends the rest
+    (misses: admissions; copies landing) down the per-layer path. Statistics and the policy's state equal
+    the per-layer path's (an observer keeps the controller on it)."""
+    layers = [0, 1, 2]
+    rng = np.random.default_rng(7)
+    routings = [np.stack([rng.choice(N_EXPERT, size=(1, K), replace=False) for _ in layers]).astype(np.int32)
+                for _ in range(60)]
+    caches = []
+    for observers in ([], [Counting()]):
+        cache = ExpertCache(N_EXPERT, K, dict.fromkeys(layers, N_EXPERT), POLICIES.get(policy)(N_EXPERT, layers))
+        whole = []
+        cache.after_roomy_token = lambda ls, rows, _c=cache, _w=whole: (_w.append(1),
+                                                                         type(_c).after_roomy_token(_c, ls, rows))
+        ctl = TokenController(cache, observers)
+        for routing in routings:
+            ctl.on_routing(layers, routing)
+        caches.append((cache, ctl, len(whole)))
+    (fast, fctl, n_fast), (slow, sctl, n_slow) = caches
+    assert fast.roomy and n_fast == len(routings) and n_slow == 0
+    assert fast.stats.total().misses > 0  # some tokens took the per-layer path inside the whole-token call
+    assert fast.stats.total() == slow.stats.total() and fctl.calls == sctl.calls == 60 * len(layers)
+    for il in layers:
+        assert fast.stats.layers[il] == slow.stats.layers[il]
+    assert _state(fast.policy) == _state(slow.policy)
+
+
+def test_a_cache_with_a_layer_that_cannot_hold_every_expert_is_not_roomy():
+    layers = [0, 1]
+    cache = ExpertCache(N_EXPERT, K, {0: N_EXPERT, 1: N_EXPERT - 1}, POLICIES.get("lru")(N_EXPERT, layers))
+    assert not cache.roomy and cache.partial_layers == (1,)
+    on_demand = ExpertCache(N_EXPERT, K, dict.fromkeys(layers, N_EXPERT), POLICIES.get("on-demand")(N_EXPERT, layers))
+    assert not on_demand.roomy  # a policy that releases what it loaded: every call may admit
+
+
+def _state(obj):
+    """An object's attributes, the objects among them opened recursively (numpy arrays as lists)."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: _state(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_state(v) for v in obj]
+    if hasattr(obj, "__dict__"):
+        return _state(vars(obj))
+    return obj
