@@ -29,6 +29,9 @@ from ggmoe.predict.base import Predictor
 
 IDLE_SKIP_MAX = 16  # decode tokens at most that an idle prefetcher leaves the mailbox unread
 BALANCE_WEIGHT = 1 / 8  # the newest token's weight in the prefetch budget's moving balance (about 8 tokens)
+# decode tokens a prefetcher that turned itself off waits before it tries one prefetch a layer again: doubled
+# each time it turns off again, back to the shortest once it runs at its whole budget
+PROBE_AFTER, PROBE_MAX = 32, 1024
 
 
 def default_n_prefetch(n_expert_used: int, n_expert: int) -> int:
@@ -89,15 +92,15 @@ class Prefetcher:
         # while a graph may read a slot)
         self.via_mailbox = False
         self.free_only = False
-        # the async decode's byte budget: experts prefetched per target layer now (n_prefetch at most), halved
-        # while the prefetches' wasted and late bytes outweigh the bytes their used ones saved, grown back by one
-        # while they save more (the sync decode's prefetcher always prefetches n_prefetch). The two are weighed
-        # as a moving balance over the last tokens (BALANCE_WEIGHT): token by token, a predictor that saves more
-        # than it wastes overall still has many tokens that waste more, and halving at each of them kept the
-        # gpt-oss fixture's budget at one or two of its four prefetches (71 % hits against 76 % unthrottled).
+        # the async decode's byte budget: experts prefetched per target layer now (0 .. n_prefetch; the sync
+        # decode's prefetcher always prefetches n_prefetch), set between tokens from a moving balance of the bytes
+        # used prefetches saved against those wasted and late ones cost on a busy link (``_budget``, ``_outcomes``)
         self.limit = n_prefetch
         self._balance = 0.0  # bytes: moving average of (used - wasted - late) prefetch bytes per token
-        self._seen_outcomes: dict[int, tuple[int, int]] = {}  # il -> (used, wasted + late) prefetches at the last look
+        self._off = 0  # decode tokens the budget has been 0 (the prefetcher off) in a row
+        self._probe_wait = PROBE_AFTER // 2  # tokens off before the next try: doubled each time it turns off
+        # il -> (used, wasted + late) prefetches and (dropped, copied) admissions at the last look
+        self._seen_outcomes: dict[int, tuple[int, int, int, int]] = {}
         self._issued: dict[int, int] = {}  # il -> prefetches issued into it, at the last look
         # tokens in a row whose predictions issued nothing (every predicted expert resident), and decode tokens
         # the mailbox is left unread for: 1, 2, 4 ... up to IDLE_SKIP_MAX, back to 0 once a prefetch is issued
@@ -173,14 +176,13 @@ class Prefetcher:
         events = self.cache.prefetch_events
         if events == self._events_seen and self._steady:  # nothing issued or resolved since a look that saw
             self._idle_token()  # nothing either: budget and kept slots stand; only the reader's skip moves
+            if not self.limit:
+                self._probe()
             return
         self._steady, self._events_seen = events == self._events_seen, events
         du, dw, issued = self._outcomes()
         self._balance += BALANCE_WEIGHT * ((du - dw) - self._balance)
-        if self._balance < 0:
-            self.limit = max(1, self.limit // 2)
-        elif self._balance > 0:
-            self.limit = min(self.n_prefetch, self.limit + 1)
+        self._budget()
         # The free slots kept for the next token follow the budget and what the last token's prefetches took:
         # one more than they took, per layer, so a predictor whose experts are resident anyway (reuse, behind
         # LRU admissions) leaves the cache nearly all its slots.
@@ -194,21 +196,54 @@ class Prefetcher:
             self._idle_token()
         self._issued = issued
 
+    def _budget(self) -> None:
+        """The budget from the balance: one less while it is negative, down to none (the prefetcher off: no slot
+        kept free, the mailbox left unread), one more while it is positive. Off, it tries one prefetch a layer
+        again after PROBE_AFTER tokens (twice as many each time it turns off again), from an even balance: the
+        routing may have changed. (Halving at each negative token kept the gpt-oss fixture's budget at one or
+        two of its four prefetches though they saved more than they wasted.)"""
+        was = self.limit
+        if self._balance < 0:
+            self.limit = max(0, self.limit - 1)
+        elif self._balance > 0:
+            self.limit = min(self.n_prefetch, self.limit + 1)
+        if self.limit == self.n_prefetch:  # fully on again: the next time off waits the shortest
+            self._probe_wait = PROBE_AFTER // 2  # (doubled as it turns off)
+        if self.limit:
+            self._off = 0
+        elif was:  # just turned off: wait twice as long as last time before trying again
+            self._probe_wait = min(PROBE_MAX, self._probe_wait * 2)
+        else:
+            self._probe()
+
+    def _probe(self) -> None:
+        """One more token off; after ``_probe_wait`` of them, one prefetch a layer from an even balance."""
+        self._off += 1
+        if self._off >= self._probe_wait:
+            self.limit, self._off, self._balance = 1, 0, 0.0
+
     def _outcomes(self) -> tuple[float, float, dict[int, int]]:
-        """Since the last look: the bytes used prefetches saved, the bytes wasted and late ones cost, and every
-        layer's prefetches issued so far. A used prefetch saves the miss's read over the link and, in the share
-        of misses the cache admits (LRU admits each), the admission copy that would have followed it."""
+        """Since the last look: the bytes used prefetches saved (the miss's read over the link), the bytes wasted
+        and late ones cost, and every layer's prefetches issued so far. A wasted byte costs only where the link
+        had no time to spare: it is weighed by the share of admissions dropped since (an earlier token's
+        admissions still queued when the next token's came). On an idle link a prefetch that is not used costs
+        nothing but its free slot; on the real DeepSeek-V2-Lite routing over PCIe 4, where 88 % of admissions
+        were dropped, async + reuse's prefetches cost 2 ms a token until they were weighed so."""
         used = wasted = 0.0
+        dropped = admitted = 0
         issued: dict[int, int] = {}
         for il in self.layers:
             s = self.cache.stats.layers[il]
             nb = self.cache.slot_bytes.get(il, 0) or 1
-            hits, lost = self._seen_outcomes.get(il, (0, 0))
-            admitted = min(1.0, s.admission_copies / s.misses) if s.misses else 0.0
-            used += (s.prefetch_hits - hits) * nb * (1.0 + admitted)
+            hits, lost, drops, admits = self._seen_outcomes.get(il, (0, 0, 0, 0))
+            used += (s.prefetch_hits - hits) * nb
             wasted += (s.prefetch_wasted + s.prefetch_late - lost) * nb
-            self._seen_outcomes[il] = (s.prefetch_hits, s.prefetch_wasted + s.prefetch_late)
+            dropped += s.admissions_dropped - drops
+            admitted += s.admission_copies - admits
+            self._seen_outcomes[il] = (s.prefetch_hits, s.prefetch_wasted + s.prefetch_late, s.admissions_dropped,
+                                       s.admission_copies)
             issued[il] = s.prefetch_issued
+        wasted *= min(1.0, dropped / admitted) if admitted else 0.0
         return used, wasted, issued
 
     def _idle_token(self) -> None:
@@ -221,7 +256,7 @@ class Prefetcher:
         """Async decode: whether the mailbox's reader should read the token about to decode. After tokens whose
         predictions issued nothing (every predicted expert already resident, as with every expert cached) it
         skips 1, 2, 4 ... tokens, so that its numpy does not take the decode's cores for nothing."""
-        self._was_read = self._skip == 0
+        self._was_read = self._skip == 0 and self.limit > 0  # a prefetcher turned off reads nothing
         if self._skip > 0:
             self._skip -= 1
         return self._was_read

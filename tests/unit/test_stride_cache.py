@@ -136,44 +136,69 @@ class Fixed(Predictor):
         return s
 
 
-def test_the_prefetch_budget_halves_when_prefetches_are_wasted_and_grows_back():
+def _budgeted(n_prefetch=4):
     from ggmoe.predict import ModelShape
 
-    cache, copies = _cache(n_slots=8)
-    shape = ModelShape("x", (0, 1), 16, 2, 4)
-    pf = Prefetcher(cache, Fixed(shape, 1), [0, 1], n_prefetch=4)
+    cache, _ = _cache(n_slots=8)
+    pf = Prefetcher(cache, Fixed(ModelShape("x", (0, 1), 16, 2, 4), 1), [0, 1], n_prefetch=n_prefetch)
     pf.free_only = True
-    cache.keep_free = {0: 4, 1: 4}
-    st = cache.stats.layers[1]
-    st.prefetch_wasted += 3  # the last token's prefetches: three evicted unused
-    pf.begin_step([7])
-    assert pf.limit == 2 and cache.keep_free[1] == 1  # halved; the free slots follow what was taken (none)
-    st.prefetch_hits += 3
-    pf.begin_step([7])
-    assert pf.limit == 3
+    return pf, cache.stats.layers[1]
 
 
-def _token(pf, st, used, wasted):
-    """One decode token whose prefetches into layer 1 were ``used`` and ``wasted`` (no misses, none admitted)."""
+def _token(pf, st, used, wasted, dropped=1.0):
+    """One decode token whose prefetches into layer 1 were ``used`` and ``wasted``, while ``dropped`` of its four
+    admissions were dropped (1.0: a link with no time to spare)."""
     st.prefetch_hits += used
     st.prefetch_wasted += wasted
+    st.admission_copies += 4
+    st.admissions_dropped += round(4 * dropped)
     pf.cache.prefetch_events += used + wasted  # as the cache counts them
     pf.begin_step([7])
     return pf.limit
 
 
+def test_the_budget_shrinks_while_wasted_bytes_outweigh_used_ones_on_a_busy_link_and_grows_back():
+    pf, st = _budgeted()
+    pf.cache.keep_free = {0: 4, 1: 4}
+    assert _token(pf, st, 0, 3) == 3 and pf.cache.keep_free[1] == 1  # the free slots follow what was taken
+    assert _token(pf, st, 3, 0) == 4
+
+
 def test_the_budget_weighs_a_moving_balance_not_each_token():
     """A predictor that saves more than it wastes over a few tokens keeps its whole budget though half its tokens
-    waste more than they save; one that wastes more overall is throttled to one prefetch."""
-    from ggmoe.predict import ModelShape
-
-    for (a, b), want in (((3, 0), (0, 2)), 4), (((2, 0), (0, 3)), 1):
-        cache, _ = _cache(n_slots=8)
-        pf = Prefetcher(cache, Fixed(ModelShape("x", (0, 1), 16, 2, 4), 1), [0, 1], n_prefetch=4)
-        pf.free_only = True
-        st = cache.stats.layers[1]
+    waste more than they save; one that wastes more overall turns itself off."""
+    for (a, b), want in (((3, 0), (0, 2)), 4), (((2, 0), (0, 3)), 0):
+        pf, st = _budgeted()
         limits = [_token(pf, st, *(a if i % 2 == 0 else b)) for i in range(24)]
-        assert limits[-1] == want and (want == 1 or min(limits) == 4), limits
+        assert limits[-1] == want and (want == 0 or min(limits) == 4), limits
+
+
+def test_wasted_prefetches_cost_nothing_on_a_link_with_time_to_spare():
+    pf, st = _budgeted()
+    limits = [_token(pf, st, 0, 3, dropped=0.0) for _ in range(16)]  # no admission was ever dropped
+    assert limits == [4] * 16
+    half = [_token(pf, st, 1, 3, dropped=0.25) for _ in range(16)]  # a quarter dropped: 3 wasted weigh 0.75
+    assert half[-1] == 4
+
+
+def test_a_prefetcher_turned_off_reads_nothing_and_tries_again_later_and_later():
+    """Off (budget 0): no slot kept free, the mailbox unread; after PROBE_AFTER tokens one prefetch a layer is
+    tried from an even balance, and each time it turns off again it waits twice as long."""
+    from ggmoe.control.prefetch import PROBE_AFTER
+
+    pf, st = _budgeted(n_prefetch=1)
+    pf.cache.keep_free = {0: 1, 1: 1}
+    assert _token(pf, st, 0, 3) == 0 and pf.cache.keep_free == {0: 0, 1: 0}
+    waits = []
+    for _ in range(2):
+        off = 0
+        while pf.limit == 0:
+            assert pf.wants_token() is False
+            pf.begin_step([7])  # nothing moved: a token with the prefetcher off
+            off += 1
+        waits.append(off)
+        assert _token(pf, st, 0, 3) == 0  # the try wastes again: off again
+    assert waits == [PROBE_AFTER, 2 * PROBE_AFTER], waits
 
 
 class StartBlind(Fixed):
