@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
@@ -163,15 +164,19 @@ class DeferredStream:
         self._lock = threading.Lock()
         self.put_count = 0  # copies put (tests)
 
-    def _run(self, work: Work, delay_s: float) -> None:
-        if delay_s:
-            threading.Event().wait(delay_s)
+    def _run(self, work: Work, due: float) -> None:
+        left = due - time.perf_counter()
+        if left > 0:
+            threading.Event().wait(left)
         work(None)
 
     def put(self, work: Work) -> object:
         with self._lock:
-            delay = self._rng.uniform(0.0, self.max_delay_s)
-            f = self._pool.submit(self._run, work, delay)
+            # the delay is a latency from the put, not time a worker sleeps once it takes the copy: a copy
+            # queued behind others that is already due lands at once (sleeping per copy capped the stream
+            # at about two copies per delay, far below any link, and starved the async decode's copies)
+            due = time.perf_counter() + self._rng.uniform(0.0, self.max_delay_s) if self.max_delay_s else 0.0
+            f = self._pool.submit(self._run, work, due)
             self._pending.add(f)
             self.put_count += 1
         f.add_done_callback(self._forget)
