@@ -17,8 +17,9 @@ prefetched expert its layer then read from its slot counts as a hit; the async d
 readable when its layer started.
 
 ``--speed``: decode tok/s with every expert cached, stock (no cache), async without and with the
-predictor, rounds alternating, ``--threads`` compute threads (the core count: the mailbox's reader must
-not steal the decode's cores). Run alone on the machine.
+predictor, rounds alternating (each engine first in turn), ``--threads`` compute threads (the core count:
+the mailbox's reader must not steal the decode's cores); each ratio is the median over rounds of the
+round's tok/s over that round's stock. Run alone on the machine.
 """
 
 from __future__ import annotations
@@ -99,9 +100,11 @@ def speed_rows(model: Path, predictor: str, stride: int, threads: int, rounds: i
                "async + predictor (mailbox), every expert cached": engine(
                    CacheConfig(n_slots=n, decode_mode="async", prefetch=pre))}
     ids = next(iter(engines.values())).tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n" * 4)
+    names = list(engines)
     tps: dict[str, list[float]] = {k: [] for k in engines}
-    for _ in range(rounds):
-        for name, eng in engines.items():
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # each engine first in turn
+            eng = engines[name]
             eng.reset()
             eng.decode(ids[:16])
             t0 = time.perf_counter()
@@ -111,9 +114,11 @@ def speed_rows(model: Path, predictor: str, stride: int, threads: int, rounds: i
     for eng in engines.values():
         eng.close()
     med = {k: statistics.median(v) for k, v in tps.items()}
-    base = med["stock (no cache)"]
-    return {"decode_tps": med, "ratio_to_stock": {k: v / base for k, v in med.items()}, "threads": threads,
-            "rounds": rounds}
+    base = tps["stock (no cache)"]
+    # the ratio is the median of each round's ratio to that round's stock: this VM's speed drifts by tens of
+    # percent between rounds, which a ratio of medians taken over different rounds would carry
+    ratios = {k: statistics.median(a / b for a, b in zip(v, base, strict=True)) for k, v in tps.items()}
+    return {"decode_tps": med, "ratio_to_stock": ratios, "threads": threads, "rounds": rounds}
 
 
 def main() -> int:
