@@ -7,9 +7,11 @@
     python tools/bench_stride.py --speed --predictor PRED.npz [--model M.gguf] [--threads 2] [--rounds 7]
 
 Hit rates: every configuration runs the same held-out documents teacher-forced (64 prefill tokens, then
-the document's next 64 tokens one decode step each) on the deferred copy stream (copies land later, on
-their own threads, seen only through the readiness query) with a simulated link (``copy_delay_s``: each
-expert tensor kind's copy waits ``--link-us`` microseconds on one copy thread, in priority order; or
+the document's next 64 tokens one decode step each) on the deferred copy stream (copies land later, out
+of submission order, seen only through the readiness query) with a simulated link (``copy_delay_s``: each
+expert tensor kind's copy takes ``--link-us`` microseconds on the link's timeline, in priority order, and
+the link's thread, the stream's copy engine, lands it then; ``--stream-delay-ms`` adds the stream's own
+random delay, after which a stream thread lands it; or
 ``--stream immediate --link-us -1``: copies land when issued, the predictor's ceiling), at
 ``--share`` of each layer's experts cached: sync LRU, sync LRU + the predictor (stride prefetch inside the
 layers), async LRU, and async + the predictor (the mailbox: stride prefetch while the graph runs). A
