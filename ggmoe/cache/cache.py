@@ -97,6 +97,9 @@ class ExpertCache:
         # can pay in (``has_free_slot``); the tables are fixed for the cache's life
         self.partial_layers = tuple(il for il, t in self.tables.items()
                                     if il not in self.split.layers and t.n_slots < n_expert)
+        # where the async decode's stride prefetch can ever put something: those, and split layers with bottom
+        # buffers (their bottoms)
+        self.prefetch_layers = (*self.partial_layers, *self.split.bottoms)
         # every layer whole-expert with a slot for every expert, under a policy that keeps what it loads: the
         # async decode's controller hands such a cache a whole token at once (``after_roomy_token``)
         self.roomy = not self.partial_layers and not split and not self._releases
@@ -340,8 +343,26 @@ class ExpertCache:
         running graph could go there and pay). A layer with a slot for every expert admits each miss between
         tokens and never evicts: a prefetch there could save only an expert's first miss, at most ``n_expert``
         hits in a whole session, never worth the mailbox reader's CPU."""
-        tables = self.tables
-        return any(tables[il].free for il in self.partial_layers)
+        return any(self.has_room(il) for il in self.prefetch_layers)
+
+    def has_room(self, il: int) -> bool:
+        """Whether a prefetch into layer ``il`` could go somewhere while a graph runs: a free slot of a
+        whole-expert layer that cannot hold every expert, or an empty bottom buffer of a split layer."""
+        bt = self.split.bottoms.get(il)
+        if bt is not None:
+            return bt.empty() is not None
+        table = self.tables.get(il)
+        return table is not None and bool(table.free) and il in self.partial_layers
+
+    def keep_free_cap(self, n_prefetch: int) -> dict[int, int]:
+        """Most free slots kept per layer between tokens for the async decode's stride prefetch: ``keep_free_slots``
+        for whole-expert layers; a split layer's empty bottom buffers (its tops are admitted between tokens
+        only), none without buffers."""
+        cap = keep_free_slots(self.n_slots, self.n_expert, self.n_expert_used, n_prefetch)
+        for il in self.split.layers:
+            bt = self.split.bottoms.get(il)
+            cap[il] = min(n_prefetch, bt.n_buffers) if bt is not None else 0
+        return cap
 
     def seen_start(self, il: int, flat: list[int]) -> None:
         """Async decode with the mailbox: layer ``il`` has started with experts ``flat`` (the device reads their
@@ -350,7 +371,10 @@ class ExpertCache:
         not landed was late."""
         with self.lock:
             table = self.tables.get(il)
-            if table is None or il in self.split.layers:
+            if table is None:
+                return
+            if il in self.split.layers:
+                self.split.seen_start(self, il, flat)
                 return
             if table.n_loading:
                 self._land_done(table)
@@ -407,8 +431,10 @@ class ExpertCache:
             admit.sort(key=lambda e: rank.get(e, len(plan)))
             need = need + plan
         if admit:
+            # free slots kept for prefetches (a split layer's kept room is in its bottom buffers, not its slots)
+            reserve = 0 if il in self.split.layers else self.keep_free.get(il, 0)
             self.stats.layers[il].admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION,
-                                                                     self.keep_free.get(il, 0)))
+                                                                     reserve))
 
     def _to_host(self, il: int, pending: list[CopyHandle], missing: list[int]
                  ) -> tuple[set[int], list[CopyHandle], list[int]]:
@@ -459,7 +485,9 @@ class ExpertCache:
                 self.prefetch_events += 1
                 return 0
             if free_only:
-                if il in self.split or not self.tables[il].free:
+                if il in self.split:
+                    return self.split.prefetch_free(self, il, experts, ranks)
+                if not self.tables[il].free:
                     return 0
                 return self._prefetch_whole(il, experts, keep, ranks, free_only=True)
             return self._prefetch(il, experts, keep, ranks)

@@ -141,6 +141,7 @@ class BottomTable:
         self.expert_in = [-1] * n_buffers  # [n_buffers] expert or -1
         self.copy: list[CopyHandle | None] = [None] * n_buffers  # [n_buffers] copy in flight into the buffer
         self.last_use = [0] * n_buffers  # [n_buffers] access clock of the last use or placement
+        self.unused = [False] * n_buffers  # [n_buffers] holds a bottom placed and not read yet
         self.n_loading = 0  # buffers whose copy is in flight
         self.listener: BottomListener | None = None
 
@@ -178,6 +179,27 @@ class BottomTable:
         self.copy[buffer] = handle
         self.n_loading += 1
         self.last_use[buffer] = clock
+        self.unused[buffer] = True
+
+    def empty(self) -> int | None:
+        """A buffer no expert is in (nothing points at it: a copy may go there while a graph runs), or None."""
+        for b, e in enumerate(self.expert_in):
+            if e < 0:
+                return b
+        return None
+
+    def release(self, buffer: int) -> bool:
+        """Empty a landed buffer (between tokens): its expert's bottom is read from host memory again (the
+        listener is told first). Returns whether the bottom was never read (a wasted prefetch)."""
+        assert self.copy[buffer] is None, "a buffer with a copy in flight is cancelled (drop), not released"
+        e = self.expert_in[buffer]
+        if e >= 0:
+            self.buffer_of[e] = -1
+            self.expert_in[buffer] = -1
+            if self.listener is not None:
+                self.listener.bottom_unmapped(e)
+        wasted, self.unused[buffer] = self.unused[buffer], False
+        return wasted
 
     def drop(self, buffer: int) -> None:
         """A copy into ``buffer`` was cancelled before any of it ran: the buffer is empty (its old expert was
@@ -189,6 +211,7 @@ class BottomTable:
         if e >= 0:
             self.buffer_of[e] = -1
             self.expert_in[buffer] = -1
+        self.unused[buffer] = False
 
     def landed(self, buffer: int) -> None:
         if self.copy[buffer] is None:

@@ -41,7 +41,9 @@ from ggmoe.inspect.names import CACHED_KINDS
 SPLIT_MAX_TOKENS = 4
 
 SPLIT_ROWS, SPLIT_COLS = 1, 2  # ggml_mmid_split_axis (patch 0007)
-SPLIT_PACKED = 1 << 32  # or-ed into a table's split: the bottom address holds a packed bottom (a bottom buffer)
+# or-ed into a split expert's bottom address (bit 0: addresses are even): a packed bottom (a bottom buffer), so
+# that a bottom moves between host memory and a buffer by one 8-byte write (patch 0007's GGML_MMID_SPLIT_PACKED)
+SPLIT_PACKED = 1
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ class ExpertCache(Protocol):
     policy: Policy
     n_prefetched: dict[int, int]  # il -> slots holding an unused prefetched expert
     predicted: dict[int, list[int]]  # il -> experts predicted for its next call
+    keep_free: dict[int, int]  # il -> free slots (split layers: empty bottom buffers) kept between tokens
+    prefetch_events: int  # prefetches issued plus their outcomes counted so far
 
     def cancel_stale(self, il: int, handles: list[CopyHandle | None], need: list[int]) -> list[int]: ...
 
@@ -96,7 +98,12 @@ class SplitLayers:
             elif bt is not None and bt.ready(e):
                 st.hits += 1
                 st.bottom_hits += 1
-                bt.last_use[bt.buffer_of[e]] = cache.clock
+                b = bt.buffer_of[e]
+                bt.last_use[b] = cache.clock
+                if bt.unused[b] and not before_compute:  # the async decode's prefetched bottom, used
+                    st.prefetch_hits += 1
+                    cache.prefetch_events += 1
+                bt.unused[b] = False
             else:
                 st.top_hits += 1
                 st.bottom_read_bytes += sp.bottom_bytes
@@ -113,7 +120,76 @@ class SplitLayers:
         cache.policy.on_access(il, need, cache.clock)
         cache._admit_after(il, table, need, missing)
         self.land(cache, il)  # a synchronous backend (the CPU build's memcpy) has landed them already
+        if bt is not None and not before_compute and cache.keep_free.get(il):
+            self._keep_free(cache, il, bt, need)
         st.hook_s += cache.time.now() - t0
+
+    @staticmethod
+    def _keep_free(cache: ExpertCache, il: int, bt: BottomTable, need: list[int]) -> None:
+        """Between tokens (async decode): empty bottom buffers until ``keep_free[il]`` are, for the next token's
+        stride prefetch into a running graph (bottoms never read first, then the least recently used; never
+        one this token read or one still loading)."""
+        n_free = sum(1 for e in bt.expert_in if e < 0)
+        want = cache.keep_free[il]
+        if n_free >= want:
+            return
+        used = set(need)
+        held = [b for b, e in enumerate(bt.expert_in) if e >= 0 and bt.copy[b] is None and e not in used]
+        held.sort(key=lambda b: (not bt.unused[b], bt.last_use[b]))
+        st = cache.stats.layers[il]
+        for b in held[: want - n_free]:
+            if bt.release(b):
+                st.prefetch_wasted += 1
+                cache.prefetch_events += 1
+
+    def prefetch_free(self, cache: ExpertCache, il: int, experts: list[int], ranks: list[float] | None) -> int:
+        """The async decode's stride prefetch into split layer ``il`` while a graph runs (the cache's lock held;
+        ``experts`` likeliest first): the bottoms of predicted experts whose tops are readable, into empty
+        buffers only (no table entry points at one, so no kernel reads it), first in the copy queue. Each
+        bottom's table entry flips to its buffer on the copy stream once it landed (one 8-byte word: address
+        and packed flag). Tops are admitted between tokens only. Returns the bottoms queued."""
+        bt = self.bottoms.get(il)
+        if bt is None:
+            return 0
+        table = cache.tables[il]
+        slot_of, copy = table.slot_of_list, table.copy
+        rank_of = dict(zip(experts, ranks, strict=True)) if ranks is not None else {}
+        n = 0
+        for e in experts:
+            s = slot_of[e]
+            if s < 0 or copy[s] is not None or bt.buffer_of[e] >= 0:
+                continue  # no readable top to go with it, or its bottom is in a buffer already
+            b = bt.empty()
+            if b is None:
+                break
+            h = cache.copies.submit(il, e, bottom_target(b), Priority.DEMAND, rank_of.get(e, 0.0))
+            bt.place(e, b, h, cache.clock)
+            n += 1
+        st = cache.stats.layers[il]
+        nbytes = self.layers[il].bottom_bytes * n
+        st.bottom_prefetches += n
+        st.prefetch_issued += n
+        st.bottom_prefetch_bytes += nbytes
+        st.bytes_copied += nbytes
+        cache.prefetch_events += n
+        return n
+
+    def seen_start(self, cache: ExpertCache, il: int, flat: list[int]) -> None:
+        """The async decode's reader saw split layer ``il`` start with experts ``flat``: bottoms that landed are
+        readable (their entries flipped on the copy stream already, so the layer read them there); a prefetched
+        bottom of one of ``flat`` still loading was late. Tops land between tokens only (their three entries
+        change together there)."""
+        bt = self.bottoms.get(il)
+        if bt is None:
+            return
+        if bt.n_loading:
+            for b, h in enumerate(bt.copy):
+                if h is not None and cache.copies.done(h):
+                    bt.landed(b)
+        late = sum(1 for e in set(flat) if bt.buffer_of[e] >= 0 and bt.copy[bt.buffer_of[e]] is not None)
+        if late:
+            cache.stats.layers[il].prefetch_late += late
+            cache.prefetch_events += late
 
     @staticmethod
     def _drop_stale_bottoms(cache: ExpertCache, il: int, bt: BottomTable, need: list[int]) -> None:

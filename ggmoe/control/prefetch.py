@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ggmoe.cache.cache import ExpertCache, keep_free_slots
+from ggmoe.cache.cache import ExpertCache
 from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteEvent
 from ggmoe.predict.base import Predictor
@@ -164,7 +164,7 @@ class Prefetcher:
         """The engine is about to decode ``tokens``: a prefill starts a request, one token starts a token."""
         self._decoding = len(tokens) == 1
         if self.free_only and self._decoding:
-            if not self.cache.partial_layers:  # every layer holds every expert: no prefetch can ever pay, and
+            if not self.cache.prefetch_layers:  # every layer holds every expert: no prefetch can ever pay, and
                 return  # the mailbox is never read (has_free_slot), so the token is not even begun
             self._throttle()
         calls = {il: self.cache.stats.layers[il].calls for il in self.layers[: self.predictor.stride]}
@@ -186,7 +186,7 @@ class Prefetcher:
         # The free slots kept for the next token follow the budget and what the last token's prefetches took:
         # one more than they took, per layer, so a predictor whose experts are resident anyway (reuse, behind
         # LRU admissions) leaves the cache nearly all its slots.
-        cap = keep_free_slots(self.cache.n_slots, self.cache.n_expert, self.k, self.limit)
+        cap = self.cache.keep_free_cap(self.limit)
         unpredicted = set(self.layers[: self.predictor.stride]) - self._start_targets
         self.cache.keep_free = {il: min(c, issued[il] - self._issued.get(il, 0) + 1)
                                 if c and il not in unpredicted else 0 for il, c in cap.items()}
@@ -322,8 +322,7 @@ class Prefetcher:
     def _full(self, target: int) -> bool:
         """No free slot in ``target`` where a prefetch into a running graph pays: skip predicting. A layer with a
         slot for every expert never evicts, so a prefetch there pays nothing (``ExpertCache.has_free_slot``)."""
-        table = self.cache.tables.get(target)
-        return table is None or not table.free or table.n_slots >= self.cache.n_expert
+        return not self.cache.has_room(target)
 
     def _prefetch(self, target: int, scores: np.ndarray | None, calls: int | None = None,
                   at_start: bool = False) -> None:

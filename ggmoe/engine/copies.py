@@ -82,7 +82,7 @@ class GgmlCopyBackend:
         def work(stream: int | None) -> None:
             for i in kinds:
                 self._write(pairs[i], expert, slot, stream)
-                if flip is not None and slot >= 0:
+                if flip is not None:  # a slot's entry, or a split layer's bottom row (entry_flip)
                     self._flip(flip(il, i, expert, slot), stream)
 
         put = getattr(self.stream, "put_on_engine", None) if engine else None

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.cache import CacheConfig, CacheStats
-from ggmoe.cache.cache import keep_free_slots
 from ggmoe.cache.decode_mode import (
     TABLE_MAX_TOKENS,
     DecodeMode,
@@ -147,8 +146,6 @@ class CachePipeline:
         max_tokens = table_max_tokens(self._n_batch, self.n_ubatch)
         if not max_tokens:
             reasons.append(f"micro-batches of {self.n_ubatch} tokens are too small for the routing output")
-        if split and self.prefetcher is not None and cache.decode_mode == "auto":
-            reasons.append("the prefetcher fills split layers' bottom buffers in the sync decode only")
         # a stride prefetch runs in either mode (the route op's callback, or the mailbox's reader): auto weighs
         # what each costs a token on this machine
         weighed = (self.runtime.mode_estimate(cache, self._n_threads or os.cpu_count() or 1)
@@ -231,8 +228,7 @@ class CachePipeline:
         facts, cache = self.facts, self.runtime.cache
         self.stride = StrideReader(self.mailbox, self.prefetcher, cache, facts.moe_layers)
         self.runtime.stream.flip = self.tables.entry_flip
-        self._keep_free = keep_free_slots(cache.n_slots, facts.n_expert, facts.n_expert_used,
-                                          self.prefetcher.n_prefetch)
+        self._keep_free = cache.keep_free_cap(self.prefetcher.n_prefetch)
         # it asks the route op for nothing: its inputs come from the mailbox (a request would turn table mode off)
         self.prefetcher.request = HookRequest(probs=False, hidden=False)
         self.observers.add(self.prefetcher)

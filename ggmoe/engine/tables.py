@@ -41,8 +41,11 @@ class _LayerTable:
 
     Whole experts: one row per table, the address of each expert's matrix. A split layer (MoEpic): three
     rows, top address, bottom address, split (``ggml_mul_mat_id_table_split``): a mapped expert's top is its
-    slot's top segment and its bottom is its bottom buffer once that landed, else its host tensor; an unmapped
-    expert is whole at its host address (split -1)."""
+    slot's top segment and its bottom is its bottom buffer once that landed (the address or-ed with
+    ``SPLIT_PACKED``: a buffer holds a packed bottom), else its host tensor; an unmapped expert is whole at its
+    host address (split -1). A bottom moves between host memory and a buffer by one 8-byte write (row 1), which
+    the copy stream may make while a graph runs (``entry_flip``); the three rows change together only between
+    tokens."""
 
     def __init__(self, owner: ExpertTables, views: list[np.ndarray], offsets: list[int], pairs: list, n_expert: int,
                  slot_data: list[int], bottom_data: list[int]) -> None:
@@ -58,6 +61,9 @@ class _LayerTable:
         self.bottom_data = bottom_data  # [kind] address of bottom buffer 0 (split layers with buffers)
         self.is_split = pairs[0].split is not None
         self.bottoms = None  # the cache's BottomTable of the layer (split layers with bottom buffers)
+        if self.is_split and any((a | b | int(np.bitwise_or.reduce(h))) & SPLIT_PACKED for a, b, h in
+                                 zip(bottom_data, self.bottom_bytes, self.host, strict=True)):
+            raise EngineError("a split layer's bottom addresses are odd: the packed flag has no bit to go in")
         for k, v in enumerate(views):  # every expert starts whole in host memory
             v[0] = self.host[k]
             if self.is_split:
@@ -75,8 +81,12 @@ class _LayerTable:
         tensor (the expert's layout)."""
         bt = self.bottoms
         if bt is not None and bt.ready(expert):
-            return self.bottom_data[k] + bt.buffer_of[expert] * self.bottom_bytes[k], self.split[k] | SPLIT_PACKED
+            return self.buffer_entry(k, bt.buffer_of[expert]), self.split[k]
         return int(self.host[k][expert]), self.split[k]
+
+    def buffer_entry(self, k: int, buffer: int) -> int:
+        """Row 1's value for a bottom in ``buffer``: its address, or-ed with the packed flag."""
+        return (self.bottom_data[k] + buffer * self.bottom_bytes[k]) | SPLIT_PACKED
 
     def mapped(self, expert: int, slot: int) -> None:
         for k in range(len(self.views)):
@@ -95,21 +105,11 @@ class _LayerTable:
     def bottom_mapped(self, expert: int, buffer: int) -> None:
         if self.views[0][2, expert] >= 0:  # the top is mapped: read the bottom from the buffer now
             for k in range(len(self.views)):
-                self._set_bottom(k, expert, self.bottom_data[k] + buffer * self.bottom_bytes[k],
-                                 self.split[k] | SPLIT_PACKED)
+                self._write(k, 1, expert, self.buffer_entry(k, buffer))
 
     def bottom_unmapped(self, expert: int) -> None:
-        for k in range(len(self.views)):
-            if self.views[k][2, expert] >= 0:  # mapped: its bottom is read from host memory again
-                self._set_bottom(k, expert, int(self.host[k][expert]), self.split[k])
-            else:
-                self._write(k, 1, expert, int(self.host[k][expert]))
-
-    def _set_bottom(self, k: int, expert: int, addr: int, split: int) -> None:
-        """A mapped expert's bottom moves (host <-> buffer): address and layout flag change together. Written
-        while no graph reads the table (between tokens, or in the route callback of another layer)."""
-        self._write(k, 1, expert, addr)
-        self._write(k, 2, expert, split)
+        for k in range(len(self.views)):  # (an unmapped expert's row 1 is never read: split -1)
+            self._write(k, 1, expert, int(self.host[k][expert]))
 
 
 class ExpertTables:
@@ -299,10 +299,17 @@ class ExpertTables:
     def entry_flip(self, il: int, kind: int, expert: int, slot: int) -> tuple[int, int, int] | None:
         """(tables tensor, byte offset, value) that points layer ``il``'s entry of ``expert`` for tensor kind
         ``kind`` (the slot tensors' order) at ``slot``: what the copy stream writes once that kind's copy into
-        the slot landed. None for a split layer (its three rows change together, between tokens)."""
+        the slot landed. A split layer: for a bottom buffer (``slot`` < 0, ``bottom_target``) its row 1, one
+        word (harmless while the expert's top is unmapped: split -1, row 1 unread); None for a top slot (its
+        three rows change together, between tokens)."""
         lt = self.layers.get(il)
-        if lt is None or lt.is_split:
+        if lt is None:
             return None
+        if lt.is_split:
+            if slot >= 0:
+                return None
+            n_expert = lt.views[kind].shape[1]
+            return self.all, (lt.offsets[kind] + n_expert + expert) * 8, lt.buffer_entry(kind, -1 - slot)
         return self.all, (lt.offsets[kind] + expert) * 8, lt.slot_data[kind] + slot * lt.slot_bytes[kind]
 
     @property

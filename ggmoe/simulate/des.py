@@ -46,7 +46,6 @@ from typing import Any
 import numpy as np
 
 from ggmoe.cache import ExpertCache
-from ggmoe.cache.cache import keep_free_slots
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
@@ -425,7 +424,7 @@ def _stride_prefetch(cache: ExpertCache, prefetcher: Prefetcher, n_expert: int, 
         raise UsageError(f"predictor {prefetcher.predictor.name!r} reads router probabilities, which the async "
                          "decode's mailbox does not carry: simulate it with --decode-mode sync")
     prefetcher.via_mailbox = prefetcher.free_only = True
-    cache.keep_free = keep_free_slots(cache.n_slots, n_expert, n_expert_used, prefetcher.n_prefetch)
+    cache.keep_free = cache.keep_free_cap(prefetcher.n_prefetch)
 
 
 def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, controller: TokenController,

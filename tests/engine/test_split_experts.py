@@ -119,7 +119,7 @@ def test_prefetched_bottoms_equal_stock(arch_model, stock_logits, predictor, cop
     arch, path = arch_model
     facts = inspect_model(path)
     ref = stock_logits(path)
-    cfg = CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5),
+    cfg = CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5), decode_mode="sync",
                       prefetch=PrefetchConfig(predictor, stride=1, n_prefetch=facts.n_expert_used))
     with Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
         assert eng.decode_mode["decode_mode_in_effect"] == "sync"
@@ -132,6 +132,53 @@ def test_prefetched_bottoms_equal_stock(arch_model, stock_logits, predictor, cop
         assert st.bottom_hits > 0  # some bottoms were read from their buffers
         if predictor == "reuse":
             assert st.top_hits > 0  # and some from host memory
+
+
+@pytest.mark.parametrize("predictor", ["skip-gate", "reuse"])
+def test_async_prefetched_bottoms_equal_stock(arch_model, stock_logits, predictor, copy_stream, monkeypatch):
+    """The async decode's stride prefetch fills split layers' bottom buffers while the graph runs (the mailbox's
+    reader, in lockstep so that every layer is read before its matmuls): each bottom's table entry flips to
+    its buffer on the copy stream once the bottom landed (one word: address and packed flag), racing the
+    kernels that read the table on the deferred stream. The logits are stock's."""
+    arch, path = arch_model
+    facts = inspect_model(path)
+    ref = stock_logits(path)
+    monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
+    cfg = CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5), decode_mode="async",
+                      prefetch=PrefetchConfig(predictor, stride=1, n_prefetch=facts.n_expert_used, in_graph=False))
+    if arch == "llama4" and predictor == "skip-gate":  # its MoE input is weighted first: the mailbox has ids only
+        with pytest.raises(UsageError, match="weights before its experts"):
+            Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg))
+        return
+    with Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
+        assert eng.decode_mode["decode_mode_in_effect"] == "async"
+        got = run_sequences(eng)
+        st = eng.cache_stats.total()
+    _check(got, ref, (arch, predictor))
+    assert st.prefetch_issued >= st.bottom_prefetches
+    if copy_stream == "immediate":  # tops readable from the next token on: bottoms go into a running graph
+        assert st.bottom_prefetches > 0 and st.bottom_hits > 0 and st.prefetch_hits > 0
+
+
+def test_async_bottom_flip_is_one_word_of_row_one(qwen3moe_model):
+    """A bottom copy's table write (``entry_flip`` with a bottom target) is row 1's entry of the expert: its
+    buffer's address or-ed with the packed flag; a top slot of a split layer gets none (its rows change
+    between tokens)."""
+    from ggmoe.cache.copy import bottom_target
+    from ggmoe.cache.split import SPLIT_PACKED
+
+    facts = inspect_model(qwen3moe_model)
+    cfg = CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5), decode_mode="async",
+                      prefetch=PrefetchConfig("reuse", stride=1, n_prefetch=facts.n_expert_used, in_graph=False))
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
+        tables = eng.pipeline.tables
+        il = facts.moe_layers[0]
+        lt = tables.layers[il]
+        assert tables.entry_flip(il, 0, 3, 1) is None
+        tensor, offset, value = tables.entry_flip(il, 0, 3, bottom_target(1))
+        n_expert = lt.views[0].shape[1]
+        assert offset == (lt.offsets[0] + n_expert + 3) * 8 and value & SPLIT_PACKED
+        assert value & ~SPLIT_PACKED == lt.bottom_data[0] + lt.bottom_bytes[0]
 
 
 def _zero(ptrs) -> None:
@@ -175,7 +222,7 @@ def test_prefetched_bottom_buffers_feed_the_matmuls(qwen3moe_model):
     """Zeroed bottom buffers change the logits of a step that reads bottoms there (skip-gate's prefetches,
     MoEpic's own predictor: the next layer's router on this layer's hidden state)."""
     facts = inspect_model(qwen3moe_model)
-    cfg = CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5),
+    cfg = CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5), decode_mode="sync",
                       prefetch=PrefetchConfig("skip-gate", stride=1, n_prefetch=facts.n_expert_used))
     with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
         ids = eng.tokenize("The quick brown fox jumps over")
@@ -187,6 +234,29 @@ def test_prefetched_bottom_buffers_feed_the_matmuls(qwen3moe_model):
         ref = eng.decode([ids[1]]).copy()
         hits0 = eng.cache_stats.total().bottom_hits
         _zero(bottoms)
+        got = eng.decode([ids[1]]).copy()
+        assert eng.cache_stats.total().bottom_hits > hits0
+    assert np.abs(got - ref).max() > 1e-3
+
+
+@pytest.mark.immediate_copies("the bottoms a token prefetched must have landed before the next token reads them")
+def test_async_prefetched_bottom_buffers_feed_the_matmuls(qwen3moe_model, monkeypatch):
+    """The async decode's bottoms, prefetched into a running graph, are read from their buffers through row 1 of
+    the table (flipped on the copy stream): zeroing the buffers changes the logits of a token that reads them."""
+    facts = inspect_model(qwen3moe_model)
+    monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
+    cfg = CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5), decode_mode="async",
+                      prefetch=PrefetchConfig("reuse", stride=1, n_prefetch=facts.n_expert_used, in_graph=False))
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
+        ids = eng.tokenize("The quick brown fox jumps over")
+        eng.decode(ids)
+        for _ in range(4):  # tops admitted and landed, then reuse's bottoms prefetched into the running graphs
+            eng.decode([ids[1]])
+        st = eng.cache_stats.total()
+        assert st.bottom_prefetches > 0
+        ref = eng.decode([ids[1]]).copy()
+        hits0 = eng.cache_stats.total().bottom_hits
+        _zero(p.bottom for ps in eng._runtime.slots.pairs.values() for p in ps)
         got = eng.decode([ids[1]]).copy()
         assert eng.cache_stats.total().bottom_hits > hits0
     assert np.abs(got - ref).max() > 1e-3
