@@ -17,6 +17,9 @@ routing, benchmark only, see trace_routing.py) and each configuration:
                  a top-only hit reads the bottom, a miss the whole expert, from pinned host memory (zero-copy);
                  the top of a miss is admitted (fractions below 100 % only)
     split-async  the same split in the async decode (admissions between tokens)
+    async-prefetch  the async decode with the mailbox's stride prefetch (reuse, stride 2: each layer's
+                 experts predicted two layers ahead while the graph runs, into free slots; the
+                 simulator's real-shape row of docs/policies.md)
     prefetch     ggmoe, stride prefetching (reuse predictor, stride 1) and the host path (--miss-policy auto)
     prefetch-eam the same with MoE-Infinity's EAM predictor trained on the tiled trace's other prompts
                  (trace routing only)
@@ -89,13 +92,13 @@ if TYPE_CHECKING:
     from ggmoe.engine import Engine, EngineConfig
 # the engine (llama.cpp) is imported where it runs: the pure parts here are unit-tested without it
 
-CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "async", "split", "split-async", "prefetch",
-           "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp")
-DEFAULT_CONFIGS = (*CONFIGS[:9], "prefetch-mlp")
+CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async",
+           "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp")
+DEFAULT_CONFIGS = (*CONFIGS[:10], "prefetch-mlp")
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
-PER_FRACTION = ("n-cpu-moe", "lru", "async", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg",
+PER_FRACTION = ("n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg",
                 "lru-auto", "prefetch-wait", "prefetch-mlp")
-GGMOE = ("lru", "async", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto",
+GGMOE = ("lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto",
          "prefetch-wait", "prefetch-mlp")
 SPLIT = ("split", "split-async")  # MoEpic's split: only below 100 % (with every expert cacheable it is moot)
 WHOLE_LRU = ("lru", "async")  # whole-expert LRU, the split rows' reference at the same VRAM
@@ -264,6 +267,10 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
                                                       decode_mode="sync")), n_slots
     if config == "async":
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", decode_mode="async")), n_slots
+    if config == "async-prefetch":
+        pre = PrefetchConfig(predictor="reuse", stride=2)
+        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", decode_mode="async",
+                                                      prefetch=pre)), n_slots
     if config in SPLIT:
         if not split:
             raise SystemExit(f"error: {config} needs the model's split geometry (split_layers)")
@@ -438,9 +445,10 @@ def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None =
         r = simulate(trace, sim, bpe, profile)
         return r.tpot_s * 1e3 if r.tpot_s is not None else None
     pred = {"lru": None, "async": None, "lru-auto": None, "prefetch": "reuse", "prefetch-bg": "reuse",
-            "prefetch-wait": "reuse", "prefetch-eam": "eam"}[cell.config]
-    sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots), policy="lru", predictor=pred, stride=1,
-                    miss_policy="wait" if cell.config in ("lru", "async", "prefetch-wait") else "auto",
+            "prefetch-wait": "reuse", "prefetch-eam": "eam", "async-prefetch": "reuse"}[cell.config]
+    sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots), policy="lru", predictor=pred,
+                    stride=2 if cell.config == "async-prefetch" else 1,
+                    miss_policy="wait" if cell.config in ("lru", "async", "async-prefetch", "prefetch-wait") else "auto",
                     decode_mode="async" if cell.decode_mode == "async" else "sync")
     r = simulate(trace, sim, bpe, profile, train=train if pred == "eam" else None)
     return r.tpot_s * 1e3 if r.tpot_s is not None else None
