@@ -284,7 +284,7 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     prefetcher = Prefetcher(cache, pred, layers, n_pre, config.threshold) if pred is not None else None
     planner = _planner(config, trace, train, model_path, cache) if config.planner else None
     if config.decode_mode == "async" and prefetcher is not None:
-        _stride_prefetch(cache, prefetcher, m.n_expert, m.n_expert_used)
+        _stride_prefetch(cache, prefetcher)
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
     rows_now = _Row(trace, pos)  # the trace row a one-token micro-batch replays: the planner's input rows
@@ -417,7 +417,7 @@ def _observe(st: _Step, obs: Any, trace: Trace, rows: slice, sel_all: np.ndarray
     st.clock.advance(pred_s if st.timed else 0.0)
 
 
-def _stride_prefetch(cache: ExpertCache, prefetcher: Prefetcher, n_expert: int, n_expert_used: int) -> None:
+def _stride_prefetch(cache: ExpertCache, prefetcher: Prefetcher) -> None:
     """The engine's async stride prefetch (``CachePipeline._stride_prefetch``): predictions as each layer
     starts, prefetches into free slots only, the same free slots kept between tokens."""
     if prefetcher.predictor.needs_probs:

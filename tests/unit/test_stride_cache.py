@@ -293,3 +293,52 @@ def test_the_controller_builds_no_events_for_an_observer_that_reads_the_mailbox(
 
     TokenController(cache, [Plain(), ViaMailbox()]).on_routing([0, 1], np.array([[[1, 2]], [[3, 4]]], np.int32))
     assert seen == {"plain": 2, "mailbox": 0}
+
+
+def _split_cache(n_slots=4, n_bottom=2):
+    """A cache of one split layer (layer 0, 8 experts, top-2) over held copies: tops 40 bytes, bottoms 60."""
+    from ggmoe.cache.split import SPLIT_ROWS, KindSplit, LayerSplit, Run
+
+    kind = KindSplit("up", SPLIT_ROWS, 2, 100, Run(0, 0, 40, 1, 40, 40), (Run(40, 0, 60, 1, 60, 60),))
+    split = {0: LayerSplit(0, 0.4, 5, 2, (kind,))}
+    copies = HeldCopies()
+    cache = ExpertCache(8, 2, {0: n_slots}, POLICIES.get("lru")(8, [0]), copies=copies,
+                        bytes_per_expert={0: 100}, split=split, n_bottom=n_bottom)
+    return cache, copies
+
+
+def test_a_split_layer_takes_prefetched_bottoms_into_empty_buffers_only_while_a_graph_runs():
+    """The async decode's prefetch into a split layer: bottoms of experts whose tops are readable, into empty
+    buffers, first in the queue; nothing evicted, no top copied; between tokens the kept buffers are emptied,
+    a bottom never read counted wasted, one read counted used."""
+    cache, copies = _split_cache()
+    table, bt = cache.tables[0], cache.split.bottoms[0]
+    for slot, e in enumerate((1, 2, 3)):  # tops of 1, 2, 3 readable; 4's top still loading
+        table.place(e, slot, None)
+        table.free.remove(slot)
+    table.place(4, 3, CopyHandle(99, 0, 4, 3, Priority.ADMISSION))
+    table.free.remove(3)
+    assert cache.has_room(0) and 0 in cache.prefetch_layers
+    n = cache.prefetch(0, [4, 1, 5, 2, 3], free_only=True)  # 4: top loading, 5: no top; 1 and 2 fill both buffers
+    assert n == 2 and [(h.expert, h.slot, h.priority) for h in copies.handles] == [
+        (1, -1, Priority.DEMAND), (2, -2, Priority.DEMAND)]
+    assert not cache.has_room(0) and cache.prefetch(0, [3], free_only=True) == 0
+    st = cache.stats.layers[0]
+    assert st.bottom_prefetches == st.prefetch_issued == 2 and st.bottom_prefetch_bytes == 120
+    copies.landed |= {h.id for h in copies.handles}
+    cache.seen_start(0, [1, 3])  # landed before the layer started: 1's bottom readable there
+    cache.keep_free = {0: 2}
+    cache.after_token(0, [1, 3])
+    assert st.bottom_hits == 1 and st.prefetch_hits == 1  # 1's prefetched bottom, read
+    # two kept empty for the next token: 2's unread bottom goes (wasted), 1's stays (this token read it)
+    assert st.prefetch_wasted == 1 and bt.expert_in == [1, -1]
+
+
+def test_a_prefetched_bottom_still_loading_when_its_layer_starts_is_late():
+    cache, copies = _split_cache()
+    cache.tables[0].place(1, 0, None)
+    cache.tables[0].free.remove(0)
+    cache.prefetch(0, [1], free_only=True)
+    cache.seen_start(0, [1, 2])
+    st = cache.stats.layers[0]
+    assert st.prefetch_late == 1 and st.bottom_hits == 0
