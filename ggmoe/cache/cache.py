@@ -312,26 +312,24 @@ class ExpertCache:
     def after_roomy_token(self, layers: Iterable[int], rows_of: list[list[list[int]]]) -> None:
         """``after_token`` of one decoded token (``rows_of[il][0]``: layer ``il``'s experts) for a ``roomy`` cache,
         every layer of which has a slot for every expert: in one call under one lock. A layer with nothing
-        loading and nothing prefetched, whose experts were all resident, only counts its hits (such a layer
-        never evicts, and nothing is missing to admit); any other takes the per-layer path. A model whose
-        experts all fit so decodes at close to stock speed (the per-layer calls cost it about 4 %)."""
+        loading and nothing prefetched, whose experts were all resident, only counts its hits; any other takes
+        the per-layer path. A roomy cache never evicts (a miss always finds a free slot), so the policy, which
+        only ranks victims, is not told of the accesses here: nothing will ever ask for its ranks. A model
+        whose experts all fit so decodes at close to stock speed (the per-layer calls cost it about 4 %)."""
         with self.lock:
-            on_access, stats, predicted, tables = self.policy.on_access, self.stats.layers, self.predicted, self.tables
-            n_prefetched = self.n_prefetched
+            stats, predicted, tables, n_prefetched = self.stats.layers, self.predicted, self.tables, self.n_prefetched
             for il in layers:
                 flat = rows_of[il][0]
                 table = tables[il]
                 if table.n_loading or n_prefetched[il] or -1 in map(table.slot_of_list.__getitem__, flat):
                     self._after_token(il, flat)
                     continue
-                need = sorted(set(flat))
                 self.clock += 1
                 st = stats[il]
                 st.calls += 1
-                st.hits += len(need)
-                on_access(il, need, self.clock)
+                st.hits += len(set(flat))
                 if predicted and il in predicted:  # the stride prefetcher's guess, scored as in sync
-                    self._score_guess(st, predicted.pop(il), need)
+                    self._score_guess(st, predicted.pop(il), sorted(set(flat)))
 
     def plan_next(self, il: int, experts: list[int]) -> None:
         """The planner's experts for layer ``il``'s next call, likeliest first (empty: no plan); see ``plan``."""
