@@ -18,7 +18,31 @@ from ggmoe.engine import ggml as B
 from ggmoe.engine.loader import HostExpertOverride
 from ggmoe.engine.pipeline import CachePipeline
 
-__all__ = ["CachePipeline", "HostExpertOverride", "LlamaAttachment", "grammar_parses"]
+__all__ = ["CachePipeline", "HostExpertOverride", "LlamaAttachment", "fim_tokens", "grammar_parses", "is_eog",
+           "n_ctx_seq", "set_embeddings"]
+
+
+def n_ctx_seq(ctx_ptr: int) -> int:
+    """The tokens one sequence may hold in the context's KV cache (the whole context when unified)."""
+    return int(B.llama_cpp.llama_n_ctx_seq(ctx_ptr))  # uint32_t llama_n_ctx_seq(const struct llama_context * ctx);
+
+
+def set_embeddings(ctx_ptr: int, on: bool) -> None:
+    """Whether the context's decodes output embeddings instead of logits."""
+    B.llama_cpp.llama_set_embeddings(ctx_ptr, on)  # void llama_set_embeddings(struct llama_context * ctx, bool);
+
+
+def is_eog(vocab_ptr: int, token: int) -> bool:
+    """Whether ``token`` ends a generation (EOS, EOT ...)."""
+    # bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
+    return bool(B.llama_cpp.llama_vocab_is_eog(vocab_ptr, token))
+
+
+def fim_tokens(vocab_ptr: int) -> dict[str, int]:
+    """The vocabulary's fill-in-the-middle tokens (pre, suf, mid, pad, rep, sep); -1 where it has none."""
+    c = B.llama_cpp  # llama_token llama_vocab_fim_pre(const struct llama_vocab * vocab); and the other five
+    return {name: int(getattr(c, f"llama_vocab_fim_{name}")(vocab_ptr))
+            for name in ("pre", "suf", "mid", "pad", "rep", "sep")}
 
 
 def grammar_parses(vocab_ptr: int, grammar: str, root: str = "root") -> bool:

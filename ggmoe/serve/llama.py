@@ -139,7 +139,9 @@ class GgmoeLlama(llama_cpp.Llama):
 
     def n_ctx_seq(self) -> int:
         """The tokens one sequence may hold in llama.cpp's KV cache (the whole context when unified)."""
-        return int(llama_cpp.llama_n_ctx_seq(self._ctx.ctx))
+        from ggmoe.engine.llama_attach import n_ctx_seq
+
+        return n_ctx_seq(self._ctx.ctx)
 
     def decode_sequences(self, entries: Sequence[Any]) -> list[np.ndarray]:
         """One ``llama_decode`` of several sequences' tokens (``ggmoe.engine.sequences.SeqEntry``), the
@@ -247,12 +249,14 @@ class GgmoeLlama(llama_cpp.Llama):
         for i, text in enumerate(texts):
             if not self.tokenize(text.encode("utf-8")):  # an empty batch fails in llama_decode and then
                 raise UsageError(f"input {i} has no tokens")  # corrupts llama-cpp-python's batch
-        llama_cpp.llama_set_embeddings(self._ctx.ctx, True)
+        from ggmoe.engine.llama_attach import set_embeddings
+
+        set_embeddings(self._ctx.ctx, True)
         self.context_params.embeddings = True
         try:
             out, n = self.embed(list(texts), normalize=False, truncate=False, return_count=True)
         finally:
-            llama_cpp.llama_set_embeddings(self._ctx.ctx, False)
+            set_embeddings(self._ctx.ctx, False)
             self.context_params.embeddings = False
         self._raise_route_error()
         pooled = []
@@ -266,10 +270,9 @@ class GgmoeLlama(llama_cpp.Llama):
 
     def fim_tokens(self) -> dict[str, int]:
         """The fill-in-the-middle tokens (pre, suf, mid, pad, rep, sep); -1 where the model has none."""
-        v = self._model.vocab
-        c = llama_cpp
-        return {"pre": c.llama_vocab_fim_pre(v), "suf": c.llama_vocab_fim_suf(v), "mid": c.llama_vocab_fim_mid(v),
-                "pad": c.llama_vocab_fim_pad(v), "rep": c.llama_vocab_fim_rep(v), "sep": c.llama_vocab_fim_sep(v)}
+        from ggmoe.engine.llama_attach import fim_tokens
+
+        return fim_tokens(self._model.vocab)
 
     def add_bos_token(self) -> bool:
         """Whether the model's tokenizer puts a BOS token before a text prompt."""
@@ -284,7 +287,9 @@ class GgmoeLlama(llama_cpp.Llama):
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation (EOS, EOT...), as ``_create_completion`` tests it."""
-        return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
+        from ggmoe.engine.llama_attach import is_eog
+
+        return is_eog(self._model.vocab, token)
 
     def reconfigure(self, cache: CacheConfig) -> None:
         """Replace the expert cache between generations (MoEpic's reconfiguration: other slot counts and top
