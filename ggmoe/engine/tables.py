@@ -21,6 +21,7 @@ controller reads it once per decode (after the logits, so the device is done).
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +30,10 @@ from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
 from ggmoe.errors import EngineError
+
+if TYPE_CHECKING:
+    from ggmoe.cache.cache import ExpertCache
+    from ggmoe.engine.slot_tensors import SlotTensors
 
 GGML_TYPE_I32 = 26
 GGML_TYPE_I64 = 27
@@ -116,7 +121,7 @@ class ExpertTables:
     """Every cached layer's expert tables and the routing output, on the slots' device, registered with the
     context. ``attach`` hooks them to the cache's slot tables; ``enable``/``disable`` switch table mode."""
 
-    def __init__(self, ctx_ptr: int, slots: object, n_expert: int, n_expert_used: int, n_layer: int,
+    def __init__(self, ctx_ptr: int, slots: SlotTensors, n_expert: int, n_expert_used: int, n_layer: int,
                  max_tokens: int) -> None:
         """``slots``: the runtime's ``SlotTensors`` (its pairs give host and slot addresses per kind)."""
         self.ctx_ptr = ctx_ptr
@@ -216,7 +221,7 @@ class ExpertTables:
         if i >= self._hi:
             self._hi = i + 1
 
-    def attach(self, cache: object) -> None:
+    def attach(self, cache: ExpertCache) -> None:
         """Make every cached layer's table follow the cache's slot table and, for a split layer, its bottom
         buffers (entries of ready slots now)."""
         for il, table in cache.tables.items():
