@@ -262,6 +262,18 @@ def event_query_fn() -> ctypes._CFuncPtr | None:
     return fn
 
 
+def split_packed_flag() -> int | None:
+    """``int64_t ggml_mmid_split_packed_flag(void)`` (patch 0007): the bit this build's kernels read as a split
+    expert's packed bottom, or None when the installed engine predates the function (its flag was bit 32 of
+    the split word then)."""
+    fn = getattr(libggml_base, "ggml_mmid_split_packed_flag", None)
+    if fn is None:
+        return None
+    fn.argtypes = []
+    fn.restype = ctypes.c_int64
+    return int(fn())
+
+
 # void ggml_backend_free(ggml_backend_t backend);
 libggml_base.ggml_backend_free.argtypes = [ctypes.c_void_p]
 libggml_base.ggml_backend_free.restype = None

@@ -29,7 +29,7 @@ from ggmoe.cache.split import SPLIT_PACKED
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
-from ggmoe.errors import EngineError
+from ggmoe.errors import EngineError, EngineNotPatchedError
 
 if TYPE_CHECKING:
     from ggmoe.cache.cache import ExpertCache
@@ -37,6 +37,16 @@ if TYPE_CHECKING:
 
 GGML_TYPE_I32 = 26
 GGML_TYPE_I64 = 27
+
+
+def _check_packed_flag() -> None:
+    """The installed engine's kernels read the packed flag where the tables write it (else a packed bottom
+    would be read in the expert's own layout: wrong logits, silently)."""
+    flag = B.split_packed_flag()
+    if flag != SPLIT_PACKED:
+        raise EngineNotPatchedError(
+            "the installed engine reads split experts' packed flag elsewhere (built from older patches): run "
+            "`ggmoe engine build --install` (or `make engine` in a clone) to rebuild it")
 
 
 class _LayerTable:
@@ -66,9 +76,11 @@ class _LayerTable:
         self.bottom_data = bottom_data  # [kind] address of bottom buffer 0 (split layers with buffers)
         self.is_split = pairs[0].split is not None
         self.bottoms = None  # the cache's BottomTable of the layer (split layers with bottom buffers)
-        if self.is_split and any((a | b | int(np.bitwise_or.reduce(h))) & SPLIT_PACKED for a, b, h in
-                                 zip(bottom_data, self.bottom_bytes, self.host, strict=True)):
-            raise EngineError("a split layer's bottom addresses are odd: the packed flag has no bit to go in")
+        if self.is_split:
+            _check_packed_flag()
+            if any((a | b | int(np.bitwise_or.reduce(h))) & SPLIT_PACKED for a, b, h in
+                   zip(bottom_data, self.bottom_bytes, self.host, strict=True)):
+                raise EngineError("a split layer's bottom addresses are odd: the packed flag has no bit to go in")
         for k, v in enumerate(views):  # every expert starts whole in host memory
             v[0] = self.host[k]
             if self.is_split:

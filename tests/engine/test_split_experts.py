@@ -181,6 +181,18 @@ def test_async_bottom_flip_is_one_word_of_row_one(qwen3moe_model):
         assert value & ~SPLIT_PACKED == lt.bottom_data[0] + lt.bottom_bytes[0]
 
 
+@pytest.mark.parametrize("flag", [None, 1 << 32])
+def test_an_engine_that_reads_the_packed_flag_elsewhere_is_refused(qwen3moe_model, monkeypatch, flag):
+    """An engine built from older patches (no ggml_mmid_split_packed_flag, or a flag in another bit) would read a
+    packed bottom in the expert's own layout: a split cache refuses it with one message, before any decode."""
+    from ggmoe.errors import EngineNotPatchedError
+
+    monkeypatch.setattr(B, "split_packed_flag", lambda: flag)
+    facts = inspect_model(qwen3moe_model)
+    with pytest.raises(EngineNotPatchedError, match="engine build --install"):
+        _engine(qwen3moe_model, facts.n_expert_used + 1, _all(facts, 0.5))
+
+
 def _zero(ptrs) -> None:
     for ptr in ptrs:
         t = ctypes.cast(ptr, B.ggml_tensor_p)
