@@ -51,6 +51,7 @@ from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
 from ggmoe.cache.miss import SLOT_HOST, MissCosts, auto_without_host_path, effective_miss_policy
 from ggmoe.cache.policies import make_policy
+from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.split import LayerSplit
 from ggmoe.control import TokenController
 from ggmoe.control.assemble import CacheParts, assemble_cache
@@ -59,7 +60,7 @@ from ggmoe.control.prefetch import Prefetcher, default_n_prefetch
 from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
-from ggmoe.predict.base import check_trace_inputs, is_predictor_file
+from ggmoe.predict.base import Predictor, check_trace_inputs, is_predictor_file
 from ggmoe.simulate.replay import micro_batches, next_uses_flat
 from ggmoe.simulate.timeline import FlagLinkCopyBackend, LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace
@@ -255,7 +256,7 @@ class _Sim:
     batches: list[slice]  # the micro-batches, in order
     is_async: list[bool]  # per micro-batch: read through the expert tables (the async decode)
     future: list[dict[int, float]] | None  # Belady's next uses per cache call; None without
-    policy: Any
+    policy: Policy
 
 
 def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int], profile: HardwareProfile | None,
@@ -353,7 +354,7 @@ class _Step:
     link: LinkCopyBackend
     costs: _Costs
     prefetcher: Prefetcher | None
-    pred: Any
+    pred: Predictor | None  # the prefetcher's or the planner's predictor (None: neither)
     config: SimConfig
     timed: bool  # a profile is given: the predictor's time counts
     planner: NextTokenPlanner | None = None  # a route observer in the sync decode, as in the engine
@@ -406,7 +407,7 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
     return fi
 
 
-def _observe(st: _Step, obs: Any, trace: Trace, rows: slice, sel_all: np.ndarray, j: int, il: int) -> None:
+def _observe(st: _Step, obs: Prefetcher | NextTokenPlanner, trace: Trace, rows: slice, sel_all: np.ndarray, j: int, il: int) -> None:
     """A route observer that predicts (prefetcher or planner) sees the layer's routing, in the callback's time."""
     tp = time.perf_counter()
     p = obs.predictor
