@@ -415,34 +415,34 @@ class Engine:
         out = []
         for i in range(0, len(tokens), self.n_batch):
             chunk = list(tokens[i : i + self.n_batch])
-            if self.pipeline is not None:
-                self.pipeline.begin_step(chunk)
-            self._batch.set_batch(chunk, self.n_past, all_logits)
-            mark = llama_log().count
-            failed: RuntimeError | None = None
-            _sigint.enter()
-            try:
-                self._ctx.decode(self._batch)
-            except RuntimeError as e:  # llama_decode returned nonzero
-                failed = e
-            finally:
-                _sigint.exit()
-            if failed is None and self.pipeline is not None:
-                self.pipeline.after_decode(len(chunk))  # synchronizes first (as the logits read does)
-            self._raise_hook_error()
-            if failed is not None:
-                raise EngineError(f"{failed}: {llama_log().error_since(mark) or 'no reason logged'}")
+            if self.pipeline is not None:  # the one decode step: the pipeline around llama_decode
+                self.pipeline.step(chunk, lambda c=chunk: self._decode_chunk(c, all_logits))
+            else:
+                try:
+                    self._decode_chunk(chunk, all_logits)
+                finally:
+                    self._raise_hook_error()
             self.n_past += len(chunk)
             if all_logits or i + self.n_batch >= len(tokens):
                 out.append(self._logits(len(chunk) if all_logits else 1))
         return np.concatenate(out, axis=0) if all_logits else out[-1]
 
+    def _decode_chunk(self, chunk: list[int], all_logits: bool) -> None:
+        """One ``llama_decode`` of ``chunk`` after the sequence; llama.cpp's refusal as an ``EngineError`` with
+        what it logged. Ctrl-C is held until llama.cpp returns."""
+        self._batch.set_batch(chunk, self.n_past, all_logits)
+        mark = llama_log().count
+        _sigint.enter()
+        try:
+            self._ctx.decode(self._batch)
+        except RuntimeError as e:  # llama_decode returned nonzero
+            raise EngineError(f"{e}: {llama_log().error_since(mark) or 'no reason logged'}") from None
+        finally:
+            _sigint.exit()
+
     def _raise_hook_error(self) -> None:
-        """Re-raise what a callback (or the prefetch worker) stored: they never raise into C."""
-        if self.pipeline is not None:
-            err = self.pipeline.take_error()
-        else:
-            err = self._hook.take_error(self._ctx.ctx) if self._hook is not None else None
+        """Without a pipeline: re-raise what the cb_eval hook's observers stored (they never raise into C)."""
+        err = self._hook.take_error(self._ctx.ctx) if self._hook is not None else None
         if err is not None:
             raise err
 

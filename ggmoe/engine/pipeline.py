@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -76,6 +77,9 @@ def backend_note(facts: ModelFacts, on_gpu: bool) -> str | None:
     dev = B.libggml.ggml_backend_dev_by_type(B.GGML_BACKEND_DEVICE_TYPE_GPU)
     name = B.libggml.ggml_backend_dev_name(dev).decode() if dev else "GPU"
     return table_type_note(name, [(t.name, t.ggml_type) for layer in facts.layers for t in layer.cached])
+
+
+T = TypeVar("T")  # what a decode step returns
 
 
 class CachePipeline:
@@ -368,6 +372,33 @@ class CachePipeline:
             tables.flush()  # the plan's entries on the device now: any decode after this one reads them
         except BaseException as e:  # noqa: BLE001 - raised by the caller, as the callback's errors are
             self.hook.error = e
+
+    def step(self, tokens: Sequence[int], decode: Callable[[], T], on_error: Callable[[], None] | None = None) -> T:
+        """One ``llama_decode`` of ``tokens`` (``decode()``, which also reads the logits) with the pipeline around
+        it: ``begin_step`` before, ``after_decode`` after a decode that succeeded, then what the callback, the
+        route op, the controller or a prefetch thread stored is raised (they never raise into C); from the
+        decode's own exception when it failed, which is raised as it is otherwise. ``on_error`` runs before a
+        stored error is raised (the caller forgets the sequence: this decode's KV entries are meaningless).
+        The one driver of a decode step: the ``Engine``, the ``llama_cpp.Llama`` subclass and its
+        multi-sequence batches all call it."""
+        self.begin_step(tokens)
+        try:
+            out = decode()
+        except BaseException as e:
+            self._raise_stored(on_error, e)
+            raise
+        self.after_decode(len(tokens))
+        self._raise_stored(on_error, None)
+        return out
+
+    def _raise_stored(self, on_error: Callable[[], None] | None, cause: BaseException | None) -> None:
+        err = self.take_error()
+        if err is not None:
+            if on_error is not None:
+                on_error()
+            if cause is None:
+                raise err
+            raise err from cause
 
     def take_error(self) -> BaseException | None:
         """What the callback, the route op, the controller or the prefetch worker stored (cleared)."""

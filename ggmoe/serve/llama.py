@@ -152,16 +152,9 @@ class GgmoeLlama(llama_cpp.Llama):
         batch = self.__dict__.get("_ggmoe_seq_batch")
         if batch is None:
             batch = self.__dict__["_ggmoe_seq_batch"] = SeqBatch(self.n_batch, self._n_vocab)
-        tokens = [t for e in entries for t in e.tokens]
-        if self._ggmoe is not None:
-            self._ggmoe.begin_step(tokens)
-        rows = batch.decode(self._ctx.ctx, entries)
-        if self._ggmoe is not None:
-            self._ggmoe.after_decode(len(tokens))
-            err = self._ggmoe.take_error()
-            if err is not None:
-                raise err
-        return rows
+        if self._ggmoe is None:
+            return batch.decode(self._ctx.ctx, entries)
+        return self._ggmoe.step([t for e in entries for t in e.tokens], lambda: batch.decode(self._ctx.ctx, entries))
 
     def _default_chat_handler(self) -> llama_cpp.llama_chat_format.LlamaChatCompletionHandler:
         return self.chat_formatter().to_chat_handler()
@@ -186,25 +179,22 @@ class GgmoeLlama(llama_cpp.Llama):
         if self._ggmoe is None:
             super().eval(tokens)
             return
-        # Batch by batch as Llama.eval does, so the prefetcher sees each llama_decode's tokens first.
+        # Batch by batch as Llama.eval does, so the prefetcher sees each llama_decode's tokens first; Llama.eval
+        # reads the logits, so the device is done with each decode when the pipeline's step goes on.
         for i in range(0, len(tokens), self.n_batch):
             batch = tokens[i : i + self.n_batch]
-            self._ggmoe.begin_step(batch)
-            try:
-                super().eval(batch)  # reads the logits: the device is done with this decode
-            except RuntimeError as e:
-                self._raise_route_error(cause=e)
-                raise
-            self._ggmoe.after_decode(len(batch))
-            self._raise_route_error()
+            self._ggmoe.step(batch, lambda b=batch: llama_cpp.Llama.eval(self, b), on_error=self._forget)
 
-    def _raise_route_error(self, cause: BaseException | None = None) -> None:
+    def _forget(self) -> None:
+        """A decode's stored error is about to be raised: its KV entries are meaningless, forget the sequence."""
+        self.reset()
+        self.n_tokens = 0
+
+    def _raise_route_error(self) -> None:
         err = self._ggmoe.take_error() if self._ggmoe is not None else None
         if err is not None:
-            # The decode's KV entries are meaningless: forget the sequence.
-            self.reset()
-            self.n_tokens = 0
-            raise err from cause
+            self._forget()
+            raise err
 
     # -- generate: one hook per sampled token (timings, usage, cancellation)
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Any, None]:

@@ -121,6 +121,7 @@ def test_a_route_callback_error_surfaces_from_the_llama_call(mode, hot_path):
         setattr(cache, hot_path, broken)
         with pytest.raises(EngineError, match="injected failure"):
             llm.create_completion("hello", max_tokens=4)
+        assert llm.n_tokens == 0  # that decode's KV entries are meaningless: the sequence was forgotten
         setattr(cache, hot_path, real)
         assert llm.create_completion("hello", max_tokens=4)["usage"]["completion_tokens"] > 0
 
