@@ -182,10 +182,7 @@ class SplitLayers:
         bt = self.bottoms.get(il)
         if bt is None:
             return
-        if bt.n_loading:
-            for b, h in enumerate(bt.copy):
-                if h is not None and cache.copies.done(h):
-                    bt.landed(b)
+        self._land_bottoms(cache, bt)
         late = sum(1 for e in set(flat) if bt.buffer_of[e] >= 0 and bt.copy[bt.buffer_of[e]] is not None)
         if late:
             cache.stats.layers[il].prefetch_late += late
@@ -205,7 +202,13 @@ class SplitLayers:
         if table.n_loading:
             cache._land_done(table)
         bt = self.bottoms.get(il)
-        if bt is not None and bt.n_loading:
+        if bt is not None:
+            self._land_bottoms(cache, bt)
+
+    @staticmethod
+    def _land_bottoms(cache: ExpertCache, bt: BottomTable) -> None:
+        """Bottom copies that landed become readable (the listener points their entries at the buffers)."""
+        if bt.n_loading:
             for b, h in enumerate(bt.copy):
                 if h is not None and cache.copies.done(h):
                     bt.landed(b)
