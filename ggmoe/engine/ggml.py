@@ -122,6 +122,12 @@ libggml_base.ggml_backend_buft_name.restype = ctypes.c_char_p
 libggml_base.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
 libggml_base.ggml_backend_buffer_is_host.restype = ctypes.c_bool
 
+# typedef void (*ggml_abort_callback_t)(const char * error_message);
+ggml_abort_callback_t = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+# GGML_API ggml_abort_callback_t ggml_set_abort_callback(ggml_abort_callback_t callback);
+libggml_base.ggml_set_abort_callback.argtypes = [ggml_abort_callback_t]
+libggml_base.ggml_set_abort_callback.restype = ctypes.c_void_p  # the previous callback (ggml's default: NULL)
+
 # ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);
 libggml_cpu.ggml_backend_cpu_buffer_type.argtypes = []
 libggml_cpu.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p

@@ -76,9 +76,12 @@ def test_async_matches_all_in_vram(model):
             assert np.abs(a - b).max() <= 2e-2 * max(1.0, float(np.abs(b).max())), n_slots
         # the decode graph stays on the device: expert biases (gpt-oss) stay there too, so no more splits
         assert _tg_splits(mark) == stock_splits, (model, n_slots)
-        assert st.hits > 0 and st.landed > 0, (model, n_slots)  # admissions land, seen through their events
+        assert st.hits > 0, (model, n_slots)
         if n_slots < facts.n_expert:
-            assert st.host_reads > 0  # misses were read by the GPU from pinned host memory
+            # admissions land, seen through their events; misses were read by the GPU from pinned host
+            # memory. A slot for every expert (gpt-oss's 8) is filled by the prefill's own demand copies:
+            # no admission is left to land (the first loan on an H200 asserted it there, wrongly)
+            assert st.landed > 0 and st.host_reads > 0, (model, n_slots)
 
 
 @pytest.mark.parametrize("model", ["tiny-moe", "qwen3moe"])

@@ -369,7 +369,7 @@ def test_pipeline_states_and_collect(tmp_path):
         (res / model / "matrix.md").write_text("#")
     (res / "steps.json").write_text('{"build": {"seconds": 1, "exit": 0}}')
     (res / "modes.json").write_text('{"modes": {}}')
-    (res / "gpu-tests.log").write_text("3 passed\n")
+    (res / "gpu-tests.log").write_text("==> tests/gpu/test_a.py\nPASSED tests/gpu/test_a.py::t\n")
     (res / "pipeline.log").write_text("log")
     (prefix / "build.log").write_text("x" * 1000 + "\n[5/9] nvcc\n")
     copied = gpu_pipeline.collect(res, prefix, out)
@@ -378,39 +378,66 @@ def test_pipeline_states_and_collect(tmp_path):
                            "loan.json", "pipeline.log", "build-tail.log"}
     assert len(copied) <= 8  # what the device tool brings back
     loan = json.loads((out / "loan.json").read_text())
-    assert loan["steps"]["build"]["exit"] == 0 and loan["modes"] == {"modes": {}} and "3 passed" in loan["gpu_tests"]
+    assert loan["steps"]["build"]["exit"] == 0 and loan["modes"] == {"modes": {}} and "PASSED tests/gpu/test_a.py::t" in loan["gpu_tests"]
 
 
-# (exit of the plain check, exit with libstdc++ preloaded or None: not tried, libstdc++ found,
-#  the check's result, LD_PRELOAD kept for the matrix)
-ENGINE_CHECKS = [
-    (0, None, True, 0, None),
-    (1, None, True, 1, None),  # a Python error: preloading would not help
-    (-11, 0, True, 0, "/lib/libstdc++.so.6"),  # the first loan's segfault, fixed by the preload
-    (-11, -11, True, -11, None),
-    (-11, None, False, -11, None),
+# (a CPU run, libstdc++ found, LD_PRELOAD of every engine run)
+PRELOADS = [
+    (False, True, "/lib/libstdc++.so.6"),  # a GPU machine: both loans segfaulted loading a model without it
+    (False, False, None),
+    (True, True, None),  # the CPU smoke run: nothing preloaded
 ]
 
 
-@pytest.mark.parametrize(("plain", "preloaded", "found", "rc", "kept"), ENGINE_CHECKS)
-def test_engine_check_falls_back_to_preloading_libstdcxx(tmp_path, monkeypatch, plain, preloaded, found, rc, kept):
-    p = gpu_pipeline.Pipeline(tmp_path, tmp_path / "prefix", tmp_path / "pack", ["toy"], True, tmp_path / "t.npz",
+@pytest.mark.parametrize(("cpu", "found", "kept"), PRELOADS)
+def test_engine_runs_preload_libstdcxx_on_a_gpu_machine(tmp_path, monkeypatch, cpu, found, kept):
+    monkeypatch.setattr(gpu_pipeline, "find_libstdcxx", lambda: "/lib/libstdc++.so.6" if found else None)
+    p = gpu_pipeline.Pipeline(tmp_path, tmp_path / "prefix", tmp_path / "pack", ["toy"], cpu, tmp_path / "t.npz",
                               tmp_path, [], [])
     calls = []
+    monkeypatch.setattr(p, "run", lambda name, cmd, env=None: calls.append(env.get("LD_PRELOAD")) or 0)
+    assert p.engine_check(tmp_path / "m.gguf") == 0
+    assert calls == [kept] and p.engine_env().get("LD_PRELOAD") == kept
 
-    def run(name, cmd, env=None):
-        calls.append((name, env.get("LD_PRELOAD")))
-        return plain if len(calls) == 1 else preloaded
 
-    monkeypatch.setattr(p, "run", run)
-    monkeypatch.setattr(gpu_pipeline, "find_libstdcxx", lambda: "/lib/libstdc++.so.6" if found else None)
-    assert p.engine_check(tmp_path / "m.gguf") == rc
-    assert p.preload == kept
-    assert p.engine_env().get("LD_PRELOAD") == kept
-    assert calls[0][1] is None
-    assert len(calls) == (2 if preloaded is not None else 1)
-    if preloaded is not None:
-        assert calls[1][1] == "/lib/libstdc++.so.6"
+def test_tests_digest_keeps_outcomes_and_an_aborts_cause(tmp_path):
+    log = tmp_path / "gpu-tests.log"
+    log.write_text("==> tests/gpu/test_a.py\nllama_model_load: noise\nPASSED tests/gpu/test_a.py::t[x]\n"
+                   "FAILED tests/gpu/test_a.py::t[y] - AssertionError\nE   assert 0 > 0\n<== test_a.py: exit 1\n"
+                   "==> tests/gpu/test_b.py\nllama.cpp: CUDA error: an illegal memory access was encountered\n"
+                   "llama.cpp aborted the process: ggml-cuda.cu:90: CUDA error\nFatal Python error: Aborted\n"
+                   "  File \"x.py\", line 3\n<== test_b.py: exit -6\n")
+    got = gpu_pipeline.tests_digest(log).splitlines()
+    assert got == ["==> tests/gpu/test_a.py", "PASSED tests/gpu/test_a.py::t[x]",
+                   "FAILED tests/gpu/test_a.py::t[y] - AssertionError", "E   assert 0 > 0", "<== test_a.py: exit 1",
+                   "==> tests/gpu/test_b.py", "llama.cpp: CUDA error: an illegal memory access was encountered",
+                   "llama.cpp aborted the process: ggml-cuda.cu:90: CUDA error", "Fatal Python error: Aborted",
+                   "<== test_b.py: exit -6"]
+
+
+import modes as gpu_modes  # noqa: E402
+
+_R = {"hits": 5, "misses": 3}
+# (mode, its tokens, its hits, ok, why): stock's tokens are [1, 2, 3]
+VERDICTS = [
+    ("sync", [1, 2, 3], 5, True, None),
+    ("sync", [1, 2, 4], 5, False, "tokens differ from stock's from token 2"),
+    ("async", [1, 2, 3], 0, False, "the async decode never hit its cache"),
+    ("host", [1, 9, 9], 5, True, None),  # the CPU's kernels: judged on running and hitting only
+    ("host", [1, 2, 3], 0, False, "the host decode never hit its cache"),
+]
+
+
+@pytest.mark.parametrize(("mode", "tokens", "hits", "ok", "why"), VERDICTS)
+def test_mode_verdicts(mode, tokens, hits, ok, why):
+    got = gpu_modes.verdicts({"tokens": [1, 2, 3]}, {mode: {**_R, "tokens": tokens, "hits": hits}})[mode]
+    assert got["ok"] == ok and got.get("why") == why
+    assert got["same_as_stock"] == next((i for i, t in enumerate(tokens) if t != i + 1), 3)
+
+
+def test_mode_verdicts_carry_a_failed_run():
+    got = gpu_modes.verdicts({"tokens": [1]}, {"split": {"error": "killed by signal 11: x", "seconds": 1.0}})["split"]
+    assert not got["ok"] and got["why"] == "killed by signal 11: x" and "same_as_stock" not in got
 
 
 # --------------------------------------------------------------------------- MoEpic's split rows (issue 18)

@@ -17,12 +17,13 @@ Steps, in order of what matters most (a loan cut short still returns the first o
                      first model written beside it
     model M          tools/gpu/realshape.py --preset M
     engine check     the first model loaded through ggmoe's Engine with the cache on (auto decode mode, half
-                     the experts) and 8 tokens decoded, in a fresh process; if that dies by a signal, again
-                     with libstdc++ preloaded, kept for the later runs (the first loan's segfault: numpy
-                     loaded before libllama)
+                     the experts) and 8 tokens decoded, in a fresh process. Every engine run on a GPU machine
+                     has the system's libstdc++ preloaded: both loans saw the CUDA build segfault loading a
+                     model without it (the second in modes.py and pytest, after this check had passed)
     modes            tools/gpu/modes.py on the first model: every decode mode's greedy tokens beside stock's,
                      async hits at 50 %, each mode in its own process (RESULTS/modes.json)
-    gpu tests        pytest tests/gpu (the packed pytest), RESULTS/gpu-tests.log
+    gpu tests        pytest on each file of tests/gpu in its own process, uncaptured (-s: a CUDA abort's cause
+                     reaches the log), RESULTS/gpu-tests.log
     matrix M random  tools/gpu/matrix.py, the model's own router: its default configurations, MoEpic's split
                      (split, split-async at 50 and 25 %, beside lru and async at the same VRAM) among them;
                      each cell in its own process with a time limit (a CUDA fault loses one cell)
@@ -80,7 +81,8 @@ class Pipeline:
         self.cuda_sites = cuda_sites
         self.steps: dict[str, dict] = {}
         self.writer_env: dict | None = None
-        self.preload: str | None = None  # LD_PRELOAD for the engine's runs, when the engine check needed it
+        # LD_PRELOAD for the engine's runs on a GPU machine: the system's libstdc++ (see engine check above)
+        self.preload: str | None = None if cpu else find_libstdcxx()
         self.lock = threading.Lock()
         self.log = open(results / "pipeline.log", "a", buffering=1)  # noqa: SIM115 - open for the whole run
 
@@ -135,25 +137,8 @@ class Pipeline:
         return out
 
     def engine_check(self, model: Path) -> int:
-        """Load ``model`` through ggmoe's Engine (as the matrix does) in a fresh process; if that dies by a
-        signal, try again with libstdc++ preloaded and keep the preload for the matrix runs.
-
-        The first loan (2026-11-23) found the engine segfaulting in std::regex while loading a vocabulary
-        when numpy was imported before libllama; ggmoe now imports a CUDA build first. This step shows
-        whether that holds on the machine, and keeps the loan useful if it does not.
-        """
-        cmd = [sys.executable, "-c", ENGINE_CHECK, str(model)]
-        rc = self.run("engine check", cmd, env=self.engine_env())
-        if rc >= 0:
-            return rc
-        lib = find_libstdcxx()
-        if lib is None:
-            return rc
-        self.preload = lib
-        rc = self.run(f"engine check with LD_PRELOAD={lib}", cmd, env=self.engine_env())
-        if rc != 0:
-            self.preload = None
-        return rc
+        """Load ``model`` through ggmoe's Engine (as the matrix does) in a fresh process, cache on."""
+        return self.run("engine check", [sys.executable, "-c", ENGINE_CHECK, str(model)], env=self.engine_env())
 
     def modes(self, model: Path) -> int:
         """Every decode mode on ``model`` beside stock (tools/gpu/modes.py), into RESULTS/modes.json."""
@@ -162,14 +147,20 @@ class Pipeline:
         return self.run("modes", cmd, env=self.engine_env())
 
     def gpu_tests(self) -> int:
-        """The GPU tier (tests/gpu, skipped without a GPU) with the packed pytest, into RESULTS/gpu-tests.log."""
+        """The GPU tier (tests/gpu, skipped without a GPU) with the packed pytest, one process per file (an abort
+        loses one file), uncaptured so that a CUDA abort's cause is in RESULTS/gpu-tests.log."""
         env = self.engine_env()
         env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{self.prefix / 'deps'}"
         t0 = time.monotonic()
-        self.say("gpu tests: pytest tests/gpu")
-        with open(self.results / "gpu-tests.log", "w") as log:
-            rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+        self.say("gpu tests: pytest, each file of tests/gpu")
+        rc = 0
+        with open(self.results / "gpu-tests.log", "w", buffering=1) as log:
+            for f in sorted((ROOT / "tests" / "gpu").glob("test_*.py")):
+                log.write(f"==> {f.relative_to(ROOT)}\n")
+                r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-rA", "-p", "no:cacheprovider",
+                                    str(f.relative_to(ROOT))], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                log.write(f"<== {f.name}: exit {r.returncode}\n")
+                rc = rc or r.returncode
         self.record("gpu tests", t0, rc)
         return rc
 
@@ -259,6 +250,17 @@ def state(results: Path) -> tuple[int, str]:
     return NEVER, "never started"
 
 
+DIGEST = ("==>", "<==", "PASSED", "FAILED", "ERROR", "SKIPPED", "E ", "llama.cpp", "Fatal Python error")
+
+
+def tests_digest(log: Path, max_lines: int = 400) -> str:
+    """The GPU tests' log cut to what says how each file went: its bounds, each test's outcome, assertion
+    lines and a fatal abort's cause (the whole log is longer than loan.json should be)."""
+    lines = log.read_text(errors="replace").splitlines()
+    keep = [s[:400] for s in lines if s.lstrip().startswith(DIGEST)]
+    return "\n".join(keep[-max_lines:])
+
+
 def collect(results: Path, prefix: Path, out: Path) -> list[str]:
     """Copy what is done into ``out``, flat (the device tool brings back 8 files, 2 folders deep)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -277,7 +279,7 @@ def collect(results: Path, prefix: Path, out: Path) -> list[str]:
             except ValueError as e:
                 loan[key] = {"error": f"{name} is not JSON: {e}"}
     if (results / "gpu-tests.log").is_file():
-        loan["gpu_tests"] = gpu_build._tail(results / "gpu-tests.log", lines=60, width=400)
+        loan["gpu_tests"] = tests_digest(results / "gpu-tests.log")
     if loan:
         (out / "loan.json").write_text(json.dumps(loan, indent=2))
         copied.append("loan.json")
