@@ -80,7 +80,7 @@ class ModeEstimate:
     each mode's decode, and where the figures come from."""
 
     sync_s: float  # s per token: a device sync per cached layer plus the waits for its misses' copies
-    async_s: float  # s per token: the misses read in place over the link (no sync, no wait)
+    async_s: float  # s per token: the misses read in place over the link, and their admissions' copies on it
     source: str  # where the costs come from (a profile, measured here)
 
     def line(self) -> str:
@@ -92,16 +92,20 @@ def weigh_modes(bytes_per_expert: Mapping[int, int], n_slots: Mapping[int, int],
                 copy_s: Callable[[int], float], sync_s: float, read_s: Callable[[int], float] | None,
                 source: str, counts: Mapping[int, Sequence[int]] | None = None) -> ModeEstimate:
     """Per token, the sync decode's cost (``sync_s`` per cached layer: the route op's graph split and device
-    sync, plus a wait of ``copy_s(bytes)`` for each miss) against the async decode's (``read_s(bytes)`` for
-    each miss read in place; None: in place costs nothing beyond the compute, as on the CPU build, whose
-    experts are in the memory the CPU reads). A stride prefetch lands copies in both modes alike, so it
-    moves both sides by the same misses and is not counted. A layer's misses a token: see ``miss_share``."""
+    sync, plus a wait of ``copy_s(bytes)`` for each miss) against the async decode's: ``read_s(bytes)`` for
+    each miss read in place (None: in place costs nothing beyond the compute, as on the CPU build, whose
+    experts are in the memory the CPU reads), plus ``copy_s(bytes)`` for its admission, which crosses the
+    same link between tokens. Both decodes admit every miss; the async one also reads it, so on a link that
+    bounds the decode it moves each miss twice (the H200 loan of 2026-11-26, gpt-oss-20b's shape at 50 %:
+    407 MB read in place + 375 MB copied a token, against sync's 375 MB; async 0.66x sync's speed). A
+    stride prefetch lands copies in both modes alike, so it moves both sides by the same misses and is not
+    counted. A layer's misses a token: see ``miss_share``."""
     sync = read = 0.0
     for il, n in n_slots.items():
         nb = bytes_per_expert.get(il, 0)
         misses = n_expert_used * miss_share(n, n_expert, counts.get(il) if counts else None)
         sync += sync_s + misses * copy_s(nb)
-        read += misses * read_s(nb) if read_s is not None else 0.0
+        read += misses * ((read_s(nb) if read_s is not None else 0.0) + copy_s(nb))
     if counts:
         source += "; misses from the routing statistics' counts"
     return ModeEstimate(sync, read, source)
@@ -119,7 +123,8 @@ def miss_share(n_slots: int, n_expert: int, counts: Sequence[int] | None) -> flo
 
 def choose_decode_mode(asked: str, reasons: list[str], weighed: ModeEstimate | None = None) -> DecodeMode:
     """``asked`` against what needs sync: ``auto`` picks, ``async`` with a conflict is a usage error. With
-    ``weighed`` (a stride prefetch, which either mode runs), ``auto`` takes the mode it estimates faster."""
+    ``weighed`` (on a GPU, or with a stride prefetch, which either mode runs), ``auto`` takes the mode it
+    estimates faster (async on a tie)."""
     asked = check_decode_mode(asked)
     if asked == "sync":
         return DecodeMode(asked, "sync", "asked for (--decode-mode sync)")
@@ -131,6 +136,6 @@ def choose_decode_mode(asked: str, reasons: list[str], weighed: ModeEstimate | N
         return DecodeMode(asked, "async", "asked for (--decode-mode async)")
     if weighed is not None:
         faster = "sync" if weighed.sync_s < weighed.async_s else "async"
-        return DecodeMode(asked, faster, f"auto, with a stride prefetch, chose the faster: {weighed.line()}")
+        return DecodeMode(asked, faster, f"auto chose the faster: {weighed.line()}")
     return DecodeMode(asked, "async", "no layer needs the CPU's answer: experts read through the device-side "
                       "table, no sync per layer")

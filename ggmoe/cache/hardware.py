@@ -1,7 +1,7 @@
 """Hardware profiles: what a copy, a GPU expert and a CPU expert cost on a machine (seconds).
 
 A profile is a small TOML file (``ggmoe/cache/profiles/*.toml`` ship ``pcie4``,
-the default, ``h100`` and ``egpu``, each figure with its source in a comment).
+the default, ``h100``, ``h200`` and ``egpu``, each figure with its source in a comment).
 The simulator charges its timeline with them; the ``auto`` miss policy can take
 its cost model from one (``MissCosts``).
 """

@@ -150,10 +150,12 @@ class CachePipeline:
         max_tokens = table_max_tokens(self._n_batch, self.n_ubatch)
         if not max_tokens:
             reasons.append(f"micro-batches of {self.n_ubatch} tokens are too small for the routing output")
-        # a stride prefetch runs in either mode (the route op's callback, or the mailbox's reader): auto weighs
-        # what each costs a token on this machine
+        # auto weighs what each mode costs a token on this machine: on a GPU, where the async decode moves each
+        # miss over the link twice (read in place, then admitted), and for a stride prefetch, which runs in
+        # either mode (the route op's callback, or the mailbox's reader)
         weighed = (self.runtime.mode_estimate(cache, self._n_threads or os.cpu_count() or 1)
-                   if self.prefetcher is not None and cache.decode_mode == "auto" and not reasons else None)
+                   if (self.prefetcher is not None or on_gpu) and cache.decode_mode == "auto" and not reasons
+                   else None)
         self.decode_mode = choose_decode_mode(cache.decode_mode, reasons, weighed)
         if self.prefetcher is not None and self.decode_mode.mode == "sync":
             self._sync_prefetch(cache)

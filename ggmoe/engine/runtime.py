@@ -134,7 +134,7 @@ class CacheRuntime:
             self.copies = LinkStreamCopyBackend(ggml, config.copy_delay_s)
 
     def mode_estimate(self, config: CacheConfig, n_threads: int) -> ModeEstimate:
-        """``auto``'s weighing of the two decode modes for a stride prefetch (estimates): the copy cost measured
+        """``auto``'s weighing of the two decode modes (estimates): the copy cost measured
         here (or the profile's), the route op's sync per layer and the misses' reads in place from the profile,
         else the h100 profile's measured sync on a GPU (the CPU build's reads in place and its route op's
         split cost nothing a GPU's would: its own callback, in both modes)."""

@@ -12,10 +12,12 @@ from typing import Any
 from ggmoe.cache.hardware import HardwareProfile, render_profile
 
 
-def profile_from(cal: Any, base: HardwareProfile, name: str) -> tuple[HardwareProfile, dict[str, str]]:
+def profile_from(cal: Any, base: HardwareProfile, name: str, zero_copy: tuple[float, str] | None = None
+                 ) -> tuple[HardwareProfile, dict[str, str]]:
     """The profile and, per figure, where it came from (measured here, or ``base``'s value).
 
-    ``cal`` is a ``ggmoe.engine.calibrate.Calibration``.
+    ``cal`` is a ``ggmoe.engine.calibrate.Calibration``; ``zero_copy``: the rate (bytes/s) at which the GPU's
+    SMs read pinned host memory and where it was measured (tools/gpu/zero_copy_probe.cu), else ``base``'s.
     """
     machine = f"{cal.gpu} with {cal.cpu}" if cal.gpu else f"{cal.cpu}, no GPU"
     src = {attr: f"from the base profile {base.name!r} (not measurable here)" for attr in
@@ -45,12 +47,15 @@ def profile_from(cal: Any, base: HardwareProfile, name: str) -> tuple[HardwarePr
     src["cpu_latency_s"] = "0: folded into cpu bytes_per_s by the measurement"
     values["hook_s"] = cal.hook_s
     src["hook_s"] = "measured: median seconds of the route callback with every expert cached"
+    src["zero_copy_bytes_per_s"] = f"from the base profile {base.name!r} (not measured here)"
+    if zero_copy is not None:
+        values["zero_copy_bytes_per_s"], src["zero_copy_bytes_per_s"] = zero_copy
     profile = dataclasses.replace(base, name=name, description=f"measured by ggmoe calibrate on {machine}",
                                   **values)
     return profile, src
 
 
-def render(cal: Any, base: HardwareProfile, name: str) -> str:
-    profile, src = profile_from(cal, base, name)
+def render(cal: Any, base: HardwareProfile, name: str, zero_copy: tuple[float, str] | None = None) -> str:
+    profile, src = profile_from(cal, base, name, zero_copy)
     notes = "".join(f"# note: {' '.join(n.split())}\n" for n in cal.notes)
     return notes + render_profile(profile, src)

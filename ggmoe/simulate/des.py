@@ -397,8 +397,7 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
         for obs in observers:
             _observe(st, obs, trace, rows, sel_all, j, il)
         if in_split:  # what it read in place holds the link; whole misses are bound by it
-            read_s = costs.zero_copy(lst.host_read_bytes - read0)
-            st.link.occupy(read_s)
+            read_s = st.link.occupy(costs.zero_copy(lst.host_read_bytes - read0))
             clock.advance(max(costs.experts(il, need - n_host - (lst.misses - miss0)) + read_s, costs.cpu(il, n_host)))
         elif n_host:  # a whole-expert layer reads nothing in place on the sync path
             clock.advance(max(costs.experts(il, need - n_host), costs.cpu(il, n_host)))
@@ -459,8 +458,7 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
             nbytes = _read_in_place(cache, il, need)
         else:  # a whole expert for each one not ready in a slot
             nbytes = (len(need) - ready) * cache.bytes_per_expert.get(il, 0)
-        read_s = costs.zero_copy(nbytes)
-        link.occupy(read_s)
+        read_s = link.occupy(costs.zero_copy(nbytes))  # shared with the copies in flight
         clock.advance(costs.experts(il, ready) + read_s)  # what is read over the link is bound by the link
     link.settle()  # what landed by now, before the controller asks (FlagLinkCopyBackend)
     controller.on_routing(layers, routing)

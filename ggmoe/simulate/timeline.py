@@ -419,16 +419,26 @@ class LinkCopyBackend:
             return j.chunks_left * j.chunk_s + max(0.0, self._busy_until - self.clock.now())
         return None
 
-    def occupy(self, seconds: float) -> None:
-        """The GPU reads expert weights from pinned host memory for ``seconds`` from now (the async decode's
-        misses): the link is theirs meanwhile, so queued copies start after (a running chunk finishes)."""
+    def occupy(self, seconds: float) -> float:
+        """The GPU reads expert weights from pinned host memory (the async decode's misses, a split layer's
+        bottoms): ``seconds`` of the link's time. Returns how long the reads take. The SMs' reads and the copy
+        engine share the link: while both have work each moves at half its rate, so reads that find
+        ``backlog`` seconds of copies queued take ``seconds + min(seconds, backlog)``, and the copies have
+        moved ``min(seconds, backlog)`` meanwhile: they are delayed by ``seconds`` (the H200 loan of
+        2026-11-26: an async token moved its reads and its admissions' copies in the sum of their times)."""
         if self.profile is None or seconds <= 0:
-            return
+            return 0.0
         if self._idle:
             self._jobs_for_idle()
         self._advance()
-        self._busy_until = max(self._busy_until, self.clock.now()) + seconds
+        now = self.clock.now()
+        backlog = max(0.0, self._busy_until - now)
+        for job in self._queue.values():
+            if job.submitted <= now:
+                backlog += job.chunks_left * job.chunk_s
+        self._busy_until = max(self._busy_until, now) + seconds
         self.busy_s += seconds
+        return seconds + min(seconds, backlog)
 
     def close(self) -> None:
         self._idle.clear()

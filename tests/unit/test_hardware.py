@@ -13,7 +13,7 @@ EXPERT = 2_000_000  # bytes of one expert, about a Qwen3-30B-A3B expert at Q4_K 
 
 
 def test_builtins_load_and_default_is_pcie4():
-    assert profile_names() == ["egpu", "h100", "pcie4"] and DEFAULT_PROFILE == "pcie4"
+    assert profile_names() == ["egpu", "h100", "h200", "pcie4"] and DEFAULT_PROFILE == "pcie4"
     for name in profile_names():
         p = load_profile(name)
         assert p.name == name and p.description
@@ -55,7 +55,7 @@ def test_bad_profile_files(case, tmp_path):
 
 
 def test_unknown_profile_lists_the_choices(tmp_path):
-    with pytest.raises(UsageError, match="egpu, h100, pcie4"):
+    with pytest.raises(UsageError, match="egpu, h100, h200, pcie4"):
         load_profile("pcie9")
     with pytest.raises(UsageError, match="unknown hardware profile"):
         load_profile(tmp_path)
@@ -104,3 +104,27 @@ def test_auto_drops_a_host_path_it_would_never_choose(copy_gbs, lat_us, cpu_gbs,
     assert got == want
     assert (note is not None) == (asked == "auto" and want == "wait")
     assert effective_miss_policy("auto", None, {0: 1})[0] == "auto"  # no cost model: the CPU path stays
+
+
+# ``ggmoe calibrate`` on the H200 loan of 2026-11-26 (tools/gpu/matrix.py, gpt-oss-20b's shape), as recorded
+H200_CALIBRATION = dict(gpu="CUDA0", cpu="Intel(R) Xeon(R) Processor", copy_points=((4406400, 1e-4), (13219200, 2.7e-4)),
+                        copy_bytes_per_s=52974697230.26, copy_latency_s=2.1742e-05, token_host_s=0.02979,
+                        token_device_s=0.003298, bytes_per_token=1787737008, expert_bytes_per_token=1269043200,
+                        n_moe_layers=24, n_expert_used=4, bytes_per_expert=13219200, cpu_bytes_per_s=47902397247.0,
+                        gpu_bytes_per_s=542011365359.66, hook_s=5.7815e-05)
+
+
+@pytest.mark.parametrize("zero_copy", [None, (51.02e9, "measured by tools/gpu/zero_copy_probe.cu on NVIDIA H200")])
+def test_a_calibrated_profile_takes_the_probes_zero_copy_rate(zero_copy, tmp_path):
+    from ggmoe.engine.calibrate import Calibration
+    from ggmoe.simulate.calibration import profile_from, render
+
+    cal, base = Calibration(**H200_CALIBRATION), load_profile("h100")
+    profile, src = profile_from(cal, base, "matrix", zero_copy)
+    want = zero_copy[0] if zero_copy else base.zero_copy_bytes_per_s
+    assert profile.zero_copy_bytes_per_s == want and profile.copy_bytes_per_s == cal.copy_bytes_per_s
+    assert src["zero_copy_bytes_per_s"] == (zero_copy[1] if zero_copy else "from the base profile 'h100' (not measured here)")
+    out = tmp_path / "m.toml"
+    out.write_text(render(cal, base, "matrix", zero_copy))
+    assert load_profile(out).zero_copy_bytes_per_s == pytest.approx(want)
+    assert f"# {src['zero_copy_bytes_per_s']}" in out.read_text()

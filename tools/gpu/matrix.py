@@ -835,9 +835,12 @@ def estimate(a, facts, cells: list[Cell], result: dict, work: Path, held: Path |
         cal = calibrate(a.model, n_threads=a.threads, n_tokens=16, repeat=3)
     result["calibrated_model"] = str(a.model)
     base = load_profile("h100" if cal.gpu else "pcie4")
-    profile, _ = profile_from(cal, base, "matrix")
+    probe = result.get("probe")  # the zero-copy probe's rate beats the base profile's quoted one
+    zero_copy = ((probe["zero_copy_gb_s"] * 1e9, f"measured by tools/gpu/zero_copy_probe.cu on {probe.get('gpu')}")
+                 if probe and cal.gpu else None)
+    profile, _ = profile_from(cal, base, "matrix", zero_copy)
     result["calibration"] = cal.to_dict()
-    result["profile_toml"] = render(cal, base, "matrix")
+    result["profile_toml"] = render(cal, base, "matrix", zero_copy)
     result["sim_note"] = (f"the simulator on the calibrated profile (base {base.name}); random rows on a trace of "
                           "the model's own routing of the generation, trace rows on the held-out tiled trace")
     if not cal.gpu:
