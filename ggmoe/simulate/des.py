@@ -16,8 +16,8 @@ layer's whole expert tensors for it (``n_expert`` experts over the link) and the
 
 The async decode (``SimConfig.decode_mode="async"``): micro-batches of at most ``TABLE_MAX_TOKENS`` tokens
 pay no route hook; each layer's experts that were readable when the token started come from VRAM, the others
-are read by the GPU over the link at the zero-copy rate (``zero_copy_bytes_per_s``), holding the link so
-that admissions wait; after the token the engine's own ``TokenController`` admits the misses, whose copies
+are read by the GPU over the link at the zero-copy rate (``zero_copy_bytes_per_s``), sharing it with the
+copies in flight (``LinkCopyBackend.occupy``: each at half its rate while both run); after the token the engine's own ``TokenController`` admits the misses, whose copies
 land on the link's timeline and become readable at the first token boundary after they land (epochs).
 Larger micro-batches (prefill) take the sync path, as in the engine.
 
@@ -431,7 +431,7 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
                 costs: _Costs, layers: list[int], sel: np.ndarray, pos: dict[int, int],
                 mailbox: _Mailbox | None = None) -> None:
     """One micro-batch of the async decode: per layer, attention and router (no route op), the resident
-    experts from VRAM and the others read over the link at the zero-copy rate (holding the link); then the
+    experts from VRAM and the others read over the link at the zero-copy rate (sharing it); then the
     controller between tokens, the engine's own (admissions land on the link's timeline). With ``mailbox``
     (a predictor), each layer's start is seen by the cache and the prefetcher as the engine's mailbox reader
     sees it (free slots only; the predictor's time is the reader's, off the decode's critical path)."""

@@ -18,26 +18,32 @@ from ggmoe.inspect import inspect_model
 
 PROMPT = "The expert cache keeps the experts a model uses most on the device"
 
-CONFIGS = [  # (label, cache config from n_slots, whether the copy queue runs)
-    ("lru", lambda n: CacheConfig(n_slots=n), False),
-    ("prefetch, wait", lambda n: CacheConfig(n_slots=n, prefetch=PrefetchConfig("reuse", stride=1)), True),
-    ("prefetch, cpu", lambda n: CacheConfig(n_slots=n, miss_policy="cpu",
-                                            prefetch=PrefetchConfig("reuse", stride=1)), True),
-    ("prefetch in background", lambda n: CacheConfig(n_slots=n, prefetch=PrefetchConfig(
-        "reuse", stride=1, background=True)), True),
+# (label, cache config from n_slots and the decode mode, whether the copy queue runs, decode modes). The mode
+# is named, never auto: auto weighs the machine, and each path must be covered whatever it picks (the H200
+# loan of 2026-11-26 aborted in "prefetch in background" when auto took async there)
+CONFIGS = [
+    ("lru", lambda n, m: CacheConfig(n_slots=n, decode_mode=m), False, ("sync", "async")),
+    ("prefetch, wait", lambda n, m: CacheConfig(n_slots=n, decode_mode=m,
+                                                prefetch=PrefetchConfig("reuse", stride=1)), True, ("sync", "async")),
+    ("prefetch, cpu", lambda n, m: CacheConfig(n_slots=n, decode_mode=m, miss_policy="cpu",
+                                               prefetch=PrefetchConfig("reuse", stride=1)), True, ("sync",)),
+    ("prefetch in background", lambda n, m: CacheConfig(n_slots=n, decode_mode=m, prefetch=PrefetchConfig(
+        "reuse", stride=1, background=True)), True, ("sync", "async")),
 ]
+CASES = [(label, make, queued, mode) for label, make, queued, modes in CONFIGS for mode in modes]
 
 
-@pytest.mark.parametrize(("label", "make", "queued"), CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_gpu_cache_tokens_equal_host_experts(label, make, queued):
+@pytest.mark.parametrize(("label", "make", "queued", "mode"), CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
+def test_gpu_cache_tokens_equal_host_experts(label, make, queued, mode):
     path = fixture_path("qwen3moe")
     facts = inspect_model(path)
     with Engine(EngineConfig(model_path=path, n_ctx=256)) as eng:
         want = eng.generate(PROMPT, 24).token_ids
-    cfg = EngineConfig(model_path=path, n_ctx=256, cache=make(facts.n_expert_used + 1))
+    cfg = EngineConfig(model_path=path, n_ctx=256, cache=make(facts.n_expert_used + 1, mode))
     with Engine(cfg) as eng:
+        assert eng.decode_mode["decode_mode_in_effect"] == mode
         assert isinstance(eng._runtime.copies, StreamCopyBackend) == queued
         got = eng.generate(PROMPT, 24).token_ids
         st = eng.cache_stats.total()
-    assert got == want, label
+    assert got == want, (label, mode)
     assert st.misses > 0  # the cache really copied
