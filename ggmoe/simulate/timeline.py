@@ -433,7 +433,9 @@ class LinkCopyBackend:
         self._advance()
         now = self.clock.now()
         backlog = max(0.0, self._busy_until - now)
-        for job in self._queue.values():
+        for job in self._queue.values():  # only min(seconds, backlog) matters: stop once it is reached
+            if backlog >= seconds:
+                break
             if job.submitted <= now:
                 backlog += job.chunks_left * job.chunk_s
         self._busy_until = max(self._busy_until, now) + seconds

@@ -37,7 +37,9 @@ def merge_traces(traces: list[Trace]) -> Trace:
     def cat(name: str) -> np.ndarray:
         return np.concatenate([getattr(t, name) for t in traces], axis=0)
 
-    return replace(first, token_ids=cat("token_ids"), positions=cat("positions"), stage=cat("stage"),
+    # every imported routing's source is named (each once, in order): results replaying it cite them all
+    source = "; ".join(dict.fromkeys(t.meta.source for t in traces if t.meta.source))
+    return replace(first, meta=replace(first.meta, source=source), token_ids=cat("token_ids"), positions=cat("positions"), stage=cat("stage"),
                    prompt_offsets=offsets.astype(np.int64), ids=cat("ids"), probs=cat("probs"),
                    hidden=cat("hidden") if with_hidden else None,
                    logits=cat("logits") if all(t.logits is not None for t in traces) else None)

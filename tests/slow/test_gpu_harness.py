@@ -39,6 +39,10 @@ def test_gpu_smoke(tmp_path):
     manifest = json.loads((tmp_path / "gpu-pack" / "MANIFEST.json").read_text())
     assert manifest["total_bytes"] < 60 << 20
     assert {"engine-src.tar.gz", "trace.npz"} <= set(manifest["files"])
+    # the shared real routing beside the checkout is packed by default: the loan's trace rows replay it
+    import pack as gpu_pack
+
+    assert ("real-routing.npz" in manifest["files"]) == all(d.is_dir() for d in gpu_pack.DEFAULT_REAL_ROUTING)
     assert any(f.startswith("wheels/gguf-") for f in manifest["files"])
     result = json.loads((tmp_path / "matrix" / "matrix.json").read_text())
     cells = result["cells"]

@@ -381,6 +381,16 @@ def test_pipeline_states_and_collect(tmp_path):
     assert loan["steps"]["build"]["exit"] == 0 and loan["modes"] == {"modes": {}} and "PASSED tests/gpu/test_a.py::t" in loan["gpu_tests"]
 
 
+@pytest.mark.parametrize(("files", "want"), [
+    (["trace.npz", "real-routing.npz"], "real-routing.npz"),  # public real routing first (issue 27)
+    (["trace.npz"], "trace.npz"),  # a pack made without ../shared
+])
+def test_the_trace_rows_replay_real_routing_when_packed(tmp_path, files, want):
+    for f in files:
+        (tmp_path / f).write_bytes(b"x")
+    assert gpu_pipeline.default_trace(tmp_path) == tmp_path / want
+
+
 # (a CPU run, libstdc++ found, LD_PRELOAD of every engine run)
 PRELOADS = [
     (False, True, "/lib/libstdc++.so.6"),  # a GPU machine: both loans segfaulted loading a model without it

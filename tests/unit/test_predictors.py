@@ -71,6 +71,19 @@ def test_select_and_merge_keep_prompts_whole(by_token):
     assert np.array_equal(both.hidden[60:], trace.hidden[trace.prompt_slice(1)])
 
 
+@pytest.mark.parametrize(("sources", "merged"), [
+    (["", ""], ""),  # traces recorded here have no source
+    (["a/intent", "a/law"], "a/intent; a/law"),  # imported routings: each named
+    (["a/intent", "", "a/law", "a/intent"], "a/intent; a/law"),  # each once, in order
+])
+def test_a_merged_trace_names_every_source(by_token, sources, merged):
+    from dataclasses import replace
+
+    trace, _ = by_token
+    parts = [replace(trace, meta=replace(trace.meta, source=src)) for src in sources]
+    assert merge_traces(parts).meta.source == merged
+
+
 def test_stride_must_leave_a_target(by_token):
     shape = _shape(by_token[0])
     with pytest.raises(UsageError, match="stride 4 needs at least 5 MoE layers"):

@@ -842,7 +842,7 @@ def estimate(a, facts, cells: list[Cell], result: dict, work: Path, held: Path |
     result["calibration"] = cal.to_dict()
     result["profile_toml"] = render(cal, base, "matrix", zero_copy)
     result["sim_note"] = (f"the simulator on the calibrated profile (base {base.name}); random rows on a trace of "
-                          "the model's own routing of the generation, trace rows on the held-out tiled trace")
+                          f"the model's own routing of the generation, trace rows on {TRACE_ROUTING[0]}")
     if not cal.gpu:
         result["sim_note"] += ("; CPU-only machine: the profile models a GPU's link and the measured rows ran "
                                "on the CPU, so the two are not comparable here")

@@ -12,9 +12,10 @@ pyyaml, tqdm, requests, click and typing-extensions, and nothing can be download
                                  others are carried at the versions tested here, so the run does not depend
                                  on the image's)
     gpu-pack/trace.npz           a held-out, teacher-forced trace of the embedded model (trace-replay routing)
-    gpu-pack/real-routing.npz    with --real-routing DIR...: public real routing (ggmoe trace import of the
-                                 per-layer files, e.g. ../shared/real-routing/deepseek-v2-lite-esft/{intent,law}),
-                                 deflated; matrix.py --trace gpu-pack/real-routing.npz maps it to each shape
+    gpu-pack/real-routing.npz    public real routing (ggmoe trace import of the per-layer files of --real-routing
+                                 DIR..., default ../shared/real-routing/deepseek-v2-lite-esft/{intent,law} where
+                                 present), deflated; the pipeline's trace rows replay it (matrix.py --trace maps
+                                 it to each shape and names its source in every row)
     gpu-pack/MANIFEST.json       what is in it, with sizes and the engine build key
 
 and fails if the pack is over 60 MiB, or over what the device tool's 64 MiB leaves beside the working
@@ -50,6 +51,10 @@ WHEELS = ("gguf==0.19.0", "diskcache==5.6.3", "jinja2==3.1.6", "markupsafe==3.0.
           "click==8.5.1", "pyyaml==6.0.3", "tqdm==4.70.1", "prometheus-client==0.26.0",
           # the GPU tier (tests/gpu) runs there too
           "pytest==9.0.3", "pluggy==1.6.0", "iniconfig==2.3.0", "packaging==26.2", "pygments==2.20.0")
+# The real routing the GPU matrix's trace rows replay by default (issue 27: real-shape rows on real routing,
+# not the embedded model's tiled trace): DeepSeek-V2-Lite on public prompts, two domains
+REAL_ROUTING_DIR = ROOT.parent / "shared" / "real-routing" / "deepseek-v2-lite-esft"
+DEFAULT_REAL_ROUTING = (REAL_ROUTING_DIR / "intent", REAL_ROUTING_DIR / "law")
 # manylinux tags pip must be told one by one (the device README's recipe)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
@@ -160,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-trace", action="store_true", help="skip the trace (trace routing then needs one)")
     ap.add_argument("--trace-docs", type=int, default=24, help="held-out documents traced (64 + 64 tokens each)")
     ap.add_argument("--python-version", default="3.12", help="the GPU machine's Python (wheel tags)")
-    ap.add_argument("--real-routing", nargs="*", type=Path, default=[],
-                    help="directories of per-layer routing files (DeepSeek-V2-Lite's: 64 experts, top-6) to pack")
+    ap.add_argument("--real-routing", nargs="*", type=Path, default=None,
+                    help="directories of per-layer routing files (DeepSeek-V2-Lite's: 64 experts, top-6) to pack; "
+                         f"default: {', '.join(str(d) for d in DEFAULT_REAL_ROUTING)} where present; none: no files")
     a = ap.parse_args(argv)
+    if a.real_routing is None:  # the shared real routing beside the checkout, as CI and sessions have it
+        a.real_routing = [d for d in DEFAULT_REAL_ROUTING if d.is_dir()]
     out: Path = a.out
     try:
         if out.exists():

@@ -261,6 +261,13 @@ def tests_digest(log: Path, max_lines: int = 400) -> str:
     return "\n".join(keep[-max_lines:])
 
 
+def default_trace(pack: Path) -> Path:
+    """The routing the trace rows replay: the pack's public real routing, else its tiled trace of the embedded
+    model (a pack made without ../shared)."""
+    real = pack / "real-routing.npz"
+    return real if real.is_file() else pack / "trace.npz"
+
+
 def collect(results: Path, prefix: Path, out: Path) -> list[str]:
     """Copy what is done into ``out``, flat (the device tool brings back 8 files, 2 folders deep)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -300,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pack", type=Path, default=gpu_build.PACK)
     ap.add_argument("--models", default=DEFAULT_MODELS, help="realshape presets, in order")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/ggmoe-models"))
-    ap.add_argument("--trace", type=Path, default=None, help="default: PACK/trace.npz")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="default: PACK/real-routing.npz (public real routing), else PACK/trace.npz")
     ap.add_argument("--matrix-args", default="", help="more arguments for every matrix.py run (one string)")
     ap.add_argument("--cpu", action="store_true", help="the CPU build (no GPU here)")
     ap.add_argument("--cuda-site", type=Path, action="append", default=[])
@@ -314,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     results, prefix, pack = a.results.resolve(), a.prefix.resolve(), a.pack.resolve()
     models = [m for m in a.models.split(",") if m]
     if a.child:
-        p = Pipeline(results, prefix, pack, models, a.cpu, (a.trace or pack / "trace.npz").resolve(),
+        p = Pipeline(results, prefix, pack, models, a.cpu, (a.trace or default_trace(pack)).resolve(),
                      a.model_dir.resolve(), shlex.split(a.matrix_args), a.cuda_site)
         try:
             rc = p.main()
