@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """The whole GPU loan as one detached pipeline: build, real-shape models, the matrix per model and routing.
 
-A GPU machine is lent for at most 30 minutes, 10 per command, and goes back 30 s after a command ends with
-none following. The pipeline runs in its own session (setsid) on the machine, so work goes on between
-the commands; each command only waits and copies what is done into $OUT:
+A drawn task gets 15 minutes of device time in all (its start, every command and idle wait counted), 10
+minutes a command, and the machine goes back 30 s after a command ends with none following. The pipeline
+runs in its own session (setsid) on the machine, so work goes on between the commands; each command only
+waits and copies what is done into $OUT. The defaults fit 15 minutes (one model, the rows that matter most,
+each matrix command under a budget); with more time, name more (--models, --matrix-args):
 
-    python3 tools/gpu/pipeline.py --detach && python3 tools/gpu/pipeline.py --wait 540 --out $OUT   # first
-    python3 tools/gpu/pipeline.py --wait 560 --out $OUT                                              # then
+    python3 tools/gpu/pipeline.py --detach && python3 tools/gpu/pipeline.py --wait 560 --out $OUT   # first
+    python3 tools/gpu/pipeline.py --wait 200 --out $OUT                  # then, at once, with what is left
 
 Steps, in order of what matters most (a loan cut short still returns the first ones):
 
@@ -29,7 +31,7 @@ Steps, in order of what matters most (a loan cut short still returns the first o
                      each cell in its own process with a time limit (a CUDA fault loses one cell)
     matrix M trace   tools/gpu/matrix.py --append, trace-replay routing (benchmark only)
 
-for each model of --models (default gpt-oss-20b, then qwen3-30b-a3b). Results go to --results (default
+for each model of --models (default gpt-oss-20b; qwen3-30b-a3b too where the loan is longer). Results go to --results (default
 /tmp/ggmoe-results): RESULTS/M/matrix.{json,md}, steps.json (each step's seconds and exit status),
 probe.json, modes.json, gpu-tests.log and pipeline.log; --out copies them flat as M.json, M.md, loan.json
 (steps, probe, modes and the GPU tests' summary in one file), pipeline.log and build-tail.log (the device
@@ -69,7 +71,10 @@ ENGINE_CHECK = ("import sys; from ggmoe.cache import CacheConfig; from ggmoe.eng
                 "[eng.decode([t]) for t in range(3, 11)]; st = eng.cache_stats.total(); "
                 "print('engine check: loaded', sys.argv[1], eng.decode_mode, 'hits', st.hits, 'misses', st.misses); "
                 "eng.close()")
-DEFAULT_MODELS = "gpt-oss-20b,qwen3-30b-a3b"
+DEFAULT_MODELS = "gpt-oss-20b"  # 15 minutes hold one model (the second loan: the build alone took 250 s)
+# the rows that matter most at 50 % and with every expert cached, each matrix command capped (seconds)
+DEFAULT_MATRIX_ARGS = ("--configs stock-vram,n-cpu-moe,lru,async,async-prefetch,split,split-async,lru-auto "
+                       "--fractions 0.5,1.0 --runs 2 --budget-s 150")
 FINISHED, FAILED, RUNNING, NEVER = 0, 2, 3, 4
 
 
@@ -309,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/ggmoe-models"))
     ap.add_argument("--trace", type=Path, default=None,
                     help="default: PACK/real-routing.npz (public real routing), else PACK/trace.npz")
-    ap.add_argument("--matrix-args", default="", help="more arguments for every matrix.py run (one string)")
+    ap.add_argument("--matrix-args", default=DEFAULT_MATRIX_ARGS,
+                    help="arguments for every matrix.py run (one string; default: what fits a 15-minute loan)")
     ap.add_argument("--cpu", action="store_true", help="the CPU build (no GPU here)")
     ap.add_argument("--cuda-site", type=Path, action="append", default=[])
     g = ap.add_mutually_exclusive_group(required=True)
