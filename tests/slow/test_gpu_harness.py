@@ -32,11 +32,8 @@ def lru_hit_rate(ids: np.ndarray, n_slots: int) -> float:
     return hits / (hits + misses)
 
 
-def test_gpu_smoke(tmp_path):
-    r = subprocess.run([sys.executable, str(TOOLS / "smoke.py"), "--out", str(tmp_path)], capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    manifest = json.loads((tmp_path / "gpu-pack" / "MANIFEST.json").read_text())
+def _check_pack(pack: Path) -> None:
+    manifest = json.loads((pack / "MANIFEST.json").read_text())
     assert manifest["total_bytes"] < 60 << 20
     assert {"engine-src.tar.gz", "trace.npz"} <= set(manifest["files"])
     # the shared real routing beside the checkout is packed by default: the loan's trace rows replay it
@@ -44,6 +41,13 @@ def test_gpu_smoke(tmp_path):
 
     assert ("real-routing.npz" in manifest["files"]) == all(d.is_dir() for d in gpu_pack.DEFAULT_REAL_ROUTING)
     assert any(f.startswith("wheels/gguf-") for f in manifest["files"])
+
+
+def test_gpu_smoke(tmp_path):
+    r = subprocess.run([sys.executable, str(TOOLS / "smoke.py"), "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _check_pack(tmp_path / "gpu-pack")
     result = json.loads((tmp_path / "matrix" / "matrix.json").read_text())
     cells = result["cells"]
     configs = {(c["routing"] == "random", c["config"]) for c in cells}

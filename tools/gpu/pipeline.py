@@ -203,6 +203,11 @@ class Pipeline:
             writer.join()
         if rc != 0 or code != gpu_build.READY:
             return FAILED
+        return self.measure(probe)
+
+    def measure(self, probe: Path | None) -> int:
+        """After the build: per model, written if missing; the first one checked (engine check, modes, GPU
+        tests), then each one's matrix, both routings."""
         failed = False
         checked = False
         for preset in self.models:
