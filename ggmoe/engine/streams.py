@@ -118,16 +118,19 @@ class EventStream:
             return [ev]  # a list, emptied (the event recycled) once seen landed
 
     def ready(self, marker: object) -> bool:
-        if not marker:
+        # the event read once (another thread may recycle the marker meanwhile: then it is empty, and landed)
+        ev = next(iter(marker), None)
+        if ev is None:
             return True
-        if not self._query(marker[0]):
+        if not self._query(ev):
             return False
         self._recycle(marker)
         return True
 
     def wait(self, marker: object) -> None:
-        if marker:
-            B.libggml_base.ggml_backend_event_synchronize(marker[0])
+        ev = next(iter(marker), None)
+        if ev is not None:
+            B.libggml_base.ggml_backend_event_synchronize(ev)
             self._recycle(marker)
 
     def _recycle(self, marker: list) -> None:

@@ -139,3 +139,47 @@ def test_the_async_cache_sees_a_copy_only_once_it_landed(qwen3moe_model, monkeyp
     assert st.landed >= held and st.hits > 0 and st.lag_tokens >= st.landed
     for a, b in zip(got, ref, strict=True):
         assert np.array_equal(a, b)
+
+
+class _FakeEvents:
+    """ggml's event calls as EventStream makes them, on fake handles (the GPU stream's logic without a GPU)."""
+
+    def __init__(self):
+        self.made, self.recorded, self.synced = 0, [], []
+
+    def ggml_backend_event_new(self, device):
+        self.made += 1
+        return 1000 + self.made
+
+    def ggml_backend_event_record(self, ev, backend):
+        self.recorded.append(ev)
+
+    def ggml_backend_event_synchronize(self, ev):
+        self.synced.append(ev)
+
+
+def test_an_event_stream_recycles_each_event_once_when_another_thread_sees_it_land(monkeypatch):
+    """GPU semantics, forced: while one thread queries a copy's event, another sees the same copy land and
+    recycles the event. The marker is then empty (landed) for both, the event is free once, and the next
+    copy records it again."""
+    from ggmoe.engine import ggml as B
+    from ggmoe.engine.streams import EventStream
+
+    fake, s = _FakeEvents(), None
+    monkeypatch.setattr(B, "libggml_base", fake)
+
+    def query(ev):  # the copy landed; meanwhile the other thread's query of the same marker recycles it
+        if not inner:
+            inner.append(None)
+            inner[0] = s.ready(marker)
+        return True
+
+    monkeypatch.setattr(B, "event_query_fn", lambda: query)
+    s, inner = EventStream(backend=7, device=0), []
+    marker = s.put(lambda handle: None)
+    assert s.ready(marker) and inner == [True] and marker == []
+    assert s._free == [1001]  # once, not twice
+    again = s.put(lambda handle: None)
+    assert again == [1001] and fake.made == 1 and fake.recorded == [1001, 1001]
+    s.wait(marker)  # landed already: no synchronize
+    assert fake.synced == [] and s.ready(marker)
