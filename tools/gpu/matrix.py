@@ -704,8 +704,7 @@ def one_cell(a, facts, split: dict) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--trace", type=Path, help="the routing replayed (trace routing): a trace of the embedded model "
@@ -735,11 +734,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cell-json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--cell-held", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--cell-train", type=Path, help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    t_start = time.monotonic()
-    if not a.model.is_file():
-        raise SystemExit(f"error: no model at {a.model}")
-    facts = inspect_model(a.model)
+    return ap
+
+
+def checked_lists(a) -> tuple[list[str], list[str], list[float]]:
+    """--routing, --configs and --fractions as lists; SystemExit with one line when one is not valid."""
     routings = [r for r in a.routing.split(",") if r]
     configs = [c for c in a.configs.split(",") if c]
     try:
@@ -750,19 +749,46 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not all(0 < f <= 1 for f in fractions):
         raise SystemExit(f"error: unknown {sorted(bad) or a.fractions}; configs: {', '.join(CONFIGS)}; "
                          "routing: random, trace; fractions in (0, 1]")
-    if a.one_cell:
-        return one_cell(a, facts, split_layers(facts, Fraction(a.split_theta)) if any(
-            c in SPLIT for c in configs) else {})
-    a.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="ggmoe-matrix-"))  # tiled traces: not into OUT (files back are few)
-    held = train = None
-    if "trace" in routings:
-        if a.trace is None or not a.trace.is_file():
-            raise SystemExit("error: trace routing needs --trace (a trace of the embedded model: gpu-pack/trace.npz, "
-                             "or an imported real routing: gpu-pack/real-routing.npz)")
-        TRACE_ROUTING[0] = routing_name(load_trace(a.trace, hidden=False))
-        train, held = split_tiled(a.trace, tuple(facts.moe_layers), facts.n_expert, facts.n_expert_used,
-                                  model_fingerprint(a.model), work / "tiled")
+    return routings, configs, fractions
+
+
+def split_setup(a, facts, configs: list[str], result: dict) -> tuple[dict, list[str]]:
+    """MoEpic's split layers at --split-theta ({} when no split row runs), and the configs left to run (the
+    split rows dropped, with a note, where no top share fits the down tensor's blocks)."""
+    if not any(c in SPLIT for c in configs):
+        return {}, configs
+    try:
+        want = Fraction(a.split_theta)
+    except (ValueError, ZeroDivisionError):
+        raise SystemExit(f"error: --split-theta {a.split_theta!r}: a number or fraction in (0, 1)") from None
+    if not 0 < want < 1:
+        raise SystemExit(f"error: --split-theta {a.split_theta}: a top share in (0, 1)")
+    split = split_layers(facts, want)
+    if split:
+        result["split_note"] = split_note(split)
+    else:
+        n_ff, blck = _down_block(facts.layer(facts.moe_layers[0]))
+        result["split_note"] = (f"not run: no top share from {a.split_theta} to below 1 fits the down tensor's "
+                                f"quant blocks ({n_ff} neurons in blocks of {blck})")
+        configs = [c for c in configs if c not in SPLIT]
+    print(f"split rows: {result['split_note']}", flush=True)
+    return split, configs
+
+
+def traces_for(a, facts, routings: list[str], work: Path) -> tuple[Path | None, Path | None]:
+    """Trace routing's (training, held-out) traces mapped to the model, (None, None) without trace rows."""
+    if "trace" not in routings:
+        return None, None
+    if a.trace is None or not a.trace.is_file():
+        raise SystemExit("error: trace routing needs --trace (a trace of the embedded model: gpu-pack/trace.npz, "
+                         "or an imported real routing: gpu-pack/real-routing.npz)")
+    TRACE_ROUTING[0] = routing_name(load_trace(a.trace, hidden=False))
+    return split_tiled(a.trace, tuple(facts.moe_layers), facts.n_expert, facts.n_expert_used,
+                       model_fingerprint(a.model), work / "tiled")
+
+
+def start_result(a, facts, routings: list[str]) -> tuple[dict, list[Cell]]:
+    """The result to fill (an earlier one's with --append) and its cells."""
     cells: list[Cell] = []
     result: dict = {}
     if a.append and (a.out / "matrix.json").is_file():
@@ -775,30 +801,30 @@ def main(argv: list[str] | None = None) -> int:
                 f"{a.threads} threads"})
     if "trace" in routings or any(not c.is_random for c in cells):
         result["routing_note"] = TRACE_ROUTING[0]
-    probe = None
     if a.probe is not None and a.probe.is_file():
-        probe = json.loads(a.probe.read_text())
-        result["probe"] = probe
-    split: dict = {}
-    if any(c in SPLIT for c in configs):
-        try:
-            want = Fraction(a.split_theta)
-        except (ValueError, ZeroDivisionError):
-            raise SystemExit(f"error: --split-theta {a.split_theta!r}: a number or fraction in (0, 1)") from None
-        if not 0 < want < 1:
-            raise SystemExit(f"error: --split-theta {a.split_theta}: a top share in (0, 1)")
-        split = split_layers(facts, want)
-        if split:
-            result["split_note"] = split_note(split)
-        else:
-            n_ff, blck = _down_block(facts.layer(facts.moe_layers[0]))
-            result["split_note"] = (f"not run: no top share from {a.split_theta} to below 1 fits the down tensor's "
-                                    f"quant blocks ({n_ff} neurons in blocks of {blck})")
-            configs = [c for c in configs if c not in SPLIT]
-        print(f"split rows: {result['split_note']}", flush=True)
-    plan = plan_cells(routings, configs, fractions)
+        result["probe"] = json.loads(a.probe.read_text())
+    return result, cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parser().parse_args(argv)
+    t_start = time.monotonic()
+    if not a.model.is_file():
+        raise SystemExit(f"error: no model at {a.model}")
+    facts = inspect_model(a.model)
+    routings, configs, fractions = checked_lists(a)
+    if a.one_cell:
+        return one_cell(a, facts, split_layers(facts, Fraction(a.split_theta)) if any(
+            c in SPLIT for c in configs) else {})
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ggmoe-matrix-"))  # tiled traces: not into OUT (files back are few)
+    train, held = traces_for(a, facts, routings, work)
+    result, cells = start_result(a, facts, routings)
+    probe = result.get("probe") if a.probe is not None and a.probe.is_file() else None
+    split, configs = split_setup(a, facts, configs, result)
     skipped = []
-    for routing, config, f in plan:
+    for routing, config, f in plan_cells(routings, configs, fractions):
         if a.budget_s is not None and time.monotonic() - t_start > a.budget_s:
             skipped.append(f"{routing} {config} {'' if f is None else f'{f:.0%}'}".strip())
             continue

@@ -310,7 +310,7 @@ def collect(results: Path, prefix: Path, out: Path) -> list[str]:
     return copied
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     ap.add_argument("--prefix", type=Path, default=gpu_build.DEFAULT_PREFIX)
@@ -329,40 +329,48 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--status", action="store_true")
     g.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help="with --wait/--status: copy the results here ($OUT)")
-    a = ap.parse_args(argv)
-    results, prefix, pack = a.results.resolve(), a.prefix.resolve(), a.pack.resolve()
-    models = [m for m in a.models.split(",") if m]
-    if a.child:
-        p = Pipeline(results, prefix, pack, models, a.cpu, (a.trace or default_trace(pack)).resolve(),
-                     a.model_dir.resolve(), shlex.split(a.matrix_args), a.cuda_site)
-        try:
-            rc = p.main()
-        except Exception as e:  # noqa: BLE001 - the marker and the log say what failed
-            p.say(f"pipeline: {type(e).__name__}: {e}")
-            rc = FAILED
-        (results / "EXIT").write_text(str(rc))
-        return rc
-    if a.detach:
-        code, msg = state(results)
-        if code == RUNNING:
-            print(f"already {msg}")
-            return 0
-        if not (pack / "MANIFEST.json").is_file():
-            raise SystemExit(f"error: {pack / 'MANIFEST.json'} is missing: run tools/gpu/pack.py here and carry "
-                             "gpu-pack")
-        results.mkdir(parents=True, exist_ok=True)
-        (results / "EXIT").unlink(missing_ok=True)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--results", str(results), "--prefix",
-               str(prefix), "--pack", str(pack), "--models", ",".join(models), "--model-dir", str(a.model_dir),
-               "--matrix-args", a.matrix_args, *(["--cpu"] if a.cpu else []),
-               *(["--trace", str(a.trace)] if a.trace else []),
-               *[x for d in a.cuda_site for x in ("--cuda-site", str(d))]]
-        with open(results / "detached.log", "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=ROOT)
-        (results / "PID").write_text(str(proc.pid))
-        print(f"started (pid {proc.pid}); results in {results}")
+    return ap
+
+
+def run_child(a, results: Path, prefix: Path, pack: Path, models: list[str]) -> int:
+    """The detached pipeline itself; its exit status also in RESULTS/EXIT."""
+    p = Pipeline(results, prefix, pack, models, a.cpu, (a.trace or default_trace(pack)).resolve(),
+                 a.model_dir.resolve(), shlex.split(a.matrix_args), a.cuda_site)
+    try:
+        rc = p.main()
+    except Exception as e:  # noqa: BLE001 - the marker and the log say what failed
+        p.say(f"pipeline: {type(e).__name__}: {e}")
+        rc = FAILED
+    (results / "EXIT").write_text(str(rc))
+    return rc
+
+
+def detach(a, results: Path, prefix: Path, pack: Path, models: list[str]) -> int:
+    """Start the pipeline in its own session (it outlives this command) unless one is running."""
+    code, msg = state(results)
+    if code == RUNNING:
+        print(f"already {msg}")
         return 0
+    if not (pack / "MANIFEST.json").is_file():
+        raise SystemExit(f"error: {pack / 'MANIFEST.json'} is missing: run tools/gpu/pack.py here and carry "
+                         "gpu-pack")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "EXIT").unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--results", str(results), "--prefix",
+           str(prefix), "--pack", str(pack), "--models", ",".join(models), "--model-dir", str(a.model_dir),
+           "--matrix-args", a.matrix_args, *(["--cpu"] if a.cpu else []),
+           *(["--trace", str(a.trace)] if a.trace else []),
+           *[x for d in a.cuda_site for x in ("--cuda-site", str(d))]]
+    with open(results / "detached.log", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=ROOT)
+    (results / "PID").write_text(str(proc.pid))
+    print(f"started (pid {proc.pid}); results in {results}")
+    return 0
+
+
+def wait(a, results: Path, prefix: Path, pack: Path) -> int:
+    """Wait up to --wait seconds (0: --status), say where it is and copy what is done to --out."""
     end = time.monotonic() + (a.wait or 0)
     code, msg = state(results)
     while code == RUNNING and time.monotonic() < end:
@@ -379,6 +387,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.out is not None and results.is_dir():
         print(f"copied to {a.out}: {', '.join(collect(results, prefix, a.out))}")
     return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    results, prefix, pack = a.results.resolve(), a.prefix.resolve(), a.pack.resolve()
+    models = [m for m in a.models.split(",") if m]
+    if a.child:
+        return run_child(a, results, prefix, pack, models)
+    if a.detach:
+        return detach(a, results, prefix, pack, models)
+    return wait(a, results, prefix, pack)
 
 
 if __name__ == "__main__":
