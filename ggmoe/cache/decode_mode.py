@@ -121,10 +121,11 @@ def miss_share(n_slots: int, n_expert: int, counts: Sequence[int] | None) -> flo
     return max(0.0, 1.0 - sum(sorted(counts, reverse=True)[:n_slots]) / total)
 
 
-def choose_decode_mode(asked: str, reasons: list[str], weighed: ModeEstimate | None = None) -> DecodeMode:
+def choose_decode_mode(asked: str, reasons: list[str], weighed: ModeEstimate | None = None,
+                       weighed_for: str = "on a GPU") -> DecodeMode:
     """``asked`` against what needs sync: ``auto`` picks, ``async`` with a conflict is a usage error. With
     ``weighed`` (on a GPU, or with a stride prefetch, which either mode runs), ``auto`` takes the mode it
-    estimates faster (async on a tie)."""
+    estimates faster (async on a tie); ``weighed_for`` says why it weighed, in its reason."""
     asked = check_decode_mode(asked)
     if asked == "sync":
         return DecodeMode(asked, "sync", "asked for (--decode-mode sync)")
@@ -136,6 +137,6 @@ def choose_decode_mode(asked: str, reasons: list[str], weighed: ModeEstimate | N
         return DecodeMode(asked, "async", "asked for (--decode-mode async)")
     if weighed is not None:
         faster = "sync" if weighed.sync_s < weighed.async_s else "async"
-        return DecodeMode(asked, faster, f"auto chose the faster: {weighed.line()}")
+        return DecodeMode(asked, faster, f"auto, {weighed_for}, chose the faster: {weighed.line()}")
     return DecodeMode(asked, "async", "no layer needs the CPU's answer: experts read through the device-side "
                       "table, no sync per layer")

@@ -156,7 +156,8 @@ class CachePipeline:
         weighed = (self.runtime.mode_estimate(cache, self._n_threads or os.cpu_count() or 1)
                    if (self.prefetcher is not None or on_gpu) and cache.decode_mode == "auto" and not reasons
                    else None)
-        self.decode_mode = choose_decode_mode(cache.decode_mode, reasons, weighed)
+        self.decode_mode = choose_decode_mode(cache.decode_mode, reasons, weighed,
+                                              "with a stride prefetch" if self.prefetcher is not None else "on a GPU")
         if self.prefetcher is not None and self.decode_mode.mode == "sync":
             self._sync_prefetch(cache)
         if self.decode_mode.mode == "async" or split:

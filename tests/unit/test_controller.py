@@ -151,7 +151,8 @@ def test_auto_weighs_the_two_modes(slots, sync_s, read_bw, faster):
     assert est.sync_s == pytest.approx(2 * sync_s + misses * copy_s(4 * MB))
     assert est.async_s == pytest.approx(misses * ((4 * MB / read_bw if read_bw else 0.0) + copy_s(4 * MB)))
     m = choose_decode_mode("auto", [], est)
-    assert m.mode == faster and "estimates" in m.reason and "by hand" in m.reason
+    assert m.mode == faster and "estimates" in m.reason and "by hand" in m.reason and "on a GPU" in m.reason
+    assert "with a stride prefetch" in choose_decode_mode("auto", [], est, "with a stride prefetch").reason
     assert choose_decode_mode("async", [], est).mode == "async"  # asked for: no weighing
     assert choose_decode_mode("sync", [], est).mode == "sync"
 
