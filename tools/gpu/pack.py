@@ -159,6 +159,34 @@ def make_trace(out: Path, docs: int, prefill_tokens: int = 64, steps: int = 64) 
         record_trace(eng, texts, cfg, out)
 
 
+def write_pack(out: Path, a: argparse.Namespace) -> None:
+    """Everything the GPU machine needs, into ``out`` (a new folder), with its MANIFEST; PackError when over budget."""
+    out.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(prefix="ggmoe-pack-") as tmp:
+        write_source_tar(trimmed_source(Path(tmp)), out / "engine-src.tar.gz")
+    download_wheels(out / "wheels", a.python_version)
+    if not a.no_trace:
+        make_trace(out / "trace.npz", a.trace_docs)
+    if a.real_routing:
+        make_real_routing(out / "real-routing.npz", a.real_routing)
+    files = {str(f.relative_to(out)): f.stat().st_size for f in sorted(out.rglob("*")) if f.is_file()}
+    total = sum(files.values())
+    cuda_args = build_engine.BASE_CMAKE_ARGS + ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_NATIVE=ON"]
+    manifest = {"llama_cpp_python": build_engine.LLAMA_CPP_PYTHON_VERSION, "python": a.python_version,
+                "patches": [p.name for p in build_engine.patch_files()],
+                "patch_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in build_engine.patch_files()))
+                .hexdigest()[:16], "cmake_args": cuda_args, "files": files, "total_bytes": total}
+    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2))
+    tree = tree_bytes()
+    print(f"{a.out}: {total / 2**20:.1f} MiB in {len(files)} files; with the working tree that travels "
+          f"beside it ({tree / 2**20:.1f} MiB): {(total + tree) / 2**20:.1f} MiB", flush=True)
+    if total > MAX_PACK_BYTES:
+        raise PackError(f"the pack is {total / 2**20:.1f} MiB, over its {MAX_PACK_BYTES >> 20} MiB budget")
+    if total + tree > MAX_CARRY_BYTES:
+        raise PackError(f"the pack ({total / 2**20:.1f} MiB) and the working tree ({tree / 2**20:.1f} MiB) "
+                        f"are over the {MAX_CARRY_BYTES >> 20} MiB a device call can carry")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "gpu-pack")
@@ -171,36 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.real_routing is None:  # the shared real routing beside the checkout, as CI and sessions have it
         a.real_routing = [d for d in DEFAULT_REAL_ROUTING if d.is_dir()]
-    out: Path = a.out
+    missing = [d for d in a.real_routing if not d.is_dir()]
+    if missing:  # said before minutes of work
+        print(f"error: --real-routing {missing[0]}: no such directory", file=sys.stderr)
+        return 2
+    # built beside the old pack, which is replaced only once the new one is whole: a failed pack loses nothing
+    partial = a.out.parent / f".{a.out.name}.partial"
     try:
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        with tempfile.TemporaryDirectory(prefix="ggmoe-pack-") as tmp:
-            write_source_tar(trimmed_source(Path(tmp)), out / "engine-src.tar.gz")
-        download_wheels(out / "wheels", a.python_version)
-        if not a.no_trace:
-            make_trace(out / "trace.npz", a.trace_docs)
-        if a.real_routing:
-            make_real_routing(out / "real-routing.npz", a.real_routing)
-        files = {str(f.relative_to(out)): f.stat().st_size for f in sorted(out.rglob("*")) if f.is_file()}
-        total = sum(files.values())
-        cuda_args = build_engine.BASE_CMAKE_ARGS + ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90",
-                                                    "-DGGML_NATIVE=ON"]
-        manifest = {"llama_cpp_python": build_engine.LLAMA_CPP_PYTHON_VERSION, "python": a.python_version,
-                    "patches": [p.name for p in build_engine.patch_files()],
-                    "patch_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in build_engine.patch_files()))
-                    .hexdigest()[:16], "cmake_args": cuda_args, "files": files, "total_bytes": total}
-        (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2))
-        tree = tree_bytes()
-        print(f"{out}: {total / 2**20:.1f} MiB in {len(files)} files; with the working tree that travels "
-              f"beside it ({tree / 2**20:.1f} MiB): {(total + tree) / 2**20:.1f} MiB", flush=True)
-        if total > MAX_PACK_BYTES:
-            raise PackError(f"the pack is {total / 2**20:.1f} MiB, over its {MAX_PACK_BYTES >> 20} MiB budget")
-        if total + tree > MAX_CARRY_BYTES:
-            raise PackError(f"the pack ({total / 2**20:.1f} MiB) and the working tree ({tree / 2**20:.1f} MiB) "
-                            f"are over the {MAX_CARRY_BYTES >> 20} MiB a device call can carry")
+        shutil.rmtree(partial, ignore_errors=True)
+        write_pack(partial, a)
+        shutil.rmtree(a.out, ignore_errors=True)
+        partial.rename(a.out)
     except (PackError, build_engine.BuildError, subprocess.SubprocessError, OSError, GgmoeError) as e:
+        shutil.rmtree(partial, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
