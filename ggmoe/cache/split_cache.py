@@ -26,7 +26,7 @@ from ggmoe.cache.copy import CopyBackend, CopyHandle, Priority, bottom_target
 from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.slots import BottomTable, SlotTable
 from ggmoe.cache.split import LayerSplit
-from ggmoe.cache.stats import CacheStats
+from ggmoe.cache.stats import CacheStats, LayerStats
 
 
 class ExpertCache(Protocol):
@@ -166,13 +166,17 @@ class SplitLayers:
             bt.place(e, b, h, cache.clock)
             n += 1
         st = cache.stats.layers[il]
-        nbytes = self.layers[il].bottom_bytes * n
-        st.bottom_prefetches += n
+        self._count_bottoms(st, il, n)
         st.prefetch_issued += n
-        st.bottom_prefetch_bytes += nbytes
-        st.bytes_copied += nbytes
         cache.prefetch_events += n
         return n
+
+    def _count_bottoms(self, st: LayerStats, il: int, n: int) -> None:
+        """``n`` bottoms of layer ``il`` queued into buffers: counted and their bytes copied."""
+        nbytes = self.layers[il].bottom_bytes * n
+        st.bottom_prefetches += n
+        st.bottom_prefetch_bytes += nbytes
+        st.bytes_copied += nbytes
 
     def seen_start(self, cache: ExpertCache, il: int, flat: list[int]) -> None:
         """The async decode's reader saw split layer ``il`` start with experts ``flat``: bottoms that landed are
@@ -218,7 +222,6 @@ class SplitLayers:
         """MoEpic's prefetch for split layer ``il`` (the cache's lock held; ``experts`` in descending predicted
         score): the bottom of an expert whose top is cached; the top and the bottom of one whose top is not.
         Returns the tops queued (bottoms are counted in ``bottom_prefetches``)."""
-        sp = self.layers[il]
         st = cache.stats.layers[il]
         table = cache.tables[il]
         bt = self.bottoms.get(il)
@@ -238,8 +241,6 @@ class SplitLayers:
                 continue  # every buffer is loading or holds a predicted expert
             h = cache.copies.submit(il, e, bottom_target(b), Priority.PREFETCH, rank)
             bt.place(e, b, h, cache.clock)
-            st.bottom_prefetches += 1
-            st.bottom_prefetch_bytes += sp.bottom_bytes
-            st.bytes_copied += sp.bottom_bytes
+            self._count_bottoms(st, il, 1)
         self.land(cache, il)
         return tops
