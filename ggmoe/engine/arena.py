@@ -52,6 +52,10 @@ class TensorArena:
             raise EngineError(f"could not allocate {self.what} (out of device memory?)")
         return B.libggml_base.ggml_backend_buffer_get_size(self.buffer)
 
+    def clear(self) -> None:
+        """Zero every byte of the allocated memory (one memset on the buffer's device)."""
+        B.libggml_base.ggml_backend_buffer_clear(self.buffer, 0)
+
     def close(self) -> None:
         if self.buffer:
             B.libggml_base.ggml_backend_buffer_free(self.buffer)

@@ -118,6 +118,10 @@ libggml_base.ggml_backend_buffer_get_type.restype = ctypes.c_void_p
 libggml_base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
 libggml_base.ggml_backend_buft_name.restype = ctypes.c_char_p
 
+# void ggml_backend_buffer_clear(ggml_backend_buffer_t buffer, uint8_t value);
+libggml_base.ggml_backend_buffer_clear.argtypes = [ctypes.c_void_p, ctypes.c_uint8]
+libggml_base.ggml_backend_buffer_clear.restype = None
+
 # bool ggml_backend_buffer_is_host(ggml_backend_buffer_t buffer);
 libggml_base.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
 libggml_base.ggml_backend_buffer_is_host.restype = ctypes.c_bool

@@ -101,11 +101,9 @@ class SlotTensors:
             self.close()
             raise
         if zero_slot:
-            for il, pairs in self.pairs.items():
-                for p in pairs:  # the zero slot: entries the CPU computes read it on the device (x + 0 = x)
-                    zeros = (ctypes.c_uint8 * p.nb2)()
-                    B.libggml_base.ggml_backend_tensor_set(ctypes.cast(p.cache, B.ggml_tensor_p), zeros,
-                                                           n_slots[il] * p.nb2, p.nb2)
+            # every slot zeros: the zero slot, and the slots the patch hands a token's other host entries (their
+            # device product is masked to zero: a slot never filled must read finite numbers, not NaN garbage)
+            self.arena.clear()
 
     @staticmethod
     def _pair(host_ptr: int, cache_ptr: int, split: KindSplit | None = None, bottom: int = 0) -> SlotPair:

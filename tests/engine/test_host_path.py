@@ -1,12 +1,16 @@
 """The host path of the patch (0004) through its raw ctypes layer, on the CPU-only build.
 
 A route callback may answer ``LLAMA_GGMOE_SLOT_HOST`` (-1) for a selected expert:
-the device part then reads the layer's zero slot for that entry and a host-side
+the device part then reads, for that entry, the layer's zero slot (a token's first
+host entry) or another slot the token does not read (CUDA's ``mul_mat_id`` counts a
+slot once per token), and its down product is masked to zero; a host-side
 ``mul_mat_id`` over the model's expert tensors computes exactly those entries
 (ids -1, written as zeros, elsewhere); the two parts are added per entry before
 the routing weights. x + 0 = x, so for any mix of slot and host answers the
-logits must equal the stock path's bit for bit. Controls show that the zero slot
-is really read and that host answers are refused where the host path is off.
+logits must equal the stock path's bit for bit. The CPU build aborts on a slot
+repeated within a token, as a GPU would, so every case here also checks that.
+Controls show that the mask, not the zero slot's zeros, makes a host entry's
+device row zero, and that host answers are refused where the host path is off.
 """
 
 from __future__ import annotations
@@ -184,14 +188,21 @@ def test_all_on_the_host_with_a_quantized_model(host_session):
     assert router.error is None and router.n_slot == 0 and router.n_host > 0
 
 
-def test_the_device_part_reads_the_zero_slot(host_session):
-    """Control: a zero slot that is not zero changes the logits, so the equality above is not vacuous."""
-    s = host_session(fixture_path("qwen3moe"), fill_zero=0x3C)  # 0x3C3C as f16 is 1.06
+@pytest.mark.parametrize("arch", ["qwen3moe", "gptoss"])
+def test_the_device_rows_of_host_entries_are_masked(arch, host_session):
+    """A zero slot that is not zero, and free slots that are not either, leave the logits stock: every host
+    entry's device product is masked (each token has several host entries here, so most read slots other
+    than the zero slot). gpt-oss: the down bias, added after the mask, comes in once."""
+    s = host_session(fixture_path(arch), fill_zero=0x3C)  # 0x3C3C as f16 is 1.06
     ref = run_sequence(s.eng)
     router = s.attach(p_host=1.0, seed=2)
+    for c in s.caches.values():
+        for slot in range(c.n_slots - 1):
+            _zero_slot(c, slot, 0x3C)
     got = run_sequence(s.eng)
-    assert router.n_host > 0
-    assert not all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
+    assert router.error is None, router.error
+    assert router.n_host > 0 and router.n_slot == 0
+    assert_same_logits(ref, got)
 
 
 def test_host_answers_are_refused_where_the_host_path_is_off(host_session):

@@ -73,6 +73,7 @@ class LayerCache:
         self._buf = B.libggml_base.ggml_backend_alloc_ctx_tensors_from_buft(
             self._ctx, B.libggml_cpu.ggml_backend_cpu_buffer_type())
         assert self._buf, "cache buffer allocation failed"
+        B.libggml_base.ggml_backend_buffer_clear(self._buf, 0)  # as SlotTensors: an empty slot reads zeros
         self.slot_of = np.full(self.n_expert, -1, dtype=np.int32)  # [n_expert] slot holding the expert, -1: none
         self.expert_in = np.full(n_slots, -1, dtype=np.int32)  # [n_slots] expert in the slot, -1: empty
         self.loads = 0  # experts copied in
@@ -123,7 +124,7 @@ class SlotRouter:
         self.seen: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # (il, ids, probs, inp) copies
         self.capture = False
         self.result = 0  # what the callback returns
-        self.bad_slot = False  # write an out-of-range slot
+        self.bad_slot: str | None = None  # "range": an out-of-range slot; "repeat": one slot twice in a token
         self.error: BaseException | None = None
         self.c_cb = P.route_cb(self._cb)  # kept alive as long as the router
 
@@ -140,8 +141,10 @@ class SlotRouter:
                 cache.ensure(np.unique(ids), self.rng)
                 slots = _array(slots_p, ctypes.c_int32, (n_tokens, n_expert_used))
                 slots[:] = cache.slot_of[ids]
-                if self.bad_slot:
+                if self.bad_slot == "range":
                     slots[0, 0] = cache.n_slots
+                elif self.bad_slot == "repeat":
+                    slots[0, 1] = slots[0, 0]
             return self.result
         except BaseException as e:  # noqa: BLE001 - must not unwind through C
             self.error = e
@@ -490,11 +493,14 @@ def test_callback_errors_are_kept_and_cleared(P, session):
     assert P.llama_ggmoe_get_error(ctx) == 0  # read clears it
 
     router.result = 0
-    router.bad_slot = True  # would read outside the cache tensor: the op refuses it and writes slot 0
-    assert _raw_decode(ctx, [DECODE[0]]) == 0
-    assert P.llama_ggmoe_get_error(ctx) == _patched.LLAMA_GGMOE_ERR_SLOT
+    # out of range: it would read outside the cache tensor; repeated within a token: CUDA's mul_mat_id counts
+    # a slot once per token (it aborts or drops the row). The op refuses both and answers slots 0..n_expert_used-1
+    for bad in ("range", "repeat"):
+        router.bad_slot = bad
+        assert _raw_decode(ctx, [DECODE[0]]) == 0
+        assert P.llama_ggmoe_get_error(ctx) == _patched.LLAMA_GGMOE_ERR_SLOT, bad
 
-    router.bad_slot = False
+    router.bad_slot = None
     run_sequence(s.eng)
     s.check_clean()
 
