@@ -428,21 +428,34 @@ def test_tests_digest_keeps_outcomes_and_an_aborts_cause(tmp_path):
 import modes as gpu_modes  # noqa: E402
 
 _R = {"hits": 5, "misses": 3}
-# (mode, its tokens, its hits, ok, why): stock's tokens are [1, 2, 3]
+# (mode, its tokens, its hits, its prompt drift, ok, why): stock's tokens are [1, 2, 3]
 VERDICTS = [
-    ("sync", [1, 2, 3], 5, True, None),
-    ("sync", [1, 2, 4], 5, False, "tokens differ from stock's from token 2"),
-    ("async", [1, 2, 3], 0, False, "the async decode never hit its cache"),
-    ("host", [1, 9, 9], 5, True, None),  # the CPU's kernels: judged on running and hitting only
-    ("host", [1, 2, 3], 0, False, "the host decode never hit its cache"),
+    ("sync", [1, 2, 3], 5, 0.0, True, None),
+    ("sync", [1, 2, 4], 5, 0.0, False, "tokens differ from stock's from token 2"),
+    ("async", [1, 2, 3], 0, 0.0, False, "the async decode never hit its cache"),
+    ("host", [1, 9, 9], 5, 0.001, True, None),  # the CPU's kernels round otherwise: tokens part, logits stay
+    ("host", [1, 9, 9], 5, 0.4, False, "its prompt's logits differ from stock's by 0.400 of their size (> 0.05)"),
+    ("host", [1, 2, 3], 0, 0.0, False, "the host decode never hit its cache"),
 ]
 
 
-@pytest.mark.parametrize(("mode", "tokens", "hits", "ok", "why"), VERDICTS)
-def test_mode_verdicts(mode, tokens, hits, ok, why):
-    got = gpu_modes.verdicts({"tokens": [1, 2, 3]}, {mode: {**_R, "tokens": tokens, "hits": hits}})[mode]
+@pytest.mark.parametrize(("mode", "tokens", "hits", "drift", "ok", "why"), VERDICTS)
+def test_mode_verdicts(mode, tokens, hits, drift, ok, why):
+    got = gpu_modes.verdicts({"tokens": [1, 2, 3]}, {mode: {**_R, "tokens": tokens, "hits": hits}},
+                             {mode: drift})[mode]
     assert got["ok"] == ok and got.get("why") == why
     assert got["same_as_stock"] == next((i for i, t in enumerate(tokens) if t != i + 1), 3)
+    assert got["prompt_drift"] == drift
+
+
+def test_prompt_drift_reads_the_children_logits(tmp_path):
+    import numpy as np
+
+    np.save(gpu_modes.logits_path(tmp_path, "stock"), np.array([2.0, -4.0, 1.0], dtype=np.float32))
+    np.save(gpu_modes.logits_path(tmp_path, "host"), np.array([2.0, -3.0, 1.0], dtype=np.float32))
+    np.save(gpu_modes.logits_path(tmp_path, "sync"), np.array([2.0, -4.0, 1.0], dtype=np.float32))
+    assert gpu_modes.prompt_drift(tmp_path, ["host", "sync", "async"]) == {"host": 0.25, "sync": 0.0}
+    assert gpu_modes.prompt_drift(tmp_path / "none", ["host"]) == {}
 
 
 def test_mode_verdicts_carry_a_failed_run():

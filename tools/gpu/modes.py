@@ -17,10 +17,13 @@ loses one mode):
 Stock decodes in the modes' micro-batches (n_ubatch 4), so that every matmul runs the same kernel on the
 same values: a mode whose experts are all computed on the GPU (sync, async, prefetch, split) is the same
 arithmetic as stock and passes when its tokens equal stock's (async: and its cache hit). host passes when
-it ran and hit: its misses run the CPU's kernels, whose rounding differs from the GPU's, and a real-shape
+it ran, hit, and its prompt's logits lie within HOST_DRIFT of stock's (the largest difference over stock's
+largest logit): its misses run the CPU's kernels, whose rounding differs from the GPU's, and a real-shape
 model of random weights turns any rounding difference into other tokens within a few steps (the H200 loan
 of 2026-11-26: stock with a 37-token micro-batch against the modes' 4-token ones parted at token 4, while
-all six GPU modes agreed with each other token for token). Writes OUT/modes.json
+all six GPU modes agreed with each other token for token), while an expert lost or counted twice moves
+logits by their own size (the third H200 loan: a token's two host entries shared the zero slot, which
+CUDA's mul_mat_id counts once; patch 0011). Writes OUT/modes.json
 (per mode: tokens equal, hits, misses, decode mode in effect, copy stream, seconds, error) and prints a table;
 exit 1 if a mode failed. On the CPU build it runs as it would on a GPU with GGMOE_COPY_STREAM=deferred.
 
@@ -38,6 +41,7 @@ from pathlib import Path
 
 MODES = ("sync", "async", "host", "prefetch", "async-prefetch", "split", "split-async")
 PROMPT = list(range(3, 40))  # token ids: a prompt every vocabulary has
+HOST_DRIFT = 0.05  # host's largest prompt-logit difference from stock's, over stock's largest |logit|
 
 
 def engine_config(model: Path, mode: str | None, fraction: float, gpu: bool):
@@ -64,14 +68,18 @@ def engine_config(model: Path, mode: str | None, fraction: float, gpu: bool):
                         cache=CacheConfig(**kw))
 
 
-def greedy(model: Path, mode: str | None, fraction: float, tokens: int, gpu: bool) -> dict:
-    """Decode ``tokens`` greedy tokens after the prompt in ``mode``; the tokens and the cache's counts."""
+def greedy(model: Path, mode: str | None, fraction: float, tokens: int, gpu: bool,
+           save_logits: Path | None = None) -> dict:
+    """Decode ``tokens`` greedy tokens after the prompt in ``mode``; the tokens and the cache's counts.
+    ``save_logits``: where the prompt's logits go (.npy), for the parent to compare."""
     import numpy as np
 
     from ggmoe.engine import Engine
 
     with Engine(engine_config(model, mode, fraction, gpu)) as eng:
         logits = eng.decode(PROMPT)
+        if save_logits is not None:
+            np.save(save_logits, np.asarray(logits, dtype=np.float32))
         out = []
         for _ in range(tokens):
             out.append(int(np.argmax(logits)))
@@ -101,21 +109,43 @@ def run_mode(a, mode: str | None) -> dict:
     return {**json.loads(r.stdout.strip().splitlines()[-1]), "seconds": secs}
 
 
-def verdicts(stock: dict, results: dict[str, dict]) -> dict[str, dict]:
-    """Each mode's result with ``ok`` and, when not, ``why``: tokens equal stock's (host: hits only); async and
-    host hit; ``same_as_stock``: how many leading tokens equal stock's."""
-    out = {}
+def verdicts(stock: dict, results: dict[str, dict], drift: dict[str, float] | None = None) -> dict[str, dict]:
+    """Each mode's result with ``ok`` and, when not, ``why``: tokens equal stock's (host: its prompt's logits
+    within HOST_DRIFT, ``drift``: mode -> largest difference over stock's largest logit); async and host hit;
+    ``same_as_stock``: how many leading tokens equal stock's."""
+    out, drift = {}, drift or {}
     for mode, r in results.items():
         why = r.get("error") or stock.get("error")
         if why is None:
             pairs = list(zip(r["tokens"], stock["tokens"], strict=True))
             r = {**r, "same_as_stock": next((i for i, (x, y) in enumerate(pairs) if x != y), len(pairs))}
+            if mode in drift:
+                r["prompt_drift"] = round(drift[mode], 6)
         if why is None and mode != "host" and r["tokens"] != stock["tokens"]:
             why = f"tokens differ from stock's from token {r['same_as_stock']}"
+        if why is None and mode == "host" and drift.get(mode, 0.0) > HOST_DRIFT:
+            why = f"its prompt's logits differ from stock's by {drift[mode]:.3f} of their size (> {HOST_DRIFT})"
         if why is None and mode in ("async", "host") and not r["hits"]:
             why = f"the {mode} decode never hit its cache"
         out[mode] = {**r, "ok": why is None, **({"why": why} if why else {})}
     return out
+
+
+def logits_path(out: Path, name: str) -> Path:
+    return out / f"prompt-logits-{name}.npy"
+
+
+def prompt_drift(out: Path, modes: list[str]) -> dict[str, float]:
+    """Each mode's largest prompt-logit difference from stock's, over stock's largest |logit| (modes whose
+    child saved its logits)."""
+    import numpy as np
+
+    if not logits_path(out, "stock").is_file():
+        return {}
+    ref = np.load(logits_path(out, "stock"))
+    scale = float(np.abs(ref).max()) or 1.0
+    return {m: float(np.abs(np.load(logits_path(out, m)) - ref).max()) / scale
+            for m in modes if logits_path(out, m).is_file()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.one:
         mode = None if a.one == "stock" else a.one
-        print(json.dumps(greedy(a.model, mode, a.fraction, a.tokens, not a.cpu)))
+        print(json.dumps(greedy(a.model, mode, a.fraction, a.tokens, not a.cpu, logits_path(a.out, a.one))))
         return 0
     modes = [m for m in a.modes.split(",") if m]
     if not a.model.is_file() or set(modes) - set(MODES) or not 0 < a.fraction <= 1:
         raise SystemExit(f"error: need an existing --model, --modes from {', '.join(MODES)}, --fraction in (0, 1]")
     a.out.mkdir(parents=True, exist_ok=True)
     stock = run_mode(a, None)
-    result = verdicts(stock, {m: run_mode(a, m) for m in modes})
+    result = verdicts(stock, {m: run_mode(a, m) for m in modes}, prompt_drift(a.out, modes))
     (a.out / "modes.json").write_text(json.dumps({"model": str(a.model), "fraction": a.fraction,
                                                   "tokens": a.tokens, "stock": stock, "modes": result}, indent=2))
     print(f"{'mode':12} {'ok':4} {'hits':>6} {'misses':>6} {'mode in effect':14} {'stream':9} {'s':>5}  why")
