@@ -179,6 +179,24 @@ def _cell(routing, config, fraction, tps, prefill=100.0, sim=None, error=None):
                 tpot_sim_ms=sim, error=error)
 
 
+# (config, the miss policy the cell ran with (None: not recorded), the one simulated)
+SIM_MISS = [
+    ("lru", None, "wait"), ("lru-host", None, "cpu"), ("lru-auto", None, "auto"), ("prefetch", None, "auto"),
+    ("async", None, "wait"), ("prefetch-wait", None, "wait"),
+    ("lru-auto", "wait", "wait"),  # the engine's auto dropped the host path: simulated without it too
+    ("prefetch", "auto", "auto"),
+]
+
+
+@pytest.mark.parametrize(("config", "ran", "want"), SIM_MISS)
+def test_the_simulator_runs_the_miss_policy_the_cell_ran(config, ran, want):
+    from dataclasses import replace
+
+    from matrix import sim_miss_policy
+
+    assert sim_miss_policy(replace(_cell("random", config, 0.5, 10.0), miss_policy=ran)) == want
+
+
 def test_goals_by_hand():
     tr = "trace-replay routing (benchmark only)"
     cells = [_cell("random", "stock-vram", None, 100.0), _cell("random", "stock-cpu", None, 20.0, prefill=50.0),

@@ -27,6 +27,8 @@ routing, benchmark only, see trace_routing.py) and each configuration:
                  default --configs: its counts depend on timing)
     lru-auto     lru with --miss-policy auto (not in the default --configs): what the host path costs
                  where auto keeps it, or that it was dropped
+    lru-host     lru with --miss-policy cpu (not in the default --configs): every miss computed on the CPU,
+                 its copy admitted behind; the host path measured where auto's cost model would drop it
     prefetch-wait  prefetch with --miss-policy wait (not in the default --configs): what prediction costs
                  without the host path
     prefetch-mlp ggmoe's own configuration: an mlp predictor (hidden 1024) at stride 2, computed in the
@@ -93,13 +95,14 @@ if TYPE_CHECKING:
 # the engine (llama.cpp) is imported where it runs: the pure parts here are unit-tested without it
 
 CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async",
-           "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp")
+           "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host")
 DEFAULT_CONFIGS = (*CONFIGS[:10], "prefetch-mlp")
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
 PER_FRACTION = ("n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg",
-                "lru-auto", "prefetch-wait", "prefetch-mlp")
+                "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host")
 GGMOE = ("lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto",
-         "prefetch-wait", "prefetch-mlp")
+         "prefetch-wait", "prefetch-mlp", "lru-host")
+LRU_MISS = {"lru": "wait", "lru-auto": "auto", "lru-host": "cpu"}  # the lru rows' --miss-policy
 SPLIT = ("split", "split-async")  # MoEpic's split: only below 100 % (with every expert cacheable it is moot)
 WHOLE_LRU = ("lru", "async")  # whole-expert LRU, the split rows' reference at the same VRAM
 TRACE_ONLY = ("prefetch-eam",)  # learns from the tiled trace's training prompts
@@ -131,6 +134,7 @@ class Cell:
     tpot_sim_ms: float | None = None  # the simulator's TPOT estimate for this cell (ms), None: not simulated
     error: str | None = None  # why the cell could not run (e.g. out of VRAM)
     decode_mode: str | None = None  # async or sync as the cell ran (None: stock)
+    miss_policy: str | None = None  # the miss policy in effect as the cell ran (auto may have become wait)
     host_read_bytes_per_token: float | None = None  # bytes the GPU read from host memory per decoded token
     copied_bytes_per_token: float | None = None  # bytes the copy engine moved per decoded token
     bound_tpot_ms: float | None = None  # stock-vram TPOT + link bytes per token / measured bandwidth (--probe)
@@ -261,9 +265,8 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
         n_gpu = n_gpu_layers_for(n_slots, len(facts.moe_layers), facts.n_expert)
         host = tuple(facts.moe_layers[n_gpu:])
         return EngineConfig(**base, experts_on_host=True, host_expert_layers=host, gate_hook=False), n_gpu
-    if config in ("lru", "lru-auto"):
-        miss = "auto" if config == "lru-auto" else "wait"
-        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=miss,
+    if config in LRU_MISS:
+        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=LRU_MISS[config],
                                                       decode_mode="sync")), n_slots
     if config == "async":
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", decode_mode="async")), n_slots
@@ -394,13 +397,14 @@ def run_cell(model: Path, facts, config: str, fraction: float | None, routing: s
             m = measure(eng, eng.n_vocab, args.prefill_tokens, args.decode_tokens, args.runs, args.seed)
             hook = eng.hook_times if cfg.cache is not None else np.zeros(0)
             mode = eng.decode_mode.get("decode_mode_in_effect")
+            miss = eng.miss_policy[0] if eng.miss_policy is not None else None
         s = m.decode_stats
         per = max(m.decoded_tokens, 1)
         return Cell(str(model), name, config, fraction, slots, float(statistics.median(m.decode_tps)),
                     m.decode_tps, m.prefill_tps, m.ttft_s, s.hit_rate if s else None,
                     float(np.median(hook)) * 1e6 if hook.size else None, s.host_computed if s else None,
                     override_us=override.seconds / override.calls * 1e6 if override and override.calls else None,
-                    wall_s=time.monotonic() - t0, decode_mode=mode,
+                    wall_s=time.monotonic() - t0, decode_mode=mode, miss_policy=miss,
                     host_read_bytes_per_token=s.host_read_bytes / per if s else None,
                     copied_bytes_per_token=s.bytes_copied / per if s else None, theta=theta,
                     top_hit_rate=s.top_hit_rate if s and is_split else None, cache_bytes=vram)
@@ -420,6 +424,18 @@ def record_random_trace(model: Path, args, path: Path) -> Path:
     with Engine(EngineConfig(model_path=model, n_ctx=args.n_ctx, n_threads=args.threads)) as eng:
         return record_trace(eng, [PROMPT], RecordConfig(mode="sample", max_tokens=args.decode_tokens, temp=TEMP,
                                                         seed=args.seed, keep_hidden=False), path)
+
+
+def sim_miss_policy(cell: Cell) -> str:
+    """The miss policy to simulate ``cell`` with: the one in effect as it ran, where it was recorded (the
+    engine's auto weighs its own measurements and may have dropped the host path where the profile's costs
+    would keep it: the H200 loan of 2026-11-26 simulated lru-auto with the host path at 9.40 ms against the
+    engine's 11.55 without it), else the configuration's."""
+    if cell.miss_policy is not None:
+        return cell.miss_policy
+    if cell.config in LRU_MISS:
+        return LRU_MISS[cell.config]
+    return "wait" if cell.config in ("async", "async-prefetch", "prefetch-wait") else "auto"
 
 
 def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None = None) -> float | None:
@@ -444,11 +460,10 @@ def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None =
                         decode_mode="async" if cell.decode_mode == "async" else "sync")
         r = simulate(trace, sim, bpe, profile)
         return r.tpot_s * 1e3 if r.tpot_s is not None else None
-    pred = {"lru": None, "async": None, "lru-auto": None, "prefetch": "reuse", "prefetch-bg": "reuse",
+    pred = {"lru": None, "async": None, "lru-auto": None, "lru-host": None, "prefetch": "reuse", "prefetch-bg": "reuse",
             "prefetch-wait": "reuse", "prefetch-eam": "eam", "async-prefetch": "reuse"}[cell.config]
     sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots), policy="lru", predictor=pred,
-                    stride=2 if cell.config == "async-prefetch" else 1,
-                    miss_policy="wait" if cell.config in ("lru", "async", "async-prefetch", "prefetch-wait") else "auto",
+                    stride=2 if cell.config == "async-prefetch" else 1, miss_policy=sim_miss_policy(cell),
                     decode_mode="async" if cell.decode_mode == "async" else "sync")
     r = simulate(trace, sim, bpe, profile, train=train if pred == "eam" else None)
     return r.tpot_s * 1e3 if r.tpot_s is not None else None
@@ -575,7 +590,8 @@ def table(cells: list[Cell]) -> str:
         link = ("-" if c.host_read_bytes_per_token is None else
                 f"{c.host_read_bytes_per_token / 1e6:.1f} + {(c.copied_bytes_per_token or 0) / 1e6:.1f}")
         hit = _f(c.hit_rate, ".1%") + ("" if c.top_hit_rate is None else f" (top {c.top_hit_rate:.1%})")
-        rows.append(f"| {routing} | {c.config} | {c.decode_mode or '-'} | {frac} | {slots} | {vram} | "
+        mode = (c.decode_mode or "-") + (f", misses {c.miss_policy}" if c.miss_policy not in (None, "wait") else "")
+        rows.append(f"| {routing} | {c.config} | {mode} | {frac} | {slots} | {vram} | "
                     f"{c.decode_tps:.1f} | {_f(c.tpot_ms, '.2f')} | {_f(c.bound_tpot_ms, '.2f')} | "
                     f"{_f(c.tpot_sim_ms, '.2f')} | {c.prefill_tps:.1f} | "
                     f"{c.ttft_s * 1e3:.1f} | {hit} | {link} | {_f(c.hook_us_p50, '.1f')}"
