@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -289,19 +288,46 @@ def test_invalid_context_files_get_a_400(fim_server, extra):
         assert c.get("/health").status_code == 200
 
 
-def test_slots_show_a_running_task(server):
-    """llama-server's test_completion_parallel_slots checks /slots while requests run: the busy slot shows."""
-    with server.client() as c, server.client() as watcher:
-        body = {"prompt": PROMPT, "n_predict": 200, "ignore_eos": True, "stream": True}
-        with c.stream("POST", "/completion", json=body) as r:
-            next(r.iter_lines())
-            busy = watcher.get("/slots").json()[0]
-        for _ in range(50):  # the stream's end frees the slot
-            idle = watcher.get("/slots").json()[0]
-            if not idle["is_processing"]:
-                break
-            time.sleep(0.1)
-    assert busy["is_processing"] is True and busy["params"]["n_predict"] == 200
+def test_slots_show_a_running_task():
+    """llama-server's test_completion_parallel_slots checks /slots while requests run: the busy slot shows.
+
+    The interleaving is forced, not timed: the app runs in-process around a real model whose decode of the
+    second generated token waits until /slots has been read (a 200-token stream of the tiny model can end
+    before a watcher's request is served: CI saw it)."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    import ggmoe
+    from ggmoe.serve.app import ServeSettings, create_app
+
+    reached, go = threading.Event(), threading.Event()
+    with ggmoe.load(n_ctx=N_CTX) as llama:
+        real_eval, calls = llama.eval, []
+
+        def held_eval(tokens):  # the prompt, then one call per generated token: hold the second token's
+            calls.append(len(tokens))
+            if len(calls) == 3:
+                reached.set()
+                go.wait(60)
+            return real_eval(tokens)
+
+        llama.eval = held_eval
+        app = create_app(llama, ServeSettings(model_id="m", loopback_only=False))
+        with TestClient(app) as client:
+            body = {"prompt": PROMPT, "n_predict": 8, "ignore_eos": True, "stream": True}
+            done: list = []
+            t = threading.Thread(target=lambda: done.append(client.post("/completion", json=body)))
+            t.start()
+            try:
+                assert reached.wait(60), "the generation never reached its second token"
+                busy = client.get("/slots").json()[0]
+            finally:
+                go.set()
+                t.join(60)
+            idle = client.get("/slots").json()[0]
+    assert done and done[0].status_code == 200
+    assert busy["is_processing"] is True and busy["params"]["n_predict"] == 8
     assert busy["next_token"]["n_decoded"] >= 1 and busy["next_token"]["has_next_token"] is True
     assert idle["is_processing"] is False and idle["id_task"] == busy["id_task"]
 
