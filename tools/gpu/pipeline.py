@@ -62,14 +62,17 @@ import build as gpu_build  # noqa: E402
 
 DEFAULT_RESULTS = Path("/tmp/ggmoe-results")
 # what the matrix does first: import ggmoe's engine (numpy and all), then load the model, experts on the host
-# with the cache on (the async decode at half the experts), a few tokens decoded: the loan's first question is
+# with the cache on (auto's decode mode and miss policy at half the experts: its choices and the measured costs
+# it chose by, which the third loan's matrix questioned), a few tokens decoded: the loan's first question is
 # whether ggmoe's own path runs, not only whether llama.cpp loads
 ENGINE_CHECK = ("import sys; from ggmoe.cache import CacheConfig; from ggmoe.engine import Engine, EngineConfig; "
                 "from ggmoe.inspect import inspect_model; f = inspect_model(sys.argv[1]); "
                 "eng = Engine(EngineConfig(model_path=sys.argv[1], n_ctx=64, n_gpu_layers=-1, "
-                "cache=CacheConfig(n_slots=max(f.n_expert_used + 1, f.n_expert // 2), decode_mode='auto'))); "
+                "cache=CacheConfig(n_slots=max(f.n_expert_used + 1, f.n_expert // 2), decode_mode='auto', "
+                "miss_policy='auto'))); "
                 "[eng.decode([t]) for t in range(3, 11)]; st = eng.cache_stats.total(); "
-                "print('engine check: loaded', sys.argv[1], eng.decode_mode, 'hits', st.hits, 'misses', st.misses); "
+                "print('engine check: loaded', sys.argv[1], eng.decode_mode, 'miss policy', eng.miss_policy, "
+                "'hits', st.hits, 'misses', st.misses, 'on the CPU', st.host_computed); "
                 "eng.close()")
 DEFAULT_MODELS = "gpt-oss-20b"  # 15 minutes hold one model (the second loan: the build alone took 250 s)
 # the rows that matter most at 50 % and with every expert cached, each matrix command capped (seconds)
