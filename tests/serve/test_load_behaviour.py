@@ -63,11 +63,11 @@ def test_disconnect_mid_stream_frees_the_model(server):
             got = [ln for ln, _ in zip(lines, range(6), strict=False)]
             assert any(ln.startswith("data: {") for ln in got)
         # the stream is closed here, long before its 400 tokens
-    t0 = time.monotonic()
+    # the model is free again (what the cancelled count below says happened is the generation's end, not
+    # its 400 tokens run out; no wall-clock bound here: a slow machine is not a failure)
     with server.client() as c:
         r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
     assert r.status_code == 200
-    assert time.monotonic() - t0 < 20
     deadline = time.monotonic() + 10
     while metric(server, "ggmoe_generations_cancelled_total") <= before and time.monotonic() < deadline:
         time.sleep(0.1)
