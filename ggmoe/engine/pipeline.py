@@ -456,11 +456,13 @@ class CachePipeline:
 
     # -- lifecycle
     def detach(self) -> None:
-        """Stop the prefetch worker and take the callback, tables and predictor off the context (before it is
-        freed)."""
+        """Stop the prefetch worker, land the copies in flight and stop the copy queue, and take the callback,
+        tables and predictor off the context (before it and the model are freed)."""
         self._close_stride()
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.runtime is not None:  # copies read the model's host experts: landed before the model can go
+            self.runtime.quiesce()
         if self._ctx_ptr:
             self.hook.uninstall(self._ctx_ptr)
             if self.tables is not None:

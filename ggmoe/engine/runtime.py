@@ -177,6 +177,15 @@ class CacheRuntime:
         return cls(model_ptr, ctx_ptr, config, facts.moe_layers, facts.n_expert, facts.n_expert_used, bpe,
                    n_threads, split=model_split(facts, config.layer_theta))
 
+    def quiesce(self) -> None:
+        """Land every copy in flight and stop the copy queue's worker, keeping the slot tensors: before the model
+        is freed, whose host experts the copies read (a copy landing later read freed memory: the deferred
+        stream crashed ``ggmoe.load``'s README example at exit; a GPU's copy engine would read it too)."""
+        if self.copies is not None:
+            self.copies.close()
+        if self._ggml is not None:
+            self._ggml.stream.synchronize()
+
     def close(self) -> None:
         if self.copies is not None:
             self.copies.close()

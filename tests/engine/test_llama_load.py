@@ -134,6 +134,22 @@ def test_close_is_deterministic_and_idempotent():
     assert llm.attachment is None
 
 
+def test_close_lands_the_copies_in_flight_before_the_model_goes():
+    """Copies read the model's host experts: with admissions still on a slow deferred stream (50 ms a copy),
+    ``close`` lands them before the model is freed. It used to free the model first, and the process crashed
+    when a copy landed (the README's example under GGMOE_COPY_STREAM=deferred; a GPU's copy engine would read
+    the freed memory too). A child process: a crash is its exit status, not this run's end."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import ggmoe; llm = ggmoe.load(cache_slots=4, n_ctx=128); "
+            "llm.create_completion('Once upon a time', max_tokens=8, temperature=0); llm.close(); print('closed')")
+    env = {**os.environ, "GGMOE_COPY_STREAM": "deferred", "GGMOE_COPY_DELAY_MS": "50"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("closed"), (r.returncode, r.stderr[-2000:])
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"path": "/nonexistent/model.gguf"}, ModelFileError, "not found"),
     ({"cache_slots": 4, "vram": "1GiB"}, UsageError, "not both"),
