@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.model.is_file() or set(modes) - set(MODES) or not 0 < a.fraction <= 1:
         raise SystemExit(f"error: need an existing --model, --modes from {', '.join(MODES)}, --fraction in (0, 1]")
     a.out.mkdir(parents=True, exist_ok=True)
+    for name in ("stock", *modes):  # a child that fails saves none: an earlier run's file must not stand in
+        logits_path(a.out, name).unlink(missing_ok=True)
     stock = run_mode(a, None)
     result = verdicts(stock, {m: run_mode(a, m) for m in modes}, prompt_drift(a.out, modes))
     (a.out / "modes.json").write_text(json.dumps({"model": str(a.model), "fraction": a.fraction,
