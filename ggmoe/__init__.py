@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__version__ = "0.1.0"
+from ggmoe.base.version import __version__
 
 __all__ = ["__version__", "load"]
 

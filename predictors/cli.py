@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import click
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import SEED, FiniteFloat
-from ggmoe.errors import UsageError
 
 
 def _int_list(text: str | None) -> tuple[int, ...] | None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 from ggmoe.predict.mlp_file import FORMAT, KINDS, MODES, VERSION, write_predictor_file
 from ggmoe.trace import Trace
 from ggmoe.trace.data import next_token_pairs, select_prompts, split_prompts

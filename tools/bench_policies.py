@@ -31,12 +31,11 @@ from trace_routing import tile_trace  # noqa: E402
 
 from ggmoe.cache.hardware import load_profile  # noqa: E402
 from ggmoe.cache.policies import POLICIES  # noqa: E402
-from ggmoe.cache.policies.static import trace_counts  # noqa: E402
 from ggmoe.inspect import inspect_model  # noqa: E402
 from ggmoe.models import default_model_path  # noqa: E402
 from ggmoe.simulate.des import SimConfig, baseline, simulate  # noqa: E402
 from ggmoe.trace import load_traces  # noqa: E402
-from ggmoe.trace.data import select_prompts  # noqa: E402
+from ggmoe.trace.data import select_prompts, trace_counts  # noqa: E402
 
 PREDICTORS = (None, "reuse", "token", "eam", "expert-map", "oracle")
 FRACTIONS = (0.25, 0.5)

@@ -22,10 +22,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from ggmoe.cache.policies import POLICIES
-from ggmoe.cache.policies.static import trace_counts
 from ggmoe.predict.base import PREDICTORS, predictor_class
 from ggmoe.simulate.des import SimConfig, simulate
 from ggmoe.trace import load_trace, select_prompts, split_prompts
+from ggmoe.trace.data import trace_counts
 
 FRACTIONS = (0.125, 0.25, 0.5)
 _STATE: dict = {}

@@ -16,6 +16,7 @@ from itertools import compress
 
 import numpy as np
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.clock import Clock, MonotonicClock
 from ggmoe.cache.copy import CopyBackend, CopyHandle, NullCopyBackend, Priority
 from ggmoe.cache.miss import HOST_MAX_TOKENS, SLOT_HOST, MissCosts, check_miss_policy, prefer_host
@@ -24,7 +25,6 @@ from ggmoe.cache.slots import SlotTable
 from ggmoe.cache.split import SPLIT_MAX_TOKENS, LayerSplit
 from ggmoe.cache.split_cache import SplitLayers
 from ggmoe.cache.stats import CacheStats, LayerStats
-from ggmoe.errors import UsageError
 
 
 def keep_free_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: int, n_prefetch: int) -> dict[int, int]:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 
 if TYPE_CHECKING:
     from ggmoe.inspect.facts import ModelFacts
@@ -46,7 +46,7 @@ class CacheConfig:
     routing_counts: Mapping[int, Any] | None = None
 
     def __post_init__(self) -> None:
-        """The policy's options checked against what it declares (ggmoe.params), before anything is built;
+        """The policy's options checked against what it declares (ggmoe.base.params), before anything is built;
         a prefetch threshold that is not a finite number refused (nan would silently prefetch nothing)."""
         threshold = getattr(self.prefetch, "threshold", None)
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)
@@ -58,8 +58,8 @@ class CacheConfig:
             if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 <= t <= 1:
                 raise UsageError(f"layer {il}: top share θ = {t!r}; it must be a number from 0 to 1")
         if self.policy_options:
+            from ggmoe.base.params import check_params
             from ggmoe.cache.policies import POLICIES
-            from ggmoe.params import check_params
 
             check_params(f"policy {self.policy!r}", POLICIES.get(self.policy).PARAMS, self.policy_options)
 
@@ -152,7 +152,7 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
 
 def _bytes(size: int | str) -> int:
     """A byte count given as an int or as a size string such as ``"4GiB"``."""
-    from ggmoe.units import parse_bytes
+    from ggmoe.base.units import parse_bytes
 
     if isinstance(size, bool) or not isinstance(size, int | str):
         raise UsageError(f"a size must be a number of bytes or a string such as '4GiB', not {size!r}")

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ggmoe.errors import UsageError
-from ggmoe.registry import check_choice
+from ggmoe.base.errors import UsageError
+from ggmoe.base.registry import check_choice
 
 DECODE_MODES = ("auto", "async", "sync")
 # The largest micro-batch (tokens) that reads its experts through the tables. ggml-cuda runs

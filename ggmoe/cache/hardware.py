@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.tomlfile import read_toml
 from ggmoe.cache.miss import MissCosts
-from ggmoe.errors import UsageError
-from ggmoe.tomlfile import read_toml
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
 DEFAULT_PROFILE = "pcie4"

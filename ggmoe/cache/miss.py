@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ggmoe.registry import check_choice
+from ggmoe.base.registry import check_choice
 
 MISS_POLICIES = ("wait", "cpu", "auto")
 HOST_MAX_TOKENS = 16  # tokens; mirrors LLAMA_GGMOE_HOST_MAX_TOKENS of patch 0004

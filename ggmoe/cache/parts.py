@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ggmoe.errors import UsageError
-from ggmoe.tomlfile import read_toml
+from ggmoe.base.errors import UsageError
+from ggmoe.base.tomlfile import read_toml
 
 PARTS_FILE = Path(__file__).with_name("profiles") / "parts" / "parts.toml"
 COPY_SHARE = 0.85

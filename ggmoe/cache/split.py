@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import gguf
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 from ggmoe.inspect.facts import ModelFacts, MoeLayer
 from ggmoe.inspect.names import CACHED_KINDS
 

@@ -7,10 +7,10 @@ import sys
 
 import click
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.outputs import check_output, write_text_atomic
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import model_arg, model_path, threads_opt, verbose_opt
-from ggmoe.errors import UsageError
-from ggmoe.outputs import check_output, write_text_atomic
 
 
 @click.command()

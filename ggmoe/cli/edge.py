@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ggmoe.errors import GgmoeError
+from ggmoe.base.errors import GgmoeError
 
 
 def edge(fn: Callable[..., Any]) -> Callable[..., Any]:

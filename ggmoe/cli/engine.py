@@ -6,8 +6,8 @@ import json
 
 import click
 
+from ggmoe.base.errors import EngineError
 from ggmoe.cli.edge import edge
-from ggmoe.errors import EngineError
 
 
 @click.group()

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 
 CACHE_FLAGS = ("cache_slots", "vram", "config", "decode_mode", "miss_policy", "policy", "predictor")
 READ_BYTES = 256 << 20  # bytes of the host-memory read (larger than any CPU's last-level cache)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from ggmoe.base.context import check_prompt
+from ggmoe.base.errors import UsageError
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
     FiniteFloat,
@@ -29,12 +31,10 @@ from ggmoe.cli.options import (
     write_stats,
 )
 from ggmoe.cli.warm import read_stats_in, stats_options, stats_out, warm_start
-from ggmoe.context import check_prompt
-from ggmoe.errors import UsageError
 
 if TYPE_CHECKING:
     from ggmoe.engine.engine import Generation
-from ggmoe.outputs import check_output_dir
+from ggmoe.base.outputs import check_output_dir
 
 MAX_PROMPT_BYTES = 16 << 20  # a prompt file larger than this is surely a mistake
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from ggmoe import __version__
+from ggmoe.base.version import __version__
 from ggmoe.cli.edge import EdgeGroup
 
 

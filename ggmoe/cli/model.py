@@ -63,7 +63,7 @@ def verify_hook(model: str | None, prompt: str, as_json: bool, verbose: bool) ->
     """
     from dataclasses import asdict
 
-    from ggmoe.context import check_prompt
+    from ggmoe.base.context import check_prompt
     from ggmoe.engine.verify import check_hook
     from ggmoe.inspect import inspect_model
     from ggmoe.inspect.router import load_routers

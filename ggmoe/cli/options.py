@@ -12,9 +12,9 @@ from typing import Any
 
 import click
 
-from ggmoe.context import MAX_N_CTX
-from ggmoe.errors import ModelFileError, UsageError
-from ggmoe.outputs import check_output, write_text_atomic
+from ggmoe.base.context import MAX_N_CTX
+from ggmoe.base.errors import ModelFileError, UsageError
+from ggmoe.base.outputs import check_output, write_text_atomic
 
 MAX_THREADS = max(512, 4 * (os.cpu_count() or 1))  # more threads than this only hangs OpenMP or fails
 
@@ -96,8 +96,8 @@ def training_context(path: Path) -> int | None:
 
 
 def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bool, cache=None):
-    """The engine, fed in batches llama.cpp takes for the context asked for (``ggmoe.context``)."""
-    from ggmoe.context import DEFAULT_N_BATCH, decode_batch
+    """The engine, fed in batches llama.cpp takes for the context asked for (``ggmoe.base.context``)."""
+    from ggmoe.base.context import DEFAULT_N_BATCH, decode_batch
     from ggmoe.engine import Engine, EngineConfig
 
     kw = {"n_threads": threads} if threads else {}
@@ -222,7 +222,7 @@ def stats_summary(eng: Any) -> str | None:
     stats = eng.cache_stats
     if stats is None:
         return None
-    from ggmoe.units import format_bytes
+    from ggmoe.base.units import format_bytes
 
     t = stats.total()
     host = f", {t.host_computed} computed on the CPU" if t.host_computed else ""

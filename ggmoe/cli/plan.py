@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.outputs import check_output
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import FiniteFloat, model_arg, model_path
-from ggmoe.errors import UsageError
-from ggmoe.outputs import check_output
 
 if TYPE_CHECKING:
     from ggmoe.cache.hardware import HardwareProfile
@@ -63,9 +63,9 @@ def plan(model: str | None, gpu: str | None, ram: str | None, link: str | None, 
       ggmoe plan Qwen3-30B-A3B-Q4_K_M.gguf --gpu rtx4090 --ram 64GiB --link pcie4x16
       ggmoe plan Qwen3-30B-A3B-Q4_K_M.gguf --gpu rtx5060ti16 --link tb4 --json
     """
+    from ggmoe.base.units import parse_bytes
     from ggmoe.cache.hardware import load_profile
     from ggmoe.inspect import inspect_model
-    from ggmoe.units import parse_bytes
 
     if _gpu_mode(gpu, ram, link, vram, out, bool(traces or stats_path or moepic)):
         _advise(model, gpu, vram, ram, link, host, as_json)
@@ -186,9 +186,9 @@ def _advise(model: str | None, gpu: str, vram: str | None, ram: str | None, link
     """``plan --gpu``: the ways to run the model on the GPU, estimated (ggmoe.simulate.advise)."""
     import dataclasses
 
+    from ggmoe.base.units import parse_bytes
     from ggmoe.inspect import inspect_model
     from ggmoe.simulate.advise import advise
-    from ggmoe.units import parse_bytes
 
     facts = inspect_model(model_path(model))
     a = advise(facts, gpu, parse_bytes(vram) if vram else None, parse_bytes(ram) if ram else None, link, host)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import click
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.outputs import check_output
+from ggmoe.base.params import parse_pairs
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import SEED, FiniteFloat, model_path
 from ggmoe.cli.simulate import PLOT_SUFFIXES, pyplot
-from ggmoe.errors import UsageError
-from ggmoe.outputs import check_output
-from ggmoe.params import parse_pairs
 
 _traces_arg = click.argument("traces", nargs=-1, required=True, type=click.Path())
 

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.outputs import check_output
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import model_path, threads_opt
-from ggmoe.errors import UsageError
-from ggmoe.outputs import check_output
 
 if TYPE_CHECKING:
     from ggmoe.cache.hardware import HardwareProfile
@@ -106,12 +106,12 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
       ggmoe trace --prompts prompts.jsonl -o traces/
       ggmoe compare-quants q4.gguf ggmoe/models/tiny-moe.gguf f16.gguf --traces traces/trace.npz --vram 4MiB
     """
+    from ggmoe.base.units import parse_bytes
     from ggmoe.cache.hardware import load_profile
     from ggmoe.cache.miss import check_miss_policy
     from ggmoe.cache.policies import POLICIES
     from ggmoe.cli.simulate import PLOT_SUFFIXES, plot, pyplot, render_table
     from ggmoe.trace import load_traces
-    from ggmoe.units import parse_bytes
 
     if plot_path is not None:
         check_output(plot_path, "--plot", suffixes=PLOT_SUFFIXES)

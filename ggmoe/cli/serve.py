@@ -13,6 +13,8 @@ from typing import Any
 
 import click
 
+from ggmoe.base.errors import ContextLengthError, UsageError
+from ggmoe.base.outputs import write_text_atomic
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
     SEED,
@@ -29,8 +31,6 @@ from ggmoe.cli.options import (
     verbose_opt,
 )
 from ggmoe.cli.warm import StatsOut, read_stats_in, stats_options, stats_out, warm_start
-from ggmoe.errors import ContextLengthError, UsageError
-from ggmoe.outputs import write_text_atomic
 
 MAX_DEFAULT_CTX = 4096  # tokens: the default context is the model's training context, at most this
 MAX_PARALLEL = 64  # slots (ggmoe.serve.llama.MAX_SEQUENCES)
@@ -245,7 +245,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 
 def _check_http_options(api_key: str | None, model_name: str | None, max_body: str) -> int:
     """The HTTP side's options, checked before anything loads; the largest request body in bytes."""
-    from ggmoe.units import parse_bytes
+    from ggmoe.base.units import parse_bytes
 
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty")

@@ -11,10 +11,10 @@ from typing import Any
 
 import click
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.outputs import atomic_write, check_output
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import FiniteFloat, model_path, plan_config
-from ggmoe.errors import UsageError
-from ggmoe.outputs import atomic_write, check_output
 
 PLOT_SUFFIXES = (".png",)  # what every --plot writes
 
@@ -44,8 +44,8 @@ def _numbers(values: tuple[str, ...], kind: type, flag: str) -> list:
 def sizes(facts: Any, cache_slots: tuple[str, ...], fractions: tuple[str, ...],
           vram: tuple[str, ...]) -> list[tuple[str, dict[int, int]]]:
     """(label, slots per layer) for every size asked for."""
+    from ggmoe.base.units import parse_bytes
     from ggmoe.cache import slots_for_budget
-    from ggmoe.units import parse_bytes
 
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
     out: list[tuple[str, dict[int, int]]] = []

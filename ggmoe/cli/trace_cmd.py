@@ -9,6 +9,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.outputs import check_output_dir
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
     FiniteFloat,
@@ -27,8 +29,6 @@ from ggmoe.cli.options import (
     write_stats,
 )
 from ggmoe.cli.warm import read_stats_in, stats_options, stats_out, warm_start
-from ggmoe.errors import UsageError
-from ggmoe.outputs import check_output_dir
 
 
 @click.command("record")

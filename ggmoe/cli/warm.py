@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ggmoe.errors import UsageError
-from ggmoe.outputs import check_output
+from ggmoe.base.errors import UsageError
+from ggmoe.base.outputs import check_output
 from ggmoe.trace.routing_stats import RoutingStats, RoutingStatsCollector, load_stats, save_stats
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@
     [cache.theta]                # optional: MoEpic's split, the top share θ of each layer's experts that a
     "0" = 0.5                    # slot holds (the rest read from host memory or prefetched); 1: whole experts
     [cache.policy_options]       # optional: the policy's declared options (``ggmoe policies``), e.g.
-    window = 16                  # fmoe's; checked against the policy's PARAMS (ggmoe.params)
+    window = 16                  # fmoe's; checked against the policy's PARAMS (ggmoe.base.params)
     [prefetch]                   # optional: stride prefetching
     predictor = "reuse"
     stride = 1
@@ -28,11 +28,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.outputs import write_text_atomic
+from ggmoe.base.params import check_params
+from ggmoe.base.tomlfile import read_toml
 from ggmoe.cache.config import CacheConfig
-from ggmoe.errors import UsageError
-from ggmoe.outputs import write_text_atomic
-from ggmoe.params import check_params
-from ggmoe.tomlfile import read_toml
 
 if TYPE_CHECKING:
     from ggmoe.control.prefetch import PrefetchConfig

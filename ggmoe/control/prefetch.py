@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.cache import ExpertCache
-from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteEvent
 from ggmoe.predict.base import Predictor
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ctypes
 
+from ggmoe.base.errors import EngineError
 from ggmoe.engine import ggml as B
-from ggmoe.errors import EngineError
 
 
 class TensorArena:

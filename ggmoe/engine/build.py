@@ -68,7 +68,7 @@ BASE_CMAKE_ARGS = [
 
 
 if __package__ == "ggmoe.engine":  # in the package (``ggmoe engine build``): one of ggmoe's own errors
-    from ggmoe.errors import EngineError as _BuildFailure
+    from ggmoe.base.errors import EngineError as _BuildFailure
 else:  # run as a file (tools/build_engine.py, before ggmoe is installed): the standard library only
     _BuildFailure = Exception  # type: ignore[misc,assignment]
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ggmoe.base.context import check_prompt, decode_batch
 from ggmoe.cache import CacheConfig
-from ggmoe.context import check_prompt, decode_batch
 from ggmoe.engine import ggml as B
 from ggmoe.engine.engine import Engine, EngineConfig
 from ggmoe.engine.loader import gpu_device_name

@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 from llama_cpp import _internals
 
+from ggmoe.base.context import decode_batch
+from ggmoe.base.errors import EngineError, ModelFileError, UsageError
 from ggmoe.cache import CacheConfig, CacheStats
-from ggmoe.context import decode_batch
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.hooks import CbEvalHook, Observers, RouteOpHook
@@ -37,7 +38,6 @@ from ggmoe.engine.loader import LoadedModel, expert_placement, gpu_device_name, 
 from ggmoe.engine.log import llama_log
 from ggmoe.engine.pipeline import CachePipeline
 from ggmoe.engine.runtime import CacheRuntime
-from ggmoe.errors import EngineError, ModelFileError, UsageError
 from ggmoe.hook import RouteObserver
 from ggmoe.inspect import ModelFacts, inspect_model
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import pathlib
 
-from ggmoe.errors import EngineError
+from ggmoe.base.errors import EngineError
 
 try:
     import llama_cpp

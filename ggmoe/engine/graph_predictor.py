@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ggmoe.base.errors import EngineError
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
-from ggmoe.errors import EngineError
 from ggmoe.predict.base import FoldedNet, Predictor
 
 

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from ggmoe.base.errors import EngineError
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
-from ggmoe.errors import EngineError
 from ggmoe.hook import HookRequest, RouteEvent, RouteObserver
 from ggmoe.inspect.gating import Gating, true_probs
 

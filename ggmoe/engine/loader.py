@@ -15,10 +15,10 @@ from pathlib import Path
 
 from llama_cpp import _internals
 
+from ggmoe.base.errors import EngineError, ModelFileError
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.log import llama_log
-from ggmoe.errors import EngineError, ModelFileError
 from ggmoe.inspect import ModelFacts
 from ggmoe.inspect.names import EXPERT_TENSOR_PATTERN, expert_pattern
 

@@ -24,10 +24,10 @@ import os
 
 import numpy as np
 
+from ggmoe.base.errors import EngineError, UsageError
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
-from ggmoe.errors import EngineError, UsageError
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26

@@ -18,7 +18,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any
 
-from ggmoe.errors import EngineNotPatchedError
+from ggmoe.base.errors import EngineNotPatchedError
 
 # Return codes of llama_ggmoe_set_layer_cache and errors of llama_ggmoe_get_error
 # (mirror of the LLAMA_GGMOE_* defines in llama.h; negative so they never collide

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from ggmoe.base.errors import EngineError, UsageError
 from ggmoe.cache import CacheConfig, CacheStats
 from ggmoe.cache.decode_mode import (
     TABLE_MAX_TOKENS,
@@ -46,7 +47,6 @@ from ggmoe.engine.mailbox import Mailbox, lockstep_from_env
 from ggmoe.engine.runtime import CacheRuntime
 from ggmoe.engine.stride import StrideReader
 from ggmoe.engine.tables import ExpertTables
-from ggmoe.errors import EngineError, UsageError
 from ggmoe.hook import HookRequest, RouteObserver
 from ggmoe.inspect.facts import ModelFacts
 

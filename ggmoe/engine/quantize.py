@@ -14,9 +14,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from ggmoe.base.errors import EngineError, UsageError
 from ggmoe.engine import ggml as B
 from ggmoe.engine.log import llama_log
-from ggmoe.errors import EngineError, UsageError
 
 llama_cpp = B.llama_cpp
 

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ggmoe import __version__
-from ggmoe.context import check_prompt
+from ggmoe.base.context import check_prompt
+from ggmoe.base.errors import UsageError
+from ggmoe.base.version import __version__
 from ggmoe.engine.engine import Engine, Generation, StepCallback
-from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect.fingerprint import model_fingerprint
 from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, TraceMeta, TraceWriter

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from ggmoe.base.errors import EngineError
 from ggmoe.cache import CacheConfig, MonotonicClock, ThreadedCopyBackend
 from ggmoe.cache.copy import LinkStreamCopyBackend, StreamCopyBackend
 from ggmoe.cache.decode_mode import ModeEstimate, weigh_modes
@@ -26,7 +27,6 @@ from ggmoe.engine import patch as _patched
 from ggmoe.engine.copies import GgmlCopyBackend, measure_costs
 from ggmoe.engine.slot_tensors import SlotTensors
 from ggmoe.engine.streams import open_stream
-from ggmoe.errors import EngineError
 from ggmoe.inspect.facts import ModelFacts
 from ggmoe.inspect.names import CACHED_KINDS
 

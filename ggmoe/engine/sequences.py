@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggmoe.base.errors import EngineError
 from ggmoe.engine import ggml as B
-from ggmoe.errors import EngineError
 
 _TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
 

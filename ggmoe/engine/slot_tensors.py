@@ -14,12 +14,12 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+from ggmoe.base.errors import EngineError
 from ggmoe.cache.copy import bottom_buffer
 from ggmoe.cache.split import KindSplit, LayerSplit, Run
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
-from ggmoe.errors import EngineError
 from ggmoe.inspect.names import CACHED_KINDS, expert_weight_name
 
 

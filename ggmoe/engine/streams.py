@@ -33,8 +33,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+from ggmoe.base.errors import EngineError, EngineNotPatchedError, UsageError
 from ggmoe.engine import ggml as B
-from ggmoe.errors import EngineError, EngineNotPatchedError, UsageError
 
 Work = Callable[[int | None], None]  # writes part of a copy: on the given backend (async), or at once (None)
 

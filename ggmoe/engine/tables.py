@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ggmoe.base.errors import EngineError, EngineNotPatchedError
 from ggmoe.cache.split import SPLIT_PACKED
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
-from ggmoe.errors import EngineError, EngineNotPatchedError
 
 if TYPE_CHECKING:
     from ggmoe.cache.cache import ExpertCache

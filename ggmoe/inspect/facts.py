@@ -22,7 +22,7 @@ from typing import Any
 
 import gguf
 
-from ggmoe.errors import ModelFileError, UsageError
+from ggmoe.base.errors import ModelFileError, UsageError
 from ggmoe.inspect import validate
 from ggmoe.inspect.gating import Gating, gating_from_kv
 from ggmoe.inspect.names import BLK_TENSOR, EXPERT_TENSOR_BASES, is_cached_expert_tensor

@@ -21,7 +21,7 @@ from typing import Any
 
 import gguf
 
-from ggmoe.errors import ModelFileError
+from ggmoe.base.errors import ModelFileError
 
 VT = gguf.GGUFValueType
 Keys = gguf.Keys

@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ggmoe.errors import ModelFileError
+from ggmoe.base.errors import ModelFileError
 from ggmoe.inspect.gating import Gating, gate, gating_from_kv, softmax, true_probs
 from ggmoe.inspect.reader import TensorInfo, read_header
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import gguf
 
-from ggmoe.errors import ModelFileError
+from ggmoe.base.errors import ModelFileError
 from ggmoe.inspect.names import BLK_TENSOR
 from ggmoe.inspect.reader import BigArray, TensorInfo
 

@@ -39,9 +39,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from ggmoe.errors import UsageError
-from ggmoe.params import Param, check_params
-from ggmoe.registry import Registry
+from ggmoe.base.errors import UsageError
+from ggmoe.base.params import Param, check_params
+from ggmoe.base.registry import Registry
 from ggmoe.trace.format import Trace, TraceMeta, trace_lacks
 
 
@@ -111,7 +111,7 @@ class Predictor:
     needs_truth: ClassVar[bool] = False  # offline only: reveal() gets the token's true ids
     needs_tokens: ClassVar[bool] = False  # begin_step() must get the real token ids (an imported trace may lack them)
     predicts_next: bool = False  # predict_next() scores the next token's experts (an instance may set it: mlp)
-    # the keyword options of __init__ after (shape, stride), with types and bounds (ggmoe.params): --opt and
+    # the keyword options of __init__ after (shape, stride), with types and bounds (ggmoe.base.params): --opt and
     # the library's options are checked against them before any predictor is built
     PARAMS: ClassVar[tuple[Param, ...]] = ()
 

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmoe.errors import UsageError
-from ggmoe.outputs import atomic_write
-from ggmoe.params import check_params
+from ggmoe.base.errors import UsageError
+from ggmoe.base.outputs import atomic_write
+from ggmoe.base.params import check_params
 from ggmoe.predict.base import ModelShape, Predictor, check_trace_inputs, make_predictor, predictor_class
 from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, Trace
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggmoe.errors import UsageError
-from ggmoe.params import MAX_COLLECTION, Param, check_state_bytes
+from ggmoe.base.errors import UsageError
+from ggmoe.base.params import MAX_COLLECTION, Param, check_state_bytes
 from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
 from ggmoe.trace.format import Trace
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmoe.errors import UsageError
-from ggmoe.params import Param
+from ggmoe.base.errors import UsageError
+from ggmoe.base.params import Param
 from ggmoe.predict.base import PREDICTORS, FoldedNet, ModelShape, Predictor
 from ggmoe.predict.mlp_file import MODES, Net, PredictorNeed, file_strides, load_mlp_file, read_predictor_file
 

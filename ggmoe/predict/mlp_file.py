@@ -58,9 +58,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmoe import outputs
-from ggmoe.errors import PredictorFileError
-from ggmoe.npzfile import NpzMembers
+from ggmoe.base import outputs
+from ggmoe.base.errors import PredictorFileError
+from ggmoe.base.npzfile import NpzMembers
 from ggmoe.predict.base import FoldedNet, ModelShape
 
 FORMAT = "ggmoe-predictor"
@@ -347,7 +347,7 @@ load_mlp_file = read_predictor_file  # the name the mlp predictor used before th
 
 
 def check_output(path: str | Path) -> Path:
-    """``path`` can take a predictor file (``ggmoe.outputs.check_output``: a regular file or nothing yet,
+    """``path`` can take a predictor file (``ggmoe.base.outputs.check_output``: a regular file or nothing yet,
     in a writable directory). Called before any training starts, so a bad ``-o`` fails in a second."""
     return outputs.check_output(path, what="predictor file")
 
@@ -363,7 +363,7 @@ def write_predictor_file(path: str | Path, meta: dict, arrays: dict[str, np.ndar
 
     A temporary file in the same directory is written, read back with the reader's
     checks, then moved over ``path`` with ``os.replace``; on any failure ``path`` is
-    untouched and the temporary file removed. (Not ``ggmoe.outputs.atomic_write``: the
+    untouched and the temporary file removed. (Not ``ggmoe.base.outputs.atomic_write``: the
     read-back needs the temporary file's name before the rename.)
     """
     path = check_output(path)

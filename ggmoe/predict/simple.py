@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmoe.errors import UsageError
-from ggmoe.params import Param
+from ggmoe.base.errors import UsageError
+from ggmoe.base.params import Param
 from ggmoe.predict.base import PREDICTORS, ModelShape, Predictor
 from ggmoe.trace.format import Trace
 

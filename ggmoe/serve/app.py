@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 from ggmoe.serve import anthropic, errors
 from ggmoe.serve.anthropic import MessagesRequest
 from ggmoe.serve.asgi import BodyLimit, LoopbackHostOnly, RequestCounter

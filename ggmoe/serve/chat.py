@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ggmoe.context import check_prompt
+from ggmoe.base.context import check_prompt
 from ggmoe.serve.generation import Watch
 from ggmoe.serve.llama import GgmoeLlama
 
@@ -75,7 +75,7 @@ class Chat:
 
     def check_fits(self) -> None:
         """The conversation, rendered and tokenized as ``create_chat_completion`` will, fits the context
-        (``ggmoe.context``'s rule: a ``ContextLengthError``), checked before llama-cpp-python's own check."""
+        (``ggmoe.base.context``'s rule: a ``ContextLengthError``), checked before llama-cpp-python's own check."""
         result = self.llama.chat_formatter()(messages=self.messages)
         tokens = self.llama.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
         check_prompt(len(tokens), self.llama.n_ctx(), "the conversation", hint="raise --n-ctx, or /reset before "

@@ -3,7 +3,7 @@
 OpenAI's (and llama-server's) ``{"error": {"message", "type", "param", "code"}}`` everywhere but under
 ``/v1/messages``, where Anthropic's ``{"type": "error", "error": {"type", "message"}}`` is used. The
 server's one error edge: validation errors, HTTP errors, the server's own refusals (``APIError``) and
-ggmoe's domain errors (``ggmoe.errors``, mapped by class in ``domain_error``: a ``UsageError`` raised while
+ggmoe's domain errors (``ggmoe.base.errors``, mapped by class in ``domain_error``: a ``UsageError`` raised while
 serving a request is that request's 400, wherever it was raised) become these shapes here; anything else
 is a 500 (``server_error``, Anthropic's ``api_error``) with the details in the server log, never in the
 response.
@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ggmoe.errors import ContextLengthError, EngineError, GgmoeError, UsageError
+from ggmoe.base.errors import ContextLengthError, EngineError, GgmoeError, UsageError
 
 log = logging.getLogger("ggmoe.serve")
 

@@ -24,7 +24,7 @@ import jinja2
 import llama_cpp
 import numpy as np
 
-from ggmoe.errors import ContextLengthError, GgmoeError
+from ggmoe.base.errors import ContextLengthError, GgmoeError
 from ggmoe.serve import structured
 from ggmoe.serve.errors import APIError, domain_error, log
 from ggmoe.serve.logprobs import LogprobRecorder, chat_logprobs, completion_logprobs, plain
@@ -34,7 +34,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 def context_error(message: str, param: str = "messages") -> APIError:
-    """A prompt that does not fit the context: ``ggmoe.context``'s ``ContextLengthError``, as its 400."""
+    """A prompt that does not fit the context: ``ggmoe.base.context``'s ``ContextLengthError``, as its 400."""
     return domain_error(ContextLengthError(message), param)
 
 

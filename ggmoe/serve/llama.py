@@ -31,9 +31,9 @@ from typing import Any, Protocol
 import llama_cpp
 import numpy as np
 
+from ggmoe.base.context import check_prompt, context_tokens
+from ggmoe.base.errors import ModelFileError, UsageError
 from ggmoe.cache import CacheConfig
-from ggmoe.context import check_prompt, context_tokens
-from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.hook import RouteObserver
 
 # Used when the GGUF carries no chat template: plain "Role: text" turns, which a base
@@ -202,7 +202,7 @@ class GgmoeLlama(llama_cpp.Llama):
         if watch is not None:
             watch.on_prompt(len(tokens))
         n_ctx = min(self.n_ctx(), self.context_params.n_ctx)  # llama.cpp's context and Llama's buffers
-        check_prompt(len(tokens), n_ctx, hint="a longer n_ctx or a shorter prompt")  # ggmoe.context
+        check_prompt(len(tokens), n_ctx, hint="a longer n_ctx or a shorter prompt")  # ggmoe.base.context
         inner = super().generate(tokens, *args, **kwargs)
         try:
             sent = None

@@ -34,8 +34,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from ggmoe.base.errors import ContextLengthError, UsageError
 from ggmoe.engine.sequences import SeqEntry, sample_row, seq_state, set_seq_state
-from ggmoe.errors import ContextLengthError, UsageError
 from ggmoe.serve.llama import GgmoeLlama
 
 MAX_WAIT_S = 0.05  # seconds a step waits for an active slot that has not handed in its token yet

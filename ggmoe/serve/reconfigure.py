@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.hardware import HardwareProfile
 from ggmoe.cache.split import layer_split
-from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteEvent
 from ggmoe.inspect.facts import ModelFacts
 from ggmoe.simulate.moepic import Curves, Share, configure, layer_cost, layer_shares, layer_window_s

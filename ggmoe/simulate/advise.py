@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.config import slots_for_budget
 from ggmoe.cache.hardware import HardwareProfile, compose_profile, gpu_vram
 from ggmoe.cache.parts import PARTS_FILE, effective_link, load_parts, part
-from ggmoe.errors import UsageError
 from ggmoe.inspect.facts import ModelFacts
 from ggmoe.simulate.des import SimConfig, baseline, simulate
 from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, Trace

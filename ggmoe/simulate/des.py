@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
@@ -57,7 +58,6 @@ from ggmoe.control import TokenController
 from ggmoe.control.assemble import CacheParts, assemble_cache
 from ggmoe.control.planner import NextTokenPlanner, check_planner, default_protect
 from ggmoe.control.prefetch import Prefetcher, default_n_prefetch
-from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.base import Predictor, check_trace_inputs, is_predictor_file

@@ -20,8 +20,8 @@ from functools import lru_cache
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.hardware import compose_profile
-from ggmoe.errors import UsageError
 from ggmoe.simulate.advise import SAMPLE_DIR, SAMPLE_NOTE, SAMPLE_SHAPE
 from ggmoe.simulate.des import baseline
 from ggmoe.trace.format import STAGE_DECODE, Trace

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import gguf
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.hardware import HardwareProfile
 from ggmoe.cache.split import layer_split, model_split
-from ggmoe.errors import UsageError
 from ggmoe.inspect.facts import ModelFacts, MoeLayer
 from ggmoe.trace.format import Trace
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.config import slots_for_budget
 from ggmoe.cache.hardware import HardwareProfile
-from ggmoe.errors import UsageError
 from ggmoe.simulate.des import SimConfig, SimResult, simulate
 from ggmoe.simulate.replay import replay
 from ggmoe.trace.format import Trace

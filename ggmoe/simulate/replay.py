@@ -92,7 +92,7 @@ def replay(trace: Trace, n_slots: int | dict[int, int], policy: str = "lru", cop
            miss_policy: str = "wait", policy_options: Mapping[str, Any] | None = None) -> CacheStats:
     """Run the trace through a fresh cache; returns its statistics.
 
-    ``policy_options`` are the policy's keyword arguments (e.g. ``counts_path`` for ``static``).
+    ``policy_options`` are the policy's keyword arguments (e.g. ``counts`` for ``static``: ``ggmoe.trace.data.load_counts``).
     """
     layers = [int(il) for il in trace.layers]
     slots = n_slots if isinstance(n_slots, dict) else {il: int(n_slots) for il in layers}

@@ -7,12 +7,13 @@ with the same seeded function, so that both sides agree on the held-out prompts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 from ggmoe.trace.format import STAGE_DECODE, Trace, load_trace
 
 
@@ -85,3 +86,21 @@ def next_token_pairs(trace: Trace) -> np.ndarray:
     ok = (decode[:-1] & decode[1:] & (prompt[:-1] == prompt[1:])
           & (trace.positions[1:].astype(np.int64) == trace.positions[:-1].astype(np.int64) + 1))
     return r[ok]
+
+
+def trace_counts(trace: Trace) -> dict[int, np.ndarray]:
+    """il -> [n_expert] int64: how many tokens of the trace selected each expert of each MoE layer (the
+    ``static`` policy's counts)."""
+    n_expert = trace.meta.n_expert
+    ids = trace.ids.astype(np.int64)  # [T, L, k]
+    return {int(il): np.bincount(ids[:, j].ravel(), minlength=n_expert) for j, il in enumerate(trace.layers)}
+
+
+def load_counts(paths: str | Path | Sequence[str | Path]) -> dict[int, np.ndarray]:
+    """Summed ``trace_counts`` of the trace files ``paths``."""
+    paths = [paths] if isinstance(paths, str | Path) else list(paths)
+    total: dict[int, np.ndarray] = {}
+    for p in paths:
+        for il, c in trace_counts(load_trace(p, hidden=False)).items():
+            total[il] = total[il] + c if il in total else c
+    return total

@@ -41,11 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmoe.errors import TraceFormatError
+from ggmoe.base.errors import TraceFormatError
+from ggmoe.base.npzfile import NpzMembers
+from ggmoe.base.outputs import atomic_write
 from ggmoe.hook import RouteEvent
 from ggmoe.inspect.gating import GATING_FUNCS, gating_from_kv, softmax
-from ggmoe.npzfile import NpzMembers
-from ggmoe.outputs import atomic_write
 
 FORMAT = "ggmoe-trace"
 VERSION = 2

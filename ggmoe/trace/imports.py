@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmoe import __version__
-from ggmoe.errors import TraceFormatError
+from ggmoe.base.errors import TraceFormatError
+from ggmoe.base.version import __version__
 from ggmoe.trace.format import STAGE_DECODE, Trace, TraceMeta
 
 FORMS = ("layer-files", "jsonl")

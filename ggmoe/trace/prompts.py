@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 
 MAX_PROMPTS_BYTES = 1 << 30  # a prompts file above 1 GiB is surely a mistake
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 from ggmoe.trace.format import Trace
 
 MAX_MAPPED = 1 << 28  # ids of a mapped trace at most (T x L x k)

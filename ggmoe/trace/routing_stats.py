@@ -8,7 +8,7 @@ predictor (eam, expert-map) gets back what it had learnt. ``ggmoe plan`` and
 the simulator read the counts instead of traces.
 
 The file is an ``.npz`` (written atomically, read without pickle through
-``ggmoe.npzfile``): ``meta`` (UTF-8 JSON as uint8: format, version, model
+``ggmoe.base.npzfile``): ``meta`` (UTF-8 JSON as uint8: format, version, model
 fingerprint, layers, n_expert, predictor name), ``counts`` [L, E] int64 (tokens
 that selected each expert), ``coact`` [L, E, E] int64 (tokens that selected
 both experts; the diagonal equals ``counts``), ``n_tokens`` [L] int64 (tokens
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmoe.errors import GgmoeError, UsageError
+from ggmoe.base.errors import GgmoeError, UsageError
+from ggmoe.base.npzfile import NpzMembers
+from ggmoe.base.outputs import atomic_write
 from ggmoe.hook import HookRequest, RouteEvent
-from ggmoe.npzfile import NpzMembers
-from ggmoe.outputs import atomic_write
 
 FORMAT = "ggmoe-routing-stats"
 VERSION = 1

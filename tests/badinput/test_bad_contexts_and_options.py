@@ -104,7 +104,7 @@ def test_chat_message_against_context_and_batch(model, message, ok):
 
 LOAD_SCRIPT = """
 import json, sys, ggmoe
-from ggmoe.errors import ContextLengthError
+from ggmoe.base.errors import ContextLengthError
 llama = ggmoe.load(sys.argv[1], n_ctx=16)
 out = {"usage": llama.create_completion(sys.argv[2], max_tokens=2)["usage"]}
 for name, call in (("completion", lambda: llama.create_completion(sys.argv[3], max_tokens=2)),
@@ -122,7 +122,7 @@ print(json.dumps(out))
 
 def test_load_prompt_against_context_and_batch(model):
     """ggmoe.load(): a prompt over the batch runs, one over the context is a ValueError (ContextLengthError
-    where ggmoe.context sees it first), never an abort."""
+    where ggmoe.base.context sees it first), never an abort."""
     res = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, model, OVER_BATCH, OVER_CTX], capture_output=True,
                          timeout=120, check=False)
     assert res.returncode == 0, res.stderr.decode(errors="replace")[-2000:]
@@ -155,7 +155,7 @@ LOAD_CASES = {
 LOAD_CASES_SCRIPT = """
 import json, sys, ggmoe
 from ggmoe.cache import CacheConfig
-from ggmoe.errors import GgmoeError
+from ggmoe.base.errors import GgmoeError
 out = {}
 for name, kwargs in json.loads(sys.argv[1]).items():
     try:
@@ -235,7 +235,7 @@ PLAN_CASES = {
     "policy option a float": ('policy = "fmoe"', "[cache.policy_options]\nwindow = 1e12\n", "must be an int"),
     "policy option huge": ('policy = "fmoe"', "[cache.policy_options]\nwindow = 1000000000000\n", "out of bounds"),
     "policy option unknown": ('policy = "lru"', "[cache.policy_options]\nwindow = 4\n", "unknown option"),
-    "policy option internal": ('policy = "static"', '[cache.policy_options]\ncounts_path = "x"\n', "unknown option"),
+    "policy option internal": ('policy = "static"', '[cache.policy_options]\ncounts = "x"\n', "unknown option"),
     "slots huge": ('policy = "lru"', "", "at most 65536"),
     "stride huge": ('policy = "lru"', '[prefetch]\npredictor = "reuse"\nstride = 99999\n', "stride"),
     "predictor empty": ('policy = "lru"', '[prefetch]\npredictor = ""\n', "predictor is empty"),

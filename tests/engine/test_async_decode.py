@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from test_cache_engine import EXACT, run_sequences, zero_slots
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.copy import CopyHandle, Priority
 from ggmoe.control.prefetch import build_prefetch_config
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
-from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect import inspect_model
 

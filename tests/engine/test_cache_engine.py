@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ggmoe.base.errors import EngineNotPatchedError, UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.policies import POLICIES, Policy
 from ggmoe.cli import main
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
-from ggmoe.errors import EngineNotPatchedError, UsageError
 from ggmoe.inspect import inspect_model
 from ggmoe.simulate import replay
 from ggmoe.trace import load_trace

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.streams import (
@@ -20,7 +21,6 @@ from ggmoe.engine.streams import (
     deferred_delay_s,
     open_stream,
 )
-from ggmoe.errors import UsageError
 from ggmoe.inspect import inspect_model
 
 pytestmark = pytest.mark.engine

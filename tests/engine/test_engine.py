@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ggmoe.base.errors import ModelFileError, UsageError
 from ggmoe.cli import main
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.verify import check_hook
-from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect import inspect_model
 from ggmoe.inspect.router import load_routers

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from make_fixtures import rewrite_gguf
 
+from ggmoe.base.errors import EngineError, ModelFileError
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import engine as engine_mod
 from ggmoe.engine import patch as _patched
-from ggmoe.errors import EngineError, ModelFileError
 from ggmoe.inspect import inspect_model
 
 

@@ -9,7 +9,7 @@ import pytest
 from make_fixtures import rewrite_gguf
 
 import ggmoe
-from ggmoe.errors import EngineError, ModelFileError, UsageError
+from ggmoe.base.errors import EngineError, ModelFileError, UsageError
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
 from ggmoe.serve import GgmoeLlama

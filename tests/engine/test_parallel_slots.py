@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import ggmoe
+from ggmoe.base.errors import ContextLengthError
 from ggmoe.engine.sequences import SeqEntry
-from ggmoe.errors import ContextLengthError
 from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.serve.parallel import SlotPool
 

@@ -9,12 +9,12 @@ import pytest
 from click.testing import CliRunner
 from test_cache_engine import EXACT, _slot_counts, run_sequences
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.policies.static import Static
 from ggmoe.cli import main
 from ggmoe.engine import Engine, EngineConfig
-from ggmoe.errors import UsageError
 from ggmoe.inspect import inspect_model
 from ggmoe.simulate import replay
 from ggmoe.trace import load_trace

@@ -94,7 +94,7 @@ def test_a_predictor_that_raises_surfaces_after_the_decode(qwen3moe_model):
 
 
 def test_oracle_is_refused_live(qwen3moe_model):
-    from ggmoe.errors import UsageError
+    from ggmoe.base.errors import UsageError
 
     with pytest.raises(UsageError, match="simulator"):
         Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.engine import Engine, EngineConfig
-from ggmoe.errors import UsageError
 from ggmoe.hook import HookRequest, RouteRecorder
 
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from test_cache_engine import EXACT, run_sequences
 
+from ggmoe.base.errors import EngineError, UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.split import model_split
 from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
-from ggmoe.errors import EngineError, UsageError
 from ggmoe.inspect import inspect_model
 
 pytestmark = pytest.mark.engine
@@ -185,7 +185,7 @@ def test_async_bottom_flip_is_one_word_of_row_one(qwen3moe_model):
 def test_an_engine_that_reads_the_packed_flag_elsewhere_is_refused(qwen3moe_model, monkeypatch, flag):
     """An engine built from older patches (no ggml_mmid_split_packed_flag, or a flag in another bit) would read a
     packed bottom in the expert's own layout: a split cache refuses it with one message, before any decode."""
-    from ggmoe.errors import EngineNotPatchedError
+    from ggmoe.base.errors import EngineNotPatchedError
 
     monkeypatch.setattr(B, "split_packed_flag", lambda: flag)
     facts = inspect_model(qwen3moe_model)

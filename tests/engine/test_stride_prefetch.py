@@ -16,12 +16,12 @@ import pytest
 from random_predictor import random_predictor_file
 from test_cache_engine import EXACT, run_sequences
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.control.planner import PlanConfig
 from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
-from ggmoe.errors import UsageError
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from cli_run import ggmoe
 
-from ggmoe.cache.policies.static import trace_counts
 from ggmoe.trace import load_trace
+from ggmoe.trace.data import trace_counts
 from ggmoe.trace.routing_stats import load_stats
 
 PROMPT = "def fib(n):"

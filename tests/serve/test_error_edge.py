@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from server_process import N_CTX, Server, start_server, stop_server
 
-from ggmoe.errors import ContextLengthError, EngineError, ModelFileError, UsageError
+from ggmoe.base.errors import ContextLengthError, EngineError, ModelFileError, UsageError
 from ggmoe.serve import errors
 from ggmoe.serve.generation import api_error
 

@@ -9,12 +9,12 @@ import inspect
 import numpy as np
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.cache import ExpertCache
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.policies import make_policy
 from ggmoe.control.assemble import CacheParts, assemble_cache
 from ggmoe.control.prefetch import default_n_prefetch
-from ggmoe.errors import UsageError
 
 pytestmark = pytest.mark.unit
 

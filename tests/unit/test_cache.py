@@ -7,9 +7,9 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache import ExpertCache, NullCopyBackend
 from ggmoe.cache.policies import POLICIES, Policy
-from ggmoe.errors import UsageError
 from ggmoe.simulate import micro_batches, replay
 from ggmoe.trace import STAGE_DECODE, STAGE_PREFILL, Trace, TraceMeta
 
@@ -159,14 +159,14 @@ def test_replay_matches_reference_lru_and_counts_native_calls():
 @pytest.mark.parametrize("text, value", [("123", 123), ("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
                                          ("2 kib", 2048), ("10B", 10)])
 def test_parse_bytes(text, value):
-    from ggmoe.units import parse_bytes
+    from ggmoe.base.units import parse_bytes
 
     assert parse_bytes(text) == value
 
 
 @pytest.mark.parametrize("text", ["", "abc", "4XB", "-1GiB", "1e9"])
 def test_parse_bytes_rejects(text):
-    from ggmoe.units import parse_bytes
+    from ggmoe.base.units import parse_bytes
 
     with pytest.raises(UsageError, match="bad size"):
         parse_bytes(text)

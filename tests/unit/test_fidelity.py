@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 from ggmoe.simulate import fidelity as F
 
 pytestmark = pytest.mark.unit

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.hardware import DEFAULT_PROFILE, load_profile, profile_names
-from ggmoe.errors import UsageError
 
 pytestmark = pytest.mark.unit
 

@@ -15,8 +15,8 @@ import gguf
 import numpy as np
 import pytest
 
+from ggmoe.base.errors import ModelFileError, UsageError
 from ggmoe.cache.config import slots_for_budget
-from ggmoe.errors import ModelFileError, UsageError
 from ggmoe.inspect import inspect_model
 from ggmoe.inspect.names import EXPERT_TENSOR_PATTERN, expert_pattern, is_cached_expert_tensor
 

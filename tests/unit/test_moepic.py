@@ -8,9 +8,9 @@ import dataclasses
 import gguf
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.hardware import load_profile
 from ggmoe.cache.split import layer_split
-from ggmoe.errors import UsageError
 from ggmoe.inspect.facts import ExpertTensor, MoeLayer
 from ggmoe.simulate.moepic import Curves, Share, configure, layer_cost, layer_shares, representable_thetas
 

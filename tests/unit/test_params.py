@@ -1,4 +1,4 @@
-"""Declared options (ggmoe.params), byte sizes, the prompt rule (ggmoe.context), bounded cache slots and
+"""Declared options (ggmoe.base.params), byte sizes, the prompt rule (ggmoe.base.context), bounded cache slots and
 plan-file options: table-driven, no llama.cpp."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import inspect
 
 import pytest
 
+from ggmoe.base.context import check_prompt, decode_batch
+from ggmoe.base.errors import ContextLengthError, UsageError
+from ggmoe.base.params import MAX_COLLECTION, Param, check_params, check_state_bytes, parse_pairs
+from ggmoe.base.units import MAX_BYTES, parse_bytes
 from ggmoe.cache.config import CacheConfig
 from ggmoe.cache.policies import POLICIES, make_policy
-from ggmoe.context import check_prompt, decode_batch
 from ggmoe.control.plan_file import read_plan, render_plan
-from ggmoe.errors import ContextLengthError, UsageError
-from ggmoe.params import MAX_COLLECTION, Param, check_params, check_state_bytes, parse_pairs
 from ggmoe.predict import PREDICTORS, ModelShape, make_predictor
 from ggmoe.predict.evaluate import check_options
-from ggmoe.units import MAX_BYTES, parse_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -205,7 +205,7 @@ def test_huge_plan_slots_are_refused_when_read(tmp_path):
                                             (-1, "from 1 to"), ((1 << 24) + 1, "from 1 to"), (10**12, "from 1 to"),
                                             (2.5, "from 1 to"), (True, "from 1 to")])
 def test_context_tokens_is_llama_cpp_s_padded_context_and_bounded(n_ctx, expected):
-    from ggmoe.context import context_tokens
+    from ggmoe.base.context import context_tokens
 
     if isinstance(expected, int):
         assert context_tokens(n_ctx) == expected

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.hardware import compose_profile, gpu_vram, load_profile
 from ggmoe.cache.parts import COPY_SHARE, CPU_SHARE, GPU_SHARE, load_parts
-from ggmoe.errors import UsageError
 
 pytestmark = pytest.mark.unit
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.config import CacheConfig
 from ggmoe.cache.hardware import load_profile
 from ggmoe.control.plan_file import read_plan, render_plan, write_plan
 from ggmoe.control.prefetch import PrefetchConfig
-from ggmoe.errors import UsageError
 from ggmoe.simulate.plan import allocate, analytic_tpot, static_curves
 
 

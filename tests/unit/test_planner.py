@@ -11,12 +11,12 @@ import pytest
 from test_controller import ManualCopies, Table
 from test_simulator import trace as hand_trace
 
+from ggmoe.base.errors import PredictorFileError, UsageError
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.policies import POLICIES
 from ggmoe.control import TokenController
 from ggmoe.control.planner import NextTokenPlanner, default_protect
 from ggmoe.control.prefetch import Prefetcher
-from ggmoe.errors import PredictorFileError, UsageError
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.base import Predictor
 from ggmoe.simulate.des import SimConfig, simulate

@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache import ExpertCache, NullCopyBackend
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.policies.classlru import frequency_class
-from ggmoe.cache.policies.static import trace_counts
-from ggmoe.errors import UsageError
 from ggmoe.predict import ModelShape
 from ggmoe.predict.eam import EAM
 from ggmoe.simulate import micro_batches, replay
 from ggmoe.simulate.replay import next_uses
 from ggmoe.trace import STAGE_DECODE, STAGE_PREFILL, Trace, TraceMeta
+from ggmoe.trace.data import load_counts, trace_counts
 
 pytestmark = pytest.mark.unit
 
@@ -355,9 +355,9 @@ def test_static_counts_from_trace_files(tmp_path):
     assert counts[1].tolist() == np.bincount(tr.ids[:, 1].ravel().astype(np.int64), minlength=E).tolist()
     path = tmp_path / "t.npz"
     save_trace(tr, path)
-    pol = POLICIES.get("static")(E, [0, 1, 2], counts_path=[path, path])
+    pol = POLICIES.get("static")(E, [0, 1, 2], counts=load_counts([path, path]))
     assert all(pol.counts[il].tolist() == (2 * counts[il]).tolist() for il in (0, 1, 2))
-    by_file = replay(tr, 4, "static", policy_options={"counts_path": str(path)}).total()
+    by_file = replay(tr, 4, "static", policy_options={"counts": load_counts(path)}).total()
     assert (by_file.hits, by_file.misses) == \
         (lambda t: (t.hits, t.misses))(replay(tr, 4, "static", policy_options={"counts": counts}).total())
 

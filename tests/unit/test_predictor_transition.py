@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.simulate.des import SimConfig, simulate
 from tests.unit.test_simulator import trace as hand_trace

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 from ggmoe.inspect.gating import Gating
 from ggmoe.inspect.router import Router
 from ggmoe.predict import PREDICTORS, ModelShape, Predictor, make_predictor

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from ggmoe.errors import PredictorFileError, UsageError
+from ggmoe.base.errors import PredictorFileError, UsageError
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.mlp import load_mlp_file
 

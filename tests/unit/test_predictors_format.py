@@ -12,7 +12,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from ggmoe.errors import PredictorFileError, UsageError
+from ggmoe.base.errors import PredictorFileError, UsageError
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.mlp_file import MAX_META_BYTES, check_output, read_predictor_file, write_predictor_file
 

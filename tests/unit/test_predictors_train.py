@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ggmoe.errors import UsageError  # noqa: E402
+from ggmoe.base.errors import UsageError  # noqa: E402
 from ggmoe.predict import ModelShape, make_predictor  # noqa: E402
 from ggmoe.predict.evaluate import evaluate  # noqa: E402
 from ggmoe.trace import load_trace  # noqa: E402
@@ -172,7 +172,7 @@ def test_token_mode_learns_the_next_token_of_each_layer(planted_requests, tmp_pa
             top = np.argsort(-p.predict_next(il), kind="stable")[:2]
             hits += len(set(top.tolist()) & set(held.ids[r + 1, j].tolist()))
     assert hits / (2 * len(rows) * shape.n_layer) >= 0.95
-    from ggmoe.errors import PredictorFileError
+    from ggmoe.base.errors import PredictorFileError
 
     with pytest.raises(PredictorFileError, match="trained for mode token, stride 1; this run needs mode layer"):
         make_predictor(str(path), shape, 1)  # the stride prefetcher's predictor

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig, ExpertCache
 from ggmoe.cache.hardware import load_profile
 from ggmoe.cache.policies import make_policy
-from ggmoe.errors import UsageError
 from ggmoe.hook import RouteEvent
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path

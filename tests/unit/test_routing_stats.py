@@ -187,7 +187,7 @@ def test_predictor_state_restores_the_same_predictions(tmp_path, name):
     ("reuse", {"x": np.zeros(1)}),
 ])
 def test_state_that_does_not_fit_is_refused(name, bad):
-    from ggmoe.errors import UsageError
+    from ggmoe.base.errors import UsageError
 
     shape = ModelShape(model_fingerprint="fp", layers=(0, 1), n_expert=4, n_expert_used=2, n_embd=8)
     with pytest.raises(UsageError):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.parts import load_parts
 from ggmoe.cli import fit as F
 from ggmoe.cli.options import cache_config
-from ggmoe.errors import UsageError
 from ggmoe.inspect import inspect_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))

@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.copy import Priority
 from ggmoe.cache.hardware import load_profile
-from ggmoe.errors import UsageError
 from ggmoe.simulate.des import SimConfig, simulate
 from ggmoe.simulate.replay import replay
 from ggmoe.simulate.timeline import LinkCopyBackend

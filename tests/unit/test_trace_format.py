@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ggmoe.errors import TraceFormatError
+from ggmoe.base.errors import TraceFormatError
 from ggmoe.hook import RouteEvent, RouteRecorder
 from ggmoe.trace import STAGE_DECODE, STAGE_PREFILL, TraceMeta, TraceWriter, load_trace
 

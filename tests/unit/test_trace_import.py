@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ggmoe.base.errors import TraceFormatError
 from ggmoe.cli import main
-from ggmoe.errors import TraceFormatError
 from ggmoe.trace import load_trace
 from ggmoe.trace.imports import RoutingShape, import_routing
 

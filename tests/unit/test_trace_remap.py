@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 from ggmoe.trace.remap import map_ids, map_trace
 from tests.unit.test_simulator import trace as hand_trace
 

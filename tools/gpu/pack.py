@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import build_engine  # noqa: E402
 
-from ggmoe.errors import GgmoeError  # noqa: E402
+from ggmoe.base.errors import GgmoeError  # noqa: E402
 
 MAX_PACK_BYTES = 60 << 20  # bytes: the pack alone
 MAX_CARRY_BYTES = 62 << 20  # bytes: the pack and the working tree (the device tool's 64 MiB, less a margin)

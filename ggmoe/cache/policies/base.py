@@ -16,8 +16,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar
 
-from ggmoe.params import Param, check_params
-from ggmoe.registry import Registry
+from ggmoe.base.params import Param, check_params
+from ggmoe.base.registry import Registry
 
 
 class Policy(ABC):
@@ -25,7 +25,7 @@ class Policy(ABC):
     # True: the policy ranks by next use and needs ``set_future`` before each call (the simulator replaying a
     # trace gives it); a live engine cannot, and should refuse such a policy before it loads a model
     needs_future: ClassVar[bool] = False
-    # the keyword options of __init__ after (n_expert, layers), with types and bounds (ggmoe.params):
+    # the keyword options of __init__ after (n_expert, layers), with types and bounds (ggmoe.base.params):
     # policy_options and plan files are checked against them before any policy is built
     PARAMS: ClassVar[tuple[Param, ...]] = ()
 

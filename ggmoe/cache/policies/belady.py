@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from ggmoe.base.errors import UsageError
 from ggmoe.cache.policies.base import POLICIES, Policy
-from ggmoe.errors import UsageError
 
 
 @POLICIES.register("belady")

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 
+from ggmoe.base.params import Param
 from ggmoe.cache.policies.base import POLICIES, Policy
-from ggmoe.params import Param
 
 HALF_LIFE = 128.0  # calls of a layer after which an expert's count has halved
 N_CLASS = 8  # frequency classes 0..7

@@ -26,9 +26,9 @@ from typing import Protocol
 
 import numpy as np
 
+from ggmoe.base.params import Param
 from ggmoe.cache.policies.base import POLICIES, Policy
 from ggmoe.cache.policies.usage import LayerUsage
-from ggmoe.params import Param
 
 
 class EAMMatcher(Protocol):

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.params import MAX_WINDOW, Param
 from ggmoe.cache.policies.base import POLICIES, Policy
 from ggmoe.cache.policies.usage import LayerUsage
-from ggmoe.errors import UsageError
-from ggmoe.params import MAX_WINDOW, Param
 
 WINDOW = 8  # calls of a layer that make up "recent routing"
 

@@ -16,10 +16,10 @@ Ties: least recently used, then lowest id.
 
 from __future__ import annotations
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.params import Param
 from ggmoe.cache.policies.base import POLICIES, Policy
 from ggmoe.cache.policies.usage import LayerUsage
-from ggmoe.errors import UsageError
-from ggmoe.params import Param
 
 RHO = 0.25  # decay base
 OMEGA = 128.0  # calls of a layer over which the priority decays by RHO

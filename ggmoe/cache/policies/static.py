@@ -1,8 +1,8 @@
 """Static pinning: the experts a workload uses most, per layer, from trace counts, stay resident.
 
-Per-layer expert counts come from traces recorded earlier (``counts_path``: one trace file or a list, the
-counts of every routed token) or straight from the caller (``counts``: il -> [n_expert] counts), so the same
-policy runs live and in replay. The victim is the candidate with the lowest count (ties: least recently used,
+Per-layer expert counts (``counts``: il -> [n_expert]) come from traces recorded earlier
+(``ggmoe.trace.data.load_counts``: every routed token of one trace file or several) or from routing
+statistics (``--stats-in``), so the same policy runs live and in replay. The victim is the candidate with the lowest count (ties: least recently used,
 then lowest id): whatever the number of slots S, once the S hottest experts of a layer are in, none of them
 leaves while a colder candidate is resident. With ``n_pinned``, only the top ``n_pinned`` experts per layer
 (by count, ties lowest id) are pinned and the rest of the slots are an LRU: an unpinned candidate is evicted
@@ -12,51 +12,28 @@ least recently used first, a pinned one only when every candidate is pinned (the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 
+from ggmoe.base.errors import UsageError
+from ggmoe.base.params import Param
 from ggmoe.cache.policies.base import POLICIES, Policy
 from ggmoe.cache.policies.usage import LayerUsage
-from ggmoe.errors import UsageError
-from ggmoe.params import Param
-from ggmoe.trace.format import Trace
-
-
-def trace_counts(trace: Trace) -> dict[int, np.ndarray]:
-    """il -> [n_expert] int64: how many tokens of the trace selected each expert of each MoE layer."""
-    n_expert = trace.meta.n_expert
-    ids = trace.ids.astype(np.int64)  # [T, L, k]
-    return {int(il): np.bincount(ids[:, j].ravel(), minlength=n_expert) for j, il in enumerate(trace.layers)}
-
-
-def load_counts(paths: str | Path | Sequence[str | Path]) -> dict[int, np.ndarray]:
-    """Summed ``trace_counts`` of the trace files ``paths``."""
-    from ggmoe.trace import load_trace
-
-    paths = [paths] if isinstance(paths, str | Path) else list(paths)
-    total: dict[int, np.ndarray] = {}
-    for p in paths:
-        for il, c in trace_counts(load_trace(p, hidden=False)).items():
-            total[il] = total[il] + c if il in total else c
-    return total
 
 
 @POLICIES.register("static")
 class Static(Policy):
-    """Pinned hottest experts per layer from trace counts (counts= or counts_path=): evict the coldest."""
+    """Pinned hottest experts per layer from expert counts: evict the coldest."""
 
     PARAMS = (Param("counts", Mapping, internal=True, help="il -> [n_expert] counts"),
-              Param("counts_path", object, internal=True, help="trace file(s) whose counts are summed"),
               Param("n_pinned", int, low=0, high=1 << 16, help="experts pinned per layer (the rest: LRU)"))
 
     def __init__(self, n_expert: int, layers: list[int], counts: Mapping[int, Sequence[float]] | None = None,
-                 counts_path: str | Path | Sequence[str | Path] | None = None, n_pinned: int | None = None) -> None:
+                 n_pinned: int | None = None) -> None:
         super().__init__(n_expert, layers)
-        if (counts is None) == (counts_path is None):
-            raise UsageError("static: give per-layer expert counts, as counts= (il -> [n_expert]) or as "
-                             "counts_path= (trace files), one of them")
-        given = dict(counts) if counts is not None else load_counts(counts_path)  # type: ignore[arg-type]
+        if counts is None:
+            raise UsageError("static: give per-layer expert counts, as counts= (il -> [n_expert])")
+        given = dict(counts)
         missing = [il for il in layers if il not in given]
         if missing:
             raise UsageError(f"static: no counts for MoE layers {missing}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from ggmoe.base.errors import UsageError
 
 MAX_COLLECTION = 1 << 16  # entries of a predictor's collection (EAMs, expert maps): a bound on its memory
 MAX_WINDOW = 1 << 16  # calls a windowed policy remembers

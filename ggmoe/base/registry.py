@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from .errors import UsageError
+from ggmoe.base.errors import UsageError
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 
 
 def _describe(mode: int) -> str:

@@ -17,7 +17,7 @@ error from the server, an exception from ``ggmoe.load()``'s ``Llama``).
 
 from __future__ import annotations
 
-from .errors import ContextLengthError, UsageError
+from ggmoe.base.errors import ContextLengthError, UsageError
 
 DEFAULT_N_BATCH = 512  # tokens per llama_decode when the context is at least this large
 N_CTX_PAD = 256  # llama.cpp pads every context up to a multiple of this (llama-context.cpp, GGML_PAD)

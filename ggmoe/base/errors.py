@@ -34,5 +34,5 @@ class PredictorFileError(GgmoeError):
 
 
 class ContextLengthError(UsageError, ValueError):
-    """A prompt that does not fit the context (``ggmoe.context``). Also a ValueError: ``llama_cpp.Llama``
+    """A prompt that does not fit the context (``ggmoe.base.context``). Also a ValueError: ``llama_cpp.Llama``
     raises one for a prompt over its context, and ``ggmoe.load()``'s callers may catch that."""

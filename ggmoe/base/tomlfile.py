@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ggmoe.errors import UsageError
+from ggmoe.base.errors import UsageError
 
 if sys.version_info >= (3, 11):
     import tomllib
