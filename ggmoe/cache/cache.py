@@ -25,6 +25,7 @@ from ggmoe.cache.slots import SlotTable
 from ggmoe.cache.split import SPLIT_MAX_TOKENS, LayerSplit
 from ggmoe.cache.split_cache import SplitLayers
 from ggmoe.cache.stats import CacheStats, LayerStats
+from ggmoe.cache.step import EMPTY_STEP, Flip, StepLog, StepPlan
 
 
 def keep_free_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: int, n_prefetch: int) -> dict[int, int]:
@@ -68,6 +69,7 @@ class ExpertCache:
         self.miss_policy = check_miss_policy(miss_policy)
         self.costs = costs  # for "auto"
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
+        self.log: StepLog | None = None  # the flips and copies the expert tables follow (``follow_tables``)
         self.lock = threading.Lock()
         self.n_prefetched = dict.fromkeys(n_slots, 0)  # il -> slots holding an unused prefetched expert
         self.predicted: dict[int, list[int]] = {}  # il -> experts predicted for its next call (accuracy)
@@ -128,6 +130,28 @@ class ExpertCache:
         # backend's queue is empty (the simulated link); False, having done nothing, when it is not
         self._demand_now = getattr(copies, "demand_now", None)
 
+    def follow_tables(self) -> None:
+        """From now on every change of what is readable where goes into a step log (``ggmoe.cache.step``): the
+        async decode's expert tables follow it through ``take_step``; the first step maps every landed slot."""
+        with self.lock:
+            if self.log is not None:
+                return
+            self.log = log = StepLog()
+            for il, table in self.tables.items():
+                table.log, table.il = log, il
+                log.flips.extend(Flip(il, e, slot) for slot, e in enumerate(table.expert_in_list)
+                                 if e >= 0 and table.copy[slot] is None)
+            for il, bt in self.split.bottoms.items():
+                bt.log, bt.il = log, il
+
+    def take_step(self) -> StepPlan:
+        """The flips and copies since the last step, as one record for the executor (``EMPTY_STEP`` when nothing
+        follows the tables or nothing changed)."""
+        if self.log is None:
+            return EMPTY_STEP
+        with self.lock:
+            return self.log.take()
+
     def fits(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of ``n_tokens`` runs on the cache (else the native path)."""
         if il in self.split:  # read through the expert table, misses in place: only the batch size limits
@@ -178,7 +202,7 @@ class ExpertCache:
         host: set[int] = set()
         if self.miss_policy != "wait" and len(flat) <= HOST_MAX_TOKENS * self.n_expert_used:
             host, pending, missing = self._to_host(il, pending, missing)
-        if missing and not pending and not host and self._demand_now is not None and table.listener is None:
+        if missing and not pending and not host and self._demand_now is not None and table.log is None:
             self._load_now(il, st, table, need, missing)
         elif missing:
             loaded = self._load(il, table, need, missing, Priority.DEMAND)
@@ -265,7 +289,7 @@ class ExpertCache:
 
         ``flat``: the experts the layer selected, read through the expert table as it stood at launch: those
         READY in a slot were hits, the rest misses the device read from host memory. Copies that landed since
-        the last token become readable (the listener points their entries at the slots), then every missing
+        the last token become readable (flips pointing their entries at the slots), then every missing
         expert is admitted at low priority into a free slot or the policy's victim (its entry back to host
         memory first). Nothing waits: a later token finds the admitted experts once their copies landed.
         """
@@ -535,6 +559,8 @@ class ExpertCache:
             # it goes before admissions meant for later tokens
             h = self.copies.submit(il, e, slot, Priority.DEMAND if free_only else Priority.PREFETCH,
                                    rank_of.get(e, 0.0))
+            if table.log is not None:
+                table.log.copies.append(h)
             self._submitted[h.id] = self.time.now()
             self._submit_token[h.id] = self.token
             table.place(e, slot, h)
@@ -706,7 +732,7 @@ class ExpertCache:
         already (``_load_now``): the experts are placed ready, no copy submitted, no handle returned."""
         policy, submit, token, clock = self.policy, self.copies.submit, self.token, self.clock
         on_insert, on_evict = self._on_insert, self._on_evict
-        free, prefetched, listener = table.free, table.prefetched, table.listener
+        free, prefetched, log = table.free, table.prefetched, table.log
         submitted, submit_token = self._submitted, self._submit_token
         # a demand copy is waited for by the call that submits it (_wait_for): its age and token never matter
         record = priority is not Priority.DEMAND
@@ -734,13 +760,15 @@ class ExpertCache:
                 evicted += 1
             if prefetched[slot]:
                 self._note_eviction(il, table, slot)
-            if listener is not None:  # the expert table stops pointing at the slot before the copy may write it
+            if log is not None:  # the expert table stops pointing at the slot before the copy may write it
                 table.unmap(slot)
             n += 1
             if direct:
                 table.place(e, slot, None)
             else:
                 h = submit(il, e, slot, priority)
+                if log is not None:
+                    log.copies.append(h)
                 if record:
                     submitted[h.id] = now
                     submit_token[h.id] = token

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from bisect import insort
 from enum import IntEnum
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ggmoe.cache.copy import CopyHandle
+from ggmoe.cache.step import Flip
+
+if TYPE_CHECKING:
+    from ggmoe.cache.step import StepLog
 
 
 class SlotState(IntEnum):
@@ -23,17 +27,6 @@ class SlotState(IntEnum):
 
 # the states as module constants: a global read is cheaper than an enum class attribute, on the hottest path
 _EMPTY, _LOADING, _READY = SlotState.EMPTY, SlotState.LOADING, SlotState.READY
-
-
-class SlotListener(Protocol):
-    """Told when an expert becomes readable in a slot or stops being: the async decode's expert table
-    (``ggmoe.engine.tables``) points its entry at the slot, or back at the expert's host copy."""
-
-    def mapped(self, expert: int, slot: int) -> None:
-        """``expert``'s copy in ``slot`` has landed: it may be read there."""
-
-    def unmapped(self, expert: int) -> None:
-        """``expert`` is no longer readable in its slot (evicted, or a new copy is about to overwrite it)."""
 
 
 class SlotTable:
@@ -47,8 +40,10 @@ class SlotTable:
         self.free = list(range(n_slots))  # empty slots, lowest first
         self.n_loading = 0  # slots whose copy is in flight (0: the route callback skips the check)
         self.prefetched = [False] * n_slots  # [n_slots] holds a prefetched expert not used yet
-        # told of every change of what is readable where (the async decode's expert table); None: nobody
-        self.listener: SlotListener | None = None
+        # where every change of what is readable where is written (``Flip`` records, for the async decode's
+        # expert tables: ``ExpertCache.follow_tables``); None: nobody follows this layer
+        self.log: StepLog | None = None
+        self.il = -1  # the layer, named in the flips
 
     @property
     def n_slots(self) -> int:
@@ -67,8 +62,8 @@ class SlotTable:
         old = self.expert_in_list[slot]
         if old >= 0:
             self.slot_of_list[old] = -1
-            if self.listener is not None:
-                self.listener.unmapped(old)
+            if self.log is not None:
+                self.log.flips.append(Flip(self.il, old, -1))
         self.expert_in_list[slot] = expert
         self.slot_of_list[expert] = slot
         if self.copy[slot] is not None:
@@ -78,14 +73,14 @@ class SlotTable:
         self.state[slot] = _LOADING if handle is not None else _READY
         if handle is not None:
             self.n_loading += 1
-        elif self.listener is not None:
-            self.listener.mapped(expert, slot)
+        elif self.log is not None:
+            self.log.flips.append(Flip(self.il, expert, slot))
 
     def unmap(self, slot: int) -> None:
-        """Before a copy overwrites ``slot``: its expert stops being readable there (the listener is told)."""
+        """Before a copy overwrites ``slot``: its expert stops being readable there (a flip to host memory)."""
         old = self.expert_in_list[slot]
-        if old >= 0 and self.listener is not None:
-            self.listener.unmapped(old)
+        if old >= 0 and self.log is not None:
+            self.log.flips.append(Flip(self.il, old, -1))
 
     def landed(self, slot: int) -> None:
         if self.copy[slot] is not None:
@@ -93,16 +88,16 @@ class SlotTable:
         self.copy[slot] = None
         was = self.state[slot]
         self.state[slot] = _READY
-        if self.listener is not None and was is _LOADING and self.expert_in_list[slot] >= 0:
-            self.listener.mapped(self.expert_in_list[slot], slot)
+        if self.log is not None and was is _LOADING and self.expert_in_list[slot] >= 0:
+            self.log.flips.append(Flip(self.il, self.expert_in_list[slot], slot))
 
     def drop(self, slot: int) -> int:
         """Empty ``slot``; returns the expert it held (-1 if none)."""
         old = self.expert_in_list[slot]
         if old >= 0:
             self.slot_of_list[old] = -1
-            if self.listener is not None:
-                self.listener.unmapped(old)
+            if self.log is not None:
+                self.log.flips.append(Flip(self.il, old, -1))
         self.expert_in_list[slot] = -1
         if self.copy[slot] is not None:
             self.n_loading -= 1
@@ -121,17 +116,6 @@ class SlotTable:
                 self.drop(slot)
 
 
-class BottomListener(Protocol):
-    """Told when a split expert's bottom segment becomes readable in a bottom buffer or stops being (the expert
-    tables point the expert's bottom address there, or back at its host copy)."""
-
-    def bottom_mapped(self, expert: int, buffer: int) -> None:
-        """``expert``'s bottom copy into ``buffer`` has landed."""
-
-    def bottom_unmapped(self, expert: int) -> None:
-        """``expert``'s bottom is no longer readable in its buffer (a copy is about to overwrite it)."""
-
-
 class BottomTable:
     """A split layer's bottom buffers (MoEpic): expert -> buffer and back, the copy in flight into each, and
     the access clock of each buffer's last use (the least recently used is reused first)."""
@@ -143,7 +127,8 @@ class BottomTable:
         self.last_use = [0] * n_buffers  # [n_buffers] access clock of the last use or placement
         self.unused = [False] * n_buffers  # [n_buffers] holds a bottom placed and not read yet
         self.n_loading = 0  # buffers whose copy is in flight
-        self.listener: BottomListener | None = None
+        self.log: StepLog | None = None  # where bottom flips go (``Flip(..., bottom=True)``); None: nobody follows
+        self.il = -1
 
     @property
     def n_buffers(self) -> int:
@@ -166,12 +151,12 @@ class BottomTable:
         return best
 
     def place(self, expert: int, buffer: int, handle: CopyHandle, clock: int) -> None:
-        """``expert``'s bottom is copied into ``buffer`` (the listener is told the old one went first)."""
+        """``expert``'s bottom is copied into ``buffer`` (the old one's flip to host memory first)."""
         old = self.expert_in[buffer]
         if old >= 0:
             self.buffer_of[old] = -1
-            if self.listener is not None:
-                self.listener.bottom_unmapped(old)
+            if self.log is not None:
+                self.log.flips.append(Flip(self.il, old, -1, True))
         if self.copy[buffer] is not None:
             self.n_loading -= 1
         self.expert_in[buffer] = expert
@@ -189,15 +174,15 @@ class BottomTable:
         return None
 
     def release(self, buffer: int) -> bool:
-        """Empty a landed buffer (between tokens): its expert's bottom is read from host memory again (the
-        listener is told first). Returns whether the bottom was never read (a wasted prefetch)."""
+        """Empty a landed buffer (between tokens): its expert's bottom is read from host memory again (a flip
+        to host memory). Returns whether the bottom was never read (a wasted prefetch)."""
         assert self.copy[buffer] is None, "a buffer with a copy in flight is cancelled (drop), not released"
         e = self.expert_in[buffer]
         if e >= 0:
             self.buffer_of[e] = -1
             self.expert_in[buffer] = -1
-            if self.listener is not None:
-                self.listener.bottom_unmapped(e)
+            if self.log is not None:
+                self.log.flips.append(Flip(self.il, e, -1, True))
         wasted, self.unused[buffer] = self.unused[buffer], False
         return wasted
 
@@ -219,5 +204,5 @@ class BottomTable:
         self.copy[buffer] = None
         self.n_loading -= 1
         e = self.expert_in[buffer]
-        if e >= 0 and self.listener is not None:
-            self.listener.bottom_mapped(e, buffer)
+        if e >= 0 and self.log is not None:
+            self.log.flips.append(Flip(self.il, e, buffer, True))

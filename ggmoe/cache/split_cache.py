@@ -163,6 +163,8 @@ class SplitLayers:
             if b is None:
                 break
             h = cache.copies.submit(il, e, bottom_target(b), Priority.DEMAND, rank_of.get(e, 0.0))
+            if bt.log is not None:
+                bt.log.copies.append(h)
             bt.place(e, b, h, cache.clock)
             n += 1
         st = cache.stats.layers[il]
@@ -211,7 +213,7 @@ class SplitLayers:
 
     @staticmethod
     def _land_bottoms(cache: ExpertCache, bt: BottomTable) -> None:
-        """Bottom copies that landed become readable (the listener points their entries at the buffers)."""
+        """Bottom copies that landed become readable (flips pointing their entries at the buffers)."""
         if bt.n_loading:
             for b, h in enumerate(bt.copy):
                 if h is not None and cache.copies.done(h):
@@ -240,6 +242,8 @@ class SplitLayers:
             if b is None:
                 continue  # every buffer is loading or holds a predicted expert
             h = cache.copies.submit(il, e, bottom_target(b), Priority.PREFETCH, rank)
+            if bt.log is not None:
+                bt.log.copies.append(h)
             bt.place(e, b, h, cache.clock)
             self._count_bottoms(st, il, 1)
         self.land(cache, il)

@@ -15,7 +15,9 @@ experts. Python decides here; the engine's copy backend and expert tables execut
 The invariants the engine relies on hold because this runs while no graph
 runs (after the decode's logits were read): an entry points back at host
 memory before a copy may overwrite its slot, and at a slot only after the
-copy into it landed (``SlotTable`` tells the table through its listener).
+copy into it landed: the cache writes each change as a flip, in order, and
+``on_routing`` returns them with the copies it issued as one ``StepPlan``
+(``ggmoe.cache.step``), which the engine's tables apply before the next graph.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ggmoe.cache.cache import ExpertCache
+from ggmoe.cache.step import EMPTY_STEP, StepPlan
 from ggmoe.control.planner import NextTokenPlanner
 from ggmoe.hook import RouteEvent, RouteObserver
 
@@ -37,17 +40,20 @@ class TokenController:
     def __init__(self, cache: ExpertCache | None, observers: Iterable[RouteObserver] | None = None,
                  planner: NextTokenPlanner | None = None, inputs: Inputs | None = None) -> None:
         self.cache = cache
-        self.observers = observers  # an iterable read on every call (the engine's live list)
+        self.observers = observers  # read by every call that is handed none (the simulator; the engine hands its own)
         self.planner = planner  # plans each layer's next call before the cache admits (None: no plan)
         self.inputs = inputs  # the MoE input rows the planner's predictor reads (None: ids only)
         self.tokens = 0  # table-mode micro-batches handled
         self.calls = 0  # layer routings handled (one per MoE layer per micro-batch)
         self._cached_layers: tuple[int, ...] | None = None  # the layers read through tables (a roomy cache)
 
-    def on_routing(self, layers: Iterable[int], routing: np.ndarray) -> None:
+    def on_routing(self, layers: Iterable[int], routing: np.ndarray,
+                   observers: Iterable[RouteObserver] | None = None) -> StepPlan:
         """``routing`` I32 [n_layer, n_tokens, n_expert_used]: the selected experts of ``layers`` (the MoE
         layers that read through tables) in the micro-batch just decoded; rows of -1 are tokens a layer did
-        not compute (the last layer computes only the tokens whose logits are wanted)."""
+        not compute (the last layer computes only the tokens whose logits are wanted). Returns the cache's step:
+        the table flips and copies it decided since the last step, for the executor. ``observers``: this step's
+        observers, handed over as data (None: those given at construction)."""
         # Once per token, so kept to plain lists: one tolist() for every layer, no numpy per layer (a decode
         # step of the embedded model takes about 1 ms; this loop is most of what the async decode adds to it).
         cache = self.cache
@@ -55,8 +61,9 @@ class TokenController:
         self.tokens += 1
         if cache is not None:
             cache.token += 1
-        observers = tuple(o for o in self.observers if getattr(o, "wants_routing", True)) \
-            if self.observers is not None else ()
+        if observers is None:
+            observers = self.observers
+        observers = tuple(o for o in observers if getattr(o, "wants_routing", True)) if observers is not None else ()
         rows_of = routing.tolist()  # [n_layer][n_tokens][n_expert_used]
         planner = self.planner  # a plan follows one decoded token (not a prefill's last micro-batch)
         if planner is not None and (routing.shape[1] != 1 or not planner.decoding):
@@ -66,7 +73,7 @@ class TokenController:
                 self._cached_layers = tuple(il for il in layers if il in tables)
             self.calls += len(self._cached_layers)
             cache.after_roomy_token(self._cached_layers, rows_of)  # a slot for every expert: one call a token
-            return
+            return cache.take_step()
         for il in layers:
             rows = rows_of[il]
             if rows[-1][0] < 0:  # the layer computed fewer tokens (llama.cpp's output skipping)
@@ -83,3 +90,4 @@ class TokenController:
                 event = RouteEvent(il=il, ids=np.asarray(rows, dtype=np.int32), probs=None, hidden=None)
                 for obs in observers:
                     obs.on_route(event)
+        return cache.take_step() if cache is not None else EMPTY_STEP

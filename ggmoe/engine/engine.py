@@ -416,7 +416,8 @@ class Engine:
         for i in range(0, len(tokens), self.n_batch):
             chunk = list(tokens[i : i + self.n_batch])
             if self.pipeline is not None:  # the one decode step: the pipeline around llama_decode
-                self.pipeline.step(chunk, lambda c=chunk: self._decode_chunk(c, all_logits))
+                with self.pipeline.step(chunk):
+                    self._decode_chunk(chunk, all_logits)
             else:
                 try:
                     self._decode_chunk(chunk, all_logits)

@@ -20,10 +20,10 @@ every micro-batch takes the route op (the sync path), with the tables kept curre
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 
@@ -77,9 +77,6 @@ def backend_note(facts: ModelFacts, on_gpu: bool) -> str | None:
     dev = B.libggml.ggml_backend_dev_by_type(B.GGML_BACKEND_DEVICE_TYPE_GPU)
     name = B.libggml.ggml_backend_dev_name(dev).decode() if dev else "GPU"
     return table_type_note(name, [(t.name, t.ggml_type) for layer in facts.layers for t in layer.cached])
-
-
-T = TypeVar("T")  # what a decode step returns
 
 
 class CachePipeline:
@@ -163,11 +160,11 @@ class CachePipeline:
         if self.decode_mode.mode == "async" or split:
             self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
                                        facts.n_layer, max(max_tokens, 1))
-            self.tables.attach(self.runtime.cache)
+            self.tables.follow(self.runtime.cache)
             # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
-            self.hook.after_route = self.tables.flush
+            self.hook.after_route = self._tables_follow
         if self.decode_mode.mode == "async":
-            self.controller = TokenController(self.runtime.cache, self.observers, self.planner, self._mailbox_row)
+            self.controller = TokenController(self.runtime.cache, None, self.planner, self._mailbox_row)
             self._async_predictors(max_tokens)
 
             def on_change(request: HookRequest) -> None:
@@ -339,7 +336,7 @@ class CachePipeline:
         if self.controller is not None and tables.enabled:
             self.runtime.cache.land_ready()  # copies landed since the last token: readable for this one
         if tables is not None:
-            tables.flush()  # what the controller (or anyone) changed since the last decode, before it runs
+            self._tables_follow()  # what the cache changed since the last step, on the device before the decode
         n = last_ubatch(len(tokens), self.n_ubatch)
         if tables is not None and tables.enabled and n <= tables.max_tokens:
             if n > 1:  # one token: every layer computes it, so every row is written (nothing stale to clear)
@@ -357,6 +354,11 @@ class CachePipeline:
             elif self.stride is not None:  # a table-mode decode of several tokens: nobody reads it
                 self.stride.mailbox.release_all()
 
+    def _tables_follow(self) -> None:
+        """The cache's step since the last one into the tables, and the tables onto the device."""
+        self.tables.apply(self.runtime.cache.take_step())
+        self.tables.flush()
+
     def after_decode(self, n_tokens: int) -> None:
         """After a ``llama_decode`` of ``n_tokens`` tokens whose logits were read: in table mode, the last
         micro-batch's routing (when it read through the tables) goes to the controller, once per decode."""
@@ -371,28 +373,29 @@ class CachePipeline:
             return  # it took the route op: the callback saw it layer by layer
         B.llama_cpp.llama_synchronize(self._ctx_ptr)  # no-op after the logits read; the routing is complete
         try:
-            self.controller.on_routing(self.facts.moe_layers, tables.read_routing(n))
+            tables.apply(self.controller.on_routing(self.facts.moe_layers, tables.read_routing(n), self.observers.items))
             tables.flush()  # the plan's entries on the device now: any decode after this one reads them
         except BaseException as e:  # noqa: BLE001 - raised by the caller, as the callback's errors are
             self.hook.error = e
 
-    def step(self, tokens: Sequence[int], decode: Callable[[], T], on_error: Callable[[], None] | None = None) -> T:
-        """One ``llama_decode`` of ``tokens`` (``decode()``, which also reads the logits) with the pipeline around
-        it: ``begin_step`` before, ``after_decode`` after a decode that succeeded, then what the callback, the
-        route op, the controller or a prefetch thread stored is raised (they never raise into C); from the
-        decode's own exception when it failed, which is raised as it is otherwise. ``on_error`` runs before a
-        stored error is raised (the caller forgets the sequence: this decode's KV entries are meaningless).
-        The one driver of a decode step: the ``Engine``, the ``llama_cpp.Llama`` subclass and its
-        multi-sequence batches all call it."""
+    @contextmanager
+    def step(self, tokens: Sequence[int], on_error: Callable[[], None] | None = None) -> Iterator[None]:
+        """One ``llama_decode`` of ``tokens``, which the caller runs (and whose logits it reads) inside the
+        ``with`` block: ``begin_step`` before, ``after_decode`` after a decode that succeeded, then what the
+        callback, the route op, the controller or a prefetch thread stored is raised (they never raise into C);
+        from the decode's own exception when it failed, which is raised as it is otherwise. ``on_error`` runs
+        before a stored error is raised (the caller forgets the sequence: this decode's KV entries are
+        meaningless). The one decode step: the ``Engine``, the ``llama_cpp.Llama`` subclass and its
+        multi-sequence batches all run their decode in it (a block, not a callback: the pipeline never calls
+        up into its caller)."""
         self.begin_step(tokens)
         try:
-            out = decode()
+            yield
         except BaseException as e:
             self._raise_stored(on_error, e)
             raise
         self.after_decode(len(tokens))
         self._raise_stored(on_error, None)
-        return out
 
     def _raise_stored(self, on_error: Callable[[], None] | None, cause: BaseException | None) -> None:
         err = self.take_error()

@@ -9,9 +9,12 @@ entry ``e`` is the address of expert ``e``'s matrix, either its cache slot
 memory (``host.data + e * nb2``; on a GPU its pinned buffer, which kernels read
 through unified addressing). ``ggml_mul_mat_id_table`` (patch 0006) reads
 through it, so a hit needs no host and a miss is read over the link inside the
-same kernel. The tables follow the cache's slot tables through
-``SlotListener``: an entry points at a slot only once the copy into it has
-landed, and back at host memory before any copy may overwrite the slot.
+same kernel. The tables follow the cache through its step plans
+(``ggmoe.cache.step``): ``apply`` writes each ``Flip`` of a plan into the host
+mirror, in the cache's order, and ``flush`` sends the mirror before the next
+graph reads it; so an entry points at a slot only once the copy into it has
+landed, and at host memory again before any graph runs beside a copy that may
+overwrite the slot.
 
 ``routing`` is I32 ``[n_expert_used, max_tokens, n_layer]``: each table layer of
 a table-mode micro-batch copies its selected ids there in the graph, and the
@@ -33,6 +36,7 @@ from ggmoe.engine.arena import TensorArena
 
 if TYPE_CHECKING:
     from ggmoe.cache.cache import ExpertCache
+    from ggmoe.cache.step import StepPlan
     from ggmoe.engine.slot_tensors import SlotTensors
 
 GGML_TYPE_I32 = 26
@@ -50,8 +54,8 @@ def _check_packed_flag() -> None:
 
 
 class _LayerTable:
-    """One layer's tables (one per expert tensor kind): the ``SlotListener`` of its slot table and, for a split
-    layer, the ``BottomListener`` of its bottom buffers. Writes go to the host mirror (``ExpertTables.flat``)
+    """One layer's tables (one per expert tensor kind), following its slot table's flips and, for a split
+    layer, its bottom buffers' (``ExpertTables.apply``). Writes go to the host mirror (``ExpertTables.flat``)
     and mark the changed span; ``ExpertTables.flush`` sends it to the device before the next read.
 
     Whole experts: one row per table, the address of each expert's matrix. A split layer (MoEpic): three
@@ -233,20 +237,29 @@ class ExpertTables:
         if i >= self._hi:
             self._hi = i + 1
 
-    def attach(self, cache: ExpertCache) -> None:
-        """Make every cached layer's table follow the cache's slot table and, for a split layer, its bottom
-        buffers (entries of ready slots now)."""
-        for il, table in cache.tables.items():
-            lt = self.layers[il]
-            table.listener = lt
-            bt = cache.split.bottoms.get(il)
-            if bt is not None:
-                lt.bottoms = bt
-                bt.listener = lt
-            for slot, e in enumerate(table.expert_in_list):
-                if e >= 0 and table.copy[slot] is None:
-                    lt.mapped(e, slot)
+    def follow(self, cache: ExpertCache) -> None:
+        """Make every cached layer's table follow the cache's flips (its slots and, for a split layer, its
+        bottom buffers): the entries of the slots that hold a landed copy now, the rest with each step."""
+        for il, bt in cache.split.bottoms.items():
+            self.layers[il].bottoms = bt  # a mapped split expert reads its bottom where this says it landed
+        cache.follow_tables()
+        self.apply(cache.take_step())
         self.flush()
+
+    def apply(self, plan: StepPlan) -> None:
+        """Write a step plan's flips into the mirror, in order (``flush`` sends them)."""
+        layers = self.layers
+        for il, expert, slot, bottom in plan.flips:
+            lt = layers[il]
+            if bottom:
+                if slot >= 0:
+                    lt.bottom_mapped(expert, slot)
+                else:
+                    lt.bottom_unmapped(expert)
+            elif slot >= 0:
+                lt.mapped(expert, slot)
+            else:
+                lt.unmapped(expert)
 
     def flush(self) -> None:
         """Send the entries changed since the last flush to the device: the changed span of every table in one

@@ -13,7 +13,7 @@ metrics.
 
 Routes here: POST /v1/chat/completions (and /chat/completions), POST /v1/completions, POST /v1/embeddings,
 GET /v1/models (and /models), GET /health (never needs a key), GET /metrics. Every generation, whatever its
-route, goes through ``_Server.execute``: the gate, the slot's state, the client watched, the stream framed as
+route, goes through ``Server.execute``: the gate, the slot's state, the client watched, the stream framed as
 its route frames it (``Sse``).
 """
 
@@ -91,7 +91,7 @@ class ServeSettings:
 log = logging.getLogger("ggmoe.serve")
 
 
-class _Server:
+class Server:
     """The model, its gate and metrics; the route handlers' shared state."""
 
     def __init__(self, llama: GgmoeLlama, settings: ServeSettings) -> None:
@@ -454,7 +454,7 @@ class _Lease:
     """A slot (or, with ``n`` = every slot, the whole model) held by one request; ``release`` (idempotent)
     closes its stream and frees the gate."""
 
-    def __init__(self, server: _Server, ticket: int, slot: int, llama: Any, n: int) -> None:
+    def __init__(self, server: Server, ticket: int, slot: int, llama: GgmoeLlama, n: int) -> None:
         self.server = server
         self.ticket, self.slot, self.llama, self.n = ticket, slot, llama, n
         self.chunks: Iterator[dict[str, Any]] | None = None
@@ -513,7 +513,7 @@ def _reconfigurer(llama: GgmoeLlama, settings: ServeSettings) -> Any:
 
 def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
     """The app serving ``llama`` (which the caller owns and closes)."""
-    server = _Server(llama, settings)
+    server = Server(llama, settings)
     auth = [Depends(_Authenticate(settings.api_key))]
     app = FastAPI(title="ggmoe", version=_version(), docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = server

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import llama_cpp
@@ -29,6 +29,9 @@ from ggmoe.serve import structured
 from ggmoe.serve.errors import APIError, domain_error, log
 from ggmoe.serve.logprobs import LogprobRecorder, chat_logprobs, completion_logprobs, plain
 from ggmoe.serve.schema import ChatRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from ggmoe.serve.llama import GgmoeLlama
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
@@ -187,7 +190,7 @@ def _fit(plan_prompt: list[int], body: CompletionRequest | ChatRequest, n_ctx: i
     return mt
 
 
-def _processors(body: CompletionRequest | ChatRequest, llama: Any) -> list[Any]:
+def _processors(body: CompletionRequest | ChatRequest, llama: GgmoeLlama) -> list[Any]:
     out: list[Any] = []
     if body.logit_bias:
         bias = _logit_bias(body, llama)
@@ -204,7 +207,7 @@ def _processors(body: CompletionRequest | ChatRequest, llama: Any) -> list[Any]:
     return out
 
 
-def grammar_of(llama: Any, text: str, param: str) -> llama_cpp.LlamaGrammar:
+def grammar_of(llama: GgmoeLlama, text: str, param: str) -> llama_cpp.LlamaGrammar:
     if not llama.grammar_parses(text):
         raise APIError(400, f"{param}: llama.cpp could not parse this GBNF grammar (it needs a 'root' rule)",
                        param=param, code="invalid_value")
@@ -214,7 +217,7 @@ def grammar_of(llama: Any, text: str, param: str) -> llama_cpp.LlamaGrammar:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from e
 
 
-def plan_completion(body: CompletionRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
+def plan_completion(body: CompletionRequest, llama: GgmoeLlama, n_ctx: int, strict: bool) -> Plan:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -249,13 +252,13 @@ def plan_completion(body: CompletionRequest, llama: Any, n_ctx: int, strict: boo
                 echo=echo, prompt_text=prompt if echo_lp else None)
 
 
-def _keeps_all_logits(llama: Any) -> bool:
+def _keeps_all_logits(llama: GgmoeLlama) -> bool:
     """Whether ``llama`` keeps every position's logits: the flag llama-cpp-python itself checks (and raises a
     ``ValueError`` on) before a completion with logprobs; it keeps it as ``_logits_all``."""
     return bool(getattr(llama, "_logits_all", False))
 
 
-def plan_chat(body: ChatRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
+def plan_chat(body: ChatRequest, llama: GgmoeLlama, n_ctx: int, strict: bool) -> Plan:
     formatter = llama.chat_formatter()
     template = getattr(formatter, "template", None)
     messages = [m.for_template() for m in body.messages]
@@ -305,7 +308,7 @@ def plan_chat(body: ChatRequest, llama: Any, n_ctx: int, strict: bool) -> Plan:
                 parallel_tools=parallel)
 
 
-def _logit_bias(body: CompletionRequest | ChatRequest, llama: Any) -> dict[int, float]:
+def _logit_bias(body: CompletionRequest | ChatRequest, llama: GgmoeLlama) -> dict[int, float]:
     if body.logit_bias_type != "tokens":
         return {int(k): float(v) for k, v in body.logit_bias.items()}
     out: dict[int, float] = {}
@@ -319,7 +322,7 @@ def _logit_bias(body: CompletionRequest | ChatRequest, llama: Any) -> dict[int, 
 class Run:
     """A plan on the model: ``result()`` (one response) or ``chunks()`` (the stream's chunk objects)."""
 
-    def __init__(self, plan: Plan, llama: Any, watch: Watch, model_id: str) -> None:
+    def __init__(self, plan: Plan, llama: GgmoeLlama, watch: Watch, model_id: str) -> None:
         self.plan = plan
         self.llama = llama
         self.watch = watch

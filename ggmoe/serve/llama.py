@@ -154,7 +154,8 @@ class GgmoeLlama(llama_cpp.Llama):
             batch = self.__dict__["_ggmoe_seq_batch"] = SeqBatch(self.n_batch, self._n_vocab)
         if self._ggmoe is None:
             return batch.decode(self._ctx.ctx, entries)
-        return self._ggmoe.step([t for e in entries for t in e.tokens], lambda: batch.decode(self._ctx.ctx, entries))
+        with self._ggmoe.step([t for e in entries for t in e.tokens]):
+            return batch.decode(self._ctx.ctx, entries)
 
     def _default_chat_handler(self) -> llama_cpp.llama_chat_format.LlamaChatCompletionHandler:
         return self.chat_formatter().to_chat_handler()
@@ -183,7 +184,8 @@ class GgmoeLlama(llama_cpp.Llama):
         # reads the logits, so the device is done with each decode when the pipeline's step goes on.
         for i in range(0, len(tokens), self.n_batch):
             batch = tokens[i : i + self.n_batch]
-            self._ggmoe.step(batch, lambda b=batch: llama_cpp.Llama.eval(self, b), on_error=self._forget)
+            with self._ggmoe.step(batch, on_error=self._forget):
+                llama_cpp.Llama.eval(self, batch)
 
     def _forget(self) -> None:
         """A decode's stored error is about to be raised: its KV entries are meaningless, forget the sequence."""

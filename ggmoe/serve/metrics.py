@@ -8,11 +8,15 @@ collector, so they are never out of date and cost nothing between scrapes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ggmoe.serve.parallel import BatchStats
+    from ggmoe.serve.slots import SlotState
 
 # seconds; first tokens include the queue wait and the prefill, per-token times one decode
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -110,7 +114,7 @@ class SlotCollector(Collector):
     """Each slot's state and counts (``ggmoe.serve.slots.SlotState``), and with several slots what their
     batcher decoded (``ggmoe.serve.parallel.BatchStats``), read at scrape time."""
 
-    def __init__(self, slots: Sequence[Any], batch: Any | None) -> None:
+    def __init__(self, slots: Sequence[SlotState], batch: BatchStats | None) -> None:
         self._slots = slots
         self._batch = batch
 
@@ -146,7 +150,7 @@ class Metrics:
     """The server's metrics on their own registry."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]], queue_length: Callable[[], int],
-                 running: Callable[[], int], slots: Sequence[Any] = (), batch: Any | None = None) -> None:
+                 running: Callable[[], int], slots: Sequence[SlotState] = (), batch: BatchStats | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ggmoe_requests", "HTTP requests by route and status", ["route", "status"],

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 import numpy as np
@@ -28,12 +28,15 @@ from ggmoe.serve.generation import Watch, context_error, grammar_of
 from ggmoe.serve.logprobs import LogprobRecorder, TokenLogprob
 from ggmoe.serve.schema import InfillRequest, NativeCompletionRequest
 
+if TYPE_CHECKING:
+    from ggmoe.serve.llama import GgmoeLlama
+
 SEED_RANDOM = 4294967295  # the seed llama-server reports when none was given (LLAMA_DEFAULT_SEED)
 SAMPLERS = ["penalties", "top_k", "typ_p", "top_p", "min_p", "temperature"]  # llama-cpp-python's chain
 
 
 # -- prompts
-def tokenize_text(llama: Any, text: str, bos: bool, param: str = "prompt") -> list[int]:
+def tokenize_text(llama: GgmoeLlama, text: str, bos: bool, param: str = "prompt") -> list[int]:
     try:
         data = text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate escaped in the JSON
@@ -42,7 +45,7 @@ def tokenize_text(llama: Any, text: str, bos: bool, param: str = "prompt") -> li
     return llama.tokenize(data, add_bos=bos, special=True)
 
 
-def _one_prompt(prompt: str | list[Any], llama: Any, n_vocab: int) -> list[int]:
+def _one_prompt(prompt: str | list[Any], llama: GgmoeLlama, n_vocab: int) -> list[int]:
     """One prompt: text (with BOS when the model adds one) or ids and text mixed (BOS when text comes first)."""
     if isinstance(prompt, str):
         tokens = tokenize_text(llama, prompt, True)
@@ -65,7 +68,7 @@ def _one_prompt(prompt: str | list[Any], llama: Any, n_vocab: int) -> list[int]:
     return tokens
 
 
-def prompt_tokens(prompt: str | list[Any], llama: Any, n_vocab: int) -> list[list[int]]:
+def prompt_tokens(prompt: str | list[Any], llama: GgmoeLlama, n_vocab: int) -> list[list[int]]:
     """llama-server's prompt forms: one prompt, or several (a list of lists, or of two or more strings)."""
     if isinstance(prompt, list):
         if not prompt:
@@ -80,7 +83,7 @@ def prompt_tokens(prompt: str | list[Any], llama: Any, n_vocab: int) -> list[lis
     return [_one_prompt(prompt, llama, n_vocab)]
 
 
-def infill_tokens(body: InfillRequest, llama: Any, n_ctx: int) -> list[int]:
+def infill_tokens(body: InfillRequest, llama: GgmoeLlama, n_ctx: int) -> list[int]:
     """The FIM prompt of an ``/infill`` request, cut to leave room for the answer (400 without FIM tokens)."""
     fim = llama.fim_tokens()
     if fim["pre"] < 0 or fim["suf"] < 0 or fim["mid"] < 0:
@@ -110,7 +113,7 @@ def infill_tokens(body: InfillRequest, llama: Any, n_ctx: int) -> list[int]:
 
 
 # -- sampling
-def sampling_kwargs(body: NativeCompletionRequest, llama: Any) -> dict[str, Any]:
+def sampling_kwargs(body: NativeCompletionRequest, llama: GgmoeLlama) -> dict[str, Any]:
     """``create_completion`` keyword arguments of a native request (max_tokens is set per prompt)."""
     kw: dict[str, Any] = {
         "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p, "min_p": body.min_p,
@@ -126,7 +129,7 @@ def sampling_kwargs(body: NativeCompletionRequest, llama: Any) -> dict[str, Any]
     return kw
 
 
-def _bias(body: NativeCompletionRequest, llama: Any, n_vocab: int) -> dict[int, float]:
+def _bias(body: NativeCompletionRequest, llama: GgmoeLlama, n_vocab: int) -> dict[int, float]:
     """``logit_bias`` as llama-server takes it: [[id or text, bias or false], ...] or {"id or text": bias}."""
     pairs = body.logit_bias.items() if isinstance(body.logit_bias, dict) else body.logit_bias or []
     out: dict[int, float] = {}
@@ -143,7 +146,7 @@ def _bias(body: NativeCompletionRequest, llama: Any, n_vocab: int) -> dict[int, 
     return out
 
 
-def processors(body: NativeCompletionRequest, llama: Any, n_vocab: int, eog: list[int]) -> list[Any]:
+def processors(body: NativeCompletionRequest, llama: GgmoeLlama, n_vocab: int, eog: list[int]) -> list[Any]:
     """Logits processors: the bias, and ``ignore_eos`` as llama-server does it (end tokens never sampled)."""
     bias = _bias(body, llama, n_vocab)
     if body.ignore_eos:
@@ -216,7 +219,7 @@ class _Gen:
 class NativeRun:
     """A native request on the model: ``result()`` or ``chunks()`` (llama-server's shapes)."""
 
-    def __init__(self, body: NativeCompletionRequest, prompts: list[list[int]], llama: Any, watch: Watch,
+    def __init__(self, body: NativeCompletionRequest, prompts: list[list[int]], llama: GgmoeLlama, watch: Watch,
                  model_id: str, n_ctx: int, procs: list[Any]) -> None:
         self.body = body
         self.prompts = prompts

@@ -4,7 +4,7 @@
 and Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
 The handlers are thin: ``ggmoe.serve.native`` shapes the completions, ``ggmoe.serve.slots`` the slots; the
-server object (``ggmoe.serve.app._Server``) holds the model, its gate and the slot states.
+server object (``ggmoe.serve.app.Server``) holds the model, its gate and the slot states.
 """
 
 from __future__ import annotations

@@ -13,12 +13,15 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 import numpy as np
 
 from ggmoe.serve.errors import APIError
+
+if TYPE_CHECKING:
+    from ggmoe.serve.llama import GgmoeLlama
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,254}$")
 FORMAT = 1  # the slot file's version
@@ -77,11 +80,11 @@ def slot_path(save_dir: Path | None, filename: str) -> Path:
     return path
 
 
-def _identity(llama: Any) -> np.ndarray:
+def _identity(llama: GgmoeLlama) -> np.ndarray:
     return np.array([FORMAT, llama.n_vocab(), llama.n_ctx(), llama._model.n_params()], dtype=np.int64)
 
 
-def save_slot(llama: Any, path: Path) -> dict[str, Any]:
+def save_slot(llama: GgmoeLlama, path: Path) -> dict[str, Any]:
     """The slot's tokens and KV cache to ``path``; llama-server's answer fields."""
     t0 = time.monotonic()
     state = llama.save_state()
@@ -92,7 +95,7 @@ def save_slot(llama: Any, path: Path) -> dict[str, Any]:
     return {"n_saved": n, "n_written": path.stat().st_size, "timings": {"save_ms": (time.monotonic() - t0) * 1e3}}
 
 
-def restore_slot(llama: Any, path: Path) -> dict[str, Any]:
+def restore_slot(llama: GgmoeLlama, path: Path) -> dict[str, Any]:
     """The slot's tokens and KV cache from ``path`` (400 when it is missing or not this model's slot file)."""
     t0 = time.monotonic()
     if not path.is_file():
@@ -129,7 +132,7 @@ def restore_slot(llama: Any, path: Path) -> dict[str, Any]:
             "timings": {"restore_ms": (time.monotonic() - t0) * 1e3}}
 
 
-def erase_slot(llama: Any) -> dict[str, Any]:
+def erase_slot(llama: GgmoeLlama) -> dict[str, Any]:
     """Forget the slot's prompt cache (the next request evaluates its whole prompt)."""
     n = int(llama.n_tokens)
     llama.reset()

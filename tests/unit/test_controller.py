@@ -1,4 +1,4 @@
-"""The async decode's controller and the slot listener, without llama.cpp: plans in the right order."""
+"""The async decode's controller and its step plans, without llama.cpp: flips and copies in the right order."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from ggmoe.cache import ExpertCache
 from ggmoe.cache.copy import CopyHandle, Priority
 from ggmoe.cache.decode_mode import choose_decode_mode, miss_share, sync_reasons, table_type_note, weigh_modes
 from ggmoe.cache.policies import POLICIES
+from ggmoe.cache.step import StepPlan
 from ggmoe.control import TokenController
 from ggmoe.hook import RouteEvent
 
@@ -18,32 +19,14 @@ pytestmark = pytest.mark.unit
 N_EXPERT, K = 8, 2
 
 
-class Table:
-    """A fake expert table: expert -> "host" or a slot; the log of what was written, in order."""
+class ManualCopies:
+    """Copies that land only when the test says so."""
 
     def __init__(self) -> None:
-        self.entry: dict[int, object] = {}
-        self.log: list[tuple[str, int, int | None]] = []
-
-    def mapped(self, expert: int, slot: int) -> None:
-        self.entry[expert] = slot
-        self.log.append(("map", expert, slot))
-
-    def unmapped(self, expert: int) -> None:
-        self.entry[expert] = "host"
-        self.log.append(("unmap", expert, None))
-
-
-class ManualCopies:
-    """Copies that land only when the test says so; each submit checks that no entry points at its slot."""
-
-    def __init__(self, table: Table) -> None:
-        self.table = table
         self.handles: list[CopyHandle] = []
         self.landed: set[int] = set()
 
     def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
-        assert slot not in self.table.entry.values(), f"slot {slot} still readable when its copy starts"
         h = CopyHandle(len(self.handles), il, expert, slot, Priority(priority))
         self.handles.append(h)
         return h
@@ -64,12 +47,35 @@ class ManualCopies:
         pass
 
 
+class Table:
+    """A fake executor's expert table (expert -> "host" or a slot): applies each step plan's flips in order,
+    then checks what a graph launched next would read: no entry points at a slot a copy is writing, and the
+    plan lists exactly the copies submitted since the last one."""
+
+    def __init__(self, copies: ManualCopies) -> None:
+        self.copies = copies
+        self.entry: dict[int, object] = {}
+        self.log: list[tuple[str, int, int | None]] = []
+        self.n_seen = 0  # copies the plans have listed
+
+    def apply(self, plan: StepPlan) -> None:
+        for f in plan.flips:
+            assert f.il == 0 and not f.bottom
+            self.entry[f.expert] = f.slot if f.slot >= 0 else "host"
+            self.log.append(("map", f.expert, f.slot) if f.slot >= 0 else ("unmap", f.expert, None))
+        assert list(plan.copies) == self.copies.handles[self.n_seen:]
+        self.n_seen = len(self.copies.handles)
+        writing = {h.slot for h in self.copies.handles if h.id not in self.copies.landed}
+        assert not writing & set(self.entry.values()), f"slots {writing} readable while their copies run"
+
+
 def _setup(n_slots: int = 3):
-    table = Table()
-    copies = ManualCopies(table)
+    copies = ManualCopies()
+    table = Table(copies)
     cache = ExpertCache(N_EXPERT, K, {0: n_slots}, POLICIES.get("lru")(N_EXPERT, [0]), copies,
                         bytes_per_expert={0: 100})
-    cache.tables[0].listener = table
+    cache.follow_tables()
+    table.apply(cache.take_step())
     events: list[RouteEvent] = []
 
     class Obs:
@@ -78,23 +84,31 @@ def _setup(n_slots: int = 3):
         def on_route(self, ev: RouteEvent) -> None:
             events.append(ev)
 
-    return cache, copies, table, TokenController(cache, [Obs()]), events
+    ctl = TokenController(cache, [Obs()])
+    ctl.table = table  # the test's executor: every step plan goes to it
+    return cache, copies, table, ctl, events
 
 
-def _token(ctl: TokenController, experts: list[int]) -> None:
-    ctl.on_routing([0], np.asarray([[experts]], dtype=np.int32))
+def _token(ctl: TokenController, experts: list[int]) -> StepPlan:
+    plan = ctl.on_routing([0], np.asarray([[experts]], dtype=np.int32))
+    ctl.table.apply(plan)
+    return plan
 
 
 def test_misses_are_read_from_host_then_admitted_and_mapped_only_once_landed():
     cache, copies, table, ctl, events = _setup()
-    _token(ctl, [1, 2])
+    plan = _token(ctl, [1, 2])
+    assert plan.flips == () and [(h.expert, h.priority) for h in plan.copies] == \
+        [(1, Priority.ADMISSION), (2, Priority.ADMISSION)]
     st = cache.stats.layers[0]
     assert (st.hits, st.misses, st.host_reads, st.host_read_bytes) == (0, 2, 2, 200)
     assert st.admission_copies == 2 and table.entry == {}  # copies in flight: entries still host
     _token(ctl, [1, 2])  # not landed yet: still read from host, not admitted twice
     assert (st.hits, st.host_reads, st.admission_copies) == (0, 4, 2)
     copies.land_all()
-    _token(ctl, [1, 3])  # 1 and 2 land now (mapped), but this token was launched before: 1 counts as a miss
+    plan = _token(ctl, [1, 3])  # 1 and 2 land now (mapped), but this token was launched before: 1 counts as a miss
+    assert {(f.expert, f.slot >= 0) for f in plan.flips} == {(1, True), (2, True)} and \
+        [h.expert for h in plan.copies] == [3]
     assert table.entry[1] is not None and table.entry[2] is not None
     assert st.hits == 0 and st.landed == 2 and st.lag_tokens == 2 + 2  # landed 2 tokens after submission
     copies.land_all()
@@ -110,8 +124,11 @@ def test_a_victims_entry_goes_back_to_host_before_its_slot_is_rewritten():
     _token(ctl, [1, 2])
     copies.land_all()
     _token(ctl, [1, 2])  # both mapped
-    _token(ctl, [3, 4])  # evicts both: ManualCopies.submit asserts their slots are no longer readable
+    victims_slots = {table.entry[1], table.entry[2]}
+    plan = _token(ctl, [3, 4])  # evicts both: Table.apply asserts their slots are no longer readable
     assert cache.stats.layers[0].evictions == 2
+    assert sorted(plan.evictions) == [(0, 1), (0, 2)] and plan.by_priority(Priority.ADMISSION) == plan.copies
+    assert {h.slot for h in plan.copies} == victims_slots  # the copies go where the victims were
     unmaps = [i for i, (op, e, _) in enumerate(table.log) if op == "unmap" and e in (1, 2)]
     assert len(unmaps) >= 2 and table.entry[1] == table.entry[2] == "host"
 

@@ -120,22 +120,25 @@ class Fixed(Predictor):
 
 
 def _controlled(n_slots: int, plan: list[int] | None, n_protect: int = 2):
-    table = Table()
-    copies = ManualCopies(table)
+    copies = ManualCopies()
+    table = Table(copies)
     cache = ExpertCache(N_EXPERT, K, {0: n_slots}, POLICIES.get("lru")(N_EXPERT, [0]), copies,
                         bytes_per_expert={0: 100})
-    cache.tables[0].listener = table
+    cache.follow_tables()
+    table.apply(cache.take_step())
     planner = None
     if plan is not None:
         planner = NextTokenPlanner(cache, Fixed(plan), [0], n_protect)
         planner.via_controller = True
-    return cache, copies, TokenController(cache, [], planner), planner
+    ctl = TokenController(cache, [], planner)
+    ctl.table = table  # the test's executor: every step plan goes to it (and is checked there)
+    return cache, copies, ctl, planner
 
 
 def _decode(ctl: TokenController, planner: NextTokenPlanner | None, experts: list[int], token: int = 0) -> None:
     if planner is not None:
         planner.begin_step([token])
-    ctl.on_routing([0], np.asarray([[experts]], dtype=np.int32))
+    ctl.table.apply(ctl.on_routing([0], np.asarray([[experts]], dtype=np.int32)))
 
 
 def test_admissions_follow_the_plan_and_never_evict_a_planned_expert():
@@ -186,7 +189,7 @@ def test_a_prefill_clears_the_plan_and_a_multi_token_step_plans_nothing():
     assert cache.plan[0] == [6, 2]
     planner.begin_step([5, 6])
     assert cache.plan[0] == []
-    ctl.on_routing([0], np.asarray([[[1, 2], [3, 4]]], dtype=np.int32))
+    ctl.table.apply(ctl.on_routing([0], np.asarray([[[1, 2], [3, 4]]], dtype=np.int32)))
     assert cache.plan[0] == []
 
 
