@@ -147,10 +147,11 @@ class ExpertCache:
     def take_step(self) -> StepPlan:
         """The flips and copies since the last step, as one record for the executor (``EMPTY_STEP`` when nothing
         follows the tables or nothing changed)."""
-        if self.log is None:
+        log = self.log
+        if log is None or not (log.flips or log.copies):  # nothing to take (once per routed layer: no lock)
             return EMPTY_STEP
         with self.lock:
-            return self.log.take()
+            return log.take()
 
     def fits(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of ``n_tokens`` runs on the cache (else the native path)."""
@@ -554,9 +555,9 @@ class ExpertCache:
                 self.policy.on_evict(il, victim)
                 st.evictions += 1
             self._note_eviction(il, table, slot)
-            table.unmap(slot)  # the expert table stops pointing at the slot before the copy may write it
-            # into a running graph (the async decode's stride prefetch): its layer runs within milliseconds, so
-            # it goes before admissions meant for later tokens
+            # a prefetch into a running graph (the async decode's stride prefetch) goes as a demand: its layer
+            # runs within milliseconds, before admissions meant for later tokens. A victim's flip to host memory
+            # is written by place and applied with the step before any graph reads the table
             h = self.copies.submit(il, e, slot, Priority.DEMAND if free_only else Priority.PREFETCH,
                                    rank_of.get(e, 0.0))
             if table.log is not None:
@@ -732,7 +733,7 @@ class ExpertCache:
         already (``_load_now``): the experts are placed ready, no copy submitted, no handle returned."""
         policy, submit, token, clock = self.policy, self.copies.submit, self.token, self.clock
         on_insert, on_evict = self._on_insert, self._on_evict
-        free, prefetched, log = table.free, table.prefetched, table.log
+        free, prefetched, log = table.free, table.prefetched, table.log  # log: the step's copies (None: nobody follows)
         submitted, submit_token = self._submitted, self._submit_token
         # a demand copy is waited for by the call that submits it (_wait_for): its age and token never matter
         record = priority is not Priority.DEMAND
@@ -760,9 +761,7 @@ class ExpertCache:
                 evicted += 1
             if prefetched[slot]:
                 self._note_eviction(il, table, slot)
-            if log is not None:  # the expert table stops pointing at the slot before the copy may write it
-                table.unmap(slot)
-            n += 1
+            n += 1  # (place writes the victim's flip to host memory, applied with the step before any graph reads)
             if direct:
                 table.place(e, slot, None)
             else:

@@ -76,12 +76,6 @@ class SlotTable:
         elif self.log is not None:
             self.log.flips.append(Flip(self.il, expert, slot))
 
-    def unmap(self, slot: int) -> None:
-        """Before a copy overwrites ``slot``: its expert stops being readable there (a flip to host memory)."""
-        old = self.expert_in_list[slot]
-        if old >= 0 and self.log is not None:
-            self.log.flips.append(Flip(self.il, old, -1))
-
     def landed(self, slot: int) -> None:
         if self.copy[slot] is not None:
             self.n_loading -= 1

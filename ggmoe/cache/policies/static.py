@@ -1,12 +1,13 @@
 """Static pinning: the experts a workload uses most, per layer, from trace counts, stay resident.
 
 Per-layer expert counts (``counts``: il -> [n_expert]) come from traces recorded earlier
-(``ggmoe.trace.data.load_counts``: every routed token of one trace file or several) or from routing
-statistics (``--stats-in``), so the same policy runs live and in replay. The victim is the candidate with the lowest count (ties: least recently used,
-then lowest id): whatever the number of slots S, once the S hottest experts of a layer are in, none of them
-leaves while a colder candidate is resident. With ``n_pinned``, only the top ``n_pinned`` experts per layer
-(by count, ties lowest id) are pinned and the rest of the slots are an LRU: an unpinned candidate is evicted
-least recently used first, a pinned one only when every candidate is pinned (the coldest of them).
+(``ggmoe.trace.data.load_counts``: every routed token of one trace file or several) or from routing statistics
+(``--stats-in``), so the same policy runs live and in replay. The victim is the candidate with the lowest
+count (ties: least recently used, then lowest id): whatever the number of slots S, once the S hottest experts
+of a layer are in, none of them leaves while a colder candidate is resident. With ``n_pinned``, only the top
+``n_pinned`` experts per layer (by count, ties lowest id) are pinned and the rest of the slots are an LRU: an
+unpinned candidate is evicted least recently used first, a pinned one only when every candidate is pinned (the
+coldest of them).
 """
 
 from __future__ import annotations
