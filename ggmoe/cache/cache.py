@@ -21,9 +21,9 @@ from ggmoe.cache.clock import Clock, MonotonicClock
 from ggmoe.cache.copy import CopyBackend, CopyHandle, NullCopyBackend, Priority
 from ggmoe.cache.miss import HOST_MAX_TOKENS, SLOT_HOST, MissCosts, check_miss_policy, prefer_host
 from ggmoe.cache.policies.base import Policy
-from ggmoe.cache.slots import SlotTable
-from ggmoe.cache.split import SPLIT_MAX_TOKENS, LayerSplit
-from ggmoe.cache.split_cache import SplitLayers
+from ggmoe.cache.slots import BottomTable, SlotTable
+from ggmoe.cache.split import LayerSplit
+from ggmoe.cache.split_cache import SplitLayer
 from ggmoe.cache.stats import CacheStats, LayerStats
 from ggmoe.cache.step import EMPTY_STEP, Flip, StepLog, StepPlan
 
@@ -31,8 +31,8 @@ from ggmoe.cache.step import EMPTY_STEP, Flip, StepLog, StepPlan
 def keep_free_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: int, n_prefetch: int) -> dict[int, int]:
     """Free slots kept per layer between tokens for the async decode's stride prefetch (into a running graph a
     prefetch takes only a slot no entry points at): ``min(n_prefetch, n_slots - n_expert_used)``, none where
-    every expert fits. The engine's pipeline and the simulator both use this."""
-    return {il: 0 if n >= n_expert else min(n_prefetch, n - n_expert_used) for il, n in n_slots.items()}
+    every expert fits (``ExpertCache.keep_free_cap`` asks each layer's strategy)."""
+    return {il: _kept_free(n, n_expert, n_expert_used, n_prefetch) for il, n in n_slots.items()}
 
 
 def _check_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: int) -> None:
@@ -94,20 +94,21 @@ class ExpertCache:
         if split and self.miss_policy != "wait":
             raise UsageError("split experts read what is not cached from host memory through the expert table: "
                              "the miss policy must be wait, not the host path")
-        self.split = SplitLayers(split or {}, n_expert, n_bottom)
-        # the whole-expert layers that cannot hold every expert: the only ones a prefetch into a running graph
-        # can pay in (``has_free_slot``); the tables are fixed for the cache's life
-        self.partial_layers = tuple(il for il, t in self.tables.items()
-                                    if il not in self.split.layers and t.n_slots < n_expert)
-        # where the async decode's stride prefetch can ever put something: those, and split layers with bottom
-        # buffers (their bottoms)
-        self.prefetch_layers = (*self.partial_layers, *self.split.bottoms)
+        self.split = dict(split or {})  # il -> the split layer's top/bottom geometry
+        self.bottoms = {il: BottomTable(n_expert, n_bottom) for il in self.split} if n_bottom > 0 else {}
+        # each layer's strategy: whole experts in its slots, or MoEpic's tops (the cache asks it, never which)
+        self.layers: dict[int, WholeLayer | SplitLayer] = {
+            il: SplitLayer(self, il, self.split[il], self.bottoms.get(il)) if il in self.split else WholeLayer(self, il)
+            for il in n_slots}
+        # where the async decode's stride prefetch can ever put something (``has_free_slot``): whole-expert layers
+        # that cannot hold every expert, split layers with bottom buffers; the tables are fixed for the cache's life
+        self.prefetch_layers = tuple(il for il, layer in self.layers.items() if layer.can_prefetch)
+        self.partial_layers = tuple(il for il in self.prefetch_layers if il not in self.split)
         # every layer whole-expert with a slot for every expert, under a policy that keeps what it loads: the
         # async decode's controller hands such a cache a whole token at once (``after_roomy_token``)
         self.roomy = not self.partial_layers and not split and not self._releases
         # bytes one copy into a slot moves: a whole expert, or a split layer's top segment
-        self.slot_bytes = {il: (self.split.layers[il].top_bytes if il in self.split else self.bytes_per_expert.get(il, 0))
-                           for il in n_slots}
+        self.slot_bytes = {il: layer.slot_bytes for il, layer in self.layers.items()}
 
     def _bind_hooks(self) -> None:
         """The policy's and the copy backend's optional hooks, looked up once rather than per call."""
@@ -141,7 +142,7 @@ class ExpertCache:
                 table.log, table.il = log, il
                 log.flips.extend(Flip(il, e, slot) for slot, e in enumerate(table.expert_in_list)
                                  if e >= 0 and table.copy[slot] is None)
-            for il, bt in self.split.bottoms.items():
+            for il, bt in self.bottoms.items():
                 bt.log, bt.il = log, il
 
     def take_step(self) -> StepPlan:
@@ -155,9 +156,7 @@ class ExpertCache:
 
     def fits(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of ``n_tokens`` runs on the cache (else the native path)."""
-        if il in self.split:  # read through the expert table, misses in place: only the batch size limits
-            return n_tokens <= SPLIT_MAX_TOKENS
-        return min(n_tokens * self.n_expert_used, self.n_expert) <= self.n_slots[il]
+        return self.layers[il].fits(n_tokens)
 
     def route(self, il: int, ids: np.ndarray) -> np.ndarray:
         """ids [n_tokens, n_expert_used] -> slots [n_tokens, n_expert_used] int32, experts resident."""
@@ -165,83 +164,11 @@ class ExpertCache:
         return np.asarray(slots, dtype=np.int32).reshape(ids.shape)
 
     def route_flat(self, il: int, flat: list[int], next_use: Mapping[int, float] | None = None) -> list[int]:
+        """``route`` on a flat list of ids (the engine's hot path: no numpy per call): a slot per id, or
+        ``SLOT_HOST`` for an expert the CPU computes; the ids themselves for a split layer, read through the
+        table. ``next_use`` (expert -> access number of its next use) reaches the policy when the caller knows it."""
         with self.lock:  # a prefetch worker may be placing experts (uncontended: about 0.1 us)
-            if il in self.split.layers:  # read through the table: the matmuls take the expert ids themselves
-                if next_use is not None:
-                    self.policy.set_future(il, next_use)
-                self.split.access(self, il, flat, before_compute=True)
-                return list(flat)
-            return self._route_flat(il, flat, next_use)
-
-    def _route_flat(self, il: int, flat: list[int], next_use: Mapping[int, float] | None = None) -> list[int]:
-        """``route`` on a flat list of ids (the engine's hot path: no numpy per call).
-
-        Returns a slot per id, or ``SLOT_HOST`` (-1) for an expert the CPU computes (miss policy ``cpu`` or
-        ``auto``, micro-batches of at most ``HOST_MAX_TOKENS`` tokens). ``next_use`` (expert -> access number
-        of its next use) reaches the policy when the caller knows it. The rarer concerns (copies in flight,
-        the host path, on-demand release) are their own methods; the common call (hits, demand misses) stays
-        in this one, whose every line runs a million times in a long replay.
-        """
-        t0 = self.time.now()
-        st = self.stats.layers[il]
-        table = self.tables[il]
-        self.clock += 1
-        st.calls += 1
-        need = sorted(set(flat))  # distinct experts, ascending
-        if len(need) > len(table.expert_in_list):
-            raise UsageError(f"layer {il}: {len(need)} distinct experts do not fit {table.n_slots} slots "
-                             "(the caller should have used the native path)")
-        if next_use is not None:
-            self.policy.set_future(il, next_use)
-        slot_of = table.slot_of_list
-        missing = [e for e in need if slot_of[e] < 0]
-        st.hits += len(need) - len(missing)
-        st.misses += len(missing)
-        pending = self._in_flight_now(il, table, need) if table.n_loading else []
-        if self.n_prefetched[il]:
-            self._count_prefetch_hits(il, table, need)
-        host: set[int] = set()
-        if self.miss_policy != "wait" and len(flat) <= HOST_MAX_TOKENS * self.n_expert_used:
-            host, pending, missing = self._to_host(il, pending, missing)
-        if missing and not pending and not host and self._demand_now is not None and table.log is None:
-            self._load_now(il, st, table, need, missing)
-        elif missing:
-            loaded = self._load(il, table, need, missing, Priority.DEMAND)
-            pending += loaded
-            st.demand_copies += len(loaded)
-        if pending:
-            self._wait_for(st, table, pending)
-        if host:
-            self._admit_host(il, st, table, need, host)
-        if il in self.predicted:
-            self._score_guess(st, self.predicted.pop(il), need)
-        self.policy.on_access(il, need, self.clock)
-        slots = [SLOT_HOST if e in host else slot_of[e] for e in flat] if host else [slot_of[e] for e in flat]
-        if self._releases:
-            self._release(il, table, table.resident())
-        st.hook_s += self.time.now() - t0
-        return slots
-
-    def _in_flight_now(self, il: int, table: SlotTable, need: list[int]) -> list[CopyHandle]:
-        """Before a call reads its slots: copies that landed are marked, queued prefetches it does not need
-        are cancelled; the copies still landing into slots it reads."""
-        self._land_done(table)
-        self._drop_stale_prefetches(il, table, need)
-        return self._in_flight(table, need) if table.n_loading else []
-
-    def _load_now(self, il: int, st: LayerStats, table: SlotTable, need: list[int], missing: list[int]) -> None:
-        """The demand copies of ``missing``, waited for at once, when the backend can run them without handles
-        (``demand_now``: nothing else queued on the simulated link, the sync decode's common call): the same slots,
-        victims and time as ``_load`` then ``_wait_for``, without a handle or a job per copy."""
-        tw = self.time.now()
-        if not self._demand_now(il, len(missing)):  # something is queued: copies must be jobs among the others
-            loaded = self._load(il, table, need, missing, Priority.DEMAND)
-            st.demand_copies += len(loaded)
-            self._wait_for(st, table, loaded)
-            return
-        st.wait_s += self.time.now() - tw
-        self._load(il, table, need, missing, Priority.DEMAND, direct=True)
-        st.demand_copies += len(missing)
+            return self.layers[il].route(flat, next_use)
 
     def _wait_for(self, st: LayerStats, table: SlotTable, pending: list[CopyHandle]) -> None:
         """The layer waits until ``pending`` (its demand copies and the copies in flight it reads) landed."""
@@ -258,18 +185,6 @@ class ExpertCache:
             table.landed(h.slot)
             submitted.pop(h.id, None)
             submit_token.pop(h.id, None)
-
-    def _admit_host(self, il: int, st: LayerStats, table: SlotTable, need: list[int], host: set[int]) -> None:
-        """The host path computed ``host`` on the CPU this call: admit them at low priority for a later token."""
-        st.host_computed += len(host)
-        slot_of = table.slot_of_list
-        admit = [e for e in host if slot_of[e] < 0]
-        # At most n_expert_used admissions in flight per layer: on a link slower than the CPU, queued
-        # admissions would pile up, each holding a slot while it waits.
-        room = self.n_expert_used - sum(1 for h in table.copy if h is not None and h.priority is Priority.ADMISSION)
-        admit = admit[: max(room, 0)]
-        if admit:  # low priority: a later token finds them; the current call computes them on the CPU
-            st.admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION))
 
     @staticmethod
     def _score_guess(st: LayerStats, guess: list[int], need: list[int]) -> None:
@@ -295,44 +210,7 @@ class ExpertCache:
         memory first). Nothing waits: a later token finds the admitted experts once their copies landed.
         """
         with self.lock:
-            self._after_token(il, flat)
-
-    def _after_token(self, il: int, flat: list[int]) -> None:
-        """``after_token`` under the cache's lock."""
-        if il in self.split.layers:
-            self.split.access(self, il, flat, before_compute=False)
-            return
-        st = self.stats.layers[il]
-        table = self.tables[il]
-        self.clock += 1
-        st.calls += 1
-        need = sorted(set(flat))
-        seen = self._seen.pop(il, None)
-        if seen is not None:  # the mailbox saw the layer start: what was readable then is what it read
-            missing = [e for e in need if e not in seen]
-        else:
-            slot_of, copy = table.slot_of_list, table.copy
-            missing = [e for e in need if slot_of[e] < 0 or copy[slot_of[e]] is not None]
-        n_miss = len(missing)
-        st.hits += len(need) - n_miss
-        if n_miss:  # (a token whose experts were all readable skips the host-read counts: the hot path)
-            st.misses += n_miss
-            st.host_reads += n_miss
-            st.host_read_bytes += n_miss * self.bytes_per_expert.get(il, 0)
-        loading = table.n_loading
-        if loading:
-            self._land_done(table)
-        self.policy.on_access(il, need, self.clock)
-        if self.predicted and il in self.predicted:  # the stride prefetcher's guess, scored as in sync
-            self._score_guess(st, self.predicted.pop(il), need)
-        if self.n_prefetched[il]:
-            self._count_prefetch_hits(il, table, [e for e in need if e not in missing] if n_miss else need)
-        if n_miss or loading or self._releases:  # else nothing to admit, drop or release
-            self._admit_after(il, table, need, missing)
-            if table.n_loading and not self._lands_later:  # a synchronous backend (the CPU build's memcpy)
-                self._land_done(table)  # has landed them already
-        if self.keep_free and self.keep_free.get(il):
-            self._make_room(il, table, need + self.plan.get(il, []), self.keep_free[il])
+            self.layers[il].after_token(flat)
 
     def after_roomy_token(self, layers: Iterable[int], rows_of: list[list[list[int]]]) -> None:
         """``after_token`` of one decoded token (``rows_of[il][0]``: layer ``il``'s experts) for a ``roomy`` cache,
@@ -347,7 +225,7 @@ class ExpertCache:
                 flat = rows_of[il][0]
                 table = tables[il]
                 if table.n_loading or n_prefetched[il] or -1 in map(table.slot_of_list.__getitem__, flat):
-                    self._after_token(il, flat)
+                    self.layers[il].after_token(flat)
                     continue
                 self.clock += 1
                 st = stats[il]
@@ -371,21 +249,14 @@ class ExpertCache:
     def has_room(self, il: int) -> bool:
         """Whether a prefetch into layer ``il`` could go somewhere while a graph runs: a free slot of a
         whole-expert layer that cannot hold every expert, or an empty bottom buffer of a split layer."""
-        bt = self.split.bottoms.get(il)
-        if bt is not None:
-            return bt.empty() is not None
-        table = self.tables.get(il)
-        return table is not None and bool(table.free) and il in self.partial_layers
+        layer = self.layers.get(il)
+        return layer is not None and layer.has_room()
 
     def keep_free_cap(self, n_prefetch: int) -> dict[int, int]:
         """Most free slots kept per layer between tokens for the async decode's stride prefetch: ``keep_free_slots``
         for whole-expert layers; a split layer's empty bottom buffers (its tops are admitted between tokens
         only), none without buffers."""
-        cap = keep_free_slots(self.n_slots, self.n_expert, self.n_expert_used, n_prefetch)
-        for il in self.split.layers:
-            bt = self.split.bottoms.get(il)
-            cap[il] = min(n_prefetch, bt.n_buffers) if bt is not None else 0
-        return cap
+        return {il: layer.keep_free_cap(n_prefetch) for il, layer in self.layers.items()}
 
     def seen_start(self, il: int, flat: list[int]) -> None:
         """Async decode with the mailbox: layer ``il`` has started with experts ``flat`` (the device reads their
@@ -393,54 +264,15 @@ class ExpertCache:
         readable now are what the layer read from slots, the rest it read from host memory. A prefetch that had
         not landed was late."""
         with self.lock:
-            table = self.tables.get(il)
-            if table is None:
-                return
-            if il in self.split.layers:
-                self.split.seen_start(self, il, flat)
-                return
-            if table.n_loading:
-                self._land_done(table)
-            slot_of, copy = table.slot_of_list, table.copy
-            seen = set()
-            for e in set(flat):
-                s = slot_of[e]
-                if s >= 0 and copy[s] is None:
-                    seen.add(e)
-                elif s >= 0 and table.prefetched[s]:
-                    self.stats.layers[il].prefetch_late += 1
-                    self.prefetch_events += 1
-            self._seen[il] = seen
+            layer = self.layers.get(il)
+            if layer is not None:
+                layer.seen_start(flat)
 
-    def _make_room(self, il: int, table: SlotTable, need: list[int], n_free: int) -> None:
-        """Between tokens: evict until ``n_free`` slots are free for the next token's prefetches (prefetched
-        experts never used first, then the policy's victims; never one the token used or one still loading)."""
-        slot_of, copy = table.slot_of_list, table.copy
-        st = self.stats.layers[il]
-        used = set(need)
-        stale = [x for x in table.expert_in_list if x >= 0 and x not in used and copy[slot_of[x]] is None
-                 and table.prefetched[slot_of[x]]]
-        cand: list[int] | None = None
-        while len(table.free) < n_free:
-            if stale:
-                victim = stale.pop()
-            else:
-                if cand is None:
-                    cand = self._victims(table, used)
-                if not cand:
-                    return
-                victim = self.policy.victim(il, cand, self.clock)
-                cand.remove(victim)
-            slot = slot_of[victim]
-            self.policy.on_evict(il, victim)
-            st.evictions += 1
-            self._note_eviction(il, table, slot)
-            table.drop(slot)
-
-    def _admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int]) -> None:
+    def _admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int], reserve: int = 0
+                     ) -> None:
         """After a call that read its misses in place (async decode, split layers): admit them at low priority
-        into free slots or victims; with a policy that keeps nothing (on-demand), drop the landed experts
-        instead."""
+        into free slots or victims, leaving ``reserve`` free slots (for the async decode's prefetches); with a
+        policy that keeps nothing (on-demand), drop the landed experts instead."""
         slot_of, copy = table.slot_of_list, table.copy
         if self._releases:
             self._release(il, table, [x for x in table.resident() if copy[slot_of[x]] is None])
@@ -454,37 +286,8 @@ class ExpertCache:
             admit.sort(key=lambda e: rank.get(e, len(plan)))
             need = need + plan
         if admit:
-            # free slots kept for prefetches (a split layer's kept room is in its bottom buffers, not its slots)
-            reserve = 0 if il in self.split.layers else self.keep_free.get(il, 0)
             self.stats.layers[il].admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION,
                                                                      reserve))
-
-    def _to_host(self, il: int, pending: list[CopyHandle], missing: list[int]
-                 ) -> tuple[set[int], list[CopyHandle], list[int]]:
-        """Split misses and copies in flight between the CPU and waiting, as the miss policy says."""
-        nbytes = self.bytes_per_expert.get(il, 0)
-        host: set[int] = set()
-        keep: list[CopyHandle] = []
-        now = self.time.now()
-        remaining = self._remaining
-        for h in pending:
-            if self.copies.done(h):
-                keep.append(h)
-                continue
-            left = remaining(h) if remaining is not None else None
-            if left is None and self.costs is not None:  # no queue to ask: the copy's own time, less its age
-                left = max(0.0, self.costs.copy_s(nbytes) - (now - self._submitted.get(h.id, now)))
-            if prefer_host(self.miss_policy, self.costs, nbytes, left):
-                host.add(h.expert)  # its slot stays LOADING; a later call reads it once landed
-            else:
-                keep.append(h)
-        still = []
-        for e in missing:
-            if prefer_host(self.miss_policy, self.costs, nbytes, None):
-                host.add(e)
-            else:
-                still.append(e)
-        return host, keep, still
 
     @staticmethod
     def _in_flight(table: SlotTable, need: list[int]) -> list[CopyHandle]:
@@ -507,19 +310,10 @@ class ExpertCache:
                 self.stats.layers[il].prefetch_late += 1
                 self.prefetch_events += 1
                 return 0
+            layer = self.layers[il]
             if free_only:
-                if il in self.split:
-                    return self.split.prefetch_free(self, il, experts, ranks)
-                if not self.tables[il].free:
-                    return 0
-                return self._prefetch_whole(il, experts, keep, ranks, free_only=True)
-            return self._prefetch(il, experts, keep, ranks)
-
-    def _prefetch(self, il: int, experts: list[int], keep: set[int] | None = None,
-                  ranks: list[float] | None = None) -> int:
-        if il in self.split:  # MoEpic: bottoms of cached tops, tops and bottoms of the rest
-            return self.split.prefetch(self, il, experts, keep, ranks)
-        return self._prefetch_whole(il, experts, keep, ranks)
+                return layer.prefetch_free(experts, keep, ranks)
+            return layer.prefetch(experts, keep, ranks)
 
     def _prefetch_whole(self, il: int, experts: list[int], keep: set[int] | None = None,
                         ranks: list[float] | None = None, free_only: bool = False) -> int:
@@ -669,11 +463,8 @@ class ExpertCache:
         become readable for it, so a copy that lands between two tokens serves the very next one instead of
         the one after. A readiness query per copy in flight; nothing waits."""
         with self.lock:
-            for il, table in self.tables.items():
-                if il in self.split.layers:
-                    self.split.land(self, il)  # tops and bottom buffers
-                elif table.n_loading:
-                    self._land_done(table)
+            for layer in self.layers.values():
+                layer.land()
 
     def _land_done(self, table: SlotTable) -> None:
         """Mark every copy that has landed since the last look (their slots may be read and evicted again)."""
@@ -708,23 +499,13 @@ class ExpertCache:
             self._submit_token.pop(h.id, None)
 
     def observe(self, il: int, ids: np.ndarray | list[int]) -> None:
-        """A micro-batch that ran the native path: counted; nothing loaded or evicted, except in a split layer,
-        whose micro-batches above 4 tokens (prefill) always run natively: its used experts' tops are admitted
-        at low priority (up to its slots), so that the decode after a prefill finds them, as whole-expert
-        layers' prefills leave theirs in the slots."""
+        """A micro-batch that ran the native path: counted; the layer's strategy decides what it leaves behind
+        (a whole-expert layer nothing, a split layer its experts' tops)."""
         st = self.stats.layers[il]
         st.calls += 1
         st.native_calls += 1
-        if il in self.split and not self._releases:
-            flat = ids.ravel().tolist() if isinstance(ids, np.ndarray) else list(ids)
-            with self.lock:
-                table = self.tables[il]
-                self.clock += 1
-                need = sorted(set(flat))
-                self.split.land(self, il)
-                self.policy.on_access(il, need, self.clock)
-                self._admit_after(il, table, need, [e for e in need if table.slot_of_list[e] < 0][: table.n_slots])
-                self.split.land(self, il)
+        with self.lock:
+            self.layers[il].observe(ids)
 
     def _load(self, il: int, table: SlotTable, need: list[int], missing: list[int],
               priority: Priority, reserve: int = 0, direct: bool = False) -> list[CopyHandle]:
@@ -779,3 +560,243 @@ class ExpertCache:
         st.evictions += evicted
         st.bytes_copied += self.slot_bytes[il] * n
         return handles
+
+
+def _kept_free(n_slots: int, n_expert: int, n_expert_used: int, n_prefetch: int) -> int:
+    """Free slots one whole-expert layer keeps between tokens (``keep_free_slots``)."""
+    return 0 if n_slots >= n_expert else min(n_prefetch, n_slots - n_expert_used)
+
+
+class WholeLayer:
+    """Layer ``il`` of one cache, whose slots hold whole experts: one of the cache's two per-layer strategies
+    (the other is ``ggmoe.cache.split_cache.SplitLayer``). The cache calls it under its lock; the slot
+    machinery both strategies share (loads, victims, landing, cancelling) stays on the cache."""
+
+    def __init__(self, cache: ExpertCache, il: int) -> None:
+        self.cache, self.il = cache, il
+        self.table = cache.tables[il]
+        self.slot_bytes = cache.bytes_per_expert.get(il, 0)  # bytes one copy into a slot moves: a whole expert
+        # a layer that cannot hold every expert: the only kind a prefetch into a running graph can pay in
+        self.can_prefetch = self.table.n_slots < cache.n_expert
+
+    def fits(self, n_tokens: int) -> bool:
+        """Whether a micro-batch's distinct experts always fit the slots (else the native path)."""
+        c = self.cache
+        return min(n_tokens * c.n_expert_used, c.n_expert) <= self.table.n_slots
+
+    def route(self, flat: list[int], next_use: Mapping[int, float] | None) -> list[int]:
+        """The sync route: a slot per id, its expert resident, or ``SLOT_HOST`` (-1) for an expert the CPU
+        computes (miss policy ``cpu`` or ``auto``, micro-batches of at most ``HOST_MAX_TOKENS`` tokens).
+
+        The rarer concerns (copies in flight, the host path, on-demand release) are their own methods; the
+        common call (hits, demand misses) stays in this one, whose every line runs a million times in a long
+        replay."""
+        c, il, table = self.cache, self.il, self.table
+        t0 = c.time.now()
+        st = c.stats.layers[il]
+        c.clock += 1
+        st.calls += 1
+        need = sorted(set(flat))  # distinct experts, ascending
+        if len(need) > len(table.expert_in_list):
+            raise UsageError(f"layer {il}: {len(need)} distinct experts do not fit {table.n_slots} slots "
+                             "(the caller should have used the native path)")
+        if next_use is not None:
+            c.policy.set_future(il, next_use)
+        slot_of = table.slot_of_list
+        missing = [e for e in need if slot_of[e] < 0]
+        st.hits += len(need) - len(missing)
+        st.misses += len(missing)
+        pending = self._in_flight_now(need) if table.n_loading else []
+        if c.n_prefetched[il]:
+            c._count_prefetch_hits(il, table, need)
+        host: set[int] = set()
+        if c.miss_policy != "wait" and len(flat) <= HOST_MAX_TOKENS * c.n_expert_used:
+            host, pending, missing = self._to_host(pending, missing)
+        if missing and not pending and not host and c._demand_now is not None and table.log is None:
+            self._load_now(st, need, missing)
+        elif missing:
+            loaded = c._load(il, table, need, missing, Priority.DEMAND)
+            pending += loaded
+            st.demand_copies += len(loaded)
+        if pending:
+            c._wait_for(st, table, pending)
+        if host:
+            self._admit_host(st, need, host)
+        if il in c.predicted:
+            c._score_guess(st, c.predicted.pop(il), need)
+        c.policy.on_access(il, need, c.clock)
+        slots = [SLOT_HOST if e in host else slot_of[e] for e in flat] if host else [slot_of[e] for e in flat]
+        if c._releases:
+            c._release(il, table, table.resident())
+        st.hook_s += c.time.now() - t0
+        return slots
+
+    def _in_flight_now(self, need: list[int]) -> list[CopyHandle]:
+        """Before a call reads its slots: copies that landed are marked, queued prefetches it does not need
+        are cancelled; the copies still landing into slots it reads."""
+        c, table = self.cache, self.table
+        c._land_done(table)
+        c._drop_stale_prefetches(self.il, table, need)
+        return c._in_flight(table, need) if table.n_loading else []
+
+    def _load_now(self, st: LayerStats, need: list[int], missing: list[int]) -> None:
+        """The demand copies of ``missing``, waited for at once, when the backend can run them without handles
+        (``demand_now``: nothing else queued on the simulated link, the sync decode's common call): the same slots,
+        victims and time as ``_load`` then ``_wait_for``, without a handle or a job per copy."""
+        c, il, table = self.cache, self.il, self.table
+        tw = c.time.now()
+        if not c._demand_now(il, len(missing)):  # something is queued: copies must be jobs among the others
+            loaded = c._load(il, table, need, missing, Priority.DEMAND)
+            st.demand_copies += len(loaded)
+            c._wait_for(st, table, loaded)
+            return
+        st.wait_s += c.time.now() - tw
+        c._load(il, table, need, missing, Priority.DEMAND, direct=True)
+        st.demand_copies += len(missing)
+
+    def _admit_host(self, st: LayerStats, need: list[int], host: set[int]) -> None:
+        """The host path computed ``host`` on the CPU this call: admit them at low priority for a later token."""
+        c, table = self.cache, self.table
+        st.host_computed += len(host)
+        slot_of = table.slot_of_list
+        admit = [e for e in host if slot_of[e] < 0]
+        # At most n_expert_used admissions in flight per layer: on a link slower than the CPU, queued
+        # admissions would pile up, each holding a slot while it waits.
+        room = c.n_expert_used - sum(1 for h in table.copy if h is not None and h.priority is Priority.ADMISSION)
+        admit = admit[: max(room, 0)]
+        if admit:  # low priority: a later token finds them; the current call computes them on the CPU
+            st.admission_copies += len(c._load(self.il, table, need, admit, Priority.ADMISSION))
+
+    def _to_host(self, pending: list[CopyHandle], missing: list[int]
+                 ) -> tuple[set[int], list[CopyHandle], list[int]]:
+        """Split misses and copies in flight between the CPU and waiting, as the miss policy says."""
+        c = self.cache
+        nbytes = self.slot_bytes
+        host: set[int] = set()
+        keep: list[CopyHandle] = []
+        now = c.time.now()
+        remaining = c._remaining
+        for h in pending:
+            if c.copies.done(h):
+                keep.append(h)
+                continue
+            left = remaining(h) if remaining is not None else None
+            if left is None and c.costs is not None:  # no queue to ask: the copy's own time, less its age
+                left = max(0.0, c.costs.copy_s(nbytes) - (now - c._submitted.get(h.id, now)))
+            if prefer_host(c.miss_policy, c.costs, nbytes, left):
+                host.add(h.expert)  # its slot stays LOADING; a later call reads it once landed
+            else:
+                keep.append(h)
+        still = []
+        for e in missing:
+            if prefer_host(c.miss_policy, c.costs, nbytes, None):
+                host.add(e)
+            else:
+                still.append(e)
+        return host, keep, still
+
+    def after_token(self, flat: list[int]) -> None:
+        """The async decode's step for this layer (``ExpertCache.after_token``, under the cache's lock)."""
+        c, il, table = self.cache, self.il, self.table
+        st = c.stats.layers[il]
+        c.clock += 1
+        st.calls += 1
+        need = sorted(set(flat))
+        seen = c._seen.pop(il, None)
+        if seen is not None:  # the mailbox saw the layer start: what was readable then is what it read
+            missing = [e for e in need if e not in seen]
+        else:
+            slot_of, copy = table.slot_of_list, table.copy
+            missing = [e for e in need if slot_of[e] < 0 or copy[slot_of[e]] is not None]
+        n_miss = len(missing)
+        st.hits += len(need) - n_miss
+        if n_miss:  # (a token whose experts were all readable skips the host-read counts: the hot path)
+            st.misses += n_miss
+            st.host_reads += n_miss
+            st.host_read_bytes += n_miss * self.slot_bytes
+        loading = table.n_loading
+        if loading:
+            c._land_done(table)
+        c.policy.on_access(il, need, c.clock)
+        if c.predicted and il in c.predicted:  # the stride prefetcher's guess, scored as in sync
+            c._score_guess(st, c.predicted.pop(il), need)
+        if c.n_prefetched[il]:
+            c._count_prefetch_hits(il, table, [e for e in need if e not in missing] if n_miss else need)
+        keep_free = c.keep_free.get(il, 0) if c.keep_free else 0  # free slots kept for prefetches
+        if n_miss or loading or c._releases:  # else nothing to admit, drop or release
+            c._admit_after(il, table, need, missing, keep_free)
+            if table.n_loading and not c._lands_later:  # a synchronous backend (the CPU build's memcpy)
+                c._land_done(table)  # has landed them already
+        if keep_free:
+            self._make_room(need + c.plan.get(il, []), keep_free)
+
+    def _make_room(self, need: list[int], n_free: int) -> None:
+        """Between tokens: evict until ``n_free`` slots are free for the next token's prefetches (prefetched
+        experts never used first, then the policy's victims; never one the token used or one still loading)."""
+        c, il, table = self.cache, self.il, self.table
+        slot_of, copy = table.slot_of_list, table.copy
+        st = c.stats.layers[il]
+        used = set(need)
+        stale = [x for x in table.expert_in_list if x >= 0 and x not in used and copy[slot_of[x]] is None
+                 and table.prefetched[slot_of[x]]]
+        cand: list[int] | None = None
+        while len(table.free) < n_free:
+            if stale:
+                victim = stale.pop()
+            else:
+                if cand is None:
+                    cand = c._victims(table, used)
+                if not cand:
+                    return
+                victim = c.policy.victim(il, cand, c.clock)
+                cand.remove(victim)
+            slot = slot_of[victim]
+            c.policy.on_evict(il, victim)
+            st.evictions += 1
+            c._note_eviction(il, table, slot)
+            table.drop(slot)
+
+    def seen_start(self, flat: list[int]) -> None:
+        """The mailbox saw the layer start (``ExpertCache.seen_start``): what is readable now is what it reads."""
+        c, il, table = self.cache, self.il, self.table
+        if table.n_loading:
+            c._land_done(table)
+        slot_of, copy = table.slot_of_list, table.copy
+        seen = set()
+        for e in set(flat):
+            s = slot_of[e]
+            if s >= 0 and copy[s] is None:
+                seen.add(e)
+            elif s >= 0 and table.prefetched[s]:
+                c.stats.layers[il].prefetch_late += 1
+                c.prefetch_events += 1
+        c._seen[il] = seen
+
+    def prefetch(self, experts: list[int], keep: set[int] | None, ranks: list[float] | None) -> int:
+        """Prefetch copies of the ``experts`` not resident, into free slots or victims; how many."""
+        return self.cache._prefetch_whole(self.il, experts, keep, ranks)
+
+    def prefetch_free(self, experts: list[int], keep: set[int] | None, ranks: list[float] | None) -> int:
+        """The async decode's stride prefetch while a graph runs: into free slots only."""
+        if not self.table.free:
+            return 0
+        return self.cache._prefetch_whole(self.il, experts, keep, ranks, free_only=True)
+
+    def land(self) -> None:
+        """Copies into the layer's slots that landed become readable."""
+        if self.table.n_loading:
+            self.cache._land_done(self.table)
+
+    def observe(self, ids: np.ndarray | list[int]) -> None:
+        """A micro-batch ran the native path: it read the model's own tensors, and leaves nothing behind."""
+
+    def has_room(self) -> bool:
+        """Whether a prefetch could go somewhere while a graph runs: a free slot, in a layer that cannot hold
+        every expert. A layer with a slot for every expert admits each miss between tokens and never evicts: a
+        prefetch there could save only an expert's first miss, never worth the mailbox reader's CPU."""
+        return self.can_prefetch and bool(self.table.free)
+
+    def keep_free_cap(self, n_prefetch: int) -> int:
+        """Most free slots kept between tokens for the async decode's stride prefetch (``keep_free_slots``)."""
+        c = self.cache
+        return _kept_free(self.table.n_slots, c.n_expert, c.n_expert_used, n_prefetch)

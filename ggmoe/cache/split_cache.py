@@ -14,6 +14,10 @@ the top and the bottom otherwise. Bottom buffers are reused least recently used
 first. The same code serves the sync decode (the route op's callback, before the
 layer computes: copies landed by then count) and the async decode (the controller
 after the token: what was readable when the token started counts).
+
+``SplitLayer`` is one of the cache's two per-layer strategies; the other,
+``WholeLayer`` (``ggmoe.cache.cache``), caches whole experts. The cache asks a
+layer's strategy, never which kind the layer is.
 """
 
 from __future__ import annotations
@@ -21,17 +25,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
+import numpy as np
+
 from ggmoe.cache.clock import Clock
 from ggmoe.cache.copy import CopyBackend, CopyHandle, Priority, bottom_target
 from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.slots import BottomTable, SlotTable
-from ggmoe.cache.split import LayerSplit
+from ggmoe.cache.split import SPLIT_MAX_TOKENS, LayerSplit
 from ggmoe.cache.stats import CacheStats, LayerStats
 
 
-class ExpertCache(Protocol):
-    """The seam: what split layers use of the ``ggmoe.cache.cache.ExpertCache`` that owns them (a protocol,
-    as that module imports this one), its whole-expert machinery included."""
+class SlotCache(Protocol):
+    """The seam: what a split layer uses of the ``ggmoe.cache.cache.ExpertCache`` that owns it (a protocol, as
+    that module imports this one), its whole-expert machinery included."""
 
     time: Clock
     stats: CacheStats
@@ -43,6 +49,7 @@ class ExpertCache(Protocol):
     predicted: dict[int, list[int]]  # il -> experts predicted for its next call
     keep_free: dict[int, int]  # il -> free slots (split layers: empty bottom buffers) kept between tokens
     prefetch_events: int  # prefetches issued plus their outcomes counted so far
+    _releases: bool  # whether the policy drops experts after a call (on-demand)
 
     def cancel_stale(self, il: int, handles: list[CopyHandle | None], need: list[int]) -> list[int]: ...
 
@@ -50,7 +57,8 @@ class ExpertCache(Protocol):
 
     def _count_prefetch_hits(self, il: int, table: SlotTable, need: list[int]) -> None: ...
 
-    def _admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int]) -> None: ...
+    def _admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int], reserve: int = 0
+                     ) -> None: ...
 
     def _land_done(self, table: SlotTable) -> None: ...
 
@@ -58,37 +66,89 @@ class ExpertCache(Protocol):
                         ranks: list[float] | None = None, free_only: bool = False) -> int: ...
 
 
-class SplitLayers:
-    """Geometry and bottom buffers of the split layers of one cache (``n_bottom`` buffers per layer)."""
+class SplitLayer:
+    """Split layer ``il`` of one cache: its geometry and its bottom buffers (None: no buffers, every bottom is
+    read in place). The cache calls it under its lock."""
 
-    def __init__(self, split: Mapping[int, LayerSplit], n_expert: int, n_bottom: int) -> None:
-        self.layers = dict(split)
-        self.n_bottom = n_bottom
-        self.bottoms = {il: BottomTable(n_expert, n_bottom) for il in split} if n_bottom > 0 else {}
+    def __init__(self, cache: SlotCache, il: int, split: LayerSplit, bottoms: BottomTable | None) -> None:
+        self.cache, self.il, self.split, self.bottoms = cache, il, split, bottoms
+        self.table = cache.tables[il]
+        self.slot_bytes = split.top_bytes  # bytes one copy into a slot moves: a top segment
+        self.can_prefetch = bottoms is not None  # a prefetch into a running graph goes to a bottom buffer
 
-    def __contains__(self, il: int) -> bool:
-        return il in self.layers
+    def fits(self, n_tokens: int) -> bool:
+        """Read through the expert table, misses in place: only the batch size limits."""
+        return n_tokens <= SPLIT_MAX_TOKENS
 
-    def access(self, cache: ExpertCache, il: int, flat: list[int], before_compute: bool) -> None:
-        """One call of split layer ``il`` with the selected experts ``flat`` (the cache's lock held).
+    def route(self, flat: list[int], next_use: Mapping[int, float] | None) -> list[int]:
+        """The sync route: the matmuls take the expert ids themselves (read through the table)."""
+        if next_use is not None:
+            self.cache.policy.set_future(self.il, next_use)
+        self.access(flat, before_compute=True)
+        return list(flat)
+
+    def after_token(self, flat: list[int]) -> None:
+        """The async decode's step for this layer: what was readable at launch counts."""
+        self.access(flat, before_compute=False)
+
+    def observe(self, ids: np.ndarray | list[int]) -> None:
+        """A micro-batch above ``SPLIT_MAX_TOKENS`` tokens (prefill) ran natively: its experts' tops are admitted at
+        low priority (up to the slots), so that the decode after a prefill finds them, as whole-expert layers'
+        prefills leave theirs in the slots."""
+        cache, table = self.cache, self.table
+        if cache._releases:
+            return
+        flat = ids.ravel().tolist() if isinstance(ids, np.ndarray) else list(ids)
+        cache.clock += 1
+        need = sorted(set(flat))
+        self.land()
+        cache.policy.on_access(self.il, need, cache.clock)
+        cache._admit_after(self.il, table, need, [e for e in need if table.slot_of_list[e] < 0][: table.n_slots])
+        self.land()
+
+    def has_room(self) -> bool:
+        """Whether a prefetch could go somewhere while a graph runs: an empty bottom buffer."""
+        return self.bottoms is not None and self.bottoms.empty() is not None
+
+    def keep_free_cap(self, n_prefetch: int) -> int:
+        """Most empty bottom buffers kept between tokens (the tops are admitted between tokens only)."""
+        return min(n_prefetch, self.bottoms.n_buffers) if self.bottoms is not None else 0
+
+    def access(self, flat: list[int], before_compute: bool) -> None:
+        """One call of the layer with the selected experts ``flat`` (the cache's lock held).
 
         ``before_compute`` (sync decode): copies landed by now are readable for this call, and the stale
         queued prefetches are dropped; otherwise (async decode, after the token) the state at launch counts
         and landed copies become readable afterwards."""
+        cache, il, table, bt = self.cache, self.il, self.table, self.bottoms
         t0 = cache.time.now()
-        sp = self.layers[il]
         st = cache.stats.layers[il]
-        table = cache.tables[il]
-        bt = self.bottoms.get(il)
         cache.clock += 1
         st.calls += 1
         need = sorted(set(flat))
         if before_compute:
-            self.land(cache, il)
+            self.land()
             if table.n_loading:
                 cache._drop_stale_prefetches(il, table, need)
             if bt is not None and bt.n_loading:
-                self._drop_stale_bottoms(cache, il, bt, need)
+                self._drop_stale_bottoms(need)
+        missing = self._count_reads(st, need, before_compute)
+        if cache.n_prefetched[il]:
+            cache._count_prefetch_hits(il, table, need)
+        if il in cache.predicted:
+            guess = cache.predicted.pop(il)
+            st.pred_total += len(guess)
+            st.pred_correct += len(set(guess) & set(need))
+        cache.policy.on_access(il, need, cache.clock)
+        cache._admit_after(il, table, need, missing)
+        self.land()  # a synchronous backend (the CPU build's memcpy) has landed them already
+        if bt is not None and not before_compute and cache.keep_free.get(il):
+            self._keep_free(need)
+        st.hook_s += cache.time.now() - t0
+
+    def _count_reads(self, st: LayerStats, need: list[int], before_compute: bool) -> list[int]:
+        """Full hits, top-only hits and misses of ``need``, counted with the bytes read in place; the misses."""
+        cache, sp, table, bt = self.cache, self.split, self.table, self.bottoms
         slot_of, copy = table.slot_of_list, table.copy
         missing = []
         for e in need:
@@ -111,48 +171,37 @@ class SplitLayers:
         st.misses += len(missing)
         st.host_reads += len(missing)
         st.host_read_bytes += len(missing) * sp.expert_bytes
-        if cache.n_prefetched[il]:
-            cache._count_prefetch_hits(il, table, need)
-        if il in cache.predicted:
-            guess = cache.predicted.pop(il)
-            st.pred_total += len(guess)
-            st.pred_correct += len(set(guess) & set(need))
-        cache.policy.on_access(il, need, cache.clock)
-        cache._admit_after(il, table, need, missing)
-        self.land(cache, il)  # a synchronous backend (the CPU build's memcpy) has landed them already
-        if bt is not None and not before_compute and cache.keep_free.get(il):
-            self._keep_free(cache, il, bt, need)
-        st.hook_s += cache.time.now() - t0
+        return missing
 
-    @staticmethod
-    def _keep_free(cache: ExpertCache, il: int, bt: BottomTable, need: list[int]) -> None:
+    def _keep_free(self, need: list[int]) -> None:
         """Between tokens (async decode): empty bottom buffers until ``keep_free[il]`` are, for the next token's
         stride prefetch into a running graph (bottoms never read first, then the least recently used; never
         one this token read or one still loading)."""
+        cache, bt = self.cache, self.bottoms
+        assert bt is not None
         n_free = sum(1 for e in bt.expert_in if e < 0)
-        want = cache.keep_free[il]
+        want = cache.keep_free[self.il]
         if n_free >= want:
             return
         used = set(need)
         held = [b for b, e in enumerate(bt.expert_in) if e >= 0 and bt.copy[b] is None and e not in used]
         held.sort(key=lambda b: (not bt.unused[b], bt.last_use[b]))
-        st = cache.stats.layers[il]
+        st = cache.stats.layers[self.il]
         for b in held[: want - n_free]:
             if bt.release(b):
                 st.prefetch_wasted += 1
                 cache.prefetch_events += 1
 
-    def prefetch_free(self, cache: ExpertCache, il: int, experts: list[int], ranks: list[float] | None) -> int:
-        """The async decode's stride prefetch into split layer ``il`` while a graph runs (the cache's lock held;
-        ``experts`` likeliest first): the bottoms of predicted experts whose tops are readable, into empty
-        buffers only (no table entry points at one, so no kernel reads it), first in the copy queue. Each
-        bottom's table entry flips to its buffer on the copy stream once it landed (one 8-byte word: address
-        and packed flag). Tops are admitted between tokens only. Returns the bottoms queued."""
-        bt = self.bottoms.get(il)
+    def prefetch_free(self, experts: list[int], keep: set[int] | None, ranks: list[float] | None) -> int:
+        """The async decode's stride prefetch while a graph runs (the cache's lock held; ``experts`` likeliest
+        first): the bottoms of predicted experts whose tops are readable, into empty buffers only (no table
+        entry points at one, so no kernel reads it), first in the copy queue. Each bottom's table entry flips
+        to its buffer on the copy stream once it landed (one 8-byte word: address and packed flag). Tops are
+        admitted between tokens only. Returns the bottoms queued."""
+        cache, il, bt = self.cache, self.il, self.bottoms
         if bt is None:
             return 0
-        table = cache.tables[il]
-        slot_of, copy = table.slot_of_list, table.copy
+        slot_of, copy = self.table.slot_of_list, self.table.copy
         rank_of = dict(zip(experts, ranks, strict=True)) if ranks is not None else {}
         n = 0
         for e in experts:
@@ -162,71 +211,70 @@ class SplitLayers:
             b = bt.empty()
             if b is None:
                 break
-            h = cache.copies.submit(il, e, bottom_target(b), Priority.DEMAND, rank_of.get(e, 0.0))
-            if bt.log is not None:
-                bt.log.copies.append(h)
-            bt.place(e, b, h, cache.clock)
+            self._submit_bottom(e, b, Priority.DEMAND, rank_of.get(e, 0.0))
             n += 1
         st = cache.stats.layers[il]
-        self._count_bottoms(st, il, n)
         st.prefetch_issued += n
         cache.prefetch_events += n
         return n
 
-    def _count_bottoms(self, st: LayerStats, il: int, n: int) -> None:
-        """``n`` bottoms of layer ``il`` queued into buffers: counted and their bytes copied."""
-        nbytes = self.layers[il].bottom_bytes * n
-        st.bottom_prefetches += n
+    def _submit_bottom(self, expert: int, buffer: int, priority: Priority, rank: float) -> None:
+        """A copy of ``expert``'s bottom into ``buffer``: submitted, logged for the step, placed and counted."""
+        cache, bt = self.cache, self.bottoms
+        assert bt is not None
+        h = cache.copies.submit(self.il, expert, bottom_target(buffer), priority, rank)
+        if bt.log is not None:
+            bt.log.copies.append(h)
+        bt.place(expert, buffer, h, cache.clock)
+        st = cache.stats.layers[self.il]
+        nbytes = self.split.bottom_bytes
+        st.bottom_prefetches += 1
         st.bottom_prefetch_bytes += nbytes
         st.bytes_copied += nbytes
 
-    def seen_start(self, cache: ExpertCache, il: int, flat: list[int]) -> None:
-        """The async decode's reader saw split layer ``il`` start with experts ``flat``: bottoms that landed are
-        readable (their entries flipped on the copy stream already, so the layer read them there); a prefetched
-        bottom of one of ``flat`` still loading was late. Tops land between tokens only (their three entries
-        change together there)."""
-        bt = self.bottoms.get(il)
+    def seen_start(self, flat: list[int]) -> None:
+        """The async decode's reader saw the layer start with experts ``flat``: bottoms that landed are readable
+        (their entries flipped on the copy stream already, so the layer read them there); a prefetched bottom
+        of one of ``flat`` still loading was late. Tops land between tokens only (their three entries change
+        together there)."""
+        bt = self.bottoms
         if bt is None:
             return
-        self._land_bottoms(cache, bt)
+        self._land_bottoms()
         late = sum(1 for e in set(flat) if bt.buffer_of[e] >= 0 and bt.copy[bt.buffer_of[e]] is not None)
         if late:
-            cache.stats.layers[il].prefetch_late += late
-            cache.prefetch_events += late
+            self.cache.stats.layers[self.il].prefetch_late += late
+            self.cache.prefetch_events += late
 
-    @staticmethod
-    def _drop_stale_bottoms(cache: ExpertCache, il: int, bt: BottomTable, need: list[int]) -> None:
+    def _drop_stale_bottoms(self, need: list[int]) -> None:
         """Early preemption at the gate for bottoms: prefetched bottoms of this layer still queued and not
         needed now are cancelled and their buffers freed. Without it, on a queue that serves admissions first
         (any asynchronous copy stream) queued bottoms hold every buffer forever and prefetching stops."""
-        for b in cache.cancel_stale(il, bt.copy, need):
+        bt = self.bottoms
+        assert bt is not None
+        for b in self.cache.cancel_stale(self.il, bt.copy, need):
             bt.drop(b)
 
-    def land(self, cache: ExpertCache, il: int) -> None:
+    def land(self) -> None:
         """Copies into the layer's slots and bottom buffers that landed become readable."""
-        table = cache.tables[il]
-        if table.n_loading:
-            cache._land_done(table)
-        bt = self.bottoms.get(il)
-        if bt is not None:
-            self._land_bottoms(cache, bt)
+        if self.table.n_loading:
+            self.cache._land_done(self.table)
+        self._land_bottoms()
 
-    @staticmethod
-    def _land_bottoms(cache: ExpertCache, bt: BottomTable) -> None:
+    def _land_bottoms(self) -> None:
         """Bottom copies that landed become readable (flips pointing their entries at the buffers)."""
-        if bt.n_loading:
+        bt = self.bottoms
+        if bt is not None and bt.n_loading:
+            done = self.cache.copies.done
             for b, h in enumerate(bt.copy):
-                if h is not None and cache.copies.done(h):
+                if h is not None and done(h):
                     bt.landed(b)
 
-    def prefetch(self, cache: ExpertCache, il: int, experts: list[int], keep: set[int] | None,
-                 ranks: list[float] | None) -> int:
-        """MoEpic's prefetch for split layer ``il`` (the cache's lock held; ``experts`` in descending predicted
-        score): the bottom of an expert whose top is cached; the top and the bottom of one whose top is not.
-        Returns the tops queued (bottoms are counted in ``bottom_prefetches``)."""
-        st = cache.stats.layers[il]
-        table = cache.tables[il]
-        bt = self.bottoms.get(il)
+    def prefetch(self, experts: list[int], keep: set[int] | None, ranks: list[float] | None) -> int:
+        """MoEpic's prefetch (the cache's lock held; ``experts`` in descending predicted score): the bottom of an
+        expert whose top is cached; the top and the bottom of one whose top is not. Returns the tops queued
+        (bottoms are counted in ``bottom_prefetches``)."""
+        cache, il, table, bt = self.cache, self.il, self.table, self.bottoms
         protect = set(experts) | (keep or set())
         rank_of = dict(zip(experts, ranks, strict=True)) if ranks is not None else {}
         tops = 0
@@ -241,10 +289,6 @@ class SplitLayers:
             b = bt.victim(protect)
             if b is None:
                 continue  # every buffer is loading or holds a predicted expert
-            h = cache.copies.submit(il, e, bottom_target(b), Priority.PREFETCH, rank)
-            if bt.log is not None:
-                bt.log.copies.append(h)
-            bt.place(e, b, h, cache.clock)
-            self._count_bottoms(st, il, 1)
-        self.land(cache, il)
+            self._submit_bottom(e, b, Priority.PREFETCH, rank)
+        self.land()
         return tops

@@ -240,7 +240,7 @@ class ExpertTables:
     def follow(self, cache: ExpertCache) -> None:
         """Make every cached layer's table follow the cache's flips (its slots and, for a split layer, its
         bottom buffers): the entries of the slots that hold a landed copy now, the rest with each step."""
-        for il, bt in cache.split.bottoms.items():
+        for il, bt in cache.bottoms.items():
             self.layers[il].bottoms = bt  # a mapped split expert reads its bottom where this says it landed
         cache.follow_tables()
         self.apply(cache.take_step())

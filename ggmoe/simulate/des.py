@@ -454,7 +454,7 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
         table = cache.tables[il]
         slot_of, copy = table.slot_of_list, table.copy
         ready = sum(1 for e in need if slot_of[e] >= 0 and copy[slot_of[e]] is None)
-        if il in split.layers:
+        if il in split:
             nbytes = _read_in_place(cache, il, need)
         else:  # a whole expert for each one not ready in a slot
             nbytes = (len(need) - ready) * cache.bytes_per_expert.get(il, 0)
@@ -511,8 +511,8 @@ def _read_in_place(cache: ExpertCache, il: int, need: set[int]) -> int:
     (the async decode): a whole expert not ready in a slot; a split layer's bottom unless it landed in a
     bottom buffer."""
     table = cache.tables[il]
-    sp = cache.split.layers.get(il)
-    bt = cache.split.bottoms.get(il)
+    sp = cache.split.get(il)
+    bt = cache.bottoms.get(il)
     out = 0
     for e in need:
         s = table.slot_of_list[e]

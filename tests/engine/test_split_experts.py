@@ -226,7 +226,7 @@ def _land_all(eng: Engine) -> None:
     """Wait for every copy in flight into the cache's slots and bottom buffers (their next access sees them)."""
     cache = eng._runtime.cache
     handles = [h for t in cache.tables.values() for h in t.copy if h is not None]
-    handles += [h for bt in cache.split.bottoms.values() for h in bt.copy if h is not None]
+    handles += [h for bt in cache.bottoms.values() for h in bt.copy if h is not None]
     cache.copies.wait(handles)
 
 

@@ -1,4 +1,4 @@
-"""The split layers' seam: ``split_cache.ExpertCache`` (a protocol, as cache.py imports split_cache) names
+"""The split layers' seam: ``split_cache.SlotCache`` (a protocol, as cache.py imports split_cache) names
 only what the real ``ggmoe.cache.cache.ExpertCache`` has, with the same signatures, so the type is true."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ggmoe.cache.policies.lru import LRU
 
 pytestmark = pytest.mark.unit
 
-SEAM = split_cache.ExpertCache
+SEAM = split_cache.SlotCache
 METHODS = sorted(n for n, v in vars(SEAM).items() if inspect.isfunction(v) and not n.startswith("__"))
 FIELDS = sorted(SEAM.__annotations__)
 

@@ -312,7 +312,7 @@ def test_a_split_layer_takes_prefetched_bottoms_into_empty_buffers_only_while_a_
     buffers, first in the queue; nothing evicted, no top copied; between tokens the kept buffers are emptied,
     a bottom never read counted wasted, one read counted used."""
     cache, copies = _split_cache()
-    table, bt = cache.tables[0], cache.split.bottoms[0]
+    table, bt = cache.tables[0], cache.bottoms[0]
     for slot, e in enumerate((1, 2, 3)):  # tops of 1, 2, 3 readable; 4's top still loading
         table.place(e, slot, None)
         table.free.remove(slot)
