@@ -16,9 +16,8 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from enum import IntEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class Priority(IntEnum):
@@ -29,10 +28,10 @@ class Priority(IntEnum):
     PREFETCH = 2
 
 
-@dataclass(frozen=True)
-class CopyHandle:
+class CopyHandle(NamedTuple):
     """One submitted copy of expert ``expert`` of layer ``il`` into ``slot`` (or a bottom buffer, for a
-    negative ``slot``: ``bottom_buffer``)."""
+    negative ``slot``: ``bottom_buffer``). A named tuple: made once per copy, and built in C (a frozen
+    dataclass's ``__init__`` costs a Python frame and a ``setattr`` per field)."""
 
     id: int  # unique per backend, in submission order
     il: int

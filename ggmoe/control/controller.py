@@ -8,7 +8,7 @@ readable, misses admitted at low priority with their victims' entries pointed
 back at host memory first) and then gives the observers (statistics,
 recorder, user hooks) one ``RouteEvent`` per layer. With a planner
 (``ggmoe.control.planner``), each layer of a one-token decode is first shown to it (ids, and the MoE
-input rows from ``inputs``: the engine's mailbox, the simulator's trace), so that the cache admits
+input rows handed in with the routing: the engine's mailbox, the simulator's trace), so that the cache admits
 the layer's misses in the order of its plan for the next token and evicts none of the planned
 experts. Python decides here; the engine's copy backend and expert tables execute.
 
@@ -22,7 +22,7 @@ copy into it landed: the cache writes each change as a flip, in order, and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -31,29 +31,27 @@ from ggmoe.cache.step import EMPTY_STEP, StepPlan
 from ggmoe.control.planner import NextTokenPlanner
 from ggmoe.hook import RouteEvent, RouteObserver
 
-Inputs = Callable[[int], "np.ndarray | None"]  # il -> the decoded token's MoE input row [n_embd] float32, or None
-
 
 class TokenController:
     """Per decoded micro-batch: the routing to the planner and the cache, then to the observers."""
 
     def __init__(self, cache: ExpertCache | None, observers: Iterable[RouteObserver] | None = None,
-                 planner: NextTokenPlanner | None = None, inputs: Inputs | None = None) -> None:
+                 planner: NextTokenPlanner | None = None) -> None:
         self.cache = cache
         self.observers = observers  # read by every call that is handed none (the simulator; the engine hands its own)
         self.planner = planner  # plans each layer's next call before the cache admits (None: no plan)
-        self.inputs = inputs  # the MoE input rows the planner's predictor reads (None: ids only)
         self.tokens = 0  # table-mode micro-batches handled
         self.calls = 0  # layer routings handled (one per MoE layer per micro-batch)
         self._cached_layers: tuple[int, ...] | None = None  # the layers read through tables (a roomy cache)
 
-    def on_routing(self, layers: Iterable[int], routing: np.ndarray,
-                   observers: Iterable[RouteObserver] | None = None) -> StepPlan:
+    def on_routing(self, layers: Iterable[int], routing: np.ndarray, observers: Iterable[RouteObserver] | None = None,
+                   hidden: Mapping[int, np.ndarray] | None = None) -> StepPlan:
         """``routing`` I32 [n_layer, n_tokens, n_expert_used]: the selected experts of ``layers`` (the MoE
         layers that read through tables) in the micro-batch just decoded; rows of -1 are tokens a layer did
         not compute (the last layer computes only the tokens whose logits are wanted). Returns the cache's step:
         the table flips and copies it decided since the last step, for the executor. ``observers``: this step's
-        observers, handed over as data (None: those given at construction)."""
+        observers, handed over as data (None: those given at construction). ``hidden``: il -> the decoded
+        token's MoE input row [n_embd] float32, for a planner whose predictor reads them (``wants_hidden``)."""
         # Once per token, so kept to plain lists: one tolist() for every layer, no numpy per layer (a decode
         # step of the embedded model takes about 1 ms; this loop is most of what the async decode adds to it).
         cache = self.cache
@@ -82,8 +80,8 @@ class TokenController:
                     continue
             self.calls += 1
             if planner is not None:
-                hidden = self.inputs(il) if self.inputs is not None and planner.predictor.needs_hidden else None
-                planner.observe(il, np.asarray(rows[0], dtype=np.int32), None, hidden)
+                row = hidden.get(il) if hidden is not None and planner.predictor.needs_hidden else None
+                planner.observe(il, np.asarray(rows[0], dtype=np.int32), None, row)
             if il in tables:
                 cache.after_token(il, rows[0] if len(rows) == 1 else [e for r in rows for e in r])
             if observers:
@@ -91,3 +89,9 @@ class TokenController:
                 for obs in observers:
                     obs.on_route(event)
         return cache.take_step() if cache is not None else EMPTY_STEP
+
+    def wants_hidden(self, n_tokens: int) -> bool:
+        """Whether ``on_routing`` of a micro-batch of ``n_tokens`` reads the MoE input rows (a planner whose
+        predictor reads them, after a one-token decode): the caller gathers them only then."""
+        planner = self.planner
+        return planner is not None and n_tokens == 1 and planner.decoding and planner.predictor.needs_hidden

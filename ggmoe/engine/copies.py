@@ -19,10 +19,23 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ggmoe.cache import CopyHandle, Priority
+from ggmoe.cache.copy import bottom_buffer
 from ggmoe.cache.miss import MissCosts
+from ggmoe.cache.split import Run
 from ggmoe.engine import ggml as B
 from ggmoe.engine.slot_tensors import SlotPair, SlotTensors
 from ggmoe.engine.streams import CopyStream
+
+
+def _writes(p: SlotPair, expert: int, slot: int) -> list[tuple[int, int, Run]]:
+    """What a copy of ``expert`` into ``slot`` of kind ``p`` writes: (tensor, byte offset of the expert there,
+    run) for each 2-D piece; a negative ``slot`` names a bottom buffer (``ggmoe.cache.copy.bottom_target``)."""
+    if p.split is None:
+        return [(p.cache, slot * p.nb2, p.whole)]
+    b = bottom_buffer(slot)
+    if b is None:
+        return [(p.cache, slot * p.split.top_bytes, p.split.top)]
+    return [(p.bottom, b * p.split.bottom_bytes, r) for r in p.split.bottom]
 
 
 class GgmlCopyBackend:
@@ -55,7 +68,7 @@ class GgmlCopyBackend:
         """One expert tensor kind of ``expert`` into ``slot`` (a whole expert, a split layer's top, or for a
         negative slot its bottom into a bottom buffer): on ``stream`` (async) or at once."""
         src = p.host_data + expert * p.nb2
-        for tensor, at, r in p.writes(expert, slot):
+        for tensor, at, r in _writes(p, expert, slot):
             if r.size == 0 or r.n == 0:
                 continue  # θ = 0: an empty top
             t = ctypes.cast(tensor, B.ggml_tensor_p)

@@ -110,12 +110,14 @@ class RouteOpHook:
         # llama_decode may read through them, so slot changes go to the device now, while it is synchronized)
         self.after_route: Callable[[], None] | None = None
         self.c_callback = _patched.route_cb(self._route)  # kept alive as long as the context
+        self._get_error: Callable[[int], int] | None = None  # the op's recorded error, bound by install
 
     def install(self, ctx_ptr: int) -> None:
         """The callback on every MoE layer of ``ctx_ptr``; the route op then takes the router probabilities and
         the MoE input only while an observer reads them (on a GPU each is a copy to the host per layer)."""
         P = _patched.load()
         P.llama_ggmoe_set_route_cb(ctx_ptr, self.c_callback, None)
+        self._get_error = P.llama_ggmoe_get_error  # asked after every decode: bound once
 
         def inputs(request: HookRequest) -> None:
             P.llama_ggmoe_set_route_inputs(ctx_ptr, request.probs, request.hidden)
@@ -131,7 +133,7 @@ class RouteOpHook:
     def take_error(self, ctx_ptr: int) -> BaseException | None:
         """The stored exception, else the op's own recorded error; both cleared."""
         err, self.error = self.error, None
-        code = _patched.load().llama_ggmoe_get_error(ctx_ptr)
+        code = self._get_error(ctx_ptr) if self._get_error is not None else 0
         if err is None and code != 0:
             err = EngineError(f"the route op failed: {_patched.ERROR_NAMES.get(code, code)}")
         return err

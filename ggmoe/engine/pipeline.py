@@ -164,7 +164,7 @@ class CachePipeline:
             # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
             self.hook.after_route = self._tables_follow
         if self.decode_mode.mode == "async":
-            self.controller = TokenController(self.runtime.cache, None, self.planner, self._mailbox_row)
+            self.controller = TokenController(self.runtime.cache, None, self.planner)
             self._async_predictors(max_tokens)
 
             def on_change(request: HookRequest) -> None:
@@ -216,14 +216,17 @@ class CachePipeline:
         if self.prefetcher is not None:
             self._stride_prefetch()
 
-    def _mailbox_row(self, il: int) -> np.ndarray | None:
-        """Between tokens: the MoE input row [n_embd] of the last token the decode just ran at layer ``il``, from
-        the mailbox (None where it holds none)."""
-        mb = self.mailbox
+    def _mailbox_rows(self) -> dict[int, np.ndarray]:
+        """Between tokens: il -> the MoE input row [n_embd] float32 of the last token the decode just ran at each
+        MoE layer, from the mailbox (layers it holds none for left out)."""
+        mb, rows = self.mailbox, {}
         if mb is None or mb.hidden is None:
-            return None
-        n, with_hidden = mb.written(il)
-        return mb.hidden[il, n - 1].copy() if n and with_hidden else None
+            return rows
+        for il in self.facts.moe_layers:
+            n, with_hidden = mb.written(il)
+            if n and with_hidden:
+                rows[il] = mb.hidden[il, n - 1].copy()
+        return rows
 
     def _stride_prefetch(self) -> None:
         """The async decode's prefetcher: the mailbox's reader thread, entries flipped on the copy stream,
@@ -373,7 +376,9 @@ class CachePipeline:
             return  # it took the route op: the callback saw it layer by layer
         B.llama_cpp.llama_synchronize(self._ctx_ptr)  # no-op after the logits read; the routing is complete
         try:
-            tables.apply(self.controller.on_routing(self.facts.moe_layers, tables.read_routing(n), self.observers.items))
+            hidden = self._mailbox_rows() if self.controller.wants_hidden(n) else None  # the planner's input rows
+            tables.apply(self.controller.on_routing(self.facts.moe_layers, tables.read_routing(n), self.observers.items,
+                                                    hidden))
             tables.flush()  # the plan's entries on the device now: any decode after this one reads them
         except BaseException as e:  # noqa: BLE001 - raised by the caller, as the callback's errors are
             self.hook.error = e

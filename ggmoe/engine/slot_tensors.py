@@ -12,10 +12,9 @@ of one expert into one slot writes. The copies themselves are
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ggmoe.base.errors import EngineError
-from ggmoe.cache.copy import bottom_buffer
 from ggmoe.cache.split import KindSplit, LayerSplit, Run
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -33,21 +32,16 @@ class SlotPair:
     nb2: int  # bytes of one expert slice (same in both)
     split: KindSplit | None = None  # a split layer's kind: the slot tensor holds top segments, packed
     bottom: int = 0  # ggml_tensor * of a split layer's bottom buffers, packed bottoms of this kind (0: none)
+    whole: Run = field(init=False, repr=False, compare=False)  # what a whole-expert copy writes (``__post_init__``)
+
+    def __post_init__(self) -> None:
+        # a whole expert's one contiguous run, made once: every copy into the slot tensor writes it
+        object.__setattr__(self, "whole", Run(0, 0, self.nb2, 1, self.nb2, self.nb2))
 
     @property
     def slot_bytes(self) -> int:
         """Bytes from one slot to the next in the slot tensor: a whole expert, or a top segment."""
         return self.split.top_bytes if self.split is not None else self.nb2
-
-    def writes(self, expert: int, slot: int) -> list[tuple[int, int, Run]]:
-        """What a copy of ``expert`` into ``slot`` writes: (tensor, byte offset of the expert there, run) for each
-        2-D piece; a negative ``slot`` names a bottom buffer (``ggmoe.cache.copy.bottom_target``)."""
-        if self.split is None:
-            return [(self.cache, slot * self.nb2, Run(0, 0, self.nb2, 1, self.nb2, self.nb2))]
-        b = bottom_buffer(slot)
-        if b is None:
-            return [(self.cache, slot * self.split.top_bytes, self.split.top)]
-        return [(self.bottom, b * self.split.bottom_bytes, r) for r in self.split.bottom]
 
 
 class SlotTensors:

@@ -40,7 +40,7 @@ from starlette.background import BackgroundTask
 
 from ggmoe.base.errors import UsageError
 from ggmoe.serve import anthropic, errors
-from ggmoe.serve.anthropic import MessagesRequest
+from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.asgi import BodyLimit, LoopbackHostOnly, RequestCounter
 from ggmoe.serve.errors import APIError
 from ggmoe.serve.gate import Gate
@@ -203,7 +203,7 @@ class Server:
         return await self.execute(request, watch, body.stream, result, chunks, ANTHROPIC_SSE, params, run,
                                   plan.prompt)
 
-    def count_tokens(self, body: anthropic.CountTokensRequest) -> dict[str, int]:
+    def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens (tools included), no generation."""
         chat = anthropic.chat_request(body)
         try:

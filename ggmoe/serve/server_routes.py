@@ -9,8 +9,9 @@ server object (``ggmoe.serve.app.Server``) holds the model, its gate and the slo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from fastapi import FastAPI, Query, Request
 from fastapi.params import Depends
@@ -21,13 +22,53 @@ from ggmoe.serve.native import tokenize_text
 from ggmoe.serve.schema import (
     ApplyTemplateRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     InfillRequest,
+    Message,
     NativeCompletionRequest,
     NativeEmbeddingRequest,
     SlotFileRequest,
     TokenizeRequest,
+    Tool,
 )
-from ggmoe.serve.slots import erase_slot, restore_slot, save_slot, slot_path
+from ggmoe.serve.slots import SlotState, erase_slot, restore_slot, save_slot, slot_path
+
+if TYPE_CHECKING:
+    from ggmoe.serve.llama import GgmoeLlama
+
+
+class RouteSettings(Protocol):
+    """What the routes read of the server's settings (``ggmoe.serve.app.ServeSettings``)."""
+
+    model_id: str  # the name /props reports
+    model_path: str  # the GGUF
+    slot_save_path: str | None  # where slot files go; None: saving and restoring are refused
+
+
+class RouteServer(Protocol):
+    """The seam: what these routes use of the server object (``ggmoe.serve.app.Server``, which imports this
+    module, so it is a protocol; tests/serve check that the server has every name with the same signature)."""
+
+    llama: GgmoeLlama
+    settings: RouteSettings
+    slots: list[SlotState]  # llama-server's slots, as /slots shows them
+    n_vocab: int  # tokens in the vocabulary
+    version: str  # ggmoe's, for /props
+
+    async def native(self, request: Request, body: NativeCompletionRequest, infill: bool) -> Any: ...
+
+    async def anthropic(self, request: Request, body: MessagesRequest) -> Any: ...
+
+    def count_tokens(self, body: CountTokensRequest) -> dict[str, int]: ...
+
+    def render(self, messages: list[Message], tools: list[Tool] | None) -> str: ...
+
+    def check_slot(self, id_slot: int, any_ok: bool = True) -> SlotState | None: ...
+
+    async def holding(self, fn: Callable[[Any], Any], id_slot: int) -> Any: ...
+
+    async def embed(self, request: Request, body: EmbeddingRequest | NativeEmbeddingRequest,
+                    native: bool = False) -> Any: ...
 
 
 def _defaults() -> dict[str, Any]:
@@ -40,7 +81,7 @@ def _defaults() -> dict[str, Any]:
     return {**params, "seed": 4294967295, "max_tokens": -1, "grammar": ""}
 
 
-def _props(server: Any) -> dict[str, Any]:
+def _props(server: RouteServer) -> dict[str, Any]:
     llama, settings = server.llama, server.settings
     formatter = llama.chat_formatter()
     idle = server.slots[0].to_json()
@@ -53,7 +94,7 @@ def _props(server: Any) -> dict[str, Any]:
             "modalities": {"vision": False, "audio": False}, "is_sleeping": False}
 
 
-def add_anthropic_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
+def add_anthropic_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) -> None:
     """Register Anthropic's Messages API on ``app``."""
 
     @app.post("/v1/messages", dependencies=auth)
@@ -65,14 +106,14 @@ def add_anthropic_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None
         return server.count_tokens(body)
 
 
-def add_llama_server_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
+def add_llama_server_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) -> None:
     """Register llama-server's native routes on ``app``: text, generation, and the server's state."""
     _add_text_routes(app, server, auth)
     _add_generation_routes(app, server, auth)
     _add_state_routes(app, server, auth)
 
 
-def _add_text_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
+def _add_text_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) -> None:
     """``/tokenize``, ``/detokenize``, ``/apply-template``: text in and out, no generation."""
     llama = server.llama
 
@@ -102,7 +143,7 @@ def _add_text_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
             raise api_error(e) from e
 
 
-def _add_generation_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
+def _add_generation_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) -> None:
     """``/completion`` (``/completions``), ``/infill``, ``/embedding`` (``/embeddings``): through the model."""
 
     @app.post("/completion", dependencies=auth)
@@ -120,7 +161,7 @@ def _add_generation_routes(app: FastAPI, server: Any, auth: list[Depends]) -> No
         return await server.embed(request, body, native=True)
 
 
-def _add_state_routes(app: FastAPI, server: Any, auth: list[Depends]) -> None:
+def _add_state_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) -> None:
     """``/props``, ``/slots``, ``/slots/{id}`` (save, restore, erase): the server's state."""
 
     @app.get("/props", dependencies=auth)

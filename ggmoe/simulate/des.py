@@ -289,8 +289,7 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
     rows_now = _Row(trace, pos)  # the trace row a one-token micro-batch replays: the planner's input rows
-    controller = (TokenController(cache, planner=planner, inputs=rows_now.hidden)
-                  if config.decode_mode == "async" else None)
+    controller = TokenController(cache, planner=planner) if config.decode_mode == "async" else None
     batches = list(micro_batches(trace))
     is_async = [controller is not None and r.stop - r.start <= TABLE_MAX_TOKENS for r in batches]
     future = _future(trace, cache, layers, batches, is_async, ids, pos) if policy.needs_future else None
@@ -318,8 +317,9 @@ def _replay(sim: _Sim, trace: Trace) -> tuple[float, float, list[float]]:
                     fi += 1
             if sim.mailbox is not None:
                 sim.mailbox.row = rows.start
+            hidden = sim.rows_now.rows() if sim.controller.wants_hidden(rows.stop - rows.start) else None
             _async_step(clock, st.cache, st.link, sim.controller, st.costs, sim.layers, ids[rows], sim.pos,
-                        sim.mailbox)
+                        sim.mailbox, hidden)
         else:
             fi = _sync_step(st, trace, rows, ids[rows], sim.layers, future, fi)
         dt = clock.now() - t0
@@ -429,12 +429,13 @@ def _stride_prefetch(cache: ExpertCache, prefetcher: Prefetcher) -> None:
 
 def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, controller: TokenController,
                 costs: _Costs, layers: list[int], sel: np.ndarray, pos: dict[int, int],
-                mailbox: _Mailbox | None = None) -> None:
+                mailbox: _Mailbox | None = None, hidden: Mapping[int, np.ndarray] | None = None) -> None:
     """One micro-batch of the async decode: per layer, attention and router (no route op), the resident
     experts from VRAM and the others read over the link at the zero-copy rate (sharing it); then the
     controller between tokens, the engine's own (admissions land on the link's timeline). With ``mailbox``
     (a predictor), each layer's start is seen by the cache and the prefetcher as the engine's mailbox reader
-    sees it (free slots only; the predictor's time is the reader's, off the decode's critical path)."""
+    sees it (free slots only; the predictor's time is the reader's, off the decode's critical path). ``hidden``:
+    the token's MoE input rows, for a planner that reads them (``TokenController.wants_hidden``)."""
     routing = np.full((max(layers) + 1, sel.shape[0], sel.shape[2]), -1, dtype=np.int32)
     routing[layers] = sel[:, [pos[il] for il in layers], :].transpose(1, 0, 2)
     flats = routing.reshape(routing.shape[0], -1).tolist()  # per layer, the ids token after token
@@ -461,7 +462,7 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
         read_s = link.occupy(costs.zero_copy(nbytes))  # shared with the copies in flight
         clock.advance(costs.experts(il, ready) + read_s)  # what is read over the link is bound by the link
     link.settle()  # what landed by now, before the controller asks (FlagLinkCopyBackend)
-    controller.on_routing(layers, routing)
+    controller.on_routing(layers, routing, hidden=hidden)
 
 
 def _planner(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
@@ -486,9 +487,10 @@ class _Row:
     pos: dict[int, int]
     row: int = 0
 
-    def hidden(self, il: int) -> np.ndarray | None:
+    def rows(self) -> dict[int, np.ndarray]:
+        """il -> the row's MoE input [n_embd] float32 at each layer (none without hidden states in the trace)."""
         h = self.trace.hidden
-        return h[self.row, self.pos[il]].astype(np.float32) if h is not None else None
+        return {il: h[self.row, j].astype(np.float32) for il, j in self.pos.items()} if h is not None else {}
 
 
 @dataclass

@@ -21,7 +21,6 @@ import heapq
 import itertools
 import operator
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.copy import CopyHandle, Priority, bottom_buffer
@@ -31,12 +30,11 @@ from ggmoe.cache.split import LayerSplit
 _ADMISSION = Priority.ADMISSION
 
 
-@dataclass(frozen=True, eq=False)
 class _Handle(CopyHandle):
     """A copy handle that can carry whether it has landed by the clock's time (``FlagLinkCopyBackend``); equal
-    and hashed as the CopyHandle it is."""
+    and hashed as the CopyHandle it is (the tuple)."""
 
-    _landed_flag = False  # not a field: set on the instance (object.__setattr__) once landed by the time asked
+    _landed_flag = False  # not a field: set on the instance (its ``__dict__``) once landed by the time asked
 
 
 class _Job:
@@ -120,15 +118,10 @@ class LinkCopyBackend:
         return p.copy_latency_s + nbytes / self.n_chunks / p.copy_bytes_per_s
 
     def submit(self, il: int, expert: int, slot: int, priority: Priority, rank: float = 0.0) -> CopyHandle:
-        # the handle's fields stored at once: a frozen dataclass's own __init__ sets each through
-        # object.__setattr__, three times slower, and a replay makes millions
-        h = _Handle.__new__(_Handle)
-        d = h.__dict__
-        d["id"], d["il"], d["expert"], d["slot"] = next(self._ids), il, expert, slot
-        d["priority"] = priority if type(priority) is Priority else Priority(priority)
+        h = _Handle(next(self._ids), il, expert, slot, priority if type(priority) is Priority else Priority(priority))
         if self.profile is None:
             self._landed[h.id] = self.clock.now()
-            object.__setattr__(h, "_landed_flag", True)
+            h._landed_flag = True
             return h
         cs = self._chunk_of.get(il)
         if cs is None:
@@ -473,4 +466,4 @@ class FlagLinkCopyBackend(LinkCopyBackend):
             self._advance()
         future = self._future
         while future and future[0][0] <= now:
-            object.__setattr__(heapq.heappop(future)[2], "_landed_flag", True)
+            heapq.heappop(future)[2]._landed_flag = True

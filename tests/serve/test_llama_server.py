@@ -355,3 +355,20 @@ def test_code_completion_limits(server, limit):
         assert b["content"].endswith("\n")
         lines = b["content"].split("\n")[1:]
         assert all(not line.strip() or len(line) - len(line.lstrip()) >= 8 for line in lines)
+
+
+def test_a_running_server_has_every_field_the_routes_seam_names():
+    """``server_routes.RouteServer``'s fields on a real server object (its methods: tests/unit/test_route_seam.py)."""
+    from fastapi.testclient import TestClient
+
+    import ggmoe
+    from ggmoe.serve.app import ServeSettings, create_app
+    from ggmoe.serve.server_routes import RouteServer, RouteSettings
+
+    with ggmoe.load(n_ctx=N_CTX) as llama:
+        app = create_app(llama, ServeSettings(model_id="m", loopback_only=False))
+        with TestClient(app):
+            server = app.state.server
+            assert [n for n in RouteServer.__annotations__ if not hasattr(server, n)] == []
+            assert [n for n in RouteSettings.__annotations__ if not hasattr(server.settings, n)] == []
+            assert server.llama is llama and server.n_vocab == llama.n_vocab()

@@ -263,3 +263,34 @@ def test_the_simulator_refuses_a_planner_file_of_mode_layer(tmp_path):
     with pytest.raises(PredictorFileError, match="trained for mode layer, stride 1; this run needs mode token, "
                                                  "stride 1$"):
         simulate(tr, SimConfig({0: 4, 1: 4}, decode_mode="async", planner=str(path)), {0: 100, 1: 100})
+
+
+class Reads(Fixed):
+    """A ``Fixed`` plan whose predictor reads MoE input rows; it records the rows it was shown."""
+
+    needs_hidden = True
+
+    def __init__(self, plan: list[int]) -> None:
+        super().__init__(plan)
+        self.seen: list[tuple[int, object]] = []
+
+    def observe(self, il, ids, probs, hidden):
+        self.seen.append((il, None if hidden is None else hidden.tolist()))
+        super().observe(il, ids, probs, hidden)
+
+
+@pytest.mark.parametrize("tokens, n_tokens, reads", [
+    ([1], 1, True),  # a one-token decode: the planner reads the rows handed with the routing
+    ([1, 2, 3], 3, False),  # a prefill micro-batch: no plan, nothing read
+])
+def test_the_planner_reads_the_rows_handed_with_the_routing(tokens, n_tokens, reads):
+    """The controller takes the MoE input rows as data with the routing (no callback into the engine), and
+    says beforehand whether it reads them, so the caller gathers them only then."""
+    cache, _, ctl, planner = _controlled(4, plan=[6, 2])
+    planner.predictor = pred = Reads([6, 2])
+    planner.begin_step(tokens)
+    assert ctl.wants_hidden(n_tokens) is reads
+    rows = {0: np.array([0.5, 1.0, 1.5, 2.0], np.float32)}
+    routing = np.asarray([[[1, 2]] * n_tokens], dtype=np.int32)
+    ctl.table.apply(ctl.on_routing([0], routing, hidden=rows))
+    assert pred.seen == ([(0, [0.5, 1.0, 1.5, 2.0])] if reads else [])
