@@ -88,22 +88,26 @@ class ExpertCache:
         # prefetches issued plus their outcomes (used, wasted, late) counted so far, every layer: the async
         # prefetcher's budget looks at the layers only when this moved
         self.prefetch_events = 0
-        unknown = sorted(set(split or {}) - set(n_slots))
+        self._build_layers(dict(split or {}), n_bottom)
+
+    def _build_layers(self, split: dict[int, LayerSplit], n_bottom: int) -> None:
+        """Each layer's strategy, and what follows from them (the one place that asks which kind a layer is)."""
+        unknown = sorted(set(split) - set(self.n_slots))
         if unknown:
             raise UsageError(f"split layers {unknown} have no cache slots")
         if split and self.miss_policy != "wait":
             raise UsageError("split experts read what is not cached from host memory through the expert table: "
                              "the miss policy must be wait, not the host path")
-        self.split = dict(split or {})  # il -> the split layer's top/bottom geometry
-        self.bottoms = {il: BottomTable(n_expert, n_bottom) for il in self.split} if n_bottom > 0 else {}
+        self.split = split  # il -> the split layer's top/bottom geometry
+        self.bottoms = {il: BottomTable(self.n_expert, n_bottom) for il in split} if n_bottom > 0 else {}
         # each layer's strategy: whole experts in its slots, or MoEpic's tops (the cache asks it, never which)
         self.layers: dict[int, WholeLayer | SplitLayer] = {
-            il: SplitLayer(self, il, self.split[il], self.bottoms.get(il)) if il in self.split else WholeLayer(self, il)
-            for il in n_slots}
+            il: SplitLayer(self, il, split[il], self.bottoms.get(il)) if il in split else WholeLayer(self, il)
+            for il in self.n_slots}
         # where the async decode's stride prefetch can ever put something (``has_free_slot``): whole-expert layers
         # that cannot hold every expert, split layers with bottom buffers; the tables are fixed for the cache's life
         self.prefetch_layers = tuple(il for il, layer in self.layers.items() if layer.can_prefetch)
-        self.partial_layers = tuple(il for il in self.prefetch_layers if il not in self.split)
+        self.partial_layers = tuple(il for il in self.prefetch_layers if il not in split)
         # every layer whole-expert with a slot for every expert, under a policy that keeps what it loads: the
         # async decode's controller hands such a cache a whole token at once (``after_roomy_token``)
         self.roomy = not self.partial_layers and not split and not self._releases

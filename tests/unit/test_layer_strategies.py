@@ -86,10 +86,10 @@ def test_every_per_layer_call_goes_to_the_layers_strategy(call, answer, asked):
 
 
 def test_the_cache_never_asks_which_kind_a_layer_is_outside_its_construction():
-    """``il in self.split`` only builds the strategies: every other decision is the strategy's."""
+    """``il in self.split`` only builds the strategies (``_build_layers``): every other decision is the strategy's."""
     tree = ast.parse(inspect.getsource(cache_module.ExpertCache))
     asked = []
-    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name != "__init__"):
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name != "_build_layers"):
         for node in ast.walk(fn):
             if (isinstance(node, ast.Attribute) and node.attr in ("split", "bottoms")
                     and isinstance(node.value, ast.Name) and node.value.id == "self"):

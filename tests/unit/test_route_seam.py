@@ -10,7 +10,7 @@ import inspect
 import pytest
 
 from ggmoe.serve import server_routes
-from ggmoe.serve.app import ServeSettings, Server
+from ggmoe.serve.app import Server, ServeSettings
 
 pytestmark = pytest.mark.unit
 
