@@ -7,7 +7,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,6 +15,14 @@ from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import atomic_write, check_output
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import FiniteFloat, model_path, plan_config
+
+if TYPE_CHECKING:
+    from ggmoe.cache.hardware import HardwareProfile
+    from ggmoe.inspect import ModelFacts
+    from ggmoe.simulate.des import SimConfig, SimResult
+    from ggmoe.trace import Trace
+    from ggmoe.trace.imports import TraceShape
+    from ggmoe.trace.routing_stats import RoutingStats
 
 PLOT_SUFFIXES = (".png",)  # what every --plot writes
 
@@ -41,7 +49,7 @@ def _numbers(values: tuple[str, ...], kind: type, flag: str) -> list:
     return out
 
 
-def sizes(facts: Any, cache_slots: tuple[str, ...], fractions: tuple[str, ...],
+def sizes(facts: ModelFacts | TraceShape, cache_slots: tuple[str, ...], fractions: tuple[str, ...],
           vram: tuple[str, ...]) -> list[tuple[str, dict[int, int]]]:
     """(label, slots per layer) for every size asked for."""
     from ggmoe.base.units import parse_bytes
@@ -64,7 +72,7 @@ def sizes(facts: Any, cache_slots: tuple[str, ...], fractions: tuple[str, ...],
     return out
 
 
-def _row(size: str, r: Any, theta: float = 1.0) -> dict[str, Any]:
+def _row(size: str, r: SimResult, theta: float = 1.0) -> dict[str, Any]:
     est = r.tpot_s is not None
     top = r.stats.get("total", {}).get("top_hit_rate", r.hit_rate)
     return {"size": size, "mode": r.decode_mode, "θ": f"{theta:.2g}", "policy": r.policy,
@@ -99,7 +107,7 @@ def pyplot() -> Any:
     return plt
 
 
-def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
+def plot(path: str, rows: list[dict[str, Any]], results: list[SimResult]) -> None:
     plt = pyplot()
     labels = [f"{r['size']}\n{r['policy']}/{r['predictor']}/{r['miss']}" for r in rows]
     fig, ax = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(rows)), 4.5))
@@ -119,14 +127,14 @@ def plot(path: str, rows: list[dict[str, Any]], results: list[Any]) -> None:
 _SHARED: tuple = ()  # what every configuration of one simulate call shares (set before the workers fork)
 
 
-def _run_one(cfg: Any) -> Any:
+def _run_one(cfg: SimConfig) -> SimResult:
     from ggmoe.simulate.des import simulate as run
 
     trace, bpe, profile, train, model = _SHARED
     return run(trace, cfg, bpe, profile, train, model_path=model)
 
 
-def run_configs(configs: list[Any], shared: tuple, jobs: int | None) -> list[Any]:
+def run_configs(configs: list[SimConfig], shared: tuple, jobs: int | None) -> list[SimResult]:
     """``des.simulate`` of every configuration, in order; ``jobs`` worker processes (forked, so the traces are
     not copied; default: the CPUs this process may use), one process for one configuration or ``jobs=1``."""
     import multiprocessing
@@ -152,7 +160,7 @@ def run_configs(configs: list[Any], shared: tuple, jobs: int | None) -> list[Any
             return [futures[i].result() for i in range(len(configs))]
 
 
-def _cost_rank(cfg: Any) -> tuple:
+def _cost_rank(cfg: SimConfig) -> tuple:
     """What makes a replay long, most first: the async decode (admissions submitted and cancelled at every
     token), a predictor, a policy reading the future, fewer slots (more misses)."""
     from ggmoe.cache.policies import POLICIES
@@ -162,7 +170,8 @@ def _cost_rank(cfg: Any) -> tuple:
             bool(getattr(POLICIES.get(cfg.policy), "needs_future", False)), -slots)
 
 
-def trace_model(trace: Any, model: str | None, need_bytes: bool, counts_flag: str) -> tuple[Any, Path | None]:
+def trace_model(trace: Trace, model: str | None, need_bytes: bool,
+                counts_flag: str) -> tuple[ModelFacts | TraceShape, Path | None]:
     """(facts, GGUF path) of the model the traces route: ``--model`` (or the embedded model), checked by
     fingerprint; an imported trace made without a GGUF is checked by shape, and runs without one for counts
     (its shape from the trace, no bytes: ``need_bytes`` refuses that, naming ``counts_flag``)."""
@@ -309,12 +318,12 @@ class _Inputs:
     """What every configuration of one simulate call reads: the traces, the model, the profile, the
     predictors' training traces and the saved statistics."""
 
-    trace: Any  # the traces, merged
-    facts: Any  # ModelFacts, or the trace's shape for an imported trace without a model
+    trace: Trace  # the traces, merged
+    facts: ModelFacts | TraceShape  # the trace's shape for an imported trace without a model
     path: Path | str | None  # the GGUF (None: an imported trace, counts only)
-    profile: Any  # HardwareProfile, or None for counts only
-    train: Any  # training traces for predictors that learn, or None
-    warm: Any  # the statistics of --stats-in, or None
+    profile: HardwareProfile | None  # None for counts only
+    train: Trace | None  # training traces for predictors that learn, or None
+    warm: RoutingStats | None  # the statistics of --stats-in, or None
 
     def learnt(self, pred: str | None) -> Any:
         """What the predictor saved in --stats-in learnt, for that predictor (None for any other)."""
@@ -347,7 +356,7 @@ def _load_inputs(traces: tuple[str, ...], model: str | None, hw: str, predictor_
     return _Inputs(trace, facts, path, profile, train, warm)
 
 
-def _policy_options(policies: list[str], warm: Any) -> dict[str, dict]:
+def _policy_options(policies: list[str], warm: RoutingStats | None) -> dict[str, dict]:
     """Options per policy that the call's inputs give: static pins the hottest experts of --stats-in."""
     options: dict[str, dict] = {}
     if "static" in policies:
@@ -357,7 +366,7 @@ def _policy_options(policies: list[str], warm: Any) -> dict[str, dict]:
     return options
 
 
-def _combinations(facts: Any, cache_slots: tuple[str, ...], cache_fraction: tuple[str, ...],
+def _combinations(facts: ModelFacts | TraceShape, cache_slots: tuple[str, ...], cache_fraction: tuple[str, ...],
                   vram: tuple[str, ...], choices: _Choices) -> list[tuple]:
     """Every (size, policy, predictor, miss policy, decode mode, θ) that can run, in the order of the flags."""
     # async reads misses from host memory (miss policy wait), as the engine's; a predictor there prefetches
@@ -389,7 +398,7 @@ def _check_predictors(predictors: list[str | None], planners: list[str | None], 
 
 
 def _sim_configs(combos: list[tuple], inputs: _Inputs, options: dict[str, dict], stride: int,
-                 n_prefetch: int | None, predictor_s: float | None) -> list[Any]:
+                 n_prefetch: int | None, predictor_s: float | None) -> list[SimConfig]:
     """One ``SimConfig`` per combination; a split row gets the VRAM of its whole-expert row."""
     from ggmoe.cache.split import split_at
     from ggmoe.simulate.des import SimConfig
@@ -403,7 +412,7 @@ def _sim_configs(combos: list[tuple], inputs: _Inputs, options: dict[str, dict],
     return configs
 
 
-def _report(traces: tuple[str, ...], hw: str, inputs: _Inputs, combos: list[tuple], results: list[Any],
+def _report(traces: tuple[str, ...], hw: str, inputs: _Inputs, combos: list[tuple], results: list[SimResult],
             plot_path: str | None, as_json: bool) -> None:
     """The results: the plot if asked, then JSON or the table."""
     rows = [_row(label, r, th) for ((label, _), *_rest, th, _pl), r in zip(combos, results, strict=True)]

@@ -22,6 +22,7 @@ from ggmoe.trace.routing_stats import RoutingStats, RoutingStatsCollector, load_
 
 if TYPE_CHECKING:
     from ggmoe.cache.config import CacheConfig
+    from ggmoe.control.prefetch import Prefetcher
     from ggmoe.inspect import ModelFacts
 
 
@@ -75,7 +76,7 @@ class StatsOut:
             start = RoutingStats.empty(model_fingerprint(model), tuple(facts.moe_layers), facts.n_expert)
         self.collector = RoutingStatsCollector(start)
 
-    def save(self, prefetcher: Any = None, predictor_name: str | None = None) -> None:
+    def save(self, prefetcher: Prefetcher | None = None, predictor_name: str | None = None) -> None:
         """Write the counts and, with a prefetcher, its predictor's learnt state (the prefetcher stops)."""
         state = prefetcher.final_state() if prefetcher is not None else {}
         save_stats(self.path, self.collector.snapshot(predictor_name if state else None, state))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import write_text_atomic
@@ -183,7 +183,7 @@ def render_plan(config: CacheConfig, estimate: Mapping[str, float], comment: str
         lines += ["", "[cache.theta]", *(f'"{il}" = {_num(t)}' for il, t in sorted(config.layer_theta.items()))]
     if config.policy_options:
         lines += ["", "[cache.policy_options]", *(f"{k} = {_value(v)}" for k, v in config.policy_options.items())]
-    pre: Any = config.prefetch
+    pre = cast("PrefetchConfig | None", config.prefetch)  # CacheConfig types it object: cache is below control
     if pre is not None:
         lines += ["", "[prefetch]", f"predictor = {_q(pre.predictor)}", f"stride = {pre.stride}"]
         if pre.n_prefetch is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -235,8 +235,8 @@ def message(result: dict[str, Any], model: str, stop: tuple[str, str | None]) ->
 class EventStream:
     """Anthropic's stream events from the OpenAI chat chunks of one generation."""
 
-    def __init__(self, chunks: Iterator[dict[str, Any]], model: str, n_input: int, stop: Any,
-                 n_output: Any) -> None:
+    def __init__(self, chunks: Iterator[dict[str, Any]], model: str, n_input: int,
+                 stop: Callable[[str | None], tuple[str, str | None]], n_output: Callable[[], int]) -> None:
         self.chunks = chunks
         self.model = model
         self.n_input = n_input

@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import HTTPException
 from starlette.datastructures import Headers
+from starlette.types import ASGIApp
 
 from ggmoe.serve.errors import APIError, error_response
 
@@ -21,7 +22,7 @@ Message = dict[str, Any]
 class BodyLimit:
     """Refuse request bodies over ``max_bytes`` with 413 (by Content-Length, or while streaming in)."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes  # bytes
 
@@ -50,7 +51,7 @@ class BodyLimit:
 class RequestCounter:
     """Calls ``count(route, status)`` once per HTTP response, when its status is sent."""
 
-    def __init__(self, app: Any, count: Callable[[str, int], None], routes: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, count: Callable[[str, int], None], routes: frozenset[str]) -> None:
         self.app = app
         self.count = count
         self.routes = routes  # known paths; anything else is counted as "other"
@@ -94,7 +95,7 @@ class LoopbackHostOnly:
     rebinds to 127.0.0.1; such a request carries the page's host name, which this refuses.
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:

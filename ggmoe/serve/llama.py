@@ -26,7 +26,7 @@ import dataclasses
 import os
 from collections.abc import Generator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import llama_cpp
 import numpy as np
@@ -35,6 +35,9 @@ from ggmoe.base.context import check_prompt, context_tokens
 from ggmoe.base.errors import ModelFileError, UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.hook import RouteObserver
+
+if TYPE_CHECKING:
+    from ggmoe.inspect import ModelFacts
 
 # Used when the GGUF carries no chat template: plain "Role: text" turns, which a base
 # model trained on plain text (such as the embedded one) continues sensibly.
@@ -353,7 +356,7 @@ def _plan_config(planner: str | None, train: Sequence[str]) -> object | None:
     return PlanConfig(predictor=planner, train=tuple(train))
 
 
-def _plan_file_cache(config: str | os.PathLike, facts: Any, decode_mode: str | None, plan_predictor: str | None,
+def _plan_file_cache(config: str | os.PathLike, facts: ModelFacts, decode_mode: str | None, plan_predictor: str | None,
                      predictor_train: Sequence[str]) -> CacheConfig:
     """The cache a plan file (``ggmoe plan``) sets, checked against the model; ``decode_mode`` and a planner
     still apply on top of it."""

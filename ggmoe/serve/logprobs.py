@@ -10,6 +10,7 @@ as OpenAI's chat ``logprobs.content`` or the legacy completions ``logprobs`` obj
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ class TokenLogprob:
 class LogprobRecorder:
     """Logits processor + token hook; ``entries`` grows by one per sampled token (EOG tokens excluded)."""
 
-    def __init__(self, top: int, piece: Any, is_eog: Any) -> None:
+    def __init__(self, top: int, piece: Callable[[int], bytes], is_eog: Callable[[int], bool]) -> None:
         self.top = top  # alternatives per token (0: the sampled token's logprob only)
         self.piece = piece  # token id -> bytes
         self.is_eog = is_eog

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 import numpy as np
@@ -37,6 +37,9 @@ import numpy as np
 from ggmoe.base.errors import ContextLengthError, UsageError
 from ggmoe.engine.sequences import SeqEntry, sample_row, seq_state, set_seq_state
 from ggmoe.serve.llama import GgmoeLlama
+
+if TYPE_CHECKING:
+    from llama_cpp import _internals
 
 MAX_WAIT_S = 0.05  # seconds a step waits for an active slot that has not handed in its token yet
 MIN_SLOT_CTX = 16  # tokens: a smaller share of the context per slot is a typo
@@ -197,7 +200,7 @@ class _SeqContext:
     own and wait for any decode in progress (``lock``), its context is its share, it never decodes by
     itself, and the context-wide timings are left alone."""
 
-    def __init__(self, ctx: Any, seq_id: int, n_ctx: int, lock: threading.Lock) -> None:
+    def __init__(self, ctx: _internals.LlamaContext, seq_id: int, n_ctx: int, lock: threading.Lock) -> None:
         self._inner = ctx
         self.seq_id = seq_id
         self._n_ctx = n_ctx
@@ -222,7 +225,7 @@ class _SeqContext:
     def print_timings(self) -> None:
         pass
 
-    def decode(self, batch: Any) -> None:
+    def decode(self, batch: _internals.LlamaBatch) -> None:
         raise UsageError("a slot decodes through the batcher")
 
 

@@ -7,12 +7,35 @@ takes the measurement as plain numbers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Protocol
 
 from ggmoe.cache.hardware import HardwareProfile, render_profile
 
 
-def profile_from(cal: Any, base: HardwareProfile, name: str, zero_copy: tuple[float, str] | None = None
+class Measured(Protocol):
+    """What this reads of a ``ggmoe.engine.calibrate.Calibration``, which the simulator does not import."""
+
+    @property
+    def gpu(self) -> str | None: ...
+    @property
+    def cpu(self) -> str: ...
+    @property
+    def copy_points(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def copy_bytes_per_s(self) -> float: ...
+    @property
+    def copy_latency_s(self) -> float: ...
+    @property
+    def cpu_bytes_per_s(self) -> float: ...
+    @property
+    def gpu_bytes_per_s(self) -> float | None: ...
+    @property
+    def hook_s(self) -> float: ...
+    @property
+    def notes(self) -> tuple[str, ...]: ...
+
+
+def profile_from(cal: Measured, base: HardwareProfile, name: str, zero_copy: tuple[float, str] | None = None
                  ) -> tuple[HardwareProfile, dict[str, str]]:
     """The profile and, per figure, where it came from (measured here, or ``base``'s value).
 
@@ -55,7 +78,7 @@ def profile_from(cal: Any, base: HardwareProfile, name: str, zero_copy: tuple[fl
     return profile, src
 
 
-def render(cal: Any, base: HardwareProfile, name: str, zero_copy: tuple[float, str] | None = None) -> str:
+def render(cal: Measured, base: HardwareProfile, name: str, zero_copy: tuple[float, str] | None = None) -> str:
     profile, src = profile_from(cal, base, name, zero_copy)
     notes = "".join(f"# note: {' '.join(n.split())}\n" for n in cal.notes)
     return notes + render_profile(profile, src)

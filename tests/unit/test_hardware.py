@@ -128,3 +128,15 @@ def test_a_calibrated_profile_takes_the_probes_zero_copy_rate(zero_copy, tmp_pat
     out.write_text(render(cal, base, "matrix", zero_copy))
     assert load_profile(out).zero_copy_bytes_per_s == pytest.approx(want)
     assert f"# {src['zero_copy_bytes_per_s']}" in out.read_text()
+
+
+def test_the_calibration_seam_names_only_fields_of_a_calibration():
+    """``simulate.calibration.Measured`` (a protocol: the simulator does not import the engine) reads only
+    fields ``engine.calibrate.Calibration`` has."""
+    import dataclasses
+
+    from ggmoe.engine.calibrate import Calibration
+    from ggmoe.simulate.calibration import Measured
+
+    read = {n for n, v in vars(Measured).items() if isinstance(v, property)}
+    assert "copy_bytes_per_s" in read and read <= {f.name for f in dataclasses.fields(Calibration)}
