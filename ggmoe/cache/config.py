@@ -108,9 +108,9 @@ def slots_for_budget(budget: int, bytes_per_expert: dict[int, int], n_expert: in
 
 def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: str | None,
                        facts: ModelFacts | None = None,
-                       miss_policy: str | None = None, prefetch: Any = None,
+                       miss_policy: str | None = None, prefetch: object | None = None,
                        hw: str | None = None, decode_mode: str | None = None,
-                       planner: Any = None) -> CacheConfig | None:
+                       planner: object | None = None) -> CacheConfig | None:
     """A CacheConfig from the command line's (or ``ggmoe.load()``'s) options; None when no cache size is given.
 
     --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of

@@ -82,7 +82,7 @@ class Host:
     source: str
 
 
-def _check(kind: str, name: str, entry: Any, label: str) -> dict[str, Any]:
+def _check(kind: str, name: str, entry: object, label: str) -> dict[str, Any]:
     """One part's fields, each present, of its type, finite and positive; UsageError naming the field."""
     if not isinstance(entry, dict):
         raise UsageError(f"{label}: [{kind}.{name}] must be a table")

@@ -24,11 +24,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ggmoe.base.errors import UsageError
+
+if TYPE_CHECKING:
+    from ggmoe.inspect import ModelFacts
+    from ggmoe.simulate.advise import Advice, Way
 
 CACHE_FLAGS = ("cache_slots", "vram", "config", "decode_mode", "miss_policy", "policy", "predictor")
 READ_BYTES = 256 << 20  # bytes of the host-memory read (larger than any CPU's last-level cache)
@@ -138,7 +142,7 @@ def this_machine(gpu_name: str, hw: str | None, n_threads: int, smi: tuple | Non
                    sources=tuple(sources))
 
 
-def plan_here(facts: Any, m: Machine) -> Any:
+def plan_here(facts: ModelFacts, m: Machine) -> Advice:
     """``advise_profile`` on this machine's profile: the parts' figures, the CPU's measured rate."""
     from ggmoe.cache.hardware import compose_profile
     from ggmoe.simulate.advise import DEFAULT_HOST, advise_profile
@@ -153,7 +157,7 @@ def plan_here(facts: Any, m: Machine) -> Any:
 RUNNABLE = ("ggmoe, async decode", "ggmoe, sync decode + host path", "all experts in VRAM")
 
 
-def cache_flags(advice: Any, facts: Any) -> tuple[dict[str, Any], Any | None]:
+def cache_flags(advice: Advice, facts: ModelFacts) -> tuple[dict[str, Any], Way | None]:
     """The cache flags of the fastest way ``serve`` can run, and the way (None: no cache: every expert in
     host memory, as with no cache flag)."""
     ours = [w for w in advice.ways if w.name in RUNNABLE and w.decode_tok_s is not None]
@@ -166,8 +170,9 @@ def cache_flags(advice: Any, facts: Any) -> tuple[dict[str, Any], Any | None]:
     return {"vram": str(advice.expert_budget_bytes), "decode_mode": mode, "miss_policy": miss, "policy": "lru"}, way
 
 
-def fit(facts: Any, cache: dict[str, Any], threads: int | None, echo: Callable[[str], None], gpu_name: str | None,
-        smi: tuple | None, host_read: Callable[[int], float] = measure_host_read) -> dict[str, Any]:
+def fit(facts: ModelFacts | None, cache: dict[str, Any], threads: int | None, echo: Callable[[str], None],
+        gpu_name: str | None, smi: tuple | None,
+        host_read: Callable[[int], float] = measure_host_read) -> dict[str, Any]:
     """``serve --fit``: ``cache`` (the serve command's cache flags) with the plan's in place; ``echo`` says
     what was planned, every figure an estimate."""
     given = [f"--{k.replace('_', '-')}" for k in CACHE_FLAGS if cache.get(k) is not None]
@@ -178,6 +183,7 @@ def fit(facts: Any, cache: dict[str, Any], threads: int | None, echo: Callable[[
              "there is no expert cache to plan")
         return {**cache, "hw": None}
     m = this_machine(gpu_name, cache.get("hw"), threads or os.cpu_count() or 1, smi, host_read)
+    facts = cast("ModelFacts", facts)  # None only where it returned above (cache flags refused, or no GPU)
     a = plan_here(facts, m)
     flags, way = cache_flags(a, facts)
     echo(f"ggmoe serve --fit: {m.gpu} ({m.part}, link {m.link}), {m.vram_bytes / 2**30:.1f} GiB VRAM: "

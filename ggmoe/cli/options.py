@@ -8,13 +8,20 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ggmoe.base.context import MAX_N_CTX
 from ggmoe.base.errors import ModelFileError, UsageError
 from ggmoe.base.outputs import check_output, write_text_atomic
+
+if TYPE_CHECKING:
+    from ggmoe.cache.config import CacheConfig
+    from ggmoe.control.planner import PlanConfig
+    from ggmoe.control.prefetch import PrefetchConfig
+    from ggmoe.engine import Engine
+    from ggmoe.inspect import ModelFacts
 
 MAX_THREADS = max(512, 4 * (os.cpu_count() or 1))  # more threads than this only hangs OpenMP or fails
 
@@ -69,7 +76,7 @@ def model_path(model: str | None, what: str = "MODEL") -> Path:
     return path
 
 
-def model_facts(path: Path):
+def model_facts(path: Path) -> ModelFacts:
     """The validated facts of the model: a bad file fails here, before any other work."""
     from ggmoe.inspect import inspect_model
 
@@ -95,7 +102,8 @@ def training_context(path: Path) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
-def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bool, cache=None):
+def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bool,
+                cache: CacheConfig | None = None) -> Engine:
     """The engine, fed in batches llama.cpp takes for the context asked for (``ggmoe.base.context``)."""
     from ggmoe.base.context import DEFAULT_N_BATCH, decode_batch
     from ggmoe.engine import Engine, EngineConfig
@@ -110,9 +118,10 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
     return eng
 
 
-def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: Any = None,
-                 miss_policy: str | None = None, prefetch: Any = None, hw: str | None = None,
-                 config: str | None = None, decode_mode: str | None = None, planner: Any = None):
+def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: ModelFacts | None = None,
+                 miss_policy: str | None = None, prefetch: PrefetchConfig | None = None, hw: str | None = None,
+                 config: str | None = None, decode_mode: str | None = None,
+                 planner: PlanConfig | None = None) -> CacheConfig | None:
     """A CacheConfig from the flags or from a plan file (--config), or None when neither was given;
     --decode-mode and --plan-predictor apply to both."""
     from ggmoe.cache.config import build_cache_config
@@ -140,7 +149,8 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
 
 
 def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, threshold: float | None,
-                    train: tuple[str, ...], background: bool = False, planner: str | None = None):
+                    train: tuple[str, ...], background: bool = False,
+                    planner: str | None = None) -> PrefetchConfig | None:
     """A PrefetchConfig from the flags, or None without --predictor (``build_prefetch_config``); the predictor
     checked against the registry (or as a file) before any model loads. ``planner``: --plan-predictor, which
     may take the --predictor-train traces without a --predictor."""
@@ -155,7 +165,7 @@ def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, 
     return build_prefetch_config(predictor, stride, n_prefetch, threshold, train, background)
 
 
-def plan_config(planner: str | None, train: tuple[str, ...] = ()):
+def plan_config(planner: str | None, train: tuple[str, ...] = ()) -> PlanConfig | None:
     """A PlanConfig from --plan-predictor (and the --predictor-train traces), or None; a name that cannot
     predict the next token, or a missing file, refused before any model loads (a file's mode is checked when
     it is read)."""
@@ -167,7 +177,7 @@ def plan_config(planner: str | None, train: tuple[str, ...] = ()):
     return PlanConfig(predictor=planner, train=tuple(train))
 
 
-def check_stats_json(stats_json: str | None, cache: Any) -> None:
+def check_stats_json(stats_json: str | None, cache: CacheConfig | None) -> None:
     """--stats-json needs a cache and a writable path: both checked before any work."""
     if stats_json is None:
         return
@@ -217,7 +227,7 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def stats_summary(eng: Any) -> str | None:
+def stats_summary(eng: Engine) -> str | None:
     """One line: the cache's hit rate and bytes copied (None without a cache)."""
     stats = eng.cache_stats
     if stats is None:
@@ -242,7 +252,7 @@ def stats_summary(eng: Any) -> str | None:
                f"{mode['copy_stream']}" if mode else ""))
 
 
-def write_stats(eng: Any, path: str | None, extra: dict) -> None:
+def write_stats(eng: Engine, path: str | None, extra: dict) -> None:
     if path is None:
         return
     if eng.cache_stats is None:

@@ -7,9 +7,10 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -31,6 +32,9 @@ from ggmoe.cli.options import (
     verbose_opt,
 )
 from ggmoe.cli.warm import StatsOut, read_stats_in, stats_options, stats_out, warm_start
+
+if TYPE_CHECKING:
+    from ggmoe.serve import GgmoeLlama
 
 MAX_DEFAULT_CTX = 4096  # tokens: the default context is the model's training context, at most this
 MAX_PARALLEL = 64  # slots (ggmoe.serve.llama.MAX_SEQUENCES)
@@ -61,7 +65,7 @@ class LoadOptions:
     cache: dict[str, Any]  # the cache_options flags (options.cache_options), by parameter name
 
 
-def _load(opts: LoadOptions, **extra: Any) -> tuple[Any, StatsOut | None]:
+def _load(opts: LoadOptions, **extra: Any) -> tuple[GgmoeLlama, StatsOut | None]:
     """The model as a GgmoeLlama and the --stats-out writer, every flag checked before the model loads."""
     from ggmoe.serve import load
 
@@ -84,7 +88,7 @@ def _load(opts: LoadOptions, **extra: Any) -> tuple[Any, StatsOut | None]:
     return load(path, cache=cache, **kw), out
 
 
-def _write_stats(llama: Any, opts: LoadOptions, out: StatsOut | None) -> None:
+def _write_stats(llama: GgmoeLlama, opts: LoadOptions, out: StatsOut | None) -> None:
     """--stats-json (the cache statistics) and --stats-out (routing statistics) when serve or chat stops."""
     if opts.cache["stats_json"] is not None:
         write_text_atomic(opts.cache["stats_json"], json.dumps(llama.stats()["cache"], indent=2))
@@ -108,7 +112,7 @@ def check_listen(host: str, port: int) -> None:
             raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from e
 
 
-def _model_options(fn: Any) -> Any:
+def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """What serve and chat share: the cache and warm-start flags, the context, threads and the log."""
     for option in (verbose_opt, threads_opt, _ctx, stats_options, cache_options):
         fn = option(fn)
@@ -119,7 +123,7 @@ class _Stopped(Exception):
     """SIGTERM, raised where uvicorn re-raises the signal it caught once it has shut down."""
 
 
-def _run_until_stopped(run: Any) -> None:
+def _run_until_stopped(run: Callable[[], object]) -> None:
     """Run the server until Ctrl-C or SIGTERM, then return so the model is closed and stats written.
 
     uvicorn shuts down gracefully on either signal, then raises it again in the process; a handler turns

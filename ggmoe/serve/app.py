@@ -251,7 +251,7 @@ class Server:
 
     async def execute(self, request: Request, watch: Watch, stream: bool, result: Callable[[], Any],
                       chunks_of: Callable[[], Iterator[dict[str, Any]]], sse: Sse, params: dict[str, Any],
-                      run: Any, prompt: list[int] | None = None, id_slot: int = -1, whole: bool = False) -> Any:
+                      run: Run | NativeRun, prompt: list[int] | None = None, id_slot: int = -1, whole: bool = False) -> Any:
         """One generation holding a slot: its result, or its stream as server-sent events. ``run`` (a
         ``Run`` or ``NativeRun``) is given the slot's ``Llama`` and id first."""
         lease = await self._lease(prompt, id_slot, whole)
@@ -274,7 +274,7 @@ class Server:
         self._observe(watch)
         return out
 
-    async def holding(self, fn: Callable[[Any], Any], id_slot: int) -> Any:
+    async def holding(self, fn: Callable[[GgmoeLlama], dict[str, Any]], id_slot: int) -> dict[str, Any]:
         """``fn(llama)`` in a worker thread on slot ``id_slot``'s ``Llama`` while every slot is idle (slot
         actions: the other slots' prompt caches stay)."""
         if self.pool is None:
@@ -337,7 +337,7 @@ class Server:
         return {"object": "list", "data": data, "model": model or self.settings.model_id,
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
-    async def _run(self, request: Request, watch: Watch, fn: Callable[[], Any], llama: Any) -> Any:
+    async def _run(self, request: Request, watch: Watch, fn: Callable[[], Any], llama: GgmoeLlama) -> Any:
         """``fn`` in a worker thread, with ``watch`` attached to ``llama`` and the client watched for a
         disconnect."""
         llama.watch = watch

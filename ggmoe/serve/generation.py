@@ -27,7 +27,7 @@ import numpy as np
 from ggmoe.base.errors import ContextLengthError, GgmoeError
 from ggmoe.serve import structured
 from ggmoe.serve.errors import APIError, domain_error, log
-from ggmoe.serve.logprobs import LogprobRecorder, chat_logprobs, completion_logprobs, plain
+from ggmoe.serve.logprobs import LogprobRecorder, TokenLogprob, chat_logprobs, completion_logprobs, plain
 from ggmoe.serve.schema import ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class Plan:
     chat: bool
     prompt: list[int]  # tokens
     kwargs: dict[str, Any]  # create_completion keyword arguments but prompt, stream and logits_processor
-    processors: list[Any]  # logits processors after the logprob recorder
+    processors: list[llama_cpp.LogitsProcessor]  # logits processors after the logprob recorder
     n: int = 1
     seed: int | None = None
     top_logprobs: int | None = None  # None: no logprobs; else alternatives per token
@@ -190,8 +190,8 @@ def _fit(plan_prompt: list[int], body: CompletionRequest | ChatRequest, n_ctx: i
     return mt
 
 
-def _processors(body: CompletionRequest | ChatRequest, llama: GgmoeLlama) -> list[Any]:
-    out: list[Any] = []
+def _processors(body: CompletionRequest | ChatRequest, llama: GgmoeLlama) -> list[llama_cpp.LogitsProcessor]:
+    out: list[llama_cpp.LogitsProcessor] = []
     if body.logit_bias:
         bias = _logit_bias(body, llama)
         ids = np.fromiter(bias.keys(), dtype=np.intc, count=len(bias))
@@ -332,6 +332,8 @@ class Run:
         self.object = "chat.completion" if plan.chat else "text_completion"
         self.recorder: LogprobRecorder | None = None
 
+    id_slot: int  # the slot the server runs it on (set with llama before it runs; not read here)
+
     def _piece(self, token: int) -> bytes:
         return self.llama.detokenize([token])
 
@@ -368,7 +370,7 @@ class Run:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
 
-    def _entries(self, text: str) -> list[Any]:
+    def _entries(self, text: str) -> list[TokenLogprob]:
         if self.recorder is None:
             return []
         return self.recorder.covering(0, len(text.encode("utf-8")))[0]
@@ -420,7 +422,7 @@ class Run:
             yield {**self._head(), "choices": [{"index": i, "text": text, "logprobs": lp,
                                                 "finish_reason": c["finish_reason"]}]}
 
-    def _chat_chunk(self, i: int, delta: dict[str, Any], logprobs: Any = None,
+    def _chat_chunk(self, i: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
                     finish: str | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
                 "system_fingerprint": None,

@@ -15,9 +15,9 @@ objects and one final object with ``"stop": true`` and the rest (no ``[DONE]``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import llama_cpp
 import numpy as np
@@ -146,7 +146,8 @@ def _bias(body: NativeCompletionRequest, llama: GgmoeLlama, n_vocab: int) -> dic
     return out
 
 
-def processors(body: NativeCompletionRequest, llama: GgmoeLlama, n_vocab: int, eog: list[int]) -> list[Any]:
+def processors(body: NativeCompletionRequest, llama: GgmoeLlama, n_vocab: int,
+               eog: list[int]) -> list[llama_cpp.LogitsProcessor]:
     """Logits processors: the bias, and ``ignore_eos`` as llama-server does it (end tokens never sampled)."""
     bias = _bias(body, llama, n_vocab)
     if body.ignore_eos:
@@ -179,7 +180,10 @@ def pick_fields(out: dict[str, Any], fields: list[str]) -> dict[str, Any]:
     return picked
 
 
-def _cover(items: list[Any], start: int, n_bytes: int, size: Any) -> tuple[list[Any], int]:
+T = TypeVar("T")  # what _cover counts
+
+
+def _cover(items: list[T], start: int, n_bytes: int, size: Callable[[T], int]) -> tuple[list[T], int]:
     """The items from ``start`` whose pieces fit in ``n_bytes`` bytes of text, and the next index."""
     out = []
     i = start
@@ -220,7 +224,7 @@ class NativeRun:
     """A native request on the model: ``result()`` or ``chunks()`` (llama-server's shapes)."""
 
     def __init__(self, body: NativeCompletionRequest, prompts: list[list[int]], llama: GgmoeLlama, watch: Watch,
-                 model_id: str, n_ctx: int, procs: list[Any]) -> None:
+                 model_id: str, n_ctx: int, procs: list[llama_cpp.LogitsProcessor]) -> None:
         self.body = body
         self.prompts = prompts
         self.llama = llama
