@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -14,23 +14,19 @@ from ggmoe.base.errors import UsageError
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
     FiniteFloat,
-    cache_config,
     cache_options,
-    check_stats_json,
     ctx_opt,
     make_engine,
     model_arg,
     model_facts,
     model_path,
-    plan_config,
-    prefetch_config,
     stats_summary,
     threads_opt,
     toy_notice,
     verbose_opt,
     write_stats,
 )
-from ggmoe.cli.warm import read_stats_in, stats_options, stats_out, warm_start
+from ggmoe.cli.warm import cache_from_flags, stats_options
 
 if TYPE_CHECKING:
     from ggmoe.engine.engine import Generation
@@ -89,12 +85,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 @verbose_opt
 @edge
 def run(model: str | None, prompt: str | None, prompt_file: str | None, max_tokens: int, temp: float, seed: int,
-        as_json: bool, trace_out: str | None, cache_slots: int | None, vram: str | None, policy: str | None,
-        stats_json: str | None, decode_mode: str | None, miss_policy: str | None, predictor: str | None, stride: int,
-        n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...],
-        predict_background: bool, plan_predictor: str | None, hw: str | None, config: str | None,
-        stats_in: str | None, stats_out_path: str | None,
-        n_ctx: int | None, threads: int | None, verbose: bool) -> None:
+        as_json: bool, trace_out: str | None, n_ctx: int | None, threads: int | None, verbose: bool,
+        **flags: Any) -> None:
     """Generate text, streamed as it comes (the embedded default model when MODEL is omitted).
 
     \b
@@ -108,14 +100,7 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
     path = model_path(model)
     facts = model_facts(path)
     text = read_prompt(prompt, prompt_file)
-    cache = cache_config(cache_slots, vram, policy, facts, miss_policy,
-                         prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train,
-                                         predict_background, plan_predictor), hw, config, decode_mode,
-                         plan_config(plan_predictor, predictor_train))
-    warm = read_stats_in(stats_in, facts, path)
-    cache = warm_start(cache, warm)
-    routing_out = stats_out(stats_out_path, warm, facts, path)
-    check_stats_json(stats_json, cache)
+    cache, routing_out = cache_from_flags(path, facts, flags)  # the cache and stats flags (**flags)
     if trace_out:
         check_output_dir(trace_out, "--trace-out", members=("trace.npz",))
     if not as_json:
@@ -131,7 +116,7 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
             gen = trace_generation(eng, text, max_tokens, temp, seed, Path(trace_out) / "trace.npz", on_text=stream)
         else:
             gen = eng.generate(text, max_tokens, temp=temp, seed=seed, on_text=stream)
-        write_stats(eng, stats_json, {"model": str(path), "prompt_tokens": len(gen.prompt_ids),
+        write_stats(eng, flags["stats_json"], {"model": str(path), "prompt_tokens": len(gen.prompt_ids),
                                        "generated_tokens": len(gen.token_ids)})
         summary = stats_summary(eng)
         if routing_out is not None:

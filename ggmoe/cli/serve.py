@@ -20,18 +20,14 @@ from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
     SEED,
     FiniteFloat,
-    cache_config,
     cache_options,
-    check_stats_json,
     model_arg,
     model_facts,
     model_path,
-    plan_config,
-    prefetch_config,
     threads_opt,
     verbose_opt,
 )
-from ggmoe.cli.warm import StatsOut, read_stats_in, stats_options, stats_out, warm_start
+from ggmoe.cli.warm import StatsOut, cache_from_flags, stats_options
 
 if TYPE_CHECKING:
     from ggmoe.serve import GgmoeLlama
@@ -71,15 +67,7 @@ def _load(opts: LoadOptions, **extra: Any) -> tuple[GgmoeLlama, StatsOut | None]
 
     path = model_path(opts.model)
     facts = model_facts(path)
-    c = opts.cache
-    prefetch = prefetch_config(c["predictor"], c["stride"], c["n_prefetch"], c["prefetch_threshold"],
-                               c["predictor_train"], c["predict_background"], c["plan_predictor"])
-    cache = cache_config(c["cache_slots"], c["vram"], c["policy"], facts, c["miss_policy"], prefetch, c["hw"],
-                         c["config"], c["decode_mode"], plan_config(c["plan_predictor"], c["predictor_train"]))
-    warm = read_stats_in(c["stats_in"], facts, path)
-    cache = warm_start(cache, warm)
-    out = stats_out(c["stats_out_path"], warm, facts, path)
-    check_stats_json(c["stats_json"], cache)
+    cache, out = cache_from_flags(path, facts, opts.cache)
     kw: dict[str, Any] = {"n_ctx": opts.n_ctx or default_n_ctx(path), "verbose": opts.verbose, **extra}
     if opts.threads:
         kw.update(n_threads=opts.threads, n_threads_batch=opts.threads)

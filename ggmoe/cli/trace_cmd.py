@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -14,21 +15,17 @@ from ggmoe.base.outputs import check_output_dir
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
     FiniteFloat,
-    cache_config,
     cache_options,
-    check_stats_json,
     ctx_opt,
     make_engine,
     model_arg,
     model_facts,
     model_path,
-    plan_config,
-    prefetch_config,
     threads_opt,
     verbose_opt,
     write_stats,
 )
-from ggmoe.cli.warm import read_stats_in, stats_options, stats_out, warm_start
+from ggmoe.cli.warm import cache_from_flags, stats_options
 
 
 @click.command("record")
@@ -54,13 +51,8 @@ from ggmoe.cli.warm import read_stats_in, stats_options, stats_out, warm_start
 @verbose_opt
 @edge
 def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode: str, prefill_tokens: int,
-          temp: float, seed: int, no_hidden: bool, cache_slots: int | None, vram: str | None, policy: str | None,
-          stats_json: str | None, decode_mode: str | None, miss_policy: str | None, predictor: str | None,
-          stride: int,
-        n_prefetch: int | None, prefetch_threshold: float | None, predictor_train: tuple[str, ...],
-        predict_background: bool, plan_predictor: str | None, hw: str | None, config: str | None,
-        stats_in: str | None, stats_out_path: str | None,
-        n_ctx: int | None, threads: int | None, verbose: bool) -> None:
+           temp: float, seed: int, no_hidden: bool, n_ctx: int | None, threads: int | None, verbose: bool,
+           **flags: Any) -> None:
     """Record per-token routing (ids, router probabilities, MoE inputs) into OUT/trace.npz.
 
     \b
@@ -78,20 +70,13 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
     check_output_dir(out, "-o", members=("trace.npz",))
     cfg = RecordConfig(mode=mode, max_tokens=max_tokens, prefill_tokens=prefill_tokens, temp=temp, seed=seed,
                        keep_hidden=not no_hidden)
-    cache = cache_config(cache_slots, vram, policy, facts, miss_policy,
-                         prefetch_config(predictor, stride, n_prefetch, prefetch_threshold, predictor_train,
-                                         predict_background, plan_predictor), hw, config, decode_mode,
-                         plan_config(plan_predictor, predictor_train))
-    warm = read_stats_in(stats_in, facts, path)
-    cache = warm_start(cache, warm)
-    routing_out = stats_out(stats_out_path, warm, facts, path)
-    check_stats_json(stats_json, cache)
+    cache, routing_out = cache_from_flags(path, facts, flags)  # the cache and stats flags (**flags)
     with make_engine(path, n_ctx, threads, verbose, cache) as eng:
         if routing_out is not None:
             eng.add_observer(routing_out.collector)
         with click.progressbar(length=len(prompts), label="tracing", file=sys.stderr) as bar:
             written = record_trace(eng, prompts, cfg, Path(out) / "trace.npz", progress=bar.update)
-        write_stats(eng, stats_json, {"model": str(path), "prompts": len(prompts), "mode": mode})
+        write_stats(eng, flags["stats_json"], {"model": str(path), "prompts": len(prompts), "mode": mode})
         if routing_out is not None:
             routing_out.save(eng.prefetcher, cache.prefetch.predictor if cache and cache.prefetch else None)
     click.echo(str(written))

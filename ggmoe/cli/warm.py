@@ -10,7 +10,7 @@ the counts and the predictor's state when the command ends, through
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ import click
 
 from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import check_output
+from ggmoe.cli.options import cache_config, check_stats_json, plan_config, prefetch_config
 from ggmoe.trace.routing_stats import RoutingStats, RoutingStatsCollector, load_stats, save_stats
 
 if TYPE_CHECKING:
@@ -84,3 +85,20 @@ class StatsOut:
 
 def stats_out(path: str | None, start: RoutingStats | None, facts: ModelFacts, model: Path) -> StatsOut | None:
     return StatsOut(path, start, facts, model) if path is not None else None
+
+
+def cache_from_flags(path: Path, facts: ModelFacts, flags: Mapping[str, Any]
+                     ) -> tuple[CacheConfig | None, StatsOut | None]:
+    """The cache that the flags of ``cache_options`` and ``stats_options`` (``flags``, by parameter name) ask for,
+    started warm from --stats-in, and the --stats-out writer: every flag checked before the model loads. The one
+    place ``run``, ``trace``, ``serve`` and ``chat`` build their cache."""
+    f = flags
+    prefetch = prefetch_config(f["predictor"], f["stride"], f["n_prefetch"], f["prefetch_threshold"],
+                               f["predictor_train"], f["predict_background"], f["plan_predictor"])
+    cache = cache_config(f["cache_slots"], f["vram"], f["policy"], facts, f["miss_policy"], prefetch, f["hw"],
+                         f["config"], f["decode_mode"], plan_config(f["plan_predictor"], f["predictor_train"]))
+    warm = read_stats_in(f["stats_in"], facts, path)
+    cache = warm_start(cache, warm)
+    out = stats_out(f["stats_out_path"], warm, facts, path)
+    check_stats_json(f["stats_json"], cache)
+    return cache, out
