@@ -255,13 +255,10 @@ def stats_summary(eng: Engine) -> str | None:
 def write_stats(eng: Engine, path: str | None, extra: dict) -> None:
     if path is None:
         return
-    if eng.cache_stats is None:
+    report = eng.report()
+    if not report:
         raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
-    in_effect, note = eng.miss_policy
-    d = {"policy": eng.config.cache.policy, "miss_policy": eng.config.cache.miss_policy,
-         "miss_policy_in_effect": in_effect, "miss_policy_note": note, **eng.decode_mode,
-         "slots_per_layer": {str(k): v for k, v in eng.cache_slots.items()}, **extra, **eng.cache_stats.to_dict()}
-    write_text_atomic(path, json.dumps(d, indent=2))
+    write_text_atomic(path, json.dumps({**extra, **report}, indent=2))
 
 
 model_arg = click.argument("model", required=False, type=click.Path(dir_okay=False))

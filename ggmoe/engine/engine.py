@@ -265,6 +265,10 @@ class Engine:
         """The decode mode asked for, in effect and why (empty without a cache)."""
         return self.pipeline.describe() if self.pipeline is not None else {}
 
+    def report(self) -> dict[str, object]:
+        """The cache's record (``CachePipeline.report``: what ``--stats-json`` writes); empty without a cache."""
+        return self.pipeline.report() if self.pipeline is not None else {}
+
     @property
     def cache_stats(self) -> CacheStats | None:
         """Hits, misses, bytes copied and waits per layer since load (None without a cache)."""

@@ -92,6 +92,7 @@ class CachePipeline:
         self.hook = RouteOpHook(observers if isinstance(observers, Observers) else None, facts.gating)
         self.observers = self.hook.observers
         self.runtime: CacheRuntime | None = None
+        self.cache_config: CacheConfig | None = None  # the configuration the cache was built for (as asked)
         self.prefetcher = None  # ggmoe.control.prefetch.Prefetcher when the cache prefetches
         self.graph_predictor = None  # its nets in the graph (ggmoe.engine.graph_predictor), when it has any
         self.tables: ExpertTables | None = None
@@ -127,6 +128,7 @@ class CachePipeline:
                                               self._n_threads)
         if why is not None:
             self.runtime.miss_policy_note = why
+        self.cache_config = cache
         self.hook.cache = self.runtime.cache
         if cache.prefetch is not None:
             from ggmoe.control.prefetch import make_prefetcher
@@ -283,6 +285,7 @@ class CachePipeline:
                 P.llama_ggmoe_set_layer_cache(ctx, il, 0, None, None, None, None)
             self.runtime.close()  # copies in flight land first: a copy may write a table entry after it lands
             self.runtime = None
+        self.cache_config = None
         if tables is not None:
             tables.close()
 
@@ -434,6 +437,19 @@ class CachePipeline:
         if self.runtime is None:
             return {}
         return {il: len(t.resident()) for il, t in self.runtime.cache.tables.items()}
+
+    def report(self) -> dict[str, object]:
+        """The cache's record since it was built, the one both drivers give (``--stats-json``,
+        ``ggmoe.load().stats()["cache"]``, /metrics): the policy and the miss policy (asked, in effect and why),
+        the decode mode and the prefetch (``describe``), the slots per layer and what they hold, then the
+        statistics' totals and layers. Empty without a cache."""
+        rt, cfg = self.runtime, self.cache_config
+        if rt is None or cfg is None:
+            return {}
+        return {"policy": cfg.policy, "miss_policy": cfg.miss_policy, "miss_policy_in_effect": rt.miss_policy,
+                "miss_policy_note": rt.miss_policy_note, **self.describe(),
+                "slots_per_layer": {str(k): v for k, v in self.n_slots.items()},
+                "occupancy": {str(k): v for k, v in self.occupancy().items()}, **rt.cache.stats.to_dict()}
 
     def describe(self) -> dict[str, object]:
         """The decode mode and the miss policy, as the stats and /metrics report them."""

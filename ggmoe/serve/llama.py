@@ -304,15 +304,8 @@ class GgmoeLlama(llama_cpp.Llama):
 
     def stats(self) -> dict[str, Any]:
         """Cache statistics since load: {"cache": None} without a cache, else policy, slots, totals, layers."""
-        att = self._ggmoe
-        if att is None or att.stats is None:
-            return {"cache": None}
-        in_effect, note = att.runtime.miss_policy, att.runtime.miss_policy_note
-        return {"cache": {"policy": self.cache_config.policy, "miss_policy": self.cache_config.miss_policy,
-                          "miss_policy_in_effect": in_effect, "miss_policy_note": note, **att.describe(),
-                          "slots_per_layer": {str(k): v for k, v in att.n_slots.items()},
-                          "occupancy": {str(k): v for k, v in att.occupancy().items()},
-                          **att.stats.to_dict()}}
+        report = self._ggmoe.report() if self._ggmoe is not None else {}
+        return {"cache": report or None}
 
     @property
     def prefetcher(self):
