@@ -326,17 +326,19 @@ class Engine:
     # -- lifecycle
     def close(self) -> None:
         # The pipeline leaves the context first (prefetch worker, callback, tables, predictor); the context
-        # goes before the slot tensors it computes with, and the model last.
+        # goes before the slot tensors it computes with, and the model last. One ExitStack, registered last to
+        # first: each step runs even when an earlier one raises.
         pipeline = self.__dict__.get("pipeline")
-        if pipeline is not None:
-            pipeline.detach()
-        if getattr(self, "observers", None) is not None:
-            self.observers.on_change = None  # the route op's inputs: nothing to tell a freed context
-        for part in ("_batch", "_ctx", "pipeline", "_model"):
-            obj = getattr(self, part, None)
-            if obj is not None:
-                obj.close()
-                setattr(self, part, None)
+        with contextlib.ExitStack() as stack:
+            for part in ("_model", "pipeline", "_ctx", "_batch"):
+                obj = getattr(self, part, None)
+                if obj is not None:
+                    setattr(self, part, None)
+                    stack.callback(obj.close)
+            if getattr(self, "observers", None) is not None:
+                stack.callback(setattr, self.observers, "on_change", None)  # nothing to tell a freed context
+            if pipeline is not None:
+                stack.callback(pipeline.detach)
 
     def __enter__(self) -> Engine:
         return self

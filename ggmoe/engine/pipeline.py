@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -512,8 +512,14 @@ class CachePipeline:
             self.runtime.cache.keep_free = {}
 
     def close(self) -> None:
-        """Free the tables, the slot tensors and the copy stream (after the context that computed with them)."""
-        self.detach()
+        """Free the tables, the slot tensors and the copy stream (after the context that computed with them): off
+        the context first, and the rest even when that raises (the runtime lands its copies itself)."""
+        with ExitStack() as stack:
+            stack.callback(self._free)
+            stack.callback(self.detach)
+
+    def _free(self) -> None:
+        """``close``'s second step: the in-graph predictor, the runtime (copies landed first), the tables."""
         if self.graph_predictor is not None:
             self.graph_predictor.close()
             self.graph_predictor = None

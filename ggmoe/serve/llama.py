@@ -22,6 +22,7 @@ three things at the seams ``Llama`` leaves open:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Generator, Sequence
@@ -319,18 +320,19 @@ class GgmoeLlama(llama_cpp.Llama):
 
     def close(self) -> None:
         """Free the context, the model and the cache now (idempotent)."""
-        att = self.__dict__.get("_ggmoe")
-        if att is not None:
-            att.detach()
-        stack = self.__dict__.get("_stack")
-        if stack is not None:
-            stack.close()
+        # One ExitStack, its steps registered last to first: each runs even when an earlier one raises.
+        att, own = self.__dict__.get("_ggmoe"), self.__dict__.get("_stack")
         batch = self.__dict__.pop("_ggmoe_seq_batch", None)
-        if batch is not None:
-            batch.close()
-        if att is not None:
-            att.close()  # slot tensors after the context that computed with them
-            self._ggmoe = None
+        with contextlib.ExitStack() as stack:
+            if att is not None:
+                self._ggmoe = None
+                stack.callback(att.close)  # 4: slot tensors after the context that computed with them
+            if batch is not None:
+                stack.callback(batch.close)  # 3: the multi-sequence batch
+            if own is not None:
+                stack.callback(own.close)  # 2: llama-cpp-python's own stack: the context, then the model
+            if att is not None:
+                stack.callback(att.detach)  # 1: the pipeline off the context before it goes
 
     def __enter__(self) -> GgmoeLlama:
         return self

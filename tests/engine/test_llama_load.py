@@ -134,6 +134,37 @@ def test_close_is_deterministic_and_idempotent():
     assert llm.attachment is None
 
 
+def _engine():
+    from ggmoe.cache import CacheConfig
+    from ggmoe.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(default_model_path(), n_ctx=64, cache=CacheConfig(n_slots=8)))
+
+
+@pytest.mark.parametrize("driver", ["llama", "engine"])
+def test_teardown_runs_every_step_when_one_raises(driver):
+    """Both drivers tear down through one ExitStack: a step that raises (here the pipeline's detach) is raised
+    from ``close``, and every later step still runs: the cache's slot tensors are freed, the driver lets go."""
+    obj = ggmoe.load(n_ctx=64, cache_slots=8) if driver == "llama" else _engine()
+    pipeline = obj.attachment if driver == "llama" else obj.pipeline
+    closed = []
+    real_close = pipeline.close
+
+    def broken_detach():
+        raise EngineError("injected detach failure")
+
+    def spied_close():
+        closed.append(True)
+        real_close()
+
+    pipeline.detach, pipeline.close = broken_detach, spied_close
+    with pytest.raises(EngineError, match="injected detach failure"):
+        obj.close()
+    assert closed == [True] and pipeline.runtime is None  # the slot tensors went after all
+    assert (obj.attachment if driver == "llama" else obj.pipeline) is None
+    obj.close()  # and again: nothing left to do, nothing raised
+
+
 def test_close_lands_the_copies_in_flight_before_the_model_goes():
     """Copies read the model's host experts: with admissions still on a slow deferred stream (50 ms a copy),
     ``close`` lands them before the model is freed. It used to free the model first, and the process crashed
