@@ -68,8 +68,8 @@ class SeqBatch:
     def decode(self, ctx_ptr: int, entries: Sequence[SeqEntry]) -> list[np.ndarray]:
         """One ``llama_decode`` of every entry; a copy of each entry's last logits row (float32, n_vocab)."""
         last = self.fill(entries)
-        # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
-        rc = B.llama_cpp.llama_decode(ctx_ptr, self._batch)
+        rc = _decode_step(ctx_ptr, self._batch) if all(len(e.tokens) == 1 for e in entries) else \
+            B.llama_cpp.llama_decode(ctx_ptr, self._batch)  # int32_t llama_decode(llama_context *, llama_batch);
         if rc != 0:
             raise EngineError(f"llama_decode of {len(entries)} sequences failed (status {rc}: "
                               f"{'no room in the KV cache' if rc == 1 else 'aborted or error'})")
@@ -86,6 +86,24 @@ class SeqBatch:
         if self._live:
             B.llama_cpp.llama_batch_free(self._batch)  # void llama_batch_free(struct llama_batch batch);
             self._live = False
+
+
+def _decode_step(ctx_ptr: int, batch: object) -> int:
+    """``llama_decode`` of a generation step (one token from each of several sequences) on the context's
+    generation threads (``n_threads``), as llama.cpp decodes a single token, not on ``n_threads_batch``, which
+    it takes for any micro-batch of more than one token. A step is a decode, not a prompt: on a CPU the batch
+    threads spin through it and take the cores the other slots' sampling needs (``serve --parallel 4`` at the
+    defaults on 2 cores served 0.40x one request at a time, 0.82x with this; docs/benchmarks.md)."""
+    # int32_t llama_n_threads(llama_context *); int32_t llama_n_threads_batch(llama_context *);
+    n_threads, n_batch = B.llama_cpp.llama_n_threads(ctx_ptr), B.llama_cpp.llama_n_threads_batch(ctx_ptr)
+    if n_threads == n_batch:
+        return B.llama_cpp.llama_decode(ctx_ptr, batch)
+    # void llama_set_n_threads(llama_context *, int32_t n_threads, int32_t n_threads_batch);
+    B.llama_cpp.llama_set_n_threads(ctx_ptr, n_threads, n_threads)
+    try:
+        return B.llama_cpp.llama_decode(ctx_ptr, batch)
+    finally:
+        B.llama_cpp.llama_set_n_threads(ctx_ptr, n_threads, n_batch)
 
 
 def sample_row(sampler_ptr: int, logits: np.ndarray) -> int:

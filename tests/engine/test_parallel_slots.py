@@ -142,3 +142,21 @@ def test_the_cache_sees_the_union_of_the_slots_experts():
     assert events and all(e.n_tokens == N_SLOTS for e in events.values())
     for il, e in events.items():
         assert after[str(il)] - before[str(il)] == len(np.unique(e.ids)), il
+
+
+def test_a_generation_step_decodes_on_the_generation_threads(monkeypatch):
+    """A step of the slots (one token from each sequence) runs on the context's ``n_threads``, as one token
+    does, and ``n_threads_batch`` is back for the next prompt; a prompt (several tokens) changes nothing."""
+    import llama_cpp
+
+    with _load(None, True) as llm:
+        ctx = llm._ctx.ctx
+        llama_cpp.llama_set_n_threads(ctx, 1, 2)
+        calls: list[tuple[int, int]] = []
+        real = llama_cpp.llama_set_n_threads
+        monkeypatch.setattr(llama_cpp, "llama_set_n_threads", lambda c, a, b: (calls.append((a, b)), real(c, a, b)))
+        llm.decode_sequences([SeqEntry(s, 0, (40 + s, 41 + s)) for s in range(2)])  # prompts
+        assert calls == []
+        llm.decode_sequences([SeqEntry(s, 2, (50 + s,)) for s in range(2)])  # a step
+        assert calls == [(1, 1), (1, 2)]
+        assert (llama_cpp.llama_n_threads(ctx), llama_cpp.llama_n_threads_batch(ctx)) == (1, 2)
