@@ -6,6 +6,11 @@ is not its business: it submits copies to a ``CopyBackend`` and waits for the
 handles a layer needs before the layer may run; time comes from an injected
 ``Clock``. The engine's backend issues real copies on a wall clock; the
 simulator's lands them on a virtual timeline.
+
+Each layer has a strategy: ``WholeLayer`` (below: whole experts in its slots) or ``SplitLayer``
+(``ggmoe.cache.split_cache``: MoEpic's top segments). Every per-layer call goes to the layer's strategy;
+the cache keeps what both share (slot tables, loads, victims, landing, cancelling, statistics, the lock and
+the step log) and asks which kind a layer is only to build them.
 """
 
 from __future__ import annotations
