@@ -115,7 +115,7 @@ class ExpertCache:
         self.partial_layers = tuple(il for il in self.prefetch_layers if il not in split)
         # every layer whole-expert with a slot for every expert, under a policy that keeps what it loads: the
         # async decode's controller hands such a cache a whole token at once (``after_roomy_token``)
-        self.roomy = not self.partial_layers and not split and not self._releases
+        self.roomy = not self.partial_layers and not split and not self.policy_releases
         # bytes one copy into a slot moves: a whole expert, or a split layer's top segment
         self.slot_bytes = {il: layer.slot_bytes for il, layer in self.layers.items()}
 
@@ -123,7 +123,7 @@ class ExpertCache:
         """The policy's and the copy backend's optional hooks, looked up once rather than per call."""
         policy, copies = self.policy, self.copies
         # whether the policy drops experts after a call (on-demand)
-        self._releases = type(policy).release is not Policy.release
+        self.policy_releases = type(policy).release is not Policy.release
         # the policy's insert and evict hooks, None where it keeps the base class's (which does nothing): the
         # hottest loops skip the call
         self._on_insert = policy.on_insert if type(policy).on_insert is not Policy.on_insert else None
@@ -277,13 +277,13 @@ class ExpertCache:
             if layer is not None:
                 layer.seen_start(flat)
 
-    def _admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int], reserve: int = 0
+    def admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int], reserve: int = 0
                      ) -> None:
         """After a call that read its misses in place (async decode, split layers): admit them at low priority
         into free slots or victims, leaving ``reserve`` free slots (for the async decode's prefetches); with a
         policy that keeps nothing (on-demand), drop the landed experts instead."""
         slot_of, copy = table.slot_of_list, table.copy
-        if self._releases:
+        if self.policy_releases:
             self._release(il, table, [x for x in table.resident() if copy[slot_of[x]] is None])
             return
         if table.n_loading:
@@ -324,7 +324,7 @@ class ExpertCache:
                 return layer.prefetch_free(experts, keep, ranks)
             return layer.prefetch(experts, keep, ranks)
 
-    def _prefetch_whole(self, il: int, experts: list[int], keep: set[int] | None = None,
+    def prefetch_whole(self, il: int, experts: list[int], keep: set[int] | None = None,
                         ranks: list[float] | None = None, free_only: bool = False) -> int:
         """Queue prefetch copies of the ``experts`` of layer ``il`` that are not resident; returns how many.
 
@@ -387,7 +387,7 @@ class ExpertCache:
             table.prefetched[slot] = False
             self.n_prefetched[il] -= 1
 
-    def _count_prefetch_hits(self, il: int, table: SlotTable, need: list[int]) -> None:
+    def count_prefetch_hits(self, il: int, table: SlotTable, need: list[int]) -> None:
         st = self.stats.layers[il]
         for e in need:
             s = table.slot_of_list[e]
@@ -442,7 +442,7 @@ class ExpertCache:
                     on_evict(il, expert_in[slot])
                 table.drop(slot)
 
-    def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
+    def drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
         """Prefetches for this layer still queued and not needed are cancelled; their slots are free again."""
         for slot in self.cancel_stale(il, table.copy, need):
             if table.prefetched[slot]:
@@ -475,7 +475,7 @@ class ExpertCache:
             for layer in self.layers.values():
                 layer.land()
 
-    def _land_done(self, table: SlotTable) -> None:
+    def land_done(self, table: SlotTable) -> None:
         """Mark every copy that has landed since the last look (their slots may be read and evicted again)."""
         done, copy = self.copies.done, table.copy
         for slot in compress(range(len(copy)), copy):  # the slots with a copy in flight, found in C
@@ -617,7 +617,7 @@ class WholeLayer:
         st.misses += len(missing)
         pending = self._in_flight_now(need) if table.n_loading else []
         if c.n_prefetched[il]:
-            c._count_prefetch_hits(il, table, need)
+            c.count_prefetch_hits(il, table, need)
         host: set[int] = set()
         if c.miss_policy != "wait" and len(flat) <= HOST_MAX_TOKENS * c.n_expert_used:
             host, pending, missing = self._to_host(pending, missing)
@@ -635,7 +635,7 @@ class WholeLayer:
             c._score_guess(st, c.predicted.pop(il), need)
         c.policy.on_access(il, need, c.clock)
         slots = [SLOT_HOST if e in host else slot_of[e] for e in flat] if host else [slot_of[e] for e in flat]
-        if c._releases:
+        if c.policy_releases:
             c._release(il, table, table.resident())
         st.hook_s += c.time.now() - t0
         return slots
@@ -644,8 +644,8 @@ class WholeLayer:
         """Before a call reads its slots: copies that landed are marked, queued prefetches it does not need
         are cancelled; the copies still landing into slots it reads."""
         c, table = self.cache, self.table
-        c._land_done(table)
-        c._drop_stale_prefetches(self.il, table, need)
+        c.land_done(table)
+        c.drop_stale_prefetches(self.il, table, need)
         return c._in_flight(table, need) if table.n_loading else []
 
     def _load_now(self, st: LayerStats, need: list[int], missing: list[int]) -> None:
@@ -725,17 +725,17 @@ class WholeLayer:
             st.host_read_bytes += n_miss * self.slot_bytes
         loading = table.n_loading
         if loading:
-            c._land_done(table)
+            c.land_done(table)
         c.policy.on_access(il, need, c.clock)
         if c.predicted and il in c.predicted:  # the stride prefetcher's guess, scored as in sync
             c._score_guess(st, c.predicted.pop(il), need)
         if c.n_prefetched[il]:
-            c._count_prefetch_hits(il, table, [e for e in need if e not in missing] if n_miss else need)
+            c.count_prefetch_hits(il, table, [e for e in need if e not in missing] if n_miss else need)
         keep_free = c.keep_free.get(il, 0) if c.keep_free else 0  # free slots kept for prefetches
-        if n_miss or loading or c._releases:  # else nothing to admit, drop or release
-            c._admit_after(il, table, need, missing, keep_free)
+        if n_miss or loading or c.policy_releases:  # else nothing to admit, drop or release
+            c.admit_after(il, table, need, missing, keep_free)
             if table.n_loading and not c._lands_later:  # a synchronous backend (the CPU build's memcpy)
-                c._land_done(table)  # has landed them already
+                c.land_done(table)  # has landed them already
         if keep_free:
             self._make_room(need + c.plan.get(il, []), keep_free)
 
@@ -769,7 +769,7 @@ class WholeLayer:
         """The mailbox saw the layer start (``ExpertCache.seen_start``): what is readable now is what it reads."""
         c, il, table = self.cache, self.il, self.table
         if table.n_loading:
-            c._land_done(table)
+            c.land_done(table)
         slot_of, copy = table.slot_of_list, table.copy
         seen = set()
         for e in set(flat):
@@ -783,18 +783,18 @@ class WholeLayer:
 
     def prefetch(self, experts: list[int], keep: set[int] | None, ranks: list[float] | None) -> int:
         """Prefetch copies of the ``experts`` not resident, into free slots or victims; how many."""
-        return self.cache._prefetch_whole(self.il, experts, keep, ranks)
+        return self.cache.prefetch_whole(self.il, experts, keep, ranks)
 
     def prefetch_free(self, experts: list[int], keep: set[int] | None, ranks: list[float] | None) -> int:
         """The async decode's stride prefetch while a graph runs: into free slots only."""
         if not self.table.free:
             return 0
-        return self.cache._prefetch_whole(self.il, experts, keep, ranks, free_only=True)
+        return self.cache.prefetch_whole(self.il, experts, keep, ranks, free_only=True)
 
     def land(self) -> None:
         """Copies into the layer's slots that landed become readable."""
         if self.table.n_loading:
-            self.cache._land_done(self.table)
+            self.cache.land_done(self.table)
 
     def observe(self, ids: np.ndarray | list[int]) -> None:
         """A micro-batch ran the native path: it read the model's own tensors, and leaves nothing behind."""

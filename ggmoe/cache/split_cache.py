@@ -49,20 +49,20 @@ class SlotCache(Protocol):
     predicted: dict[int, list[int]]  # il -> experts predicted for its next call
     keep_free: dict[int, int]  # il -> free slots (split layers: empty bottom buffers) kept between tokens
     prefetch_events: int  # prefetches issued plus their outcomes counted so far
-    _releases: bool  # whether the policy drops experts after a call (on-demand)
+    policy_releases: bool  # whether the policy drops experts after a call (on-demand)
 
     def cancel_stale(self, il: int, handles: list[CopyHandle | None], need: list[int]) -> list[int]: ...
 
-    def _drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None: ...
+    def drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None: ...
 
-    def _count_prefetch_hits(self, il: int, table: SlotTable, need: list[int]) -> None: ...
+    def count_prefetch_hits(self, il: int, table: SlotTable, need: list[int]) -> None: ...
 
-    def _admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int], reserve: int = 0
+    def admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int], reserve: int = 0
                      ) -> None: ...
 
-    def _land_done(self, table: SlotTable) -> None: ...
+    def land_done(self, table: SlotTable) -> None: ...
 
-    def _prefetch_whole(self, il: int, experts: list[int], keep: set[int] | None = None,
+    def prefetch_whole(self, il: int, experts: list[int], keep: set[int] | None = None,
                         ranks: list[float] | None = None, free_only: bool = False) -> int: ...
 
 
@@ -96,14 +96,14 @@ class SplitLayer:
         low priority (up to the slots), so that the decode after a prefill finds them, as whole-expert layers'
         prefills leave theirs in the slots."""
         cache, table = self.cache, self.table
-        if cache._releases:
+        if cache.policy_releases:
             return
         flat = ids.ravel().tolist() if isinstance(ids, np.ndarray) else list(ids)
         cache.clock += 1
         need = sorted(set(flat))
         self.land()
         cache.policy.on_access(self.il, need, cache.clock)
-        cache._admit_after(self.il, table, need, [e for e in need if table.slot_of_list[e] < 0][: table.n_slots])
+        cache.admit_after(self.il, table, need, [e for e in need if table.slot_of_list[e] < 0][: table.n_slots])
         self.land()
 
     def has_room(self) -> bool:
@@ -129,18 +129,18 @@ class SplitLayer:
         if before_compute:
             self.land()
             if table.n_loading:
-                cache._drop_stale_prefetches(il, table, need)
+                cache.drop_stale_prefetches(il, table, need)
             if bt is not None and bt.n_loading:
                 self._drop_stale_bottoms(need)
         missing = self._count_reads(st, need, before_compute)
         if cache.n_prefetched[il]:
-            cache._count_prefetch_hits(il, table, need)
+            cache.count_prefetch_hits(il, table, need)
         if il in cache.predicted:
             guess = cache.predicted.pop(il)
             st.pred_total += len(guess)
             st.pred_correct += len(set(guess) & set(need))
         cache.policy.on_access(il, need, cache.clock)
-        cache._admit_after(il, table, need, missing)
+        cache.admit_after(il, table, need, missing)
         self.land()  # a synchronous backend (the CPU build's memcpy) has landed them already
         if bt is not None and not before_compute and cache.keep_free.get(il):
             self._keep_free(need)
@@ -258,7 +258,7 @@ class SplitLayer:
     def land(self) -> None:
         """Copies into the layer's slots and bottom buffers that landed become readable."""
         if self.table.n_loading:
-            self.cache._land_done(self.table)
+            self.cache.land_done(self.table)
         self._land_bottoms()
 
     def _land_bottoms(self) -> None:
@@ -281,7 +281,7 @@ class SplitLayer:
         for e in experts:
             rank = rank_of.get(e, 0.0)
             if table.slot_of_list[e] < 0:
-                tops += cache._prefetch_whole(il, [e], protect, [rank])
+                tops += cache.prefetch_whole(il, [e], protect, [rank])
                 if table.slot_of_list[e] < 0:
                     continue  # no slot could take its top: its bottom alone would not be read
             if bt is None or bt.buffer_of[e] >= 0:
