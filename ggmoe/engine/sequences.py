@@ -68,7 +68,8 @@ class SeqBatch:
     def decode(self, ctx_ptr: int, entries: Sequence[SeqEntry]) -> list[np.ndarray]:
         """One ``llama_decode`` of every entry; a copy of each entry's last logits row (float32, n_vocab)."""
         last = self.fill(entries)
-        rc = _decode_step(ctx_ptr, self._batch) if all(len(e.tokens) == 1 for e in entries) else \
+        step = len(entries) > 1 and all(len(e.tokens) == 1 for e in entries)  # one token alone: n_threads already
+        rc = _decode_step(ctx_ptr, self._batch) if step else \
             B.llama_cpp.llama_decode(ctx_ptr, self._batch)  # int32_t llama_decode(llama_context *, llama_batch);
         if rc != 0:
             raise EngineError(f"llama_decode of {len(entries)} sequences failed (status {rc}: "
