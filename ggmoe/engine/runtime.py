@@ -181,10 +181,10 @@ class CacheRuntime:
         """Land every copy in flight and stop the copy queue's worker, keeping the slot tensors: before the model
         is freed, whose host experts the copies read (a copy landing later read freed memory: the deferred
         stream crashed ``ggmoe.load``'s README example at exit; a GPU's copy engine would read it too)."""
-        if self.copies is not None:
+        if self.copies is not None and self.copies is not self._ggml:  # a queue's worker; the stream stays
             self.copies.close()
-        if self._ggml is not None:
-            self._ggml.stream.synchronize()
+        if self._ggml is not None:  # open until close(): closing it here freed a GPU's copy backend, and this
+            self._ggml.stream.synchronize()  # synchronize then asserted on NULL (the fifth loan, every cached run)
 
     def close(self) -> None:
         if self.copies is not None:

@@ -65,13 +65,25 @@ class CopyStream(Protocol):
         """Land what is in flight, then release the stream."""
 
 
+def closed_stream(name: str) -> EngineError:
+    """A stream used after ``close``: on CUDA ggml aborts the process (``GGML_ASSERT(backend)`` in
+    ``ggml_backend_synchronize``, the fifth GPU loan's every cached run at exit); every stream raises this
+    instead, so the CPU build's tests catch the misuse a GPU would die of."""
+    return EngineError(f"the {name} copy stream was used after it was closed")
+
+
 class ImmediateStream:
     """The CPU build's default: a copy is a memcpy that has landed when ``put`` returns."""
 
     name = "immediate"
     handle = None
 
+    def __init__(self) -> None:
+        self._closed = False
+
     def put(self, work: Work) -> object:
+        if self._closed:
+            raise closed_stream(self.name)
         work(None)
         return None
 
@@ -82,10 +94,11 @@ class ImmediateStream:
         pass
 
     def synchronize(self) -> None:
-        pass
+        if self._closed:
+            raise closed_stream(self.name)
 
     def close(self) -> None:
-        pass
+        self._closed = True
 
 
 class EventStream:
@@ -106,6 +119,8 @@ class EventStream:
 
     def put(self, work: Work) -> object:
         with self._lock:
+            if not self.handle:
+                raise closed_stream(self.name)
             work(self.handle)
             if self._free:
                 ev = self._free.pop()
@@ -139,6 +154,8 @@ class EventStream:
                 self._free.append(marker.pop())
 
     def synchronize(self) -> None:
+        if not self.handle:  # ggml asserts on a NULL backend: the process would abort
+            raise closed_stream(self.name)
         B.libggml_base.ggml_backend_synchronize(self.handle)
 
     def close(self) -> None:
@@ -165,6 +182,7 @@ class DeferredStream:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ggmoe-deferred-copy")
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
+        self._closed = False
         self.put_count = 0  # copies put (tests)
 
     def _run(self, work: Work, due: float) -> None:
@@ -175,6 +193,8 @@ class DeferredStream:
 
     def put(self, work: Work) -> object:
         with self._lock:
+            if self._closed:
+                raise closed_stream(self.name)
             # the delay is a latency from the put, not time a worker sleeps once it takes the copy: a copy
             # queued behind others that is already due lands at once (sleeping per copy capped the stream
             # at about two copies per delay, far below any link, and starved the async decode's copies)
@@ -193,6 +213,9 @@ class DeferredStream:
         more than the link itself) to every copy. With a delay it goes to the workers as ``put`` does."""
         if self.max_delay_s:
             return self.put(work)
+        with self._lock:
+            if self._closed:
+                raise closed_stream(self.name)
         work(None)
         with self._lock:
             self.put_count += 1
@@ -214,12 +237,18 @@ class DeferredStream:
 
     def synchronize(self) -> None:
         with self._lock:
+            if self._closed:
+                raise closed_stream(self.name)
             pending = list(self._pending)
         for f in pending:
             f.exception()  # waits; a failure is raised by whoever asks about that copy
 
     def close(self) -> None:
+        if self._closed:
+            return
         self.synchronize()
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=True)
 
 

@@ -157,6 +157,42 @@ class _FakeEvents:
     def ggml_backend_event_synchronize(self, ev):
         self.synced.append(ev)
 
+    def ggml_backend_synchronize(self, backend):
+        assert backend, "GGML_ASSERT(backend): the process aborts on a GPU"
+        self.synced.append(backend)
+
+    def ggml_backend_event_free(self, ev):
+        pass
+
+    def ggml_backend_free(self, backend):
+        self.freed = getattr(self, "freed", 0) + 1
+
+
+def _event_stream(monkeypatch):
+    from ggmoe.engine import ggml as B
+    from ggmoe.engine.streams import EventStream
+
+    monkeypatch.setattr(B, "libggml_base", _FakeEvents())
+    monkeypatch.setattr(B, "event_query_fn", lambda: lambda ev: True)
+    return EventStream(backend=7, device=0)
+
+
+@pytest.mark.parametrize("make", [lambda mp: ImmediateStream(), lambda mp: DeferredStream(max_delay_s=0.0),
+                                  _event_stream], ids=["immediate", "deferred", "events"])
+def test_a_closed_stream_refuses_work_and_closing_twice_is_harmless(make, monkeypatch):
+    """On CUDA a closed stream's synchronize aborts the process (the fifth GPU loan: every cached run died in
+    ``close``). Every stream raises instead, so a teardown that uses its stream after closing it fails here."""
+    from ggmoe.base.errors import EngineError
+
+    s = make(monkeypatch)
+    s.synchronize()
+    s.close()
+    s.close()
+    with pytest.raises(EngineError, match="used after it was closed"):
+        s.synchronize()
+    with pytest.raises(EngineError, match="used after it was closed"):
+        s.put(lambda handle: None)
+
 
 def test_an_event_stream_recycles_each_event_once_when_another_thread_sees_it_land(monkeypatch):
     """GPU semantics, forced: while one thread queries a copy's event, another sees the same copy land and

@@ -221,8 +221,10 @@ class Pipeline:
             if not checked:
                 checked = True
                 if self.engine_check(path) != 0:
-                    self.say("pipeline: the engine cannot load a model; no matrix")
-                    return FAILED
+                    # the fifth loan's check decoded and then aborted in close(): the cells still run, each
+                    # in its own process, and say per cell what broke
+                    self.say("pipeline: the engine check failed; the matrix runs on, cell by cell")
+                    failed = True
                 failed |= self.modes(path) != 0
                 failed |= self.gpu_tests() != 0
             out = self.results / preset
