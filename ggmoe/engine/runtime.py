@@ -184,7 +184,7 @@ class CacheRuntime:
         if self.copies is not None and self.copies is not self._ggml:  # a queue's worker; the stream stays
             self.copies.close()
         if self._ggml is not None:  # open until close(): closing it here freed a GPU's copy backend, and this
-            self._ggml.stream.synchronize()  # synchronize then asserted on NULL (the fifth loan, every cached run)
+            self._ggml.stream.synchronize()  # synchronize then asserted on NULL (the fourth loan, every cached run)
 
     def close(self) -> None:
         if self.copies is not None:

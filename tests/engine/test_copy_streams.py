@@ -180,7 +180,7 @@ def _event_stream(monkeypatch):
 @pytest.mark.parametrize("make", [lambda mp: ImmediateStream(), lambda mp: DeferredStream(max_delay_s=0.0),
                                   _event_stream], ids=["immediate", "deferred", "events"])
 def test_a_closed_stream_refuses_work_and_closing_twice_is_harmless(make, monkeypatch):
-    """On CUDA a closed stream's synchronize aborts the process (the fifth GPU loan: every cached run died in
+    """On CUDA a closed stream's synchronize aborts the process (the fourth GPU loan: every cached run died in
     ``close``). Every stream raises instead, so a teardown that uses its stream after closing it fails here."""
     from ggmoe.base.errors import EngineError
 

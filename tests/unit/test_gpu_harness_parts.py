@@ -466,6 +466,19 @@ def test_mode_verdicts(mode, tokens, hits, drift, ok, why):
     assert got["prompt_drift"] == drift
 
 
+# (host's drift, the CPU-experts floor's (None: not run), ok): host is judged against the larger of 5 % and
+# what stock drifts with every expert on the CPU
+FLOOR = [(0.075, None, False), (0.075, 0.09, True), (0.075, 0.06, False), (0.04, 0.01, True)]
+
+
+@pytest.mark.parametrize(("host", "floor", "ok"), FLOOR)
+def test_host_is_judged_against_the_cpus_rounding_floor(host, floor, ok):
+    drift = {"host": host, **({gpu_modes.FLOOR: floor} if floor is not None else {})}
+    got = gpu_modes.verdicts({"tokens": [1, 2, 3]}, {"host": {**_R, "tokens": [1, 9, 9], "hits": 5}}, drift)["host"]
+    assert got["ok"] is ok
+    assert ok or ("rounding floor" in got["why"]) is (floor is not None)
+
+
 def test_prompt_drift_reads_the_children_logits(tmp_path):
     import numpy as np
 
@@ -597,3 +610,60 @@ def test_estimate_split_rows_on_the_toy_shape(tmp_path):
     assert split["read_mb_per_token"] > 0 and whole["read_mb_per_token"] == 0.0  # sync LRU waits for copies
     lines = gpu_estimate.split_table(e)
     assert len(lines) == 2 + len(rows) and "ESTIMATES" in lines[0]
+
+
+# --------------------------------------------------------------------------- a child that dies in teardown
+
+def _completed(rc: int, stdout: str = "", stderr: str = ""):
+    import subprocess
+
+    return subprocess.CompletedProcess([], rc, stdout, stderr)
+
+
+ABORT = "llama.cpp aborted the process: ggml-backend.cpp:426: GGML_ASSERT(backend) failed"
+MODE_CHILD = [  # (exit, stdout, what the parent keeps: tokens, error's start or None)
+    (0, '{"tokens": [1, 2], "hits": 3}\n', [1, 2], None),
+    (-6, 'noise\n{"tokens": [1, 2], "hits": 3}\n', [1, 2], "decoded, then died in teardown: killed by signal 6"),
+    (-6, "", None, "killed by signal 6"),
+    (1, "not json\n", None, "exit 1"),
+]
+
+
+@pytest.mark.parametrize(("rc", "stdout", "tokens", "error"), MODE_CHILD)
+def test_a_mode_that_dies_in_teardown_keeps_what_it_decoded(rc, stdout, tokens, error, monkeypatch, tmp_path):
+    """The fourth loan: every cached mode decoded, then aborted closing the engine, and its tokens were lost."""
+    import argparse
+
+    import modes
+
+    monkeypatch.setattr(modes.subprocess, "run", lambda *a, **k: _completed(rc, stdout, ABORT))
+    a = argparse.Namespace(model=tmp_path / "m.gguf", out=tmp_path, fraction=0.5, tokens=2, cpu=True, timeout=5.0)
+    got = modes.run_mode(a, "sync")
+    assert got.get("tokens") == tokens
+    assert (got.get("error") or None) is None if error is None else got["error"].startswith(error)
+    if error is not None:
+        assert modes.verdicts({"tokens": [1, 2]}, {"sync": got})["sync"]["ok"] is False
+
+
+@pytest.mark.parametrize(("rc", "written", "teardown"), [(0, True, False), (-6, True, True), (-6, False, False)])
+def test_a_matrix_cell_measured_before_its_process_died_keeps_its_figures(rc, written, teardown, monkeypatch,
+                                                                         tmp_path):
+    import argparse
+
+    import matrix
+
+    measured = _cell("random", "lru", 0.5, 42.0)
+
+    def child(cmd, **kw):
+        if written:
+            Path(cmd[cmd.index("--cell-json") + 1]).write_text(json.dumps(dataclasses.asdict(measured)))
+        return _completed(rc, "", ABORT)
+
+    monkeypatch.setattr(matrix.subprocess, "run", child)
+    a = argparse.Namespace(model=tmp_path / "m.gguf", cell_timeout=5.0)
+    cell = matrix.cell_in_process(a, [], "random", "lru", 0.5, None, None)
+    assert (cell.decode_tps == 42.0) is written
+    assert (cell.teardown_error is not None) is teardown
+    assert (cell.error is None) is written
+    table = matrix.table([cell])
+    assert ("†" in table) is teardown and ("failed:" in table) is (not written)

@@ -73,7 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -141,6 +141,7 @@ class Cell:
     theta: float | None = None  # split rows: the top share of each slot (n_top / n_ff); None: whole experts
     top_hit_rate: float | None = None  # split rows: accesses that found at least the top on the device
     cache_bytes: int | None = None  # VRAM of the cached experts over all MoE layers (slots, or n-cpu-moe's layers)
+    teardown_error: str | None = None  # measured, then the cell's process died closing the engine (a bug to fix)
 
     @property
     def is_random(self) -> bool:
@@ -374,7 +375,9 @@ def vram_bytes(cfg: EngineConfig, config: str, slots: int | None, facts, split: 
 
 
 def run_cell(model: Path, facts, config: str, fraction: float | None, routing: str, held: Path | None,
-             args, train: Path | None, split: dict | None = None) -> Cell:
+             args, train: Path | None, split: dict | None = None, emit=None) -> Cell:
+    """One cell measured in this process. ``emit``: called with the cell before the engine closes (a child
+    writes it then, so a process that dies in teardown still hands over its figures)."""
     from ggmoe.engine import Engine
 
     t0 = time.monotonic()
@@ -398,16 +401,19 @@ def run_cell(model: Path, facts, config: str, fraction: float | None, routing: s
             hook = eng.hook_times if cfg.cache is not None else np.zeros(0)
             mode = eng.decode_mode.get("decode_mode_in_effect")
             miss = eng.miss_policy[0] if eng.miss_policy is not None else None
-        s = m.decode_stats
-        per = max(m.decoded_tokens, 1)
-        return Cell(str(model), name, config, fraction, slots, float(statistics.median(m.decode_tps)),
-                    m.decode_tps, m.prefill_tps, m.ttft_s, s.hit_rate if s else None,
-                    float(np.median(hook)) * 1e6 if hook.size else None, s.host_computed if s else None,
-                    override_us=override.seconds / override.calls * 1e6 if override and override.calls else None,
-                    wall_s=time.monotonic() - t0, decode_mode=mode, miss_policy=miss,
-                    host_read_bytes_per_token=s.host_read_bytes / per if s else None,
-                    copied_bytes_per_token=s.bytes_copied / per if s else None, theta=theta,
-                    top_hit_rate=s.top_hit_rate if s and is_split else None, cache_bytes=vram)
+            s = m.decode_stats
+            per = max(m.decoded_tokens, 1)
+            cell = Cell(str(model), name, config, fraction, slots, float(statistics.median(m.decode_tps)),
+                        m.decode_tps, m.prefill_tps, m.ttft_s, s.hit_rate if s else None,
+                        float(np.median(hook)) * 1e6 if hook.size else None, s.host_computed if s else None,
+                        override_us=override.seconds / override.calls * 1e6 if override and override.calls else None,
+                        wall_s=time.monotonic() - t0, decode_mode=mode, miss_policy=miss,
+                        host_read_bytes_per_token=s.host_read_bytes / per if s else None,
+                        copied_bytes_per_token=s.bytes_copied / per if s else None, theta=theta,
+                        top_hit_rate=s.top_hit_rate if s and is_split else None, cache_bytes=vram)
+            if emit is not None:
+                emit(cell)
+        return cell
     except Exception as e:  # noqa: BLE001 - a cell that cannot run (e.g. out of VRAM) is reported, not fatal
         return Cell(str(model), name, config, fraction, slots, 0.0, (), 0.0, 0.0, None, None, None,
                     wall_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}", theta=theta, cache_bytes=vram)
@@ -591,12 +597,17 @@ def table(cells: list[Cell]) -> str:
                 f"{c.host_read_bytes_per_token / 1e6:.1f} + {(c.copied_bytes_per_token or 0) / 1e6:.1f}")
         hit = _f(c.hit_rate, ".1%") + ("" if c.top_hit_rate is None else f" (top {c.top_hit_rate:.1%})")
         mode = (c.decode_mode or "-") + (f", misses {c.miss_policy}" if c.miss_policy not in (None, "wait") else "")
-        rows.append(f"| {routing} | {c.config} | {mode} | {frac} | {slots} | {vram} | "
+        mark = " †" if c.teardown_error else ""
+        rows.append(f"| {routing} | {c.config}{mark} | {mode} | {frac} | {slots} | {vram} | "
                     f"{c.decode_tps:.1f} | {_f(c.tpot_ms, '.2f')} | {_f(c.bound_tpot_ms, '.2f')} | "
                     f"{_f(c.tpot_sim_ms, '.2f')} | {c.prefill_tps:.1f} | "
                     f"{c.ttft_s * 1e3:.1f} | {hit} | {link} | {_f(c.hook_us_p50, '.1f')}"
                     f"{'' if c.override_us is None else f' ({c.override_us:.1f})'} | "
                     f"{_f(c.host_computed, 'd')} |")
+    died = [c for c in cells if c.teardown_error]
+    if died:
+        rows.append("\n† measured, then the cell's process failed closing the engine: "
+                    + "; ".join(f"{c.config} {_f(c.fraction, '.0%')}: {c.teardown_error[:200]}" for c in died[:3]))
     return "\n".join(rows)
 
 
@@ -703,8 +714,8 @@ def cell_in_process(a, argv: list[str], routing: str, config: str, f: float | No
     except subprocess.TimeoutExpired:
         err = f"the cell's process ran past --cell-timeout {a.cell_timeout:.0f} s and was killed"
     try:
-        if err is None:
-            return cell_from_dict(json.loads(out.read_text()))
+        if out.stat().st_size:  # measured (written before teardown); a failure after that is kept beside it
+            return replace(cell_from_dict(json.loads(out.read_text())), teardown_error=err)
     finally:
         out.unlink(missing_ok=True)
     return Cell(str(a.model), routing_label(routing), config, f, None, 0.0, (), 0.0, 0.0, None, None, None,
@@ -714,9 +725,17 @@ def cell_in_process(a, argv: list[str], routing: str, config: str, f: float | No
 def one_cell(a, facts, split: dict) -> int:
     """--one-cell: run that cell here and write it to --cell-json (the parent's child process)."""
     routing, config, f = a.one_cell.split(":")
+    measured: list[Cell] = []
+
+    def save(cell: Cell) -> None:
+        measured.append(cell)
+        a.cell_json.write_text(json.dumps(asdict(cell)))
+
     cell = run_cell(a.model, facts, config, float(f) if f else None, routing, a.cell_held, a, a.cell_train,
-                    split)
-    a.cell_json.write_text(json.dumps(asdict(cell)))
+                    split, emit=save)
+    if measured and cell.error:  # measured, then closing the engine raised: the figures stand, the error beside
+        cell = replace(measured[0], teardown_error=cell.error)
+    save(cell)
     return 0
 
 

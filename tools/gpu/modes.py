@@ -42,6 +42,11 @@ from pathlib import Path
 MODES = ("sync", "async", "host", "prefetch", "async-prefetch", "split", "split-async")
 PROMPT = list(range(3, 40))  # token ids: a prompt every vocabulary has
 HOST_DRIFT = 0.05  # host's largest prompt-logit difference from stock's, over stock's largest |logit|
+# The rounding floor: stock with its experts in host memory, which llama.cpp computes on the CPU at the modes'
+# 4-token micro-batches (below its offload batch). Every expert on the CPU's kernels: host (only its misses
+# there) should drift from stock no more than this run does. The fourth loan (H100) measured host at 0.075
+# of stock's logits with patch 0011 and had no floor to read it against.
+FLOOR = "cpu-experts"
 
 
 def engine_config(model: Path, mode: str | None, fraction: float, gpu: bool):
@@ -52,8 +57,8 @@ def engine_config(model: Path, mode: str | None, fraction: float, gpu: bool):
     from ggmoe.inspect import inspect_model
 
     layers = -1 if gpu else 0
-    if mode is None:  # the modes' micro-batches (below): the same kernels on the same values
-        return EngineConfig(model_path=model, n_ctx=256, n_gpu_layers=layers, experts_on_host=False,
+    if mode in (None, FLOOR):  # the modes' micro-batches (below): the same kernels on the same values
+        return EngineConfig(model_path=model, n_ctx=256, n_gpu_layers=layers, experts_on_host=mode == FLOOR,
                             gate_hook=False, n_batch=64, n_ubatch=4)
     facts = inspect_model(model)
     n = max(facts.n_expert_used + 1, round(fraction * facts.n_expert))
@@ -69,9 +74,11 @@ def engine_config(model: Path, mode: str | None, fraction: float, gpu: bool):
 
 
 def greedy(model: Path, mode: str | None, fraction: float, tokens: int, gpu: bool,
-           save_logits: Path | None = None) -> dict:
+           save_logits: Path | None = None, emit=None) -> dict:
     """Decode ``tokens`` greedy tokens after the prompt in ``mode``; the tokens and the cache's counts.
-    ``save_logits``: where the prompt's logits go (.npy), for the parent to compare."""
+    ``save_logits``: where the prompt's logits go (.npy), for the parent to compare. ``emit``: called with the
+    result before the engine closes (a child prints it then: a process that dies in teardown, as every cached
+    mode did on the fourth loan, still hands over what it decoded)."""
     import numpy as np
 
     from ggmoe.engine import Engine
@@ -84,11 +91,15 @@ def greedy(model: Path, mode: str | None, fraction: float, tokens: int, gpu: boo
         for _ in range(tokens):
             out.append(int(np.argmax(logits)))
             logits = eng.decode([out[-1]])
-        st = eng.cache_stats.total() if mode is not None else None
-        info = eng.decode_mode if mode is not None else {}
-        stream = eng._runtime.stream.stream.name if mode is not None else None
-    return {"tokens": out, "hits": st.hits if st else None, "misses": st.misses if st else None,
-            "decode_mode": info.get("decode_mode_in_effect"), "copy_stream": stream}
+        cached = mode not in (None, FLOOR)
+        st = eng.cache_stats.total() if cached else None
+        info = eng.decode_mode if cached else {}
+        stream = eng._runtime.stream.stream.name if cached else None
+        result = {"tokens": out, "hits": st.hits if st else None, "misses": st.misses if st else None,
+                  "decode_mode": info.get("decode_mode_in_effect"), "copy_stream": stream}
+        if emit is not None:
+            emit(result)
+    return result
 
 
 def run_mode(a, mode: str | None) -> dict:
@@ -102,18 +113,34 @@ def run_mode(a, mode: str | None) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": f"ran past {a.timeout:.0f} s", "seconds": round(time.monotonic() - t0, 1)}
     secs = round(time.monotonic() - t0, 1)
+    decoded = last_json(r.stdout)
     if r.returncode != 0:
         why = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
         tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
-        return {"error": f"{why}: {tail}"[:600], "seconds": secs}
-    return {**json.loads(r.stdout.strip().splitlines()[-1]), "seconds": secs}
+        after = "decoded, then died in teardown: " if decoded else ""
+        return {**(decoded or {}), "error": f"{after}{why}: {tail}"[:600], "seconds": secs}
+    return {**(decoded or {}), "seconds": secs}
+
+
+def last_json(stdout: str) -> dict | None:
+    """The child's result: its JSON line (the last line of stdout that parses), or None."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            got = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(got, dict):
+            return got
+    return None
 
 
 def verdicts(stock: dict, results: dict[str, dict], drift: dict[str, float] | None = None) -> dict[str, dict]:
     """Each mode's result with ``ok`` and, when not, ``why``: tokens equal stock's (host: its prompt's logits
-    within HOST_DRIFT, ``drift``: mode -> largest difference over stock's largest logit); async and host hit;
-    ``same_as_stock``: how many leading tokens equal stock's."""
+    within the larger of HOST_DRIFT and the rounding floor's, ``drift``: mode -> largest difference over
+    stock's largest logit, FLOOR among them when it ran); async and host hit; ``same_as_stock``: how many
+    leading tokens equal stock's."""
     out, drift = {}, drift or {}
+    allowed = max(HOST_DRIFT, drift.get(FLOOR, 0.0))
     for mode, r in results.items():
         why = r.get("error") or stock.get("error")
         if why is None:
@@ -123,8 +150,10 @@ def verdicts(stock: dict, results: dict[str, dict], drift: dict[str, float] | No
                 r["prompt_drift"] = round(drift[mode], 6)
         if why is None and mode != "host" and r["tokens"] != stock["tokens"]:
             why = f"tokens differ from stock's from token {r['same_as_stock']}"
-        if why is None and mode == "host" and drift.get(mode, 0.0) > HOST_DRIFT:
-            why = f"its prompt's logits differ from stock's by {drift[mode]:.3f} of their size (> {HOST_DRIFT})"
+        if why is None and mode == "host" and drift.get(mode, 0.0) > allowed:
+            floor = f", the CPU's rounding floor {drift[FLOOR]:.3f}" if FLOOR in drift else ""
+            why = (f"its prompt's logits differ from stock's by {drift[mode]:.3f} of their size (> {HOST_DRIFT}"
+                   f"{floor})")
         if why is None and mode in ("async", "host") and not r["hits"]:
             why = f"the {mode} decode never hit its cache"
         out[mode] = {**r, "ok": why is None, **({"why": why} if why else {})}
@@ -161,18 +190,24 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.one:
         mode = None if a.one == "stock" else a.one
-        print(json.dumps(greedy(a.model, mode, a.fraction, a.tokens, not a.cpu, logits_path(a.out, a.one))))
+        greedy(a.model, mode, a.fraction, a.tokens, not a.cpu, logits_path(a.out, a.one),
+               emit=lambda r: print(json.dumps(r), flush=True))
         return 0
     modes = [m for m in a.modes.split(",") if m]
     if not a.model.is_file() or set(modes) - set(MODES) or not 0 < a.fraction <= 1:
         raise SystemExit(f"error: need an existing --model, --modes from {', '.join(MODES)}, --fraction in (0, 1]")
     a.out.mkdir(parents=True, exist_ok=True)
-    for name in ("stock", *modes):  # a child that fails saves none: an earlier run's file must not stand in
+    for name in ("stock", FLOOR, *modes):  # a child that fails saves none: an earlier run's file must not stand in
         logits_path(a.out, name).unlink(missing_ok=True)
     stock = run_mode(a, None)
-    result = verdicts(stock, {m: run_mode(a, m) for m in modes}, prompt_drift(a.out, modes))
+    floor = run_mode(a, FLOOR) if "host" in modes and not a.cpu else None  # --cpu: stock is on the CPU already
+    ran = {m: run_mode(a, m) for m in modes}
+    drift = prompt_drift(a.out, [*modes, FLOOR])
+    result = verdicts(stock, ran, drift)
     (a.out / "modes.json").write_text(json.dumps({"model": str(a.model), "fraction": a.fraction,
-                                                  "tokens": a.tokens, "stock": stock, "modes": result}, indent=2))
+                                                  "tokens": a.tokens, "stock": stock, "modes": result,
+                                                  "floor": floor and {**floor, "prompt_drift": drift.get(FLOOR)}},
+                                                 indent=2))
     print(f"{'mode':12} {'ok':4} {'hits':>6} {'misses':>6} {'mode in effect':14} {'stream':9} {'s':>5}  why")
     for m, r in result.items():
         print(f"{m:12} {'yes' if r['ok'] else 'NO':4} {r.get('hits') or 0:>6} {r.get('misses') or 0:>6} "
