@@ -110,14 +110,16 @@ class RouteOpHook:
         # llama_decode may read through them, so slot changes go to the device now, while it is synchronized)
         self.after_route: Callable[[], None] | None = None
         self.c_callback = _patched.route_cb(self._route)  # kept alive as long as the context
-        self._get_error: Callable[[int], int] | None = None  # the op's recorded error, bound by install
+        # the op's recorded error code (reading clears it), the C function bound by install: the pipeline calls
+        # it directly after every decode, and this hook's Python runs only when an error was recorded
+        self.error_code: Callable[[int], int] | None = None
 
     def install(self, ctx_ptr: int) -> None:
         """The callback on every MoE layer of ``ctx_ptr``; the route op then takes the router probabilities and
         the MoE input only while an observer reads them (on a GPU each is a copy to the host per layer)."""
         P = _patched.load()
         P.llama_ggmoe_set_route_cb(ctx_ptr, self.c_callback, None)
-        self._get_error = P.llama_ggmoe_get_error  # asked after every decode: bound once
+        self.error_code = P.llama_ggmoe_get_error
 
         def inputs(request: HookRequest) -> None:
             P.llama_ggmoe_set_route_inputs(ctx_ptr, request.probs, request.hidden)
@@ -132,8 +134,11 @@ class RouteOpHook:
 
     def take_error(self, ctx_ptr: int) -> BaseException | None:
         """The stored exception, else the op's own recorded error; both cleared."""
+        return self.error_from(self.error_code(ctx_ptr) if self.error_code is not None else 0)
+
+    def error_from(self, code: int) -> BaseException | None:
+        """The stored exception (cleared), else the error of the op's ``code`` (0: none)."""
         err, self.error = self.error, None
-        code = self._get_error(ctx_ptr) if self._get_error is not None else 0
         if err is None and code != 0:
             err = EngineError(f"the route op failed: {_patched.ERROR_NAMES.get(code, code)}")
         return err
@@ -196,7 +201,12 @@ class CbEvalHook:
         self._logits: dict[int, int] = {}  # il -> address of ffn_moe_logits-{il}
         self.c_callback = B.llama_cpp.ggml_backend_sched_eval_callback(self)  # kept alive with the context
 
+    error_code = None  # no op: nothing recorded in C
+
     def take_error(self, ctx_ptr: int) -> BaseException | None:
+        return self.error_from(0)
+
+    def error_from(self, code: int) -> BaseException | None:
         err, self.error = self.error, None
         return err
 

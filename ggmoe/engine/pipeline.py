@@ -416,7 +416,11 @@ class CachePipeline:
 
     def take_error(self) -> BaseException | None:
         """What the callback, the route op, the controller or the prefetch worker stored (cleared)."""
-        err = self.hook.take_error(self._ctx_ptr) if self._ctx_ptr else None
+        hook, err = self.hook, None
+        if self._ctx_ptr:  # the op's code read in C and the callback's exception read as data: the hook's own
+            code = hook.error_code(self._ctx_ptr) if hook.error_code is not None else 0  # Python runs only
+            if code or hook.error is not None:  # when one was recorded (this is asked once per token)
+                err = hook.error_from(code)
         if err is None and self.prefetcher is not None:
             err = self.prefetcher.take_error()
         if err is None and self.stride is not None:

@@ -12,7 +12,8 @@ import ggmoe
 
 pytestmark = pytest.mark.engine
 
-MAX_MODULES = 11  # docs/architecture.md: sixteen before issue 28's strategies and trimming
+MAX_MODULES = 10  # docs/architecture.md: sixteen before issue 28's strategies and trimming, eleven before the
+# op's error code was read in C
 PACKAGES = {"serve", "engine", "control", "cache"}
 # the only call from a lower package into a higher one: the cache's copies through the copy backend it was
 # given (a port the cache owns, ``ggmoe.cache.copy.CopyBackend``)
@@ -64,3 +65,20 @@ def test_one_async_token_stays_in_four_packages_and_few_modules():
     assert len(modules) <= MAX_MODULES, modules
     upward = {(a, b) for a, b in calls if a != b and ORDER.index(a) < ORDER.index(b)}
     assert upward <= UPWARD_OK, upward
+
+
+def test_the_route_ops_recorded_error_reaches_the_caller_once():
+    """The pipeline reads the op's error code in C after every decode and runs the hook's Python only when one
+    was recorded: a repeated slot within a token (which CUDA's mul_mat_id would count once) is refused by the op,
+    raised from that token's ``eval``, and cleared for the next."""
+    from ggmoe.base.errors import EngineError
+
+    with ggmoe.load(None, cache_slots=4, decode_mode="sync", verbose=False, n_ctx=256) as llm:
+        llm.eval(llm.tokenize(b"Once upon a time"))
+        cache = llm.attachment.runtime.cache
+        real = cache.route_flat
+        cache.route_flat = lambda il, ids, *a: [0] * len(real(il, ids))  # every entry of the token in slot 0
+        with pytest.raises(EngineError, match="the route op failed: .*SLOT"):
+            llm.eval([42])
+        del cache.route_flat
+        llm.eval([43])
