@@ -667,3 +667,33 @@ def test_a_matrix_cell_measured_before_its_process_died_keeps_its_figures(rc, wr
     assert (cell.error is None) is written
     table = matrix.table([cell])
     assert ("†" in table) is teardown and ("failed:" in table) is (not written)
+
+
+# the fourth loan's engine check, as its child printed it (faulthandler on)
+LOAN4_STDERR = """llama.cpp aborted the process: /tmp/ggmoe-gpu/src/llama_cpp_python-0.3.36/vendor/llama.cpp/ggml/src/ggml-backend.cpp:426: GGML_ASSERT(backend) failed
+Fatal Python error: Aborted
+
+Current thread 0x00007f941b68cb80 (most recent call first):
+  File "/work/main/ggmoe/engine/streams.py", line 142 in synchronize
+  File "/work/main/ggmoe/engine/runtime.py", line 187 in quiesce
+  File "/work/main/ggmoe/engine/pipeline.py", line 489 in detach
+  File "/usr/lib/python3.12/contextlib.py", line 478 in _exit_wrapper
+  File "/work/main/ggmoe/engine/engine.py", line 332 in close
+  File "<string>", line 1 in <module>
+
+Extension modules: markupsafe._speedups, numpy._core._multiarray_umath (total: 2)
+"""
+CAUSES = [
+    (LOAN4_STDERR, "GGML_ASSERT(backend) failed | at engine/streams.py:142 synchronize < engine/runtime.py:187 "
+                   "quiesce < engine/pipeline.py:489 detach"),
+    ("a\nb\nc\nd\n", "b | c | d"),  # nothing recognised: the last three lines
+    ("Traceback:\n  File \"/x/ggmoe/cli/run.py\", line 3 in main\nValueError: no\n", "ValueError: no | at cli/run.py:3 main"),
+]
+
+
+@pytest.mark.parametrize(("stderr", "want"), CAUSES)
+def test_a_dead_childs_cause_names_the_abort_and_where_python_was(stderr, want):
+    from faults import cause
+
+    got = cause(stderr)
+    assert got.endswith(want) and (got == want or "GGML_ASSERT" in want)

@@ -82,6 +82,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tools/: random_predictor
+from faults import cause  # noqa: E402
 from trace_routing import ROUTING_NAME, TraceRouting, routing_name, split_tiled  # noqa: E402
 
 from ggmoe.cache import CacheConfig  # noqa: E402
@@ -709,8 +710,7 @@ def cell_in_process(a, argv: list[str], routing: str, config: str, f: float | No
         r = subprocess.run(cmd, timeout=a.cell_timeout, capture_output=True, text=True)
         if r.returncode != 0 or not out.stat().st_size:
             why = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
-            tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
-            err = f"the cell's process failed ({why}): {tail}"[:600]
+            err = f"the cell's process failed ({why}): {cause(r.stderr, r.stdout)}"[:600]
     except subprocess.TimeoutExpired:
         err = f"the cell's process ran past --cell-timeout {a.cell_timeout:.0f} s and was killed"
     try:

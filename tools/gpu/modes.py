@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from faults import cause
+
 MODES = ("sync", "async", "host", "prefetch", "async-prefetch", "split", "split-async")
 PROMPT = list(range(3, 40))  # token ids: a prompt every vocabulary has
 HOST_DRIFT = 0.05  # host's largest prompt-logit difference from stock's, over stock's largest |logit|
@@ -116,7 +118,7 @@ def run_mode(a, mode: str | None) -> dict:
     decoded = last_json(r.stdout)
     if r.returncode != 0:
         why = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
-        tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
+        tail = cause(r.stderr, r.stdout)
         after = "decoded, then died in teardown: " if decoded else ""
         return {**(decoded or {}), "error": f"{after}{why}: {tail}"[:600], "seconds": secs}
     return {**(decoded or {}), "seconds": secs}

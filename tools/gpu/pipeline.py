@@ -124,6 +124,7 @@ class Pipeline:
         if lib.is_dir():
             env["LD_LIBRARY_PATH"] = ":".join(x for x in (str(lib), env.get("LD_LIBRARY_PATH", "")) if x)
         env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONFAULTHANDLER"] = "1"  # a fatal signal prints Python's stack (faults.py reads it)
         if self.preload:
             env["LD_PRELOAD"] = self.preload
         return env
