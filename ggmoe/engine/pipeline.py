@@ -280,9 +280,7 @@ class CachePipeline:
         self.controller = None
         self.decode_mode = None
         if self.runtime is not None:
-            P = _patched.load()
-            for il in self.runtime.cache.n_slots:  # the context forgets the slot tensors before they are freed
-                P.llama_ggmoe_set_layer_cache(ctx, il, 0, None, None, None, None)
+            self.runtime.unregister(ctx, self.runtime.cache.n_slots)  # the context forgets them before they go
             self.runtime.close()  # copies in flight land first: a copy may write a table entry after it lands
             self.runtime = None
         self.cache_config = None

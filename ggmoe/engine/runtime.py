@@ -12,6 +12,7 @@ patched context. The route callback that drives the cache lives in
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from ggmoe.base.errors import EngineError
 from ggmoe.cache import CacheConfig, MonotonicClock, ThreadedCopyBackend
@@ -88,10 +89,20 @@ class CacheRuntime:
         except BaseException:
             self.close()
             raise
-        self.cache = assemble_cache(CacheParts(n_expert, n_expert_used, n_slots, policy, self.copies,
-                                               clock=MonotonicClock(), bytes_per_expert=self.slots.bytes_per_expert(),
-                                               miss_policy=self.miss_policy, costs=costs, split=self.split,
-                                               n_bottom=self.n_bottom))
+        try:  # a refusal below frees the slots and the copy stream (a server retrying would leak GPU memory)
+            self.cache = assemble_cache(CacheParts(n_expert, n_expert_used, n_slots, policy, self.copies,
+                                                   clock=MonotonicClock(),
+                                                   bytes_per_expert=self.slots.bytes_per_expert(),
+                                                   miss_policy=self.miss_policy, costs=costs, split=self.split,
+                                                   n_bottom=self.n_bottom))
+            self._register(ctx_ptr, n_slots, host_path)
+        except BaseException:
+            self.unregister(ctx_ptr, n_slots)
+            self.close()
+            raise
+
+    def _register(self, ctx_ptr: int, n_slots: dict[int, int], host_path: bool) -> None:
+        """Hand every layer's slot tensors (and the host path) to the context; raises on a refusal."""
         P = _patched.load()
         for il, n in n_slots.items():
             t = self.slots.tensors[il]
@@ -100,12 +111,19 @@ class CacheRuntime:
             if rc == _patched.LLAMA_GGMOE_OK and host_path:
                 rc = P.llama_ggmoe_set_host_path(ctx_ptr, il, n)
                 if rc == _patched.LLAMA_GGMOE_ERR_HOST:
-                    self.close()
                     raise EngineError(f"layer {il} has {n} cache slots: the host path needs at least 2 (one "
                                       "holds zeros); use more slots or --miss-policy wait")
             if rc != _patched.LLAMA_GGMOE_OK:
-                self.close()
                 raise EngineError(f"configuring the cache of layer {il} failed: {_patched.ERROR_NAMES.get(rc, rc)}")
+
+    @staticmethod
+    def unregister(ctx_ptr: int, layers: Iterable[int]) -> None:
+        """Take ``layers``' slot tensors off the context, before they are freed: a context left pointing at
+        freed tensors builds its next graph over them (on a GPU an illegal address; a refusal of a later layer
+        left the earlier ones registered)."""
+        P = _patched.load()
+        for il in layers:
+            P.llama_ggmoe_set_layer_cache(ctx_ptr, il, 0, None, None, None, None)
 
     def _allocate(self, model_ptr: int, n_slots: dict[int, int], config: CacheConfig, zero_slot: bool) -> None:
         """(Re)create the slot tensors and the copy backend over them (the GPU's copy stream when there is one,

@@ -88,10 +88,13 @@ class ImmediateStream:
         return None
 
     def ready(self, marker: object) -> bool:
+        if self._closed:
+            raise closed_stream(self.name)
         return True
 
     def wait(self, marker: object) -> None:
-        pass
+        if self._closed:
+            raise closed_stream(self.name)
 
     def synchronize(self) -> None:
         if self._closed:
@@ -133,6 +136,8 @@ class EventStream:
             return [ev]  # a list, emptied (the event recycled) once seen landed
 
     def ready(self, marker: object) -> bool:
+        if not self.handle:  # its events were freed with the stream: a query would read a destroyed event
+            raise closed_stream(self.name)
         # the event read once (another thread may recycle the marker meanwhile: then it is empty, and landed)
         ev = next(iter(marker), None)
         if ev is None:
@@ -143,6 +148,8 @@ class EventStream:
         return True
 
     def wait(self, marker: object) -> None:
+        if not self.handle:
+            raise closed_stream(self.name)
         ev = next(iter(marker), None)
         if ev is not None:
             B.libggml_base.ggml_backend_event_synchronize(ev)
@@ -159,13 +166,14 @@ class EventStream:
         B.libggml_base.ggml_backend_synchronize(self.handle)
 
     def close(self) -> None:
-        if self.handle:
-            B.libggml_base.ggml_backend_synchronize(self.handle)
-            for ev in self._made:
-                B.libggml_base.ggml_backend_event_free(ev)
-            self._free, self._made = [], []
-            B.libggml_base.ggml_backend_free(self.handle)
-            self.handle = None
+        with self._lock:  # no put issues work on a backend being freed
+            if self.handle:
+                B.libggml_base.ggml_backend_synchronize(self.handle)
+                for ev in self._made:
+                    B.libggml_base.ggml_backend_event_free(ev)
+                self._free, self._made = [], []
+                B.libggml_base.ggml_backend_free(self.handle)
+                self.handle = None
 
 
 class DeferredStream:
@@ -226,12 +234,16 @@ class DeferredStream:
             self._pending.discard(f)
 
     def ready(self, marker: object) -> bool:
+        if self._closed:
+            raise closed_stream(self.name)
         if marker is None or not marker.done():
             return marker is None
         marker.result()  # a copy that raised: raised here
         return True
 
     def wait(self, marker: object) -> None:
+        if self._closed:
+            raise closed_stream(self.name)
         if marker is not None:
             marker.result()
 

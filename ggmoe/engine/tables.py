@@ -167,7 +167,8 @@ class ExpertTables:
             self._lo, self._hi, self.dirty = 0, total, 1  # the whole mirror goes to the device once
             self.flush()
             self._register(kinds, made)
-        except BaseException:
+        except BaseException:  # a later layer refused: the earlier ones are taken back before the arena goes
+            self.detach()
             self.close()
             raise
         self._start_routing(n_layer, max_tokens, n_expert_used)

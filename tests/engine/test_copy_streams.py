@@ -67,7 +67,7 @@ def test_a_failed_copy_is_raised_by_whoever_asks_and_close_lands_what_is_in_flig
         s.ready(bad)
     threading.Timer(0.05, gate.set).start()
     s.close()  # waits for the copy in flight: it never writes freed slots
-    assert done == [1] and s.ready(pending)
+    assert done == [1] and pending.done()  # landed before close returned (the stream refuses questions after)
 
 
 def test_immediate_stream_lands_inside_put():
@@ -185,13 +185,13 @@ def test_a_closed_stream_refuses_work_and_closing_twice_is_harmless(make, monkey
     from ggmoe.base.errors import EngineError
 
     s = make(monkeypatch)
+    marker = s.put(lambda handle: None)
     s.synchronize()
     s.close()
     s.close()
-    with pytest.raises(EngineError, match="used after it was closed"):
-        s.synchronize()
-    with pytest.raises(EngineError, match="used after it was closed"):
-        s.put(lambda handle: None)
+    for use in (s.synchronize, lambda: s.put(lambda handle: None), lambda: s.ready(marker), lambda: s.wait(marker)):
+        with pytest.raises(EngineError, match="used after it was closed"):  # a GPU's events are freed by then
+            use()
 
 
 def test_an_event_stream_recycles_each_event_once_when_another_thread_sees_it_land(monkeypatch):
