@@ -229,9 +229,12 @@ def test_bounds_and_the_async_goals_by_hand():
                                copied_bytes_per_token=0.0)
     half = dataclasses.replace(_cell("random", "async", 0.5, 50.0), host_read_bytes_per_token=50e6,
                                copied_bytes_per_token=100e6)  # 2 ms of reads + 2 ms of copies
-    out = {(c.config, c.fraction): c for c in bounds([vram, full, half], probe)}
+    host = dataclasses.replace(_cell("random", "lru-host", 0.5, 20.0), host_read_bytes_per_token=0.0,
+                               copied_bytes_per_token=100e6, miss_policy="cpu")  # the CPU's time: no link bound
+    out = {(c.config, c.fraction): c for c in bounds([vram, full, half, host], probe)}
     assert out[("async", 1.0)].bound_tpot_ms == pytest.approx(10.0)
     assert out[("async", 0.5)].bound_tpot_ms == pytest.approx(14.0)
+    assert out[("lru-host", 0.5)].bound_tpot_ms is None
     assert bounds([vram, half], None)[1].bound_tpot_ms is None  # no probe, no bound
     g = {x["goal"]: x for x in goals(list(out.values())) if x["routing"] == "random"}
     assert g["decode, every expert cached: async / stock-vram"]["value"] == pytest.approx(0.98)
