@@ -130,6 +130,8 @@ class ExpertCache:
         self._on_evict = policy.on_evict if type(policy).on_evict is not Policy.on_evict else None
         # the policy's several victims at once (one sort instead of a scan per eviction), where it has them
         self._pick_victims = policy.victims if type(policy).victims is not Policy.victims else None
+        # the policy's filter on admissions of misses served without a slot (None: it admits all, the default)
+        self._admits = policy.admit if type(policy).admit is not Policy.admit else None
         # the copy queue's (None: the backend has no queue)
         self._promote = getattr(copies, "promote", None)
         self._remaining = getattr(copies, "remaining_s", None)
@@ -294,9 +296,20 @@ class ExpertCache:
             rank = {e: i for i, e in enumerate(plan)}
             admit.sort(key=lambda e: rank.get(e, len(plan)))
             need = need + plan
+        if admit and self._admits is not None:
+            admit = self.admissible(il, table, need, admit, reserve)
         if admit:
             self.stats.layers[il].admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION,
                                                                      reserve))
+
+    def admissible(self, il: int, table: SlotTable, need: list[int], admit: list[int], reserve: int = 0
+                   ) -> list[int]:
+        """What the policy admits of ``admit`` (misses this call served without a slot), given the layer's free
+        slots less ``reserve`` and the experts that may be evicted (none that ``need`` uses)."""
+        if self._admits is None or not admit:
+            return admit
+        n_free = table.expert_in_list.count(-1) - reserve
+        return self._admits(il, admit, self._victims(table, set(need)), n_free)
 
     @staticmethod
     def _in_flight(table: SlotTable, need: list[int]) -> list[CopyHandle]:
@@ -668,7 +681,7 @@ class WholeLayer:
         c, table = self.cache, self.table
         st.host_computed += len(host)
         slot_of = table.slot_of_list
-        admit = [e for e in host if slot_of[e] < 0]
+        admit = c.admissible(self.il, table, need, [e for e in host if slot_of[e] < 0])
         # At most n_expert_used admissions in flight per layer: on a link slower than the CPU, queued
         # admissions would pile up, each holding a slot while it waits.
         room = c.n_expert_used - sum(1 for h in table.copy if h is not None and h.priority is Priority.ADMISSION)

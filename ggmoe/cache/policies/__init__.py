@@ -10,6 +10,7 @@ from ggmoe.cache.policies import (  # noqa: F401 - registration
     lru,
     on_demand,
     static,
+    tinylfu,
 )
 from ggmoe.cache.policies.base import POLICIES, Policy, make_policy
 

@@ -45,6 +45,13 @@ class Policy(ABC):
     def set_future(self, il: int, next_use: Mapping[int, float] | None) -> None:  # noqa: B027 - optional hook
         """Next-use time (access number, or inf for never) of layer ``il``'s experts, when the caller knows it."""
 
+    def admit(self, il: int, wanting: list[int], victims: list[int], n_free: int) -> list[int]:
+        """Which of ``wanting`` (missing experts a call served without a slot: the async decode's, read in
+        place, and the host path's, computed on the CPU) to copy in for later calls, given ``n_free`` free slots
+        and ``victims``, the resident experts that may be evicted (ascending). Asked only where skipping a copy
+        costs the call nothing; the cache then evicts by ``victims``/``victim`` as always. Default: all."""
+        return wanting
+
     def release(self, il: int, resident: list[int]) -> list[int]:
         """Experts of ``resident`` to drop at the end of a layer call (none: keep them for reuse)."""
         return []
