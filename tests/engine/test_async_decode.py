@@ -37,7 +37,7 @@ def _engine(path, n_slots, policy="lru", mode="async", n_ubatch=4, **cache_kw) -
                                cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode, **cache_kw)))
 
 
-@pytest.mark.parametrize("policy", ["lru", "test-random"])
+@pytest.mark.parametrize("policy", ["lru", "test-random", "tinylfu"])  # tinylfu: the admission filter's path
 def test_async_logits_equal_stock_path(arch_model, stock_logits, policy, copy_stream):
     arch, path = arch_model
     facts = inspect_model(path)

@@ -17,6 +17,9 @@ routing, benchmark only, see trace_routing.py) and each configuration:
                  a top-only hit reads the bottom, a miss the whole expert, from pinned host memory (zero-copy);
                  the top of a miss is admitted (fractions below 100 % only)
     split-async  the same split in the async decode (admissions between tokens)
+    async-tinylfu  the async decode with tinylfu: LRU eviction, and a miss read in place admitted only if the
+                 layer used it more often than LRU's victim (the simulator: 7.3 against async LRU's 13.7 ms a
+                 token at 50 % on the shared DeepSeek-V2-Lite routing, H100 profile; docs/policies.md)
     async-prefetch  the async decode with the mailbox's stride prefetch (reuse, stride 2: each layer's
                  experts predicted two layers ahead while the graph runs, into free slots; the
                  simulator's real-shape row of docs/policies.md)
@@ -96,13 +99,14 @@ if TYPE_CHECKING:
 # the engine (llama.cpp) is imported where it runs: the pure parts here are unit-tested without it
 
 CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async",
-           "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host")
-DEFAULT_CONFIGS = (*CONFIGS[:10], "prefetch-mlp")
+           "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host",
+           "async-tinylfu")
+DEFAULT_CONFIGS = (*CONFIGS[:10], "prefetch-mlp", "async-tinylfu")
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
 PER_FRACTION = ("n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg",
-                "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host")
+                "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu")
 GGMOE = ("lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto",
-         "prefetch-wait", "prefetch-mlp", "lru-host")
+         "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu")
 LRU_MISS = {"lru": "wait", "lru-auto": "auto", "lru-host": "cpu"}  # the lru rows' --miss-policy
 SPLIT = ("split", "split-async")  # MoEpic's split: only below 100 % (with every expert cacheable it is moot)
 WHOLE_LRU = ("lru", "async")  # whole-expert LRU, the split rows' reference at the same VRAM
@@ -270,8 +274,9 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
     if config in LRU_MISS:
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=LRU_MISS[config],
                                                       decode_mode="sync")), n_slots
-    if config == "async":
-        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", decode_mode="async")), n_slots
+    if config in ("async", "async-tinylfu"):
+        policy = "tinylfu" if config == "async-tinylfu" else "lru"
+        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode="async")), n_slots
     if config == "async-prefetch":
         pre = PrefetchConfig(predictor="reuse", stride=2)
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", decode_mode="async",
@@ -442,7 +447,7 @@ def sim_miss_policy(cell: Cell) -> str:
         return cell.miss_policy
     if cell.config in LRU_MISS:
         return LRU_MISS[cell.config]
-    return "wait" if cell.config in ("async", "async-prefetch", "prefetch-wait") else "auto"
+    return "wait" if cell.config in ("async", "async-tinylfu", "async-prefetch", "prefetch-wait") else "auto"
 
 
 def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None = None) -> float | None:
@@ -467,9 +472,10 @@ def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None =
                         decode_mode="async" if cell.decode_mode == "async" else "sync")
         r = simulate(trace, sim, bpe, profile)
         return r.tpot_s * 1e3 if r.tpot_s is not None else None
-    pred = {"lru": None, "async": None, "lru-auto": None, "lru-host": None, "prefetch": "reuse", "prefetch-bg": "reuse",
+    pred = {"lru": None, "async": None, "async-tinylfu": None, "lru-auto": None, "lru-host": None, "prefetch": "reuse", "prefetch-bg": "reuse",
             "prefetch-wait": "reuse", "prefetch-eam": "eam", "async-prefetch": "reuse"}[cell.config]
-    sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots), policy="lru", predictor=pred,
+    sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots),
+                    policy="tinylfu" if cell.config == "async-tinylfu" else "lru", predictor=pred,
                     stride=2 if cell.config == "async-prefetch" else 1, miss_policy=sim_miss_policy(cell),
                     decode_mode="async" if cell.decode_mode == "async" else "sync")
     r = simulate(trace, sim, bpe, profile, train=train if pred == "eam" else None)
