@@ -36,11 +36,12 @@ def _trace(tmp_path, prompts: list[str], max_tokens: int):
 @pytest.mark.parametrize("flags", [
     ["--policy", "lru"],
     ["--policy", "lfu", "--miss-policy", "cpu"],
+    ["--policy", "tinylfu", "--miss-policy", "cpu"],  # the host path's admissions through the filter
     ["--policy", "lru", "--predictor", "reuse", "--stride", "1"],
     ["--policy", "lcp", "--predictor", "reuse", "--stride", "2", "--miss-policy", "cpu"],
     ["--policy", "lru", "--predictor", "skip-gate", "--stride", "1"],
     ["--policy", "lru", "--predictor", "skip-gate", "--stride", "2", "--plan-predictor", "reuse"],
-], ids=["lru", "lfu-host", "prefetch", "lcp-prefetch-host", "skip-gate", "skip-gate-planner"])
+], ids=["lru", "lfu-host", "tinylfu-host", "prefetch", "lcp-prefetch-host", "skip-gate", "skip-gate-planner"])
 def test_simulator_counts_equal_the_engine(qwen3moe_model, tmp_path, flags):
     stats, tr = tmp_path / "s.json", tmp_path / "trace"
     r = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox jumps", "-n", "24",
@@ -67,7 +68,7 @@ def test_simulator_counts_equal_the_engine(qwen3moe_model, tmp_path, flags):
 
 @pytest.mark.immediate_copies("the replay lands a copy when it is issued, as the immediate stream does")
 @pytest.mark.parametrize(("policy", "predictor", "slots", "planner"), [
-    ("lru", None, 3, None), ("lfu", None, 3, None), ("lru", "reuse", 5, None), ("lru", None, 4, "token.npz"),
+    ("lru", None, 3, None), ("lfu", None, 3, None), ("tinylfu", None, 3, None), ("lru", "reuse", 5, None), ("lru", None, 4, "token.npz"),
     ("lru", "reuse", 5, "reuse")])
 def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, policy, predictor, slots, planner):
     """The async decode replayed: the engine's counts (decode steps read through the tables, the controller
