@@ -166,8 +166,11 @@ def cache_flags(advice: Advice, facts: ModelFacts) -> tuple[dict[str, Any], Way 
     way = max(ours, key=lambda w: w.decode_tok_s)
     if way.name == "all experts in VRAM":
         return {"cache_slots": facts.n_expert, "decode_mode": "async", "miss_policy": "wait", "policy": "lru"}, way
+    from ggmoe.simulate.advise import ADVISED_POLICY
+
     mode, miss = ("async", "wait") if way.name == "ggmoe, async decode" else ("sync", "auto")
-    return {"vram": str(advice.expert_budget_bytes), "decode_mode": mode, "miss_policy": miss, "policy": "lru"}, way
+    return {"vram": str(advice.expert_budget_bytes), "decode_mode": mode, "miss_policy": miss,
+            "policy": ADVISED_POLICY}, way
 
 
 def fit(facts: ModelFacts | None, cache: dict[str, Any], threads: int | None, echo: Callable[[str], None],

@@ -91,6 +91,12 @@ def _tok_s(tpot_s: float | None, ttft_s: float | None) -> tuple[float | None, fl
     return decode, prefill
 
 
+# The policy ggmoe's ways run: LRU's eviction with admissions filtered by use (docs/policies.md, "Admission of
+# misses served without a slot": on the shared real routing it is the fastest row of both decodes that serve
+# misses without a slot; the sync decode's demand copies are not filtered). llama.cpp's row stays LRU.
+ADVISED_POLICY = "tinylfu"
+
+
 def _ggmoe_ways(tr: Trace, facts: ModelFacts, bpe: dict[int, int], budget: int, profile: HardwareProfile,
                 model: str, hw: str) -> list[Way]:
     slots = slots_for_budget(budget, bpe, facts.n_expert, facts.n_expert_used)
@@ -99,12 +105,13 @@ def _ggmoe_ways(tr: Trace, facts: ModelFacts, bpe: dict[int, int], budget: int, 
     for name, mode, miss in (("ggmoe, async decode", "async", "wait"), ("ggmoe, sync decode + host path", "sync",
                                                                           "auto"),
                              ("llama.cpp --moe-cache-mib (LRU, sync, misses copied)", "sync", "wait")):
-        r = simulate(tr, SimConfig(slots, policy="lru", miss_policy=miss, decode_mode=mode), bpe, profile)
+        policy = "lru" if name.startswith("llama.cpp") else ADVISED_POLICY
+        r = simulate(tr, SimConfig(slots, policy=policy, miss_policy=miss, decode_mode=mode), bpe, profile)
         dec, pre = _tok_s(r.tpot_s, r.ttft_each_s[-1] if r.ttft_each_s else None)
         if name.startswith("llama.cpp"):
             run = f"llama-server -m {model} --moe-cache-mib {budget >> 20} (llama.cpp mainline)"
         else:
-            run = (f"ggmoe serve {model} --vram {budget} --policy lru --decode-mode {mode} --miss-policy {miss} "
+            run = (f"ggmoe serve {model} --vram {budget} --policy {policy} --decode-mode {mode} --miss-policy {miss} "
                    f"--hw {hw}")
         out.append(Way(name, dec, pre, f"{n} of {facts.n_expert} experts per layer cached; hit rate "
                                         f"{r.hit_rate:.0%}", run))
