@@ -19,6 +19,7 @@ every micro-batch takes the route op (the sync path), with the tables kept curre
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -483,20 +484,28 @@ class CachePipeline:
     # -- lifecycle
     def detach(self) -> None:
         """Stop the prefetch worker, land the copies in flight and stop the copy queue, and take the callback,
-        tables and predictor off the context (before it and the model are freed)."""
-        self._close_stride()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        if self.runtime is not None:  # copies read the model's host experts: landed before the model can go
-            self.runtime.quiesce()
-        if self._ctx_ptr:
-            self.hook.uninstall(self._ctx_ptr)
-            if self.tables is not None:
-                self.tables.detach()
+        tables and predictor off the context (before it and the model are freed). Every step runs even when
+        an earlier one raises (an ExitStack, registered last to first): the driver frees the model next, and a
+        copy still in flight would read it (on a GPU, its copy engine)."""
+        with contextlib.ExitStack() as stack:
+            if self._ctx_ptr:
+                stack.callback(self._leave_context)
+            if self.runtime is not None:  # copies read the model's host experts: landed before the model can go
+                stack.callback(self.runtime.quiesce)
+            if self.prefetcher is not None:
+                stack.callback(self.prefetcher.close)
+            stack.callback(self._close_stride)
+
+    def _leave_context(self) -> None:
+        """The callback, tables and in-graph predictor off the context."""
+        with contextlib.ExitStack() as stack:
+            stack.callback(setattr, self, "_ctx_ptr", 0)
             if self.graph_predictor is not None:  # out of the context's graphs before its tensors go
-                self.graph_predictor.close(ctx_alive=True)
-                self.graph_predictor = None
-            self._ctx_ptr = 0
+                stack.callback(setattr, self, "graph_predictor", None)
+                stack.callback(self.graph_predictor.close, ctx_alive=True)
+            if self.tables is not None:
+                stack.callback(self.tables.detach)
+            stack.callback(self.hook.uninstall, self._ctx_ptr)
 
     def _close_stride(self) -> None:
         """Stop the mailbox's reader and take the mailbox off the context (before the context or the tables go)."""

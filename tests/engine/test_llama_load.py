@@ -165,6 +165,28 @@ def test_teardown_runs_every_step_when_one_raises(driver):
     obj.close()  # and again: nothing left to do, nothing raised
 
 
+@pytest.mark.parametrize("driver", ["llama", "engine"])
+def test_detach_lands_the_copies_and_leaves_the_context_when_an_earlier_step_raises(driver):
+    """The pipeline's detach is one ExitStack too: a stride reader that fails to stop still leaves the copies
+    landed and the route callback off the context before the driver frees the model."""
+    obj = ggmoe.load(n_ctx=64, cache_slots=8) if driver == "llama" else _engine()
+    pipeline = obj.attachment if driver == "llama" else obj.pipeline
+    done: list[str] = []
+    quiesce, uninstall = pipeline.runtime.quiesce, pipeline.hook.uninstall
+
+    def broken_stride():
+        raise EngineError("injected stride failure")
+
+    pipeline._close_stride = broken_stride
+    pipeline.runtime.quiesce = lambda: (done.append("quiesce"), quiesce())
+    pipeline.hook.uninstall = lambda ctx: (done.append("uninstall"), uninstall(ctx))
+    with pytest.raises(EngineError, match="injected stride failure"):
+        pipeline.detach()
+    assert done == ["quiesce", "uninstall"] and pipeline._ctx_ptr == 0
+    del pipeline._close_stride
+    obj.close()
+
+
 def test_close_lands_the_copies_in_flight_before_the_model_goes():
     """Copies read the model's host experts: with admissions still on a slow deferred stream (50 ms a copy),
     ``close`` lands them before the model is freed. It used to free the model first, and the process crashed
