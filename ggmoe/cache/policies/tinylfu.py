@@ -23,8 +23,9 @@ DEFAULT_AGE = 32.0  # accesses per expert between halvings (2: 15.1 ms, 8: 8.0, 
 
 @POLICIES.register("tinylfu")
 class TinyLFU(LRU):
-    """LRU eviction; a miss served without a slot is admitted into a free slot, or if the layer used it more
-    often than LRU's victim for it."""
+    """TinyLFU: evict as LRU; admit a miss read without a slot only if used more often than LRU's victim.
+
+    A free slot takes any such miss. The sync decode's demand copies are not filtered."""
 
     PARAMS = (Param("age", float, low=1.0, high=1e9, help="accesses per expert of a layer between halvings of "
                                                           "its counts"),)
