@@ -19,7 +19,6 @@ every micro-batch takes the route op (the sync path), with the tables kept curre
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -487,7 +486,7 @@ class CachePipeline:
         tables and predictor off the context (before it and the model are freed). Every step runs even when
         an earlier one raises (an ExitStack, registered last to first): the driver frees the model next, and a
         copy still in flight would read it (on a GPU, its copy engine)."""
-        with contextlib.ExitStack() as stack:
+        with ExitStack() as stack:
             if self._ctx_ptr:
                 stack.callback(self._leave_context)
             if self.runtime is not None:  # copies read the model's host experts: landed before the model can go
@@ -498,7 +497,7 @@ class CachePipeline:
 
     def _leave_context(self) -> None:
         """The callback, tables and in-graph predictor off the context."""
-        with contextlib.ExitStack() as stack:
+        with ExitStack() as stack:
             stack.callback(setattr, self, "_ctx_ptr", 0)
             if self.graph_predictor is not None:  # out of the context's graphs before its tensors go
                 stack.callback(setattr, self, "graph_predictor", None)
