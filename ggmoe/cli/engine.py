@@ -90,6 +90,11 @@ def status(as_json: bool) -> None:
             click.echo(f"gpu offload: {'yes' if info.get('gpu_offload') else 'no'}"
                        + (f" ({info['gpu']})" if info.get("gpu") else ""))
             click.echo(f"backends: {info.get('system_info')}")
+            feats = info.get("cpu_features") or []
+            amx = [f for f in feats if f.startswith("AMX")]
+            click.echo(f"cpu features built in: {' '.join(feats) or 'none reported'}")
+            click.echo("amx: " + (f"built in ({' '.join(amx)}; llama.cpp #20824 crashes it on some CPUs)" if amx
+                                  else "left out (GGMOE_AMX=1 builds it in; llama.cpp #20824)"))
         click.echo(f"patch series: {len(info['patches_available'])} in {info['patch_dir']}")
         if not info.get("patched"):
             click.echo(f"to build and install the patched engine: {eb.COMMAND}")

@@ -100,8 +100,36 @@ def cmake_args(cuda: bool | None = None) -> list[str]:
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
     native = os.environ.get("GGMOE_NATIVE", "1") not in ("", "0")
     args.append(f"-DGGML_NATIVE={'ON' if native else 'OFF'}")
+    if native and not amx_opted_in():
+        args += no_amx_flags()
     args += os.environ.get("CMAKE_ARGS", "").split()
     return args
+
+
+# ggml-cpu's AMX kernels (ggml-cpu/amx/, compiled in when the compiler defines __AMX_INT8__) crash in
+# ggml_backend_amx_mul_mat on Sapphire Rapids and later (llama.cpp #20824, closed without a fix;
+# stanfordnlp/dspy #10079). -march=native defines it on such a CPU, so a native build leaves AMX out
+# unless GGMOE_AMX=1. An explicit -mno-amx-* wins over -march=native whatever their order (GCC, Clang).
+
+
+def amx_opted_in() -> bool:
+    return os.environ.get("GGMOE_AMX", "0") not in ("", "0")
+
+
+def no_amx_flags() -> list[str]:
+    """C and C++ flags that keep ggml's AMX kernels out of a native x86 build; none elsewhere.
+
+    One flag per define (CMAKE_ARGS is split on whitespace), the int8 one: ggml's AMX backend and
+    ``ggml_cpu_has_amx_int8`` are compiled only under ``__AMX_INT8__``."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return []
+    cc = os.environ.get("CC", "cc")
+    try:
+        ok = subprocess.run([cc, "-mno-amx-int8", "-E", "-x", "c", os.devnull], capture_output=True,
+                            timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False  # no compiler to ask: the build reports that itself
+    return ["-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8"] if ok else []
 
 
 def cpu_flags() -> str:
@@ -298,7 +326,20 @@ def status() -> dict:
         info["current_key"] = None
     info["patch_dir"] = str(PATCH_DIR)
     info["expected_version"] = LLAMA_CPP_PYTHON_VERSION
+    info["cpu_features"] = cpu_features(info.get("system_info") or "")
     return info
+
+
+def cpu_features(system_info: str) -> list[str]:
+    """The CPU features the engine was built with, from llama.cpp's system info ("AVX2 = 1 | AMX_INT8 = 1 | ..."):
+    ggml's ``ggml_cpu_has_*`` answer what the compiler defined, so this is the build, not the machine."""
+    out = []
+    for part in system_info.replace("\n", "|").split("|"):
+        name, _, value = part.rpartition("=")
+        name = name.strip().rsplit(":", 1)[-1].strip()
+        if name and value.strip() == "1" and name.replace("_", "").isalnum() and name.isupper():
+            out.append(name)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,3 +104,48 @@ def test_the_build_in_the_package_loads_no_engine():
     before, after, module = out.stdout.splitlines()
     assert after == before and "ggmoe.engine.engine" not in after
     assert module == "ggmoe.engine.engine"
+
+
+def test_a_native_x86_build_leaves_amx_out_unless_opted_in(monkeypatch):
+    """ggml's AMX kernels crash on Sapphire Rapids (llama.cpp #20824): a native build defines no __AMX_INT8__."""
+    for var in ("GGMOE_CUDA", "CMAKE_ARGS", "GGMOE_AMX", "GGMOE_NATIVE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(be.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(be, "no_amx_flags", lambda: ["-DCMAKE_C_FLAGS=-mno-amx-int8"])
+    assert "-DCMAKE_C_FLAGS=-mno-amx-int8" in be.cmake_args()
+    monkeypatch.setenv("GGMOE_AMX", "1")
+    assert not any("amx" in a for a in be.cmake_args())
+    monkeypatch.setenv("GGMOE_AMX", "0")
+    monkeypatch.setenv("GGMOE_NATIVE", "0")  # a portable build never enables AMX (ggml's GGML_AMX_* are off)
+    assert not any("amx" in a for a in be.cmake_args())
+
+
+def test_the_no_amx_flag_is_one_the_compiler_honours_against_march():
+    """The flag the build passes, checked with the compiler the build uses: -march=sapphirerapids then
+    -mno-amx-int8 in either order defines no __AMX_INT8__ (skipped where there is no x86 compiler)."""
+    import os
+    import shutil
+    import subprocess
+
+    import pytest
+
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None or be.platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("no x86 C compiler here")
+    flags = be.no_amx_flags()
+    assert flags, "the compiler here knows -mno-amx-int8, so the build must pass it"
+    flag = flags[0].split("=", 1)[1]
+    for order in ([flag, "-march=sapphirerapids"], ["-march=sapphirerapids", flag]):
+        out = subprocess.run([cc, *order, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True)
+        if out.returncode != 0:
+            pytest.skip("the compiler here does not know -march=sapphirerapids")
+        assert "__AMX_INT8__" not in out.stdout, order
+    ref = subprocess.run([cc, "-march=sapphirerapids", "-dM", "-E", "-x", "c", os.devnull],
+                         capture_output=True, text=True)
+    assert "__AMX_INT8__" in ref.stdout  # the check itself can fail
+
+
+def test_cpu_features_read_from_the_system_info():
+    info = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 0 | AMX_INT8 = 1 | OPENMP = 1 | REPACK = 1 |"
+    assert be.cpu_features(info) == ["SSE3", "AVX2", "AMX_INT8", "OPENMP", "REPACK"]
+    assert be.cpu_features("") == []
