@@ -9,7 +9,7 @@ from typing import Any
 
 from ggmoe.base.version import __version__
 
-__all__ = ["__version__", "load"]
+__all__ = ["__version__", "load", "models"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +18,8 @@ def __getattr__(name: str) -> Any:
         from ggmoe.serve import load
 
         return load
+    if name == "models":  # the embedded model's path (a pathlib import, nothing heavier)
+        return importlib.import_module("ggmoe.models")
     raise AttributeError(f"module 'ggmoe' has no attribute {name!r}")
 
 

@@ -368,7 +368,8 @@ def _plan_file_cache(config: str | os.PathLike, facts: ModelFacts, decode_mode: 
     return cache
 
 
-def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None,
+def load(path: str | os.PathLike | None = None, *, model_path: str | os.PathLike | None = None,
+         vram: int | str | None = None,
          cache_slots: int | None = None, policy: str | None = None, predictor: str | None = None,
          stride: int = 2, n_prefetch: int | None = None, prefetch_threshold: float | None = None,
          predictor_train: Sequence[str] = (), miss_policy: str | None = None, hw: str | None = None,
@@ -376,7 +377,7 @@ def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None
          plan_predictor: str | None = None, **llama_kwargs: Any) -> GgmoeLlama:
     """Load a GGUF MoE model as a ``llama_cpp.Llama`` with its experts in host RAM.
 
-    ``path`` defaults to the embedded model. ``cache_slots`` (slots per MoE layer) or ``vram`` (bytes, or
+    ``path`` (or ``model_path``, ``llama_cpp.Llama``'s name for it) defaults to the embedded model. ``cache_slots`` (slots per MoE layer) or ``vram`` (bytes, or
     a size such as ``"4GiB"``) turn on the expert cache, with eviction ``policy`` (default lru, see
     ``ggmoe policies``), stride prefetching from ``predictor`` (``stride`` MoE layers ahead, ``n_prefetch``
     experts per layer, trained on ``predictor_train`` traces when it learns), ``miss_policy`` (wait, cpu,
@@ -394,6 +395,10 @@ def load(path: str | os.PathLike | None = None, *, vram: int | str | None = None
     from ggmoe.control.prefetch import build_prefetch_config
     from ggmoe.inspect import inspect_model
 
+    if model_path is not None:
+        if path is not None:
+            raise UsageError("give the model as path or as model_path, not both")
+        path = model_path
     if path is None:
         from ggmoe.models import default_model_path
 
