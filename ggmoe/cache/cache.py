@@ -16,6 +16,7 @@ the step log) and asks which kind a layer is only to build them.
 from __future__ import annotations
 
 import threading
+from bisect import insort
 from collections.abc import Callable, Iterable, Mapping
 from itertools import compress
 
@@ -24,6 +25,7 @@ import numpy as np
 from ggmoe.base.errors import UsageError
 from ggmoe.cache.clock import Clock, MonotonicClock
 from ggmoe.cache.copy import CopyBackend, CopyHandle, NullCopyBackend, Priority
+from ggmoe.cache.fill import Fill, FillPlan
 from ggmoe.cache.miss import HOST_MAX_TOKENS, SLOT_HOST, MissCosts, check_miss_policy, prefer_host
 from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.slots import BottomTable, SlotTable
@@ -93,6 +95,11 @@ class ExpertCache:
         # prefetches issued plus their outcomes (used, wasted, late) counted so far, every layer: the async
         # prefetcher's budget looks at the layers only when this moved
         self.prefetch_events = 0
+        # in-graph fills (the async decode, patch 0012): slots per layer the graph may fill (0: none), the plans
+        # handed to the graph before a decode, and what it read back as filled, settled by after_token
+        self.fill_slots = 0
+        self.fill_plans: dict[int, FillPlan] = {}
+        self._filled: dict[int, list[Fill]] = {}
         self._build_layers(dict(split or {}), n_bottom)
 
     def _build_layers(self, split: dict[int, LayerSplit], n_bottom: int) -> None:
@@ -244,6 +251,36 @@ class ExpertCache:
                 st.hits += len(set(flat))
                 if predicted and il in predicted:  # the stride prefetcher's guess, scored as in sync
                     self._score_guess(st, predicted.pop(il), sorted(set(flat)))
+
+    @property
+    def fill_layers(self) -> tuple[int, ...]:
+        """The layers whose misses the graph may fill: whole experts, fewer slots than experts, a policy that
+        keeps what it loads (a layer with a slot for every expert admits each miss once and never evicts)."""
+        return () if self.policy_releases else self.partial_layers
+
+    def plan_fills(self) -> tuple[FillPlan, ...]:
+        """Before a table-mode decode: each fill layer's fill slots (``fill_slots`` of them: free slots beyond
+        those kept for the stride prefetch, then the policy's victims), reserved until the decode's fills are
+        settled. Plans of an earlier decode that were never settled are settled first (nothing filled)."""
+        with self.lock:
+            for il in list(self.fill_plans):
+                self.layers[il].settle_fill(self.fill_plans.pop(il), self._filled.pop(il, []))
+            if self.fill_slots <= 0:
+                return ()
+            plans = []
+            for il in self.fill_layers:
+                plan = self.layers[il].plan_fill(self.fill_slots)
+                if plan.slots:
+                    self.fill_plans[il] = plan
+                    plans.append(plan)
+            return tuple(plans)
+
+    def take_fills(self, fills: Iterable[Fill]) -> None:
+        """What the decode's graph filled (read back, or ``assign``-ed by the simulator): ``after_token`` of each
+        layer settles them (the experts placed, their slots' experts evicted, no admission copies)."""
+        with self.lock:
+            for f in fills:
+                self._filled.setdefault(f.il, []).append(f)
 
     def plan_next(self, il: int, experts: list[int]) -> None:
         """The planner's experts for layer ``il``'s next call, likeliest first (empty: no plan); see ``plan``."""
@@ -732,6 +769,13 @@ class WholeLayer:
             missing = [e for e in need if slot_of[e] < 0 or copy[slot_of[e]] is not None]
         n_miss = len(missing)
         st.hits += len(need) - n_miss
+        plan = c.fill_plans.pop(il, None) if c.fill_plans else None
+        if plan is not None:  # the graph filled some misses: placed, never admitted
+            filled = self.settle_fill(plan, c._filled.pop(il, []))
+            if filled:
+                missing = [e for e in missing if e not in filled]
+            st.misses += n_miss - len(missing)
+            n_miss = len(missing)
         if n_miss:  # (a token whose experts were all readable skips the host-read counts: the hot path)
             st.misses += n_miss
             st.host_reads += n_miss
@@ -751,6 +795,70 @@ class WholeLayer:
                 c.land_done(table)  # has landed them already
         if keep_free:
             self._make_room(need + c.plan.get(il, []), keep_free)
+
+    def plan_fill(self, n: int) -> FillPlan:
+        """``n`` fill slots for the next decode (``ExpertCache.plan_fills``): free slots beyond the stride
+        prefetch's (taken off the free list until settled), then victims in the policy's order (never a planned
+        expert, an unused prefetch or a slot still loading)."""
+        c, il, table = self.cache, self.il, self.table
+        keep = c.keep_free.get(il, 0) if c.keep_free else 0
+        free = table.free
+        slots = free[keep:keep + n]
+        del free[keep:keep + len(slots)]
+        held = [-1] * len(slots)
+        want = n - len(slots)
+        if want > 0:
+            slot_of = table.slot_of_list
+            cand = [x for x in c._victims(table, set(c.plan.get(il, ()))) if not table.prefetched[slot_of[x]]]
+            for victim in self._victim_order(cand, want):
+                slots.append(slot_of[victim])
+                held.append(victim)
+        return FillPlan(il, tuple(slots), tuple(held))
+
+    def _victim_order(self, cand: list[int], n: int) -> list[int]:
+        """The policy's next ``n`` victims among ``cand``, first evicted first (nothing evicted yet)."""
+        c = self.cache
+        if c._pick_victims is not None:
+            return list(c._pick_victims(self.il, cand, n, c.clock))[:n]
+        out, cand = [], list(cand)
+        while cand and len(out) < n:
+            victim = c.policy.victim(self.il, cand, c.clock)
+            cand.remove(victim)
+            out.append(victim)
+        return out
+
+    def settle_fill(self, plan: FillPlan, fills: list[Fill]) -> set[int]:
+        """The graph's fills of one decode (``plan``'s slots): each expert is placed ready in its slot (no copy
+        follows) and the slot's expert evicted; unused free slots go back to the free list. Returns the experts
+        filled. An expert a stride prefetch placed elsewhere while the graph ran keeps that slot: the fill slot
+        is freed, and its entry is written again (the graph pointed it at the fill slot)."""
+        c, il, table = self.cache, self.il, self.table
+        st = c.stats.layers[il]
+        filled, used = set(), set()
+        for f in fills:
+            used.add(f.slot)
+            filled.add(f.expert)
+            st.fills += 1
+            st.bytes_copied += self.slot_bytes  # the fill crossed the link, once
+            if f.held >= 0 and table.expert_in_list[f.slot] == f.held:
+                if c._on_evict is not None:
+                    c._on_evict(il, f.held)
+                st.evictions += 1
+                c._note_eviction(il, table, f.slot)
+            now = table.slot_of_list[f.expert]
+            if now >= 0:  # a stride prefetch placed it while the graph ran: that copy stands
+                table.drop(f.slot)
+                if table.log is not None:
+                    table.log.flips.append(Flip(il, f.expert, f.slot))  # what the graph wrote, then undone
+                    table.log.flips.append(Flip(il, f.expert, now if table.copy[now] is None else -1))
+                continue
+            table.place(f.expert, f.slot, None)
+            if c._on_insert is not None:
+                c._on_insert(il, f.expert, c.clock)
+        for slot, held in zip(plan.slots, plan.held, strict=True):
+            if held < 0 and slot not in used:
+                insort(table.free, slot)
+        return filled
 
     def _make_room(self, need: list[int], n_free: int) -> None:
         """Between tokens: evict until ``n_free`` slots are free for the next token's prefetches (prefetched

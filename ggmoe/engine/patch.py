@@ -112,6 +112,8 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
     #                                 int64_t * ack, int32_t max_tokens, int64_t n_embd);
     ("llama_ggmoe_set_mailbox", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int32, ctypes.c_int64], ctypes.c_int32),
+    # int32_t llama_ggmoe_set_layer_fill(struct llama_context * ctx, int32_t il, struct ggml_tensor * fill);
+    ("llama_ggmoe_set_layer_fill", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p], ctypes.c_int32),
 )
 
 SYMBOLS: tuple[str, ...] = tuple(name for name, _, _ in _SIGNATURES)
@@ -132,6 +134,7 @@ class PatchedLib:
     llama_ggmoe_set_table_mode: Any
     llama_ggmoe_set_forced_routing: Any
     llama_ggmoe_set_mailbox: Any
+    llama_ggmoe_set_layer_fill: Any
     route_cb: Any = route_cb
 
 
