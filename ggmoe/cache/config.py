@@ -38,6 +38,9 @@ class CacheConfig:
     # sync (the route op per MoE layer), async (the expert table, no sync on the decode path) or auto
     # (ggmoe.cache.decode_mode)
     decode_mode: str = "auto"
+    # the async decode's in-graph fills (patch 0012): the graph copies a layer's misses into free slots and reads
+    # them there, so a miss crosses the link once; False: misses are read in place, then admitted (twice)
+    fills: bool = True
     # MoEpic's split: the share θ of each named MoE layer's neurons whose top segment a slot holds (the rest is
     # read from host memory or prefetched); layers not named, and θ = 1, cache whole experts (ggmoe.cache.split)
     layer_theta: Mapping[int, float] | None = None

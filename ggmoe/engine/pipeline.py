@@ -160,8 +160,12 @@ class CachePipeline:
         if self.prefetcher is not None and self.decode_mode.mode == "sync":
             self._sync_prefetch(cache)
         if self.decode_mode.mode == "async" or split:
+            fill = self.decode_mode.mode == "async" and cache.fills  # the graph fills misses (patch 0012)
             self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
-                                       facts.n_layer, max(max_tokens, 1))
+                                       facts.n_layer, max(max_tokens, 1),
+                                       self.runtime.cache.fill_layers if fill else (), facts.n_expert_used)
+            if self.tables.fills is not None:
+                self.runtime.cache.fill_slots = facts.n_expert_used
             self.tables.follow(self.runtime.cache)
             # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
             self.hook.after_route = self._tables_follow
@@ -339,9 +343,12 @@ class CachePipeline:
         tables = self.tables
         if self.controller is not None and tables.enabled:
             self.runtime.cache.land_ready()  # copies landed since the last token: readable for this one
+        n = last_ubatch(len(tokens), self.n_ubatch)
+        if tables is not None and tables.fills is not None:  # only a decode of one table-mode micro-batch fills:
+            # a route-op micro-batch before it could evict what a fill slot holds
+            self._plan_fills(tables.enabled and len(tokens) <= tables.max_tokens)
         if tables is not None:
             self._tables_follow()  # what the cache changed since the last step, on the device before the decode
-        n = last_ubatch(len(tokens), self.n_ubatch)
         if tables is not None and tables.enabled and n <= tables.max_tokens:
             if n > 1:  # one token: every layer computes it, so every row is written (nothing stale to clear)
                 tables.clear_routing()
@@ -357,6 +364,14 @@ class CachePipeline:
                 self._reading = True
             elif self.stride is not None:  # a table-mode decode of several tokens: nobody reads it
                 self.stride.mailbox.release_all()
+
+    def _plan_fills(self, table_decode: bool) -> None:
+        """The fill slots of a table-mode decode, on the device with a new stamp. Fills of a decode that was
+        never settled (it failed after its graph ran) are read back and settled first."""
+        cache, words = self.runtime.cache, self.tables.fills
+        if cache.fill_plans:
+            cache.take_fills(words.read())
+        words.write(cache.plan_fills(plan=table_decode))  # none but a table decode's: a stale plan never runs
 
     def _tables_follow(self) -> None:
         """The cache's step since the last one into the tables, and the tables onto the device."""
@@ -377,6 +392,8 @@ class CachePipeline:
             return  # it took the route op: the callback saw it layer by layer
         B.llama_cpp.llama_synchronize(self._ctx_ptr)  # no-op after the logits read; the routing is complete
         try:
+            if tables.fills is not None:  # what the graph filled: placed by the controller's step, not admitted
+                self.runtime.cache.take_fills(tables.fills.read())
             hidden = self._mailbox_rows() if self.controller.wants_hidden(n) else None  # the planner's input rows
             tables.apply(self.controller.on_routing(self.facts.moe_layers, tables.read_routing(n), self.observers.items,
                                                     hidden))

@@ -24,11 +24,13 @@ controller reads it once per decode (after the logits, so the device is done).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ggmoe.base.errors import EngineError, EngineNotPatchedError
+from ggmoe.cache.fill import Fill, FillPlan
 from ggmoe.cache.split import SPLIT_PACKED
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -138,8 +140,9 @@ class ExpertTables:
     context. ``attach`` hooks them to the cache's slot tables; ``enable``/``disable`` switch table mode."""
 
     def __init__(self, ctx_ptr: int, slots: SlotTensors, n_expert: int, n_expert_used: int, n_layer: int,
-                 max_tokens: int) -> None:
-        """``slots``: the runtime's ``SlotTensors`` (its pairs give host and slot addresses per kind)."""
+                 max_tokens: int, fill_layers: Sequence[int] = (), f_max: int = 0) -> None:
+        """``slots``: the runtime's ``SlotTensors`` (its pairs give host and slot addresses per kind).
+        ``fill_layers``: the layers whose misses the graph fills into up to ``f_max`` slots (patch 0012)."""
         self.ctx_ptr = ctx_ptr
         self.n_expert_used = n_expert_used
         self.n_layer = n_layer
@@ -155,18 +158,24 @@ class ExpertTables:
         self.dirty = 0  # entries changed since the last flush
         self.flushes = 0  # flushes that wrote the tables (tests, statistics)
         self.changed = 0  # entries changed in all
-        self.arena = TensorArena(n_tables + 3, "the expert tables")
+        fill_layers = [il for il in fill_layers if il in pairs and pairs[il][0].split is None] if f_max > 0 else []
+        self.arena = TensorArena(n_tables + 4 + len(fill_layers), "the expert tables")
         self.layers: dict[int, _LayerTable] = {}
+        self.fills: FillWords | None = None
         try:
             kinds = {il: list(slots.tensors[il]) for il in pairs}  # the kinds, in the pairs' order
             made, offsets = self._new_tables(kinds, rows_of, n_expert, total)
             self._new_routing(n_expert_used, max_tokens, n_layer)
+            if fill_layers:
+                self.fills = FillWords(self.arena, fill_layers, f_max)
             self.arena.allocate(slots.buft)
             self._all_p = ctypes.cast(self.all, B.ggml_tensor_p)  # cast once: written every token
             self._new_layers(pairs, offsets, rows_of, n_expert)
             self._lo, self._hi, self.dirty = 0, total, 1  # the whole mirror goes to the device once
             self.flush()
             self._register(kinds, made)
+            if self.fills is not None:
+                self.fills.register(ctx_ptr)
         except BaseException:  # a later layer refused: the earlier ones are taken back before the arena goes
             self.detach()
             self.close()
@@ -353,9 +362,70 @@ class ExpertTables:
         if self.ctx_ptr:
             P = _patched.load()
             P.llama_ggmoe_set_table_mode(self.ctx_ptr, 0, None)  # also drops a forced routing
-            for il in self.layers:
+            for il in self.layers:  # (a layer's fill words go with its tables)
                 P.llama_ggmoe_set_layer_table(self.ctx_ptr, il, None, None, None, None)
             self.ctx_ptr = 0
 
     def close(self) -> None:
         self.arena.close()
+
+
+class FillWords:
+    """Every fill layer's words (patch 0012, ``ggml_mul_mat_id_set_fill``): one I64 tensor ``[W, n]``, a row per
+    layer of ``GGML_MMID_FILL_WORDS(f_max)`` words, each row a view handed to the layer's matmuls. ``write``
+    sends the plans and a new stamp before a table-mode decode; ``read`` says what the graph filled."""
+
+    def __init__(self, arena: TensorArena, layers: Sequence[int], f_max: int) -> None:
+        self.f_max = f_max
+        self.width = 5 + 5 * f_max  # words per layer (GGML_MMID_FILL_WORDS)
+        self.row = {il: i for i, il in enumerate(layers)}
+        self.words = np.zeros((len(layers), self.width), dtype=np.int64)  # the host mirror
+        self.words[:, 1] = f_max
+        self.tensor = arena.new_tensor(GGML_TYPE_I64, self.width, len(layers), 1, "ggmoe_fill_words")
+        self.views = [arena.new_view_1d(self.tensor, self.width, i * self.width * 8, f"ggmoe_fill.{il}")
+                      for il, i in self.row.items()]
+        self.stamp = 0
+        self.plans: dict[int, FillPlan] = {}  # what the last write handed each layer
+        self._back = np.zeros_like(self.words)  # read back after a decode
+
+    def register(self, ctx_ptr: int) -> None:
+        P = _patched.load()
+        self._p = ctypes.cast(self.tensor, B.ggml_tensor_p)  # cast once: written and read every token
+        for il, view in zip(self.row, self.views, strict=True):
+            rc = P.llama_ggmoe_set_layer_fill(ctx_ptr, il, view)
+            if rc != _patched.LLAMA_GGMOE_OK:
+                raise EngineError(f"registering the fill words of layer {il} failed: "
+                                  f"{_patched.ERROR_NAMES.get(rc, rc)}")
+
+    def write(self, plans: Sequence[FillPlan]) -> None:
+        """Before a table-mode decode: each layer's fill slots and the experts they hold (none for a layer
+        without a plan), under a new stamp, so the layer's first matmul assigns afresh."""
+        w, f_max = self.words, self.f_max
+        self.stamp += 1
+        w[:, 0] = 0
+        w[:, 2] = self.stamp
+        self.plans = {p.il: p for p in plans}
+        for p in plans:
+            r, f = self.row[p.il], len(p.slots)
+            w[r, 0] = f
+            w[r, 3: 3 + f] = p.slots
+            w[r, 3 + f_max: 3 + f_max + f] = p.held
+        B.libggml_base.ggml_backend_tensor_set(self._p, w.ctypes.data, 0, w.nbytes)
+
+    def read(self) -> list[Fill]:
+        """After the decode (device idle): the experts each layer's graph filled, and into which slots."""
+        if not self.plans:
+            return []
+        back, f_max = self._back, self.f_max
+        B.libggml_base.ggml_backend_tensor_get(self._p, back.ctypes.data, 0, back.nbytes)
+        out, base = [], 3 + 2 * f_max
+        for il, plan in self.plans.items():
+            r = back[self.row[il]]
+            if r[base] != self.stamp:
+                continue  # the layer did not run this decode's matmuls
+            held_of = dict(zip(plan.slots, plan.held, strict=True))
+            for i in range(int(r[base + 1])):
+                slot = int(r[base + 2 + f_max + i])
+                out.append(Fill(il, int(r[base + 2 + i]), slot, held_of.get(slot, -1)))
+        self.plans = {}
+        return out
