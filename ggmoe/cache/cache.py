@@ -95,7 +95,7 @@ class ExpertCache:
         # prefetches issued plus their outcomes (used, wasted, late) counted so far, every layer: the async
         # prefetcher's budget looks at the layers only when this moved
         self.prefetch_events = 0
-        # in-graph fills (the async decode, patch 0012): slots per layer the graph may fill (0: none), the plans
+        # in-graph fills (the async decode, patch 0012): slots per layer and token the graph may fill (0: none), the plans
         # handed to the graph before a decode, and what it read back as filled, settled by after_token
         self.fill_slots = 0
         self.fill_plans: dict[int, FillPlan] = {}
@@ -258,18 +258,21 @@ class ExpertCache:
         keeps what it loads (a layer with a slot for every expert admits each miss once and never evicts)."""
         return () if self.policy_releases else self.partial_layers
 
-    def plan_fills(self) -> tuple[FillPlan, ...]:
-        """Before a table-mode decode: each fill layer's fill slots (``fill_slots`` of them: free slots beyond
-        those kept for the stride prefetch, then the policy's victims), reserved until the decode's fills are
-        settled. Plans of an earlier decode that were never settled are settled first (nothing filled)."""
+    def plan_fills(self, n_tokens: int = 1) -> tuple[FillPlan, ...]:
+        """Before a table-mode decode of ``n_tokens`` tokens: each fill layer's fill slots (``fill_slots`` per token:
+        free slots beyond those kept for the stride prefetch, then the policy's victims), reserved until the
+        decode's fills are settled. Plans of an earlier decode that were never settled are settled first, with
+        what it filled (``take_fills``). ``n_tokens`` 0: only that (a decode that does not read through the
+        tables)."""
         with self.lock:
             for il in list(self.fill_plans):
                 self.layers[il].settle_fill(self.fill_plans.pop(il), self._filled.pop(il, []))
-            if self.fill_slots <= 0:
+            n = self.fill_slots * n_tokens
+            if n <= 0:
                 return ()
             plans = []
             for il in self.fill_layers:
-                plan = self.layers[il].plan_fill(self.fill_slots)
+                plan = self.layers[il].plan_fill(n)
                 if plan.slots:
                     self.fill_plans[il] = plan
                     plans.append(plan)

@@ -162,8 +162,8 @@ class CachePipeline:
         if self.decode_mode.mode == "async" or split:
             fill = self.decode_mode.mode == "async" and cache.fills  # the graph fills misses (patch 0012)
             self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
-                                       facts.n_layer, max(max_tokens, 1),
-                                       self.runtime.cache.fill_layers if fill else (), facts.n_expert_used)
+                                       facts.n_layer, max(max_tokens, 1), self.runtime.cache.fill_layers if fill else (),
+                                       facts.n_expert_used * max(max_tokens, 1))  # a micro-batch's every miss
             if self.tables.fills is not None:
                 self.runtime.cache.fill_slots = facts.n_expert_used
             self.tables.follow(self.runtime.cache)
@@ -346,7 +346,7 @@ class CachePipeline:
         n = last_ubatch(len(tokens), self.n_ubatch)
         if tables is not None and tables.fills is not None:  # only a decode of one table-mode micro-batch fills:
             # a route-op micro-batch before it could evict what a fill slot holds
-            self._plan_fills(tables.enabled and len(tokens) <= tables.max_tokens)
+            self._plan_fills(len(tokens) if tables.enabled and len(tokens) <= tables.max_tokens else 0)
         if tables is not None:
             self._tables_follow()  # what the cache changed since the last step, on the device before the decode
         if tables is not None and tables.enabled and n <= tables.max_tokens:
@@ -365,13 +365,14 @@ class CachePipeline:
             elif self.stride is not None:  # a table-mode decode of several tokens: nobody reads it
                 self.stride.mailbox.release_all()
 
-    def _plan_fills(self, table_decode: bool) -> None:
-        """The fill slots of a table-mode decode, on the device with a new stamp. Fills of a decode that was
-        never settled (it failed after its graph ran) are read back and settled first."""
+    def _plan_fills(self, n_tokens: int) -> None:
+        """The fill slots of a table-mode decode of ``n_tokens`` tokens (0: not one), on the device with a new
+        stamp. Fills of a decode that was never settled (it failed after its graph ran) are read back and
+        settled first."""
         cache, words = self.runtime.cache, self.tables.fills
         if cache.fill_plans:
             cache.take_fills(words.read())
-        words.write(cache.plan_fills(plan=table_decode))  # none but a table decode's: a stale plan never runs
+        words.write(cache.plan_fills(n_tokens))  # none but a table decode's: a stale plan never runs
 
     def _tables_follow(self) -> None:
         """The cache's step since the last one into the tables, and the tables onto the device."""

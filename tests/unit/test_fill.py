@@ -78,7 +78,7 @@ def test_a_plan_never_settled_is_settled_before_the_next():
     cache = _cache()
     cache.plan_fills()
     cache.take_fills([Fill(0, 5, 0, -1)])  # the graph filled expert 5, but no controller step followed
-    cache.plan_fills(plan=False)
+    cache.plan_fills(0)
     assert cache.tables[0].slot_of_list[5] == 0 and not cache.fill_plans
 
 
