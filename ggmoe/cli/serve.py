@@ -154,8 +154,9 @@ def _fit(path: Path, cache: dict[str, Any], threads: int | None) -> dict[str, An
 @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait while one generates; more get 429.")
 @click.option("--max-body", default="1MiB", show_default=True, help="Largest request body; larger gets 413.")
-@click.option("--cors-origin", multiple=True, help="Allow browser requests from this origin (repeatable; "
-                                                   "CORS is off without it).")
+@click.option("--cors-origin", multiple=True, help="Allow browser requests from this origin, such as "
+                                                   "http://localhost:3000 (repeatable; '*': any). Without it a "
+                                                   "request whose Origin is another site is refused (403).")
 @click.option("--logprobs", is_flag=True, help="Keep every position's logits so completions with echo may ask "
                                                "for the prompt's logprobs (n_ctx x n_vocab x 4 bytes of RAM); "
                                                "generated tokens' logprobs need no flag.")
@@ -186,13 +187,17 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
           reconfigure_every: int | None, slot_save_path: str | None, parallel: int, kv_unified: bool,
           reconfigure_hw: str, fit: bool, n_ctx: int | None,
           threads: int | None, verbose: bool, **cache: Any) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (--parallel N: N generations decoding together).
+    """Serve a model over HTTP: OpenAI's API, llama-server's routes, Anthropic's Messages API (--parallel N: N
+    generations decoding together).
 
     \b
-    Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models
-            (OpenAI); llama-server's POST /completion (and /completions), /infill, /embedding(s),
-            /tokenize, /detokenize, /apply-template, GET /props, GET /slots, POST /slots/{id};
-            GET /health (no key needed), GET /metrics (Prometheus).
+    Routes (docs/serving.md):
+      OpenAI:        POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models
+      llama-server:  POST /completion (and /completions), /infill, /embedding(s), /tokenize,
+                     /detokenize, /apply-template, /slots/{id}?action=save|restore|erase;
+                     GET /props, /slots; /chat/completions and /models without /v1
+      Anthropic:     POST /v1/messages, /v1/messages/count_tokens
+      Server:        GET /health (no key needed), GET /metrics (Prometheus)
     \b
     Examples:
       ggmoe serve                                  # the embedded model on 127.0.0.1:8080
@@ -203,9 +208,8 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
       curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
            -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
     """
-    import uvicorn
-
     from ggmoe.serve.app import ServeSettings, create_app
+    from ggmoe.serve.runner import run_app
 
     max_body_bytes = _check_http_options(api_key, model_name, max_body)
     path = model_path(model)
@@ -228,8 +232,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
         app = create_app(llama, settings)
         _announce(settings.model_id, host, port, api_key)
         _announce_cache(llama.stats().get("cache"))
-        _run_until_stopped(lambda: uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning",
-                                               timeout_graceful_shutdown=5))
+        _run_until_stopped(lambda: run_app(app, host, port, "info" if verbose else "warning"))
         app.state.server.close()
         _write_stats(llama, opts, out)
     click.echo("ggmoe serve: stopped")

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ggmoe.serve.errors import APIError
+from ggmoe.serve.errors import APIError, plain_message
 from ggmoe.serve.schema import ChatRequest
 
 
@@ -196,7 +196,7 @@ def chat_request(body: CountTokensRequest) -> ChatRequest:
     try:
         return ChatRequest.model_validate(data)
     except (ValidationError, ValueError) as e:
-        first = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
+        first = plain_message(e.errors()[0]["msg"]) if isinstance(e, ValidationError) else str(e)
         raise APIError(400, f"the request does not convert: {first}") from e
 
 

@@ -41,7 +41,7 @@ from starlette.background import BackgroundTask
 from ggmoe.base.errors import UsageError
 from ggmoe.serve import anthropic, errors
 from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
-from ggmoe.serve.asgi import BodyLimit, LoopbackHostOnly, RequestCounter
+from ggmoe.serve.asgi import BodyLimit, JsonBodies, LoopbackHostOnly, RequestCounter, SameOriginOnly
 from ggmoe.serve.errors import APIError
 from ggmoe.serve.gate import Gate
 from ggmoe.serve.generation import Run, Watch, api_error, check_request, plan_chat, plan_completion
@@ -104,6 +104,8 @@ class Server:
         self.n_vocab = llama.n_vocab()
         self.slots = [SlotState(i, self.n_ctx) for i in range(n_slots)]  # llama-server's slots, as /slots shows
         self._busy: set[int] = set()  # slots held by a request
+        self._live: set[Watch] = set()  # the generations running now (stopped together at shutdown)
+        self.stopping = False  # set by stop_generations: the server is shutting down
         self.metrics = Metrics(llama.stats, lambda: self.gate.waiting, lambda: self.gate.running, self.slots,
                                self.pool.batcher.stats if self.pool is not None else None)
         self._tasks = itertools.count()  # task ids, as /slots shows them
@@ -111,6 +113,14 @@ class Server:
         self.reconfigurer = None  # ggmoe.serve.reconfigure.Reconfigurer when the settings ask for it
         if settings.reconfigure_every:
             self.reconfigurer = _reconfigurer(llama, settings)
+
+    def stop_generations(self) -> None:
+        """Shutdown (SIGTERM, Ctrl-C): every running generation stops at its next token, so its answer or stream
+        ends as usual (``finish_reason`` ``length``, a stream's final events), and a request still waiting for
+        a slot gets a 503. Safe from a signal handler: it only sets flags."""
+        self.stopping = True
+        for watch in list(self._live):
+            watch.cancel.set()
 
     def close(self) -> None:
         """Stop the slots' batcher (before the model is closed)."""
@@ -255,6 +265,11 @@ class Server:
         """One generation holding a slot: its result, or its stream as server-sent events. ``run`` (a
         ``Run`` or ``NativeRun``) is given the slot's ``Llama`` and id first."""
         lease = await self._lease(prompt, id_slot, whole)
+        if self.stopping:
+            await lease.release()
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        lease.watch = watch
+        self._live.add(watch)
         run.llama, run.id_slot = lease.llama, lease.slot
         self.slots[lease.slot].begin(next(self._tasks), params, lambda: watch.n_tokens, watch.max_tokens)
         try:
@@ -458,6 +473,7 @@ class _Lease:
         self.server = server
         self.ticket, self.slot, self.llama, self.n = ticket, slot, llama, n
         self.chunks: Iterator[dict[str, Any]] | None = None
+        self.watch: Watch | None = None  # the generation holding the slot, if any
         self.released = False
 
     async def release(self) -> None:
@@ -469,6 +485,7 @@ class _Lease:
         if close is not None:
             await anyio.to_thread.run_sync(close)  # stops llama-cpp-python's generator
         self.llama.watch = None
+        server._live.discard(self.watch)
         server.slots[self.slot].end()
         if server.reconfigurer is not None:
             await anyio.to_thread.run_sync(server.maybe_reconfigure)  # still holding the model
@@ -555,11 +572,14 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
     add_llama_server_routes(app, server, auth)
     add_anthropic_routes(app, server, auth)
 
-    # Outermost last: count every response, then refuse foreign Hosts, then limit bodies.
+    # Outermost last: count every response, refuse foreign Hosts, then other sites' pages (a JSON body may come
+    # as text/plain or a form, which browsers send cross-site without a preflight), then limit bodies.
+    app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
+    app.add_middleware(SameOriginOnly, allowed=settings.cors_origins)
     if settings.loopback_only:
         app.add_middleware(LoopbackHostOnly)
     app.add_middleware(RequestCounter, count=lambda route, status: server.metrics.requests.labels(

@@ -88,6 +88,19 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+# What pydantic puts before the message of an error raised in a validator: its own wording, not the user's.
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def plain_message(msg: object) -> str:
+    """A validation message without pydantic's prefix (``"Value error, x"`` -> ``"x"``)."""
+    text = str(msg)
+    for prefix in _PYDANTIC_PREFIXES:
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
+
+
 def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
     first = errs[0] if errs else {"loc": (), "msg": "invalid request", "type": ""}
@@ -95,7 +108,7 @@ def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "json_invalid":
         return error_response(APIError(400, "the request body is not valid JSON", code="invalid_json"), path)
     param = _param(tuple(first.get("loc", ())))
-    msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    msg = f"{param}: {plain_message(first.get('msg'))}" if param else plain_message(first.get("msg"))
     if len(errs) > 1:
         msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
     return error_response(APIError(400, msg, param=param, code="invalid_value"), path)

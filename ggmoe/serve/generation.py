@@ -161,6 +161,14 @@ class Plan:
     tool_names: set[str] = field(default_factory=set)
     forced_tool: bool = False  # a grammar forces a call
     parallel_tools: bool = False  # parallel_tool_calls: true (llama-server's default: false)
+    # a forced call of one tool: its fixed start, given after the prompt, and its end, added once the grammar
+    # (the arguments) is complete; the answer's text is parsed with them
+    call: tuple[str, str] = ("", "")
+
+
+    def called(self, text: str, finish: str | None) -> str:
+        """The generated ``text`` with a forced call's start and, when the grammar completed (``stop``), its end."""
+        return self.call[0] + text + (self.call[1] if finish == "stop" else "")
 
 
 def _sampling(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
@@ -280,17 +288,33 @@ def plan_chat(body: ChatRequest, llama: GgmoeLlama, n_ctx: int, strict: bool) ->
     result = formatter(messages=messages, **render_kw)
     tokens = llama.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
     kw = _sampling(body)
-    kw["max_tokens"] = _fit(tokens, body, n_ctx, strict)
     rstop = result.stop if isinstance(result.stop, list) else [result.stop] if result.stop else []
     kw["stop"] = kw["stop"] + [s for s in rstop if s]
     if result.stopping_criteria is not None:
         kw["stopping_criteria"] = result.stopping_criteria
     forced = use_tools and (choice == "required" or not isinstance(choice, str))
     parallel = bool(body.parallel_tool_calls)
+    prefix = suffix = ""
     if forced:
         chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice.function.name]
-        kw["grammar"] = grammar_of(llama, structured.tool_grammar(family, chosen, parallel), "tools")
-    elif body.response_format is not None and body.response_format.type != "text":
+        grammar = structured.tool_grammar(family, chosen, parallel)
+        if len(chosen) == 1 and not parallel:  # the call's fixed start goes in as prompt, sampled: the arguments
+            prefix, grammar, suffix = structured.forced_call(family, chosen[0])
+            tokens = tokens + llama.tokenize(prefix.encode("utf-8"), add_bos=False, special=True)
+        kw["grammar"] = grammar_of(llama, grammar, "tools")
+    else:
+        _output_grammar(body, llama, kw)
+    kw["max_tokens"] = _fit(tokens, body, n_ctx, strict)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return Plan(chat=True, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
+                seed=body.seed, top_logprobs=top, family=family,
+                tool_names={t["function"]["name"] for t in tools} if use_tools else set(), forced_tool=forced,
+                parallel_tools=parallel, call=(prefix, suffix))
+
+
+def _output_grammar(body: ChatRequest, llama: GgmoeLlama, kw: dict[str, Any]) -> None:
+    """``response_format``'s grammar (a JSON schema, any JSON object) or the request's own, into ``kw``."""
+    if body.response_format is not None and body.response_format.type != "text":
         rf = body.response_format
         if rf.type == "json_schema":
             text = structured.schema_grammar(rf.json_schema.schema_, rf.json_schema.strict)
@@ -301,11 +325,6 @@ def plan_chat(body: ChatRequest, llama: GgmoeLlama, n_ctx: int, strict: bool) ->
         kw["grammar"] = grammar_of(llama, text, "response_format")
     elif body.grammar is not None:
         kw["grammar"] = grammar_of(llama, body.grammar, "grammar")
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    return Plan(chat=True, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
-                seed=body.seed, top_logprobs=top, family=family,
-                tool_names={t["function"]["name"] for t in tools} if use_tools else set(), forced_tool=forced,
-                parallel_tools=parallel)
 
 
 def _logit_bias(body: CompletionRequest | ChatRequest, llama: GgmoeLlama) -> dict[int, float]:
@@ -380,8 +399,8 @@ class Run:
         finish = c["finish_reason"]
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if self.plan.family is not None:
-            parsed = structured.parse_tool_calls(self.plan.family, text, self.plan.tool_names,
-                                                 self.plan.parallel_tools)
+            parsed = structured.parse_tool_calls(self.plan.family, self.plan.called(text, finish),
+                                                 self.plan.tool_names, self.plan.parallel_tools)
             message["content"] = parsed.content  # the markup (a partial tag included) never reaches it
             if parsed.tool_calls:
                 message["tool_calls"] = parsed.tool_calls
@@ -462,7 +481,8 @@ class Run:
                 yield from content(upto)
             chunk = next(stream, None)
         if family is not None:
-            parsed = structured.parse_tool_calls(family, text, self.plan.tool_names, self.plan.parallel_tools)
+            parsed = structured.parse_tool_calls(family, self.plan.called(text, finish), self.plan.tool_names,
+                                                 self.plan.parallel_tools)
             if parsed.tool_calls:
                 calls = [{"index": k, **call} for k, call in enumerate(parsed.tool_calls)]
                 yield self._chat_chunk(i, {"tool_calls": calls})

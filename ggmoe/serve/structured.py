@@ -78,12 +78,15 @@ def _strict(schema: Any) -> Any:
     return schema
 
 
-def _rules(schema: dict[str, Any], name: str, param: str) -> str:
-    """GBNF rules for ``schema`` with its top rule called ``name`` (400 when the converter cannot)."""
+def _rules(schema: dict[str, Any], name: str, param: str, compact: bool = False) -> str:
+    """GBNF rules for ``schema`` with its top rule called ``name`` (400 when the converter cannot); ``compact``:
+    JSON without any space between its tokens (the converter's ``space`` rule allows one everywhere)."""
     conv = _converter()
     try:
         resolved = conv.resolve_refs(copy.deepcopy(schema), "request")
         conv.visit(resolved, name)
+        if compact:
+            conv._rules["space"] = '""'  # the converter's own table; no API sets it
         return conv.format_grammar()
     except Exception as e:  # the converter raises ValueError, KeyError, AssertionError... on what it lacks
         raise APIError(400, f"{param}: the JSON schema cannot be turned into a grammar: {e!r}", param=param,
@@ -120,13 +123,14 @@ def _lit(s: str) -> str:
 
 
 def tool_grammar(family: str, tools: list[dict[str, Any]], parallel: bool = False) -> str:
-    """GBNF forcing one call of one of ``tools`` in the family's format (one or more when ``parallel``)."""
+    """GBNF forcing one call of one of ``tools`` in the family's format (one or more when ``parallel``), its JSON
+    in the compact form (no free whitespace: a forced call takes the fewest tokens)."""
     more = "+" if parallel else ""
     if family == "gpt-oss":
         alts = []
         rules = []
         for i, t in enumerate(tools):
-            rules.append(_rules(_args_schema(t), f"args{i}", "tools"))
+            rules.append(_rules(_args_schema(t), f"args{i}", "tools", compact=True))
             alts.append(f"{_lit('<|channel|>commentary to=functions.' + t['function']['name'])} "
                         f"{_lit(' <|constrain|>json<|message|>')} args{i} {_lit('<|call|>') if parallel else ''}")
         return "\n".join(rules) + "\none ::= " + " | ".join(alts) + f"\nroot ::= one{more}\n"
@@ -134,7 +138,7 @@ def tool_grammar(family: str, tools: list[dict[str, Any]], parallel: bool = Fals
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                args_key: _args_schema(t)},
               "required": ["name", args_key], "additionalProperties": False} for t in tools]
-    body = _rules(calls[0] if len(calls) == 1 else {"anyOf": calls}, "call", "tools")
+    body = _rules(calls[0] if len(calls) == 1 else {"anyOf": calls}, "call", "tools", compact=True)
     if family == "hermes":
         block = f"{_lit('<tool_call>' + chr(10))} call {_lit(chr(10) + '</tool_call>')}"
         root = f"root ::= {block} ({_lit(chr(10))} {block})*" if parallel else f"root ::= {block}"
@@ -144,6 +148,23 @@ def tool_grammar(family: str, tools: list[dict[str, Any]], parallel: bool = Fals
     else:
         root = f"root ::= call ({_lit('; ')} call)*" if parallel else "root ::= call"
     return body + "\n" + root + "\n"
+
+
+def forced_call(family: str, tool: dict[str, Any]) -> tuple[str, str, str]:
+    """One forced call of one tool: the text every such call starts with, up to its arguments, which is given
+    to the model after the prompt; the GBNF of the arguments, compact; and the text that closes the call,
+    added once the arguments are complete. A grammar constrains characters, not tokens: a model may spell
+    a forced name or tag in many small tokens, so only the arguments are sampled."""
+    name = tool["function"]["name"]
+    args = _rules(_args_schema(tool), "args", "tools", compact=True).rstrip("\n") + "\nroot ::= args\n"
+    if family == "gpt-oss":
+        return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", args, ""
+    head = '{"name":' + json.dumps(name) + ',"' + ("parameters" if family == "llama3" else "arguments") + '":'
+    if family == "hermes":
+        return "<tool_call>\n" + head, args, "}\n</tool_call>"
+    if family == "mistral":
+        return "[TOOL_CALLS] [" + head, args, "}]"
+    return head, args, "}"
 
 
 # -- parsing

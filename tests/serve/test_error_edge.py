@@ -114,6 +114,49 @@ def test_domain_error_maps_by_class_not_text(e, status, code):
     assert got.param == ("messages" if status == 400 else None)
 
 
+def _schema_app() -> FastAPI:
+    """The real request types behind the edge: their validators' refusals as the routes answer them."""
+    from ggmoe.serve.anthropic import MessagesRequest, chat_request
+    from ggmoe.serve.schema import ChatRequest, NativeCompletionRequest
+
+    app = FastAPI()
+    errors.install(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest) -> dict:
+        return {}
+
+    @app.post("/completion")
+    async def native(body: NativeCompletionRequest) -> dict:
+        return {}
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest) -> dict:
+        chat_request(body)
+        return {}
+
+    return app
+
+
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "assistant", "content": "hi"}]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [USER], "tool_choice": {"type": "tool"}}),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [USER], "stop_sequences": [""]}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant"}]}),
+    ("/v1/chat/completions", {"messages": [USER], "tool_choice": "required"}),
+    ("/completion", {"prompt": "a", "grammar": "root ::= \"a\"", "json_schema": {}}),
+], ids=["anthropic-prefill", "anthropic-tool-choice", "anthropic-stop", "assistant-empty", "required-no-tools",
+        "grammar-and-schema"])
+def test_validation_messages_carry_no_pydantic_prefix(path, body):
+    r = TestClient(_schema_app(), raise_server_exceptions=False).post(path, json=body)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message and "Value error" not in message and "Assertion failed" not in message, message
+
+
 @pytest.fixture(scope="module")
 def logprobs_server(tmp_path_factory) -> Iterator[Server]:
     s = start_server(tmp_path_factory.mktemp("logprobs"), "--n-ctx", str(N_CTX), "--logprobs")

@@ -68,6 +68,24 @@ def test_named_tool_is_forced(oai):
     assert json.loads(calls[0].function.arguments)["zone"] in ("UTC", "CET")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_fits_a_small_max_tokens(oai, stream):
+    """The call's name and tags go in as prompt, only its compact arguments are sampled: on the fixture's
+    tokenizer (about a token per character) they take 27 tokens with the end, the whole call over 70."""
+    kw = {"model": "x", "messages": ASK, "tools": [WEATHER], "max_tokens": 32, "seed": 3,
+          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    if stream:
+        chunks = list(oai.chat.completions.create(stream=True, **kw))
+        calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    else:
+        r = oai.chat.completions.create(**kw)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        calls = r.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert set(json.loads(calls[0].function.arguments)) == {"city", "unit"}
+
+
 def test_tools_are_rendered_through_the_template(oai):
     plain = oai.chat.completions.create(model="x", messages=ASK, max_tokens=1)
     with_tools = oai.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], max_tokens=1)
