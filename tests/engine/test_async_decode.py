@@ -32,7 +32,9 @@ pytestmark = pytest.mark.engine
 
 def _engine(path, n_slots, policy="lru", mode="async", n_ubatch=4, **cache_kw) -> Engine:
     # n_ubatch 4 (n_batch 64): prefills run the route op per micro-batch, their last partial micro-batch and
-    # every decode step read through the tables, so both paths share one cache
+    # every decode step read through the tables, so both paths share one cache. Fills off: this file holds the
+    # reads in place and the admission copies racing the decodes (tests/engine/test_fills.py: the fills)
+    cache_kw.setdefault("fills", False)
     return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=n_ubatch,
                                cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode, **cache_kw)))
 

@@ -10,8 +10,13 @@ routing, benchmark only, see trace_routing.py) and each configuration:
                  (llama.cpp's --n-cpu-moe)
     lru          ggmoe, on-demand LRU in the sync decode: every miss copied and waited for at its layer
                  (llama.cpp's --moe-cache-mib design)
-    async        ggmoe's async decode: experts read through the device-side table (misses by the GPU from
-                 pinned host memory), LRU admissions between tokens, one graph per token
+    async        ggmoe's async decode without fills: experts read through the device-side table (misses by the
+                 GPU from pinned host memory), LRU admissions between tokens, one graph per token (each miss
+                 crosses the link twice: read in place, then admitted)
+    async-fill   the async decode with in-graph fills (patch 0012, the default): the graph copies a layer's
+                 misses into fill slots chosen between tokens and reads them there (one crossing per miss)
+    async-fill-prefetch  async-fill with the mailbox's stride prefetch (reuse, stride 2): prefetched experts
+                 are hits, the rest fills
     split        MoEpic's expert split in the sync decode, LRU: each slot holds an expert's top segment (a share
                  θ of its neurons, --split-theta), as many tops as fit the VRAM of the lru row's whole experts;
                  a top-only hit reads the bottom, a miss the whole expert, from pinned host memory (zero-copy);
@@ -100,13 +105,14 @@ if TYPE_CHECKING:
 
 CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async",
            "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host",
-           "async-tinylfu")
-DEFAULT_CONFIGS = (*CONFIGS[:10], "prefetch-mlp", "async-tinylfu")
+           "async-tinylfu", "async-fill", "async-fill-prefetch")
+DEFAULT_CONFIGS = (*CONFIGS[:10], "prefetch-mlp", "async-tinylfu", "async-fill", "async-fill-prefetch")
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
 PER_FRACTION = ("n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg",
-                "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu")
+                "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu", "async-fill",
+                "async-fill-prefetch")
 GGMOE = ("lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto",
-         "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu")
+         "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu", "async-fill", "async-fill-prefetch")
 LRU_MISS = {"lru": "wait", "lru-auto": "auto", "lru-host": "cpu"}  # the lru rows' --miss-policy
 SPLIT = ("split", "split-async")  # MoEpic's split: only below 100 % (with every expert cacheable it is moot)
 WHOLE_LRU = ("lru", "async")  # whole-expert LRU, the split rows' reference at the same VRAM
@@ -274,13 +280,14 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
     if config in LRU_MISS:
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=LRU_MISS[config],
                                                       decode_mode="sync")), n_slots
-    if config in ("async", "async-tinylfu"):
+    if config in ("async", "async-tinylfu", "async-fill"):
         policy = "tinylfu" if config == "async-tinylfu" else "lru"
-        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode="async")), n_slots
-    if config == "async-prefetch":
+        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode="async",
+                                                      fills=config == "async-fill")), n_slots
+    if config in ("async-prefetch", "async-fill-prefetch"):
         pre = PrefetchConfig(predictor="reuse", stride=2)
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", decode_mode="async",
-                                                      prefetch=pre)), n_slots
+                                                      prefetch=pre, fills=config == "async-fill-prefetch")), n_slots
     if config in SPLIT:
         if not split:
             raise SystemExit(f"error: {config} needs the model's split geometry (split_layers)")
@@ -447,7 +454,8 @@ def sim_miss_policy(cell: Cell) -> str:
         return cell.miss_policy
     if cell.config in LRU_MISS:
         return LRU_MISS[cell.config]
-    return "wait" if cell.config in ("async", "async-tinylfu", "async-prefetch", "prefetch-wait") else "auto"
+    return "wait" if cell.config in ("async", "async-tinylfu", "async-prefetch", "prefetch-wait", "async-fill",
+                                     "async-fill-prefetch") else "auto"
 
 
 def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None = None) -> float | None:
@@ -473,10 +481,12 @@ def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None =
         r = simulate(trace, sim, bpe, profile)
         return r.tpot_s * 1e3 if r.tpot_s is not None else None
     pred = {"lru": None, "async": None, "async-tinylfu": None, "lru-auto": None, "lru-host": None, "prefetch": "reuse", "prefetch-bg": "reuse",
-            "prefetch-wait": "reuse", "prefetch-eam": "eam", "async-prefetch": "reuse"}[cell.config]
+            "prefetch-wait": "reuse", "prefetch-eam": "eam", "async-prefetch": "reuse", "async-fill": None,
+            "async-fill-prefetch": "reuse"}[cell.config]
     sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots),
                     policy="tinylfu" if cell.config == "async-tinylfu" else "lru", predictor=pred,
-                    stride=2 if cell.config == "async-prefetch" else 1, miss_policy=sim_miss_policy(cell),
+                    stride=2 if cell.config in ("async-prefetch", "async-fill-prefetch") else 1,
+                    miss_policy=sim_miss_policy(cell),
                     decode_mode="async" if cell.decode_mode == "async" else "sync")
     r = simulate(trace, sim, bpe, profile, train=train if pred == "eam" else None)
     return r.tpot_s * 1e3 if r.tpot_s is not None else None
