@@ -160,13 +160,7 @@ class CachePipeline:
         if self.prefetcher is not None and self.decode_mode.mode == "sync":
             self._sync_prefetch(cache)
         if self.decode_mode.mode == "async" or split:
-            fill = self.decode_mode.mode == "async" and cache.fills  # the graph fills misses (patch 0012)
-            self.tables = ExpertTables(ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
-                                       facts.n_layer, max(max_tokens, 1), self.runtime.cache.fill_layers if fill else (),
-                                       facts.n_expert_used * max(max_tokens, 1))  # a micro-batch's every miss
-            if self.tables.fills is not None:
-                self.runtime.cache.fill_slots = facts.n_expert_used
-            self.tables.follow(self.runtime.cache)
+            self._make_tables(self.decode_mode.mode == "async" and cache.fills, max(max_tokens, 1))
             # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
             self.hook.after_route = self._tables_follow
         if self.decode_mode.mode == "async":
@@ -181,6 +175,17 @@ class CachePipeline:
             self._update_table_mode()
         if self.planner is not None:  # the sync decode's route events; in async, while table mode is off
             self.observers.add(self.planner)
+
+    def _make_tables(self, fill: bool, max_tokens: int) -> None:
+        """The expert tables the cache's steps write, with the fill words where the graph fills misses (patch
+        0012: room for a micro-batch's every miss, ``n_expert_used`` per token)."""
+        facts, cache = self.facts, self.runtime.cache
+        self.tables = ExpertTables(self._ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
+                                   facts.n_layer, max_tokens, cache.fill_layers if fill else (),
+                                   facts.n_expert_used * max_tokens)
+        if self.tables.fills is not None:
+            cache.fill_slots = facts.n_expert_used
+        self.tables.follow(cache)
 
     def _prefetch_note(self) -> str | None:
         """Why the prefetcher's or the planner's predictor cannot run on the async decode (None: they can, on
