@@ -176,6 +176,14 @@ def _fit(path: Path, cache: dict[str, Any], threads: int | None) -> dict[str, An
                    "whatever the other slots do; see docs/serving.md).")
 @click.option("--reconfigure-hw", default="pcie4", show_default=True,
               help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST, or a .toml) the reconfiguration estimates with.")
+@click.option("--chat-template", metavar="JINJA_TEMPLATE",
+              help="A Jinja chat template instead of the model's (llama-server's flag), or a name: chatml, llama3, "
+                   "mistral-v1.")
+@click.option("--chat-template-file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="The chat template from a file (llama-server's flag).")
+@click.option("--chat-template-kwargs", metavar="JSON",
+              help="Variables every chat template rendering gets, as a JSON object, e.g. '{\"enable_thinking\": "
+                   "false}' (llama-server's flag); a request's chat_template_kwargs override them.")
 @click.option("--fit", is_flag=True,
               help="Choose the cache as `ggmoe plan MODEL --gpu` does, on this machine: the GPU found by name in the "
                    "parts file (or --hw GPU/LINK/HOST), its free VRAM and link from nvidia-smi, the CPU measured; "
@@ -185,7 +193,8 @@ def _fit(path: Path, cache: dict[str, Any], threads: int | None) -> dict[str, An
 def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
           aliases: tuple[str, ...], strict_openai: bool, max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool,
           reconfigure_every: int | None, slot_save_path: str | None, parallel: int, kv_unified: bool,
-          reconfigure_hw: str, fit: bool, n_ctx: int | None,
+          reconfigure_hw: str, chat_template: str | None, chat_template_file: str | None,
+          chat_template_kwargs: str | None, fit: bool, n_ctx: int | None,
           threads: int | None, verbose: bool, **cache: Any) -> None:
     """Serve a model over HTTP: OpenAI's API, llama-server's routes, Anthropic's Messages API (--parallel N: N
     generations decoding together).
@@ -212,6 +221,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     from ggmoe.serve.runner import run_app
 
     max_body_bytes = _check_http_options(api_key, model_name, max_body)
+    template, template_kwargs = _chat_template_options(chat_template, chat_template_file, chat_template_kwargs)
     path = model_path(model)
     if fit:
         cache = _fit(path, cache, threads)
@@ -224,9 +234,12 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
                              max_body_bytes=max_body_bytes, loopback_only=loopback,
                              cors_origins=cors_origin, aliases=aliases, strict_openai=strict_openai,
                              model_path=str(path), reconfigure_every=reconfigure_every or 0,
-                             reconfigure_hw=reconfigure_hw, slot_save_path=slot_save_path, parallel=parallel)
+                             reconfigure_hw=reconfigure_hw, slot_save_path=slot_save_path, parallel=parallel,
+                             chat_template_kwargs=template_kwargs)
     opts = LoadOptions(str(path), n_ctx, threads, verbose, cache)
     extra: dict[str, Any] = {"n_seq_max": parallel, "kv_unified": kv_unified} if parallel > 1 else {}
+    if template is not None:
+        extra["chat_template"] = template
     llama, out = _load(opts, logits_all=logprobs, **extra)
     with llama:
         app = create_app(llama, settings)
@@ -250,6 +263,38 @@ def _check_http_options(api_key: str | None, model_name: str | None, max_body: s
     if max_body_bytes < 1:
         raise UsageError("--max-body 0 would refuse every request: give a size such as 1MiB")
     return max_body_bytes
+
+
+def _chat_template_options(template: str | None, path: str | None, kwargs: str | None
+                           ) -> tuple[str | None, dict[str, Any]]:
+    """--chat-template or --chat-template-file (a Jinja template, checked), and --chat-template-kwargs (a JSON
+    object), before anything loads."""
+    from ggmoe.serve.llama import chat_template_of, check_chat_template
+    from ggmoe.serve.schema import check_template_kwargs
+
+    if template is not None and path is not None:
+        raise UsageError("give --chat-template or --chat-template-file, not both")
+    if path is not None:
+        try:
+            template = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--chat-template-file {path}: {getattr(e, 'strerror', None) or e}") from e
+    if template is not None:
+        template = chat_template_of(template)
+        check_chat_template(template)
+    if kwargs is None:
+        return template, {}
+    try:
+        parsed = json.loads(kwargs)
+    except ValueError as e:
+        raise UsageError(f"--chat-template-kwargs is not JSON: {e}") from e
+    if not isinstance(parsed, dict):
+        raise UsageError("--chat-template-kwargs must be a JSON object, such as '{\"enable_thinking\": false}'")
+    try:
+        check_template_kwargs(parsed)
+    except ValueError as e:
+        raise UsageError(f"--chat-template-kwargs: {e}") from e
+    return template, parsed
 
 
 def _loopback(host: str, api_key: str | None) -> bool:

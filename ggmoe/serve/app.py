@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -86,6 +86,8 @@ class ServeSettings:
     reconfigure_hw: str = "pcie4"
     slot_save_path: str | None = None  # where /slots/{id}?action=save|restore keep their files; None: refused
     parallel: int = 1  # slots decoding together (the model loaded with n_seq_max = parallel); more wait
+    # variables every chat template rendering gets (--chat-template-kwargs); a request's own override them
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 log = logging.getLogger("ggmoe.serve")
@@ -156,6 +158,8 @@ class Server:
         arrival = time.monotonic()
         strict = self.settings.strict_openai
         check_request(body, self.n_ctx, self.n_vocab, strict)
+        if chat:
+            body.chat_template_kwargs = self.template_kwargs(body.chat_template_kwargs)
         try:
             plan = (plan_chat if chat else plan_completion)(body, self.llama, self.n_ctx, strict)
         except Exception as e:  # a template that fails to render, a grammar that does not parse
@@ -187,6 +191,7 @@ class Server:
         """Anthropic's ``/v1/messages``: the request run as an OpenAI chat, the answer in Anthropic's shapes."""
         arrival = time.monotonic()
         chat = anthropic.chat_request(body)
+        chat.chat_template_kwargs = self.template_kwargs(None)
         check_request(chat, self.n_ctx, self.n_vocab, False)
         try:
             plan = plan_chat(chat, self.llama, self.n_ctx, False)
@@ -216,18 +221,24 @@ class Server:
     def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens (tools included), no generation."""
         chat = anthropic.chat_request(body)
+        chat.chat_template_kwargs = self.template_kwargs(None)
         try:
             plan = plan_chat(chat, self.llama, 1 << 30, False)
         except Exception as e:
             raise api_error(e) from e
         return {"input_tokens": len(plan.prompt)}
 
-    def render(self, messages: list[Message], tools: list[Tool] | None) -> str:
+    def template_kwargs(self, given: dict[str, Any] | None) -> dict[str, Any]:
+        """The chat template's extra variables: ``--chat-template-kwargs``, then the request's own."""
+        return {**self.settings.chat_template_kwargs, **(given or {})}
+
+    def render(self, messages: list[Message], tools: list[Tool] | None,
+               template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt the model's chat template makes of ``messages`` (``/apply-template``)."""
         from ggmoe.serve import structured
 
         formatter = self.llama.chat_formatter()
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = self.template_kwargs(template_kwargs)
         if tools and structured.template_renders_tools(formatter.template):
             kw["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         return formatter(messages=[m.for_template() for m in messages], **kw).prompt
@@ -434,7 +445,7 @@ def _data(chunk: dict[str, Any]) -> dict[str, str]:
 
 
 def _error_data(err: APIError) -> dict[str, str]:
-    return {"data": json.dumps(errors.error_body(err.message, err.type, err.param, err.code))}
+    return {"data": json.dumps(errors.error_body(err.message, err.type, err.param, err.code, err.extra))}
 
 
 def _openai_sse(usage: bool) -> Sse:

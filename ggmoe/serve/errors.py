@@ -33,8 +33,10 @@ class APIError(Exception):
     """A request the server refuses, with its OpenAI error fields."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
+        self.extra = extra  # more fields of the error object (llama-server's n_prompt_tokens and n_ctx)
         self.status = status
         self.message = message
         self.type = type
@@ -62,12 +64,24 @@ def domain_error(e: GgmoeError, param: str | None = None) -> APIError:
     return APIError(status, str(e), type=etype, param=param if status < 500 else None, code=code)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code, **(extra or {})}}
+
+
+def over_context(n_prompt: int, n_ctx: int, param: str, strict: bool = False) -> APIError:
+    """A prompt that alone fills the context: llama-server's ``exceed_context_size_error`` with its
+    ``n_prompt_tokens`` and ``n_ctx`` (OpenAI's ``invalid_request_error`` when ``strict``), code
+    ``context_length_exceeded`` (OpenAI's) either way."""
+    return APIError(400, f"the request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens): "
+                         "raise --n-ctx or shorten the prompt", param=param, code="context_length_exceeded",
+                    type="invalid_request_error" if strict else "exceed_context_size_error",
+                    extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
 
 
 # OpenAI error type -> Anthropic's (https://docs.anthropic.com/en/api/errors)
-_ANTHROPIC_TYPES = {"server_error": "api_error", "unavailable_error": "overloaded_error"}
+_ANTHROPIC_TYPES = {"server_error": "api_error", "unavailable_error": "overloaded_error",
+                    "exceed_context_size_error": "invalid_request_error"}
 ANTHROPIC_PREFIX = "/v1/messages"
 
 
@@ -79,7 +93,8 @@ def anthropic_body(message: str, type: str, status: int = 400) -> dict[str, Any]
 def error_response(e: APIError, path: str = "") -> JSONResponse:
     if path.startswith(ANTHROPIC_PREFIX):
         return JSONResponse(anthropic_body(e.message, e.type, e.status), status_code=e.status, headers=e.headers)
-    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code, e.extra), status_code=e.status,
+                        headers=e.headers)
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:

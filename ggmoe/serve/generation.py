@@ -13,11 +13,13 @@ and stops the generation when the client has gone.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -26,7 +28,7 @@ import numpy as np
 
 from ggmoe.base.errors import ContextLengthError, GgmoeError
 from ggmoe.serve import structured
-from ggmoe.serve.errors import APIError, domain_error, log
+from ggmoe.serve.errors import APIError, domain_error, log, over_context
 from ggmoe.serve.logprobs import LogprobRecorder, TokenLogprob, chat_logprobs, completion_logprobs, plain
 from ggmoe.serve.schema import ChatRequest, CompletionRequest
 
@@ -34,6 +36,18 @@ if TYPE_CHECKING:
     from ggmoe.serve.llama import GgmoeLlama
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+
+
+@functools.cache
+def fingerprint() -> str:
+    """``system_fingerprint``: the build that answers, as llama-server names its own: ggmoe's version,
+    llama-cpp-python's and the installed engine build's key (``ggmoe engine status``)."""
+    from ggmoe.base.version import __version__
+    from ggmoe.engine.build import KEY_FILE
+
+    key_file = Path(llama_cpp.__file__).with_name(KEY_FILE)
+    key = key_file.read_text().strip()[:12] if key_file.is_file() else "unpatched"
+    return f"ggmoe-{__version__}-llama-cpp-python-{llama_cpp.__version__}-{key}"
 
 
 def context_error(message: str, param: str = "messages") -> APIError:
@@ -185,8 +199,7 @@ def _fit(plan_prompt: list[int], body: CompletionRequest | ChatRequest, n_ctx: i
     strict; a prompt that leaves no room is 400 either way."""
     n = len(plan_prompt)
     if n >= n_ctx:
-        raise context_error(f"the prompt ({n} tokens) does not fit the model's context of {n_ctx} tokens",
-                            "prompt" if isinstance(body, CompletionRequest) else "messages")
+        raise over_context(n, n_ctx, "prompt" if isinstance(body, CompletionRequest) else "messages", strict)
     mt = max_tokens_of(body)
     if mt is None:
         return n_ctx - n
@@ -285,7 +298,7 @@ def plan_chat(body: ChatRequest, llama: GgmoeLlama, n_ctx: int, strict: bool) ->
                 messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
             else:
                 messages.insert(0, {"role": "system", "content": text})
-    result = formatter(messages=messages, **render_kw)
+    result = formatter(messages=messages, **render_kw, **(body.chat_template_kwargs or {}))
     tokens = llama.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
     kw = _sampling(body)
     rstop = result.stop if isinstance(result.stop, list) else [result.stop] if result.stop else []
@@ -385,7 +398,7 @@ class Run:
             completion_tokens += out["usage"]["completion_tokens"]
             prompt_tokens = out["usage"]["prompt_tokens"]
             choices.append(self._chat_choice(i, c) if self.plan.chat else self._completion_choice(i, c))
-        return {**self._head(), "choices": choices, "system_fingerprint": None,
+        return {**self._head(), "choices": choices, "system_fingerprint": fingerprint(),
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
 
@@ -438,13 +451,13 @@ class Run:
                 lp = completion_logprobs(entries, 0)
             text = (echo or "") + c["text"]
             echo = None
-            yield {**self._head(), "choices": [{"index": i, "text": text, "logprobs": lp,
-                                                "finish_reason": c["finish_reason"]}]}
+            yield {**self._head(), "system_fingerprint": fingerprint(),
+                   "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": c["finish_reason"]}]}
 
     def _chat_chunk(self, i: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
                     finish: str | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
-                "system_fingerprint": None,
+                "system_fingerprint": fingerprint(),
                 "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
     def _chat_chunks(self, i: int) -> Iterator[dict[str, Any]]:

@@ -67,6 +67,36 @@ class _DefaultChatFormatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
         return response
 
 
+# llama-server's --chat-template names that llama-cpp-python holds as Jinja templates
+NAMED_CHAT_TEMPLATES = {
+    "chatml": llama_cpp.llama_chat_format.CHATML_CHAT_TEMPLATE,
+    "llama3": llama_cpp.llama_chat_format.LLAMA3_INSTRUCT_CHAT_TEMPLATE,
+    "mistral-v1": llama_cpp.llama_chat_format.MISTRAL_INSTRUCT_CHAT_TEMPLATE,
+}
+
+
+def chat_template_of(value: str) -> str:
+    """``--chat-template``'s value as a Jinja template: a name llama-server knows and llama-cpp-python holds
+    (chatml, llama3, mistral-v1), or the template itself."""
+    if "{{" in value or "{%" in value:
+        return value
+    if value in NAMED_CHAT_TEMPLATES:
+        return NAMED_CHAT_TEMPLATES[value]
+    raise UsageError(f"chat template {value!r}: give a Jinja template, or one of {', '.join(NAMED_CHAT_TEMPLATES)}")
+
+
+def check_chat_template(template: str) -> None:
+    """A ``UsageError`` (one line) for a chat template Jinja cannot parse."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(extensions=[llama_cpp.llama_chat_format.Jinja2ChatFormatter.IgnoreGenerationTags,
+                                                  "jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise UsageError(f"the chat template does not parse (line {e.lineno}): {e.message}") from e
+
+
 class GenerationWatch(Protocol):
     """Sees every generation of a ``GgmoeLlama`` (the server's timings, usage and cancellation)."""
 
@@ -82,13 +112,17 @@ class GgmoeLlama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *, cache: CacheConfig | None = None, experts_on_host: bool = True,
                  observers: Sequence[RouteObserver] = (), n_seq_max: int = 1, kv_unified: bool = True,
-                 **kwargs: Any) -> None:
+                 chat_template: str | None = None, **kwargs: Any) -> None:
         from ggmoe.engine.llama_attach import HostExpertOverride
 
         if cache is not None and not experts_on_host:
             raise UsageError("the expert cache needs the experts in host memory (experts_on_host=True)")
         if isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or not 1 <= n_seq_max <= MAX_SEQUENCES:
             raise UsageError(f"n_seq_max {n_seq_max!r}: give 1 to {MAX_SEQUENCES} sequences")
+        if chat_template is not None:
+            chat_template = chat_template_of(chat_template)
+            check_chat_template(chat_template)  # before the model loads
+        self._chat_template = chat_template  # a Jinja chat template instead of the GGUF's
         self._n_seq_max = n_seq_max  # read by the context_params setter, before the context is made
         self._kv_unified = kv_unified
         self._ggmoe = None  # LlamaAttachment, once the context exists
@@ -101,8 +135,8 @@ class GgmoeLlama(llama_cpp.Llama):
         super().__init__(model_path, **kwargs)
         self._placement = None  # llama.cpp has read the override list
         self.cache_config = cache
-        if not self.metadata.get("tokenizer.chat_template") and not kwargs.get("chat_format") \
-                and not kwargs.get("chat_handler"):
+        if chat_template is not None or (not self.metadata.get("tokenizer.chat_template")
+                                         and not kwargs.get("chat_format") and not kwargs.get("chat_handler")):
             self.chat_handler = self._default_chat_handler()
         try:
             if cache is not None or observers:
@@ -165,12 +199,13 @@ class GgmoeLlama(llama_cpp.Llama):
         return self.chat_formatter().to_chat_handler()
 
     def chat_formatter(self) -> llama_cpp.llama_chat_format.Jinja2ChatFormatter:
-        """The formatter of this model's chat template (the GGUF's, else ggmoe's plain default), built as
-        ``Llama`` builds it for ``chat_template.default``; the server renders prompts (tools included) with it."""
+        """The formatter of this model's chat template (the one given at load, else the GGUF's, else ggmoe's
+        plain default), built as ``Llama`` builds it for ``chat_template.default``; the server renders prompts
+        (tools included) with it."""
         formatter = self.__dict__.get("_ggmoe_formatter")
         if formatter is None:
             eos, bos = self.token_eos(), self.token_bos()
-            template = self.metadata.get("tokenizer.chat_template")
+            template = self.__dict__.get("_chat_template") or self.metadata.get("tokenizer.chat_template")
             kind = llama_cpp.llama_chat_format.Jinja2ChatFormatter if template else _DefaultChatFormatter
             formatter = kind(template=template or DEFAULT_CHAT_TEMPLATE,
                              eos_token=self._model.token_get_text(eos) if eos != -1 else "",

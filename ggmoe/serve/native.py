@@ -23,8 +23,8 @@ import llama_cpp
 import numpy as np
 
 from ggmoe.serve import structured
-from ggmoe.serve.errors import APIError
-from ggmoe.serve.generation import Watch, context_error, grammar_of
+from ggmoe.serve.errors import APIError, over_context
+from ggmoe.serve.generation import Watch, grammar_of
 from ggmoe.serve.logprobs import LogprobRecorder, TokenLogprob
 from ggmoe.serve.schema import InfillRequest, NativeCompletionRequest
 
@@ -236,8 +236,7 @@ class NativeRun:
         self.kwargs = sampling_kwargs(body, llama)
         for tokens in prompts:
             if len(tokens) >= n_ctx:
-                raise context_error(f"the prompt ({len(tokens)} tokens) does not fit the model's context of "
-                                    f"{n_ctx} tokens", "prompt")
+                raise over_context(len(tokens), n_ctx, "prompt")
 
     def settings(self) -> dict[str, Any]:
         b = self.body

@@ -234,8 +234,24 @@ class CompletionRequest(_Sampling, CreateCompletionRequest):
     best_of: int | None = Field(default=1, ge=1, le=1)
 
 
+# What the chat formatter itself passes to a template: chat_template_kwargs may not set these.
+TEMPLATE_NAMES = frozenset({"messages", "tools", "tool_choice", "functions", "function_call", "eos_token",
+                            "bos_token", "raise_exception", "add_generation_prompt", "strftime_now"})
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """llama-server's ``chat_template_kwargs``: more variables for the chat template (``enable_thinking``...)."""
+    taken = sorted(set(value or ()) & TEMPLATE_NAMES)
+    if taken:
+        raise ValueError(f"may not set {', '.join(taken)}: the server passes "
+                         f"{'it' if len(taken) == 1 else 'them'} to the template itself")
+    return value
+
+
 class ChatRequest(_Sampling, CreateChatCompletionRequest):
     messages: list[Message] = Field(min_length=1, description="The conversation, oldest first.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="More variables for the chat template, such as enable_thinking (llama-server's).")
     max_completion_tokens: int | None = Field(default=None, ge=1, description="OpenAI's newer name for max_tokens.")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -252,6 +268,11 @@ class ChatRequest(_Sampling, CreateChatCompletionRequest):
         if isinstance(data, dict) and "messages" not in data:
             return {**data, "messages": None}
         return data
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
 
     @model_validator(mode="after")
     def _legacy_functions(self) -> ChatRequest:
@@ -373,6 +394,12 @@ class ApplyTemplateRequest(BaseModel):
 
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
 
 
 class SlotFileRequest(BaseModel):

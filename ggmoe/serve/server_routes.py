@@ -61,7 +61,8 @@ class RouteServer(Protocol):
 
     def count_tokens(self, body: CountTokensRequest) -> dict[str, int]: ...
 
-    def render(self, messages: list[Message], tools: list[Tool] | None) -> str: ...
+    def render(self, messages: list[Message], tools: list[Tool] | None,
+               template_kwargs: dict[str, Any] | None = None) -> str: ...
 
     def check_slot(self, id_slot: int, any_ok: bool = True) -> SlotState | None: ...
 
@@ -138,7 +139,7 @@ def _add_text_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) -> 
         from ggmoe.serve.generation import api_error
 
         try:
-            return {"prompt": server.render(body.messages, body.tools)}
+            return {"prompt": server.render(body.messages, body.tools, body.chat_template_kwargs)}
         except Exception as e:  # a template that fails to render
             raise api_error(e) from e
 

@@ -30,3 +30,14 @@ def test_load_takes_llamas_model_path():
 def test_path_and_model_path_together_is_one_usage_error():
     with pytest.raises(UsageError, match="path or as model_path, not both"):
         ggmoe.load(default_model_path(), model_path=default_model_path())
+
+
+def test_load_takes_a_chat_template_or_its_name():
+    import llama_cpp
+
+    with ggmoe.load(n_ctx=64, chat_template="chatml") as llm:
+        assert llm.chat_formatter().template == llama_cpp.llama_chat_format.CHATML_CHAT_TEMPLATE
+        prompt = llm.chat_formatter()(messages=[{"role": "user", "content": "Hi"}]).prompt
+        assert prompt.startswith("<|im_start|>user\nHi")
+    with pytest.raises(UsageError, match="does not parse"):
+        ggmoe.load(chat_template="{% if %}")

@@ -34,6 +34,13 @@ def ggmoe(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--config", "missing-plan.toml"], "no such file"),
     (["--stats-in", "missing-stats.npz"], "no such file"),
     (["--cache-slots", "4", "--stats-json", "/etc/passwd/s.json"], "--stats-json"),
+    (["--chat-template", "nope"], "give a Jinja template, or one of chatml"),
+    (["--chat-template", "{% if %}"], "does not parse"),
+    (["--chat-template-file", "missing.jinja"], "--chat-template-file missing.jinja"),
+    (["--chat-template", "chatml", "--chat-template-file", "t.jinja"], "not both"),
+    (["--chat-template-kwargs", "{"], "is not JSON"),
+    (["--chat-template-kwargs", "[1]"], "must be a JSON object"),
+    (["--chat-template-kwargs", '{"messages": []}'], "may not set messages"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_flags_get_one_line(args, message):
     r = ggmoe("serve", *args)
