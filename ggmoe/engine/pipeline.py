@@ -178,11 +178,10 @@ class CachePipeline:
 
     def _make_tables(self, fill: bool, max_tokens: int) -> None:
         """The expert tables the cache's steps write, with the fill words where the graph fills misses (patch
-        0012: room for a micro-batch's every miss, ``n_expert_used`` per token)."""
+        0012: room for a token's every miss, ``n_expert_used``)."""
         facts, cache = self.facts, self.runtime.cache
         self.tables = ExpertTables(self._ctx_ptr, self.runtime.slots, facts.n_expert, facts.n_expert_used,
-                                   facts.n_layer, max_tokens, cache.fill_layers if fill else (),
-                                   facts.n_expert_used * max_tokens)
+                                   facts.n_layer, max_tokens, cache.fill_layers if fill else (), facts.n_expert_used)
         if self.tables.fills is not None:
             cache.fill_slots = facts.n_expert_used
         self.tables.follow(cache)
@@ -349,9 +348,10 @@ class CachePipeline:
         if self.controller is not None and tables.enabled:
             self.runtime.cache.land_ready()  # copies landed since the last token: readable for this one
         n = last_ubatch(len(tokens), self.n_ubatch)
-        if tables is not None and tables.fills is not None:  # only a decode of one table-mode micro-batch fills:
-            # a route-op micro-batch before it could evict what a fill slot holds
-            self._plan_fills(len(tokens) if tables.enabled and len(tokens) <= tables.max_tokens else 0)
+        if tables is not None and tables.fills is not None:  # only a one-token decode fills: llama.cpp may split
+            # a batch of several tokens (one micro-batch per sequence without a unified KV cache), and a later
+            # micro-batch would read a filled slot's old expert through its entry before the controller's step
+            self._plan_fills(1 if tables.enabled and len(tokens) == 1 else 0)
         if tables is not None:
             self._tables_follow()  # what the cache changed since the last step, on the device before the decode
         if tables is not None and tables.enabled and n <= tables.max_tokens:
@@ -371,7 +371,7 @@ class CachePipeline:
                 self.stride.mailbox.release_all()
 
     def _plan_fills(self, n_tokens: int) -> None:
-        """The fill slots of a table-mode decode of ``n_tokens`` tokens (0: not one), on the device with a new
+        """The fill slots of a one-token table-mode decode (``n_tokens`` 1; 0: not one), on the device with a new
         stamp. Fills of a decode that was never settled (it failed after its graph ran) are read back and
         settled first."""
         cache, words = self.runtime.cache, self.tables.fills

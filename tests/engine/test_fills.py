@@ -30,12 +30,11 @@ def _engine(path, n_slots, mode="async", fills=True, policy="lru") -> Engine:
 
 
 def _decode_text(eng: Engine, n: int = 24) -> None:
-    """Each text's prefill, then ``n`` teacher-forced one-token decodes (the async decode's steps)."""
+    """Each text's tokens as ``n + 1`` teacher-forced one-token decodes (the decodes that fill)."""
     for text in TEXTS:
         eng.reset()
         ids = eng.tokenize(text) * 4
-        eng.decode(ids[:2])
-        for t in ids[2: 2 + n]:
+        for t in ids[: 1 + n]:
             eng.decode([t])
 
 
