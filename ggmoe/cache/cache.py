@@ -720,6 +720,8 @@ class WholeLayer:
         """The host path computed ``host`` on the CPU this call: admit them at low priority for a later token."""
         c, table = self.cache, self.table
         st.host_computed += len(host)
+        if c.policy_releases:  # a policy that keeps nothing (on-demand) would drop the admitted copy unread
+            return
         slot_of = table.slot_of_list
         admit = c.admissible(self.il, table, need, [e for e in host if slot_of[e] < 0])
         # At most n_expert_used admissions in flight per layer: on a link slower than the CPU, queued
@@ -749,13 +751,10 @@ class WholeLayer:
                 host.add(h.expert)  # its slot stays LOADING; a later call reads it once landed
             else:
                 keep.append(h)
-        still = []
-        for e in missing:
-            if prefer_host(c.miss_policy, c.costs, nbytes, None):
-                host.add(e)
-            else:
-                still.append(e)
-        return host, keep, still
+        if prefer_host(c.miss_policy, c.costs, nbytes, None):  # a miss not yet copying: the same answer for each
+            host.update(missing)
+            return host, keep, []
+        return host, keep, missing
 
     def after_token(self, flat: list[int]) -> None:
         """The async decode's step for this layer (``ExpertCache.after_token``, under the cache's lock)."""
