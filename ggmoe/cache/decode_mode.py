@@ -80,7 +80,7 @@ class ModeEstimate:
     each mode's decode, and where the figures come from."""
 
     sync_s: float  # s per token: a device sync per cached layer plus the waits for its misses' copies
-    async_s: float  # s per token: the misses read in place over the link, and their admissions' copies on it
+    async_s: float  # s per token: each miss over the link once (a fill), or read in place and then admitted
     source: str  # where the costs come from (a profile, measured here)
 
     def line(self) -> str:
@@ -90,24 +90,33 @@ class ModeEstimate:
 
 def weigh_modes(bytes_per_expert: Mapping[int, int], n_slots: Mapping[int, int], n_expert: int, n_expert_used: int,
                 copy_s: Callable[[int], float], sync_s: float, read_s: Callable[[int], float] | None,
-                source: str, counts: Mapping[int, Sequence[int]] | None = None) -> ModeEstimate:
+                source: str, counts: Mapping[int, Sequence[int]] | None = None, fills: bool = True) -> ModeEstimate:
     """Per token, the sync decode's cost (``sync_s`` per cached layer: the route op's graph split and device
-    sync, plus a wait of ``copy_s(bytes)`` for each miss) against the async decode's: ``read_s(bytes)`` for
-    each miss read in place (None: in place costs nothing beyond the compute, as on the CPU build, whose
-    experts are in the memory the CPU reads), plus ``copy_s(bytes)`` for its admission, which crosses the
-    same link between tokens. Both decodes admit every miss; the async one also reads it, so on a link that
-    bounds the decode it moves each miss twice (the H200 loan of 2026-11-26, gpt-oss-20b's shape at 50 %:
-    407 MB read in place + 375 MB copied a token, against sync's 375 MB; async 0.66x sync's speed). A
-    stride prefetch lands copies in both modes alike, so it moves both sides by the same misses and is not
-    counted. A layer's misses a token: see ``miss_share``."""
+    sync, plus a wait of ``copy_s(bytes)`` for each miss) against the async decode's.
+
+    With in-graph fills (``fills``, ``CacheConfig.fills``) the graph copies each miss into a fill slot inside its
+    layer and reads it there: one crossing, ``read_s(bytes)`` (the fill kernel reads pinned host memory at the
+    rate of a read in place), or ``copy_s(bytes)`` where ``read_s`` is None (the CPU build, whose fill is a
+    memcpy), and no admission follows. Without fills each miss is read in place (``read_s``; None: nothing
+    beyond the compute, as on the CPU build, whose experts are in the memory the CPU reads) and then admitted
+    by a ``copy_s(bytes)`` over the same link between tokens: on a link that bounds the decode it moves each
+    miss twice (the H200 loan of 2026-11-26, gpt-oss-20b's shape at 50 %: 407 MB read in place + 375 MB
+    copied a token, against sync's 375 MB; async 0.66x sync's speed). A stride prefetch lands copies in both
+    modes alike, so it moves both sides by the same misses and is not counted. A layer's misses a token: see
+    ``miss_share``."""
     sync = read = 0.0
     for il, n in n_slots.items():
         nb = bytes_per_expert.get(il, 0)
         misses = n_expert_used * miss_share(n, n_expert, counts.get(il) if counts else None)
         sync += sync_s + misses * copy_s(nb)
-        read += misses * ((read_s(nb) if read_s is not None else 0.0) + copy_s(nb))
+        if fills:
+            read += misses * (read_s(nb) if read_s is not None else copy_s(nb))
+        else:
+            read += misses * ((read_s(nb) if read_s is not None else 0.0) + copy_s(nb))
     if counts:
         source += "; misses from the routing statistics' counts"
+    if fills:
+        source += "; async fills each miss once"
     return ModeEstimate(sync, read, source)
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ggmoe.trace.routing_stats import RoutingStats
 
 PLOT_SUFFIXES = (".png",)  # what every --plot writes
+SIM_MODES = ("sync", "async", "async-fill")  # --decode-mode: async-fill is async with in-graph fills
 
 
 def _split(values: tuple[str, ...], flag: str = "") -> list[str]:
@@ -213,8 +214,10 @@ def trace_model(trace: Trace, model: str | None, need_bytes: bool,
               help="Experts prefetched per layer (default 2 x top-k).")
 @click.option("--miss-policy", multiple=True, help="wait, cpu, auto (repeat or comma list; default wait).")
 @click.option("--decode-mode", multiple=True,
-              help="sync, async (repeat or comma list; default sync): async reads misses over the link with no "
-                   "route hook and admits between tokens; its rows need predictor none and miss policy wait.")
+              help="sync, async, async-fill (repeat or comma list; default sync): async reads misses over the link "
+                   "with no route hook and admits between tokens; async-fill is async with in-graph fills (each "
+                   "miss copied into a fill slot inside its layer and read there: one crossing, no admission); "
+                   "their rows need miss policy wait.")
 @click.option("--theta", multiple=True,
               help="MoEpic's split: the top share θ of every MoE layer's experts that a slot holds, in (0, 1] "
                    "(repeat or comma list; default 1, whole experts). At each size the split layers get as many "
@@ -252,7 +255,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe simulate traces/trace.npz --cache-fraction 0.25,0.5 --policy lru,lfu,lcp
       ggmoe simulate traces/trace.npz --cache-slots 16 --predictor none,reuse,oracle --stride 1 --hw egpu
       ggmoe simulate traces/trace.npz --vram 4MiB --miss-policy wait,auto --json
-      ggmoe simulate traces/trace.npz --cache-fraction 0.5 --decode-mode sync,async --hw h100
+      ggmoe simulate traces/trace.npz --cache-fraction 0.5 --decode-mode sync,async,async-fill --hw h100
       ggmoe simulate traces/trace.npz --cache-slots 8 --decode-mode async --plan-predictor none,reuse,next.npz
       ggmoe simulate traces/trace.npz --cache-fraction 0.25 --theta 1,0.5 --decode-mode async --hw h100
       ggmoe trace import esft/intent esft/law -o ds2/ --n-expert 64 --top-k 6 && \
@@ -279,7 +282,7 @@ class _Choices:
     policies: list[str]
     predictors: list[str | None]  # None: no prefetching
     misses: list[str]
-    modes: list[str]  # sync, async
+    modes: list[str]  # sync, async, async-fill
     thetas: list[float]  # MoEpic's top shares; 1.0: whole experts
     planners: list[str | None]  # cross-token predictors planning between tokens; None: no planner
 
@@ -307,8 +310,8 @@ def _check_choices(policy: tuple[str, ...], predictor: tuple[str, ...], miss_pol
         check_miss_policy(miss)
     modes = _split(decode_mode, "--decode-mode") or ["sync"]
     for mode in modes:
-        if mode not in ("sync", "async"):
-            raise UsageError(f"unknown decode mode {mode!r} for the simulator; choose sync or async")
+        if mode not in SIM_MODES:
+            raise UsageError(f"unknown decode mode {mode!r} for the simulator; choose {', '.join(SIM_MODES)}")
     thetas = _numbers(theta, float, "--theta") or [1.0]
     return _Choices(policies, predictors, misses, modes, thetas, planners)
 
@@ -376,8 +379,9 @@ def _combinations(facts: ModelFacts | TraceShape, cache_slots: tuple[str, ...], 
     combos = [k for k in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), c.policies,
                                            c.predictors, c.misses, c.modes, c.thetas, c.planners)
               if (k[4] == "sync" or k[3] == "wait") and (k[5] == 1.0 or k[3] == "wait")]
-    if "async" in c.modes and not any(k[4] == "async" for k in combos):
-        raise UsageError("--decode-mode async needs --miss-policy wait among the choices")
+    if any(m != "sync" for m in c.modes) and not any(k[4] != "sync" for k in combos):
+        raise UsageError(f"--decode-mode {','.join(m for m in c.modes if m != 'sync')} needs --miss-policy wait "
+                         "among the choices")
     return combos
 
 
@@ -408,7 +412,8 @@ def _sim_configs(combos: list[tuple], inputs: _Inputs, options: dict[str, dict],
         split, n_slots = split_at(inputs.facts, slots, th)  # the same VRAM as the whole-expert row
         configs.append(SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
                                  stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
-                                 predictor_state=inputs.learnt(pred), decode_mode=mode, split=split, planner=pl))
+                                 predictor_state=inputs.learnt(pred), decode_mode="sync" if mode == "sync" else "async",
+                                 split=split, planner=pl, fills=mode == "async-fill"))
     return configs
 
 

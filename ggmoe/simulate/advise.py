@@ -4,7 +4,8 @@ Reads the model's header only (``inspect_model``: no weights; split GGUFs too), 
 profile (``GPU/LINK/HOST``, ``ggmoe.cache.parts``), and estimates on the simulator, on the same routing and
 cost model, the ways to run the model at the same VRAM:
 
-- ggmoe: LRU slots per layer, the async decode (misses read in place, admitted between tokens) or the sync
+- ggmoe: slots per layer under ``ADVISED_POLICY``, the async decode with in-graph fills (each miss copied
+  into a fill slot inside its layer and read there: one crossing of the link, no admission after) or the sync
   decode with the host path (``--miss-policy auto``); no predictor (those that pay here learn from the
   model's own traces: ``ggmoe plan --traces``);
 - llama.cpp's own ``--moe-cache-mib`` (per-layer slots, LRU, misses copied and waited for, a device sync
@@ -106,7 +107,9 @@ def _ggmoe_ways(tr: Trace, facts: ModelFacts, bpe: dict[int, int], budget: int, 
                                                                           "auto"),
                              ("llama.cpp --moe-cache-mib (LRU, sync, misses copied)", "sync", "wait")):
         policy = "lru" if name.startswith("llama.cpp") else ADVISED_POLICY
-        r = simulate(tr, SimConfig(slots, policy=policy, miss_policy=miss, decode_mode=mode), bpe, profile)
+        # the async decode as serve runs it: in-graph fills on (CacheConfig.fills)
+        r = simulate(tr, SimConfig(slots, policy=policy, miss_policy=miss, decode_mode=mode, fills=mode == "async"),
+                     bpe, profile)
         dec, pre = _tok_s(r.tpot_s, r.ttft_each_s[-1] if r.ttft_each_s else None)
         if name.startswith("llama.cpp"):
             run = f"llama-server -m {model} --moe-cache-mib {budget >> 20} (llama.cpp mainline)"

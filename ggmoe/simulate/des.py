@@ -49,6 +49,7 @@ from ggmoe.base.errors import UsageError
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
+from ggmoe.cache.fill import Fill, FillPlan, assign
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
 from ggmoe.cache.miss import SLOT_HOST, MissCosts, auto_without_host_path, effective_miss_policy
 from ggmoe.cache.policies import make_policy
@@ -92,6 +93,15 @@ class SimConfig:
     # None; n_protect experts planned per layer (None: 2 x n_expert_used, ggmoe.control.planner.default_protect)
     planner: str | None = None
     n_protect: int | None = None
+    # the async decode's in-graph fills (``CacheConfig.fills``, patch 0012): before each decode the cache plans
+    # fill slots, the graph copies each miss into one (``ggmoe.cache.fill.assign``) and reads it there, so a miss
+    # crosses the link once and is not admitted after; False: misses read in place, then admitted
+    fills: bool = False
+
+    @property
+    def mode(self) -> str:
+        """The decode mode as simulate's rows and the GPU matrix name it: sync, async or async-fill."""
+        return "async-fill" if self.fills and self.decode_mode == "async" else self.decode_mode
 
     @property
     def label(self) -> str:
@@ -100,7 +110,7 @@ class SimConfig:
         pred = f"{self.predictor}/s{self.stride}" if self.predictor else "-"
         if self.planner:
             pred += f", planner {self.planner}"
-        mode = ", async" if self.decode_mode == "async" else ""
+        mode = f", {self.mode}" if self.decode_mode == "async" else ""
         if self.split:
             thetas = sorted({s.n_top / s.n_ff for s in self.split.values()})
             mode += f", split θ {thetas[0]:.2g}" + (f"-{thetas[-1]:.2g}" if len(thetas) > 1 else "")
@@ -130,7 +140,7 @@ class SimResult:
     ttft_s: float | None  # estimate: mean s from a prompt to its first token; None without a profile
     link_busy_s: float  # s the simulated link copied (and, async, held by zero-copy reads)
     stats: dict = field(default_factory=dict)  # CacheStats.to_dict()
-    decode_mode: str = "sync"  # sync or async
+    decode_mode: str = "sync"  # sync, async or async-fill (the async decode with in-graph fills)
     ttft_each_s: tuple[float, ...] = ()  # estimate: each prompt's time to its first token, in order
     planner: str | None = None  # the cross-token predictor that planned between tokens, or None
     plan_accuracy: float = 0.0  # its plans' top n_expert_used that the layer's next call selected
@@ -219,6 +229,8 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
         raise UsageError(f"no slot count for MoE layers {missing}")
     if config.decode_mode not in ("sync", "async"):
         raise UsageError(f"decode mode {config.decode_mode!r}: the simulator runs sync or async")
+    if config.fills and config.decode_mode != "async":
+        raise UsageError("in-graph fills are the async decode's: simulate them with decode mode async")
     with _without_cycle_collector():  # the build's next uses are a million dicts too
         sim = _build(trace, config, bytes_per_expert, profile, train, n_chunks, model_path, layers)
         decode_s, prefill_s, ttft = _replay(sim, trace)
@@ -257,6 +269,7 @@ class _Sim:
     is_async: list[bool]  # per micro-batch: read through the expert tables (the async decode)
     future: list[dict[int, float]] | None  # Belady's next uses per cache call; None without
     policy: Policy
+    starts: frozenset[int] = frozenset()  # the rows where a prompt starts (fill plans: a whole prompt's decode)
 
 
 def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int], profile: HardwareProfile | None,
@@ -286,6 +299,8 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     planner = _planner(config, trace, train, model_path, cache) if config.planner else None
     if config.decode_mode == "async" and prefetcher is not None:
         _stride_prefetch(cache, prefetcher)
+    if config.fills:  # as the engine's pipeline sets it where the graph fills
+        cache.fill_slots = m.n_expert_used
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
     rows_now = _Row(trace, pos)  # the trace row a one-token micro-batch replays: the planner's input rows
@@ -296,7 +311,8 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     step = _Step(clock, cache, link, _Costs(profile, bytes_per_expert, m.n_expert), prefetcher, pred, config,
                  profile is not None, planner)
     mailbox = _Mailbox(prefetcher, trace, pos) if controller is not None and prefetcher is not None else None
-    return _Sim(step, controller, mailbox, rows_now, layers, pos, ids, batches, is_async, future, policy)
+    return _Sim(step, controller, mailbox, rows_now, layers, pos, ids, batches, is_async, future, policy,
+                frozenset(int(x) for x in trace.prompt_offsets[:-1]))
 
 
 def _replay(sim: _Sim, trace: Trace) -> tuple[float, float, list[float]]:
@@ -318,8 +334,9 @@ def _replay(sim: _Sim, trace: Trace) -> tuple[float, float, list[float]]:
             if sim.mailbox is not None:
                 sim.mailbox.row = rows.start
             hidden = sim.rows_now.rows() if sim.controller.wants_hidden(rows.stop - rows.start) else None
+            plans = _plan_fills(st.cache, trace, rows, sim.starts) if st.config.fills else None
             _async_step(clock, st.cache, st.link, sim.controller, st.costs, sim.layers, ids[rows], sim.pos,
-                        sim.mailbox, hidden)
+                        sim.mailbox, hidden, plans)
         else:
             fi = _sync_step(st, trace, rows, ids[rows], sim.layers, future, fi)
         dt = clock.now() - t0
@@ -429,18 +446,22 @@ def _stride_prefetch(cache: ExpertCache, prefetcher: Prefetcher) -> None:
 
 def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, controller: TokenController,
                 costs: _Costs, layers: list[int], sel: np.ndarray, pos: dict[int, int],
-                mailbox: _Mailbox | None = None, hidden: Mapping[int, np.ndarray] | None = None) -> None:
+                mailbox: _Mailbox | None = None, hidden: Mapping[int, np.ndarray] | None = None,
+                plans: Mapping[int, FillPlan] | None = None) -> None:
     """One micro-batch of the async decode: per layer, attention and router (no route op), the resident
     experts from VRAM and the others read over the link at the zero-copy rate (sharing it); then the
     controller between tokens, the engine's own (admissions land on the link's timeline). With ``mailbox``
     (a predictor), each layer's start is seen by the cache and the prefetcher as the engine's mailbox reader
     sees it (free slots only; the predictor's time is the reader's, off the decode's critical path). ``hidden``:
-    the token's MoE input rows, for a planner that reads them (``TokenController.wants_hidden``)."""
+    the token's MoE input rows, for a planner that reads them (``TokenController.wants_hidden``). ``plans``
+    (in-graph fills, ``_plan_fills``): a layer's misses that ``assign`` puts in its fill slots cross the link
+    at the same rate inside the layer, then are computed from VRAM; the controller settles them (no admission)."""
     routing = np.full((max(layers) + 1, sel.shape[0], sel.shape[2]), -1, dtype=np.int32)
     routing[layers] = sel[:, [pos[il] for il in layers], :].transpose(1, 0, 2)
     flats = routing.reshape(routing.shape[0], -1).tolist()  # per layer, the ids token after token
     layer_s = costs.layer(sel.shape[0])
     split = cache.split
+    filled: list[Fill] = []
     # as the engine's pipeline decides before a token launches: read the mailbox only where a prefetch could go
     read = (mailbox is not None and sel.shape[0] == 1 and cache.has_free_slot()
             and mailbox.prefetcher.wants_token())
@@ -454,15 +475,32 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
                                                         hidden=mailbox.hidden(il)))
         table = cache.tables[il]
         slot_of, copy = table.slot_of_list, table.copy
-        ready = sum(1 for e in need if slot_of[e] >= 0 and copy[slot_of[e]] is None)
+        readable = [e for e in need if slot_of[e] >= 0 and copy[slot_of[e]] is None]
         if il in split:
             nbytes = _read_in_place(cache, il, need)
-        else:  # a whole expert for each one not ready in a slot
-            nbytes = (len(need) - ready) * cache.bytes_per_expert.get(il, 0)
+        else:  # a whole expert for each one not ready in a slot (filled or read in place: one crossing)
+            nbytes = (len(need) - len(readable)) * cache.bytes_per_expert.get(il, 0)
+        plan = plans.get(il) if plans else None
+        n_filled = 0
+        if plan is not None:  # the graph's assignment: its misses copied into fill slots, read there
+            got = assign(plan, need, readable)
+            filled += got
+            n_filled = len(got)
         read_s = link.occupy(costs.zero_copy(nbytes))  # shared with the copies in flight
-        clock.advance(costs.experts(il, ready) + read_s)  # what is read over the link is bound by the link
+        # what is read over the link is bound by the link; a filled expert is then computed from its slot
+        clock.advance(costs.experts(il, len(readable) + n_filled) + read_s)
     link.settle()  # what landed by now, before the controller asks (FlagLinkCopyBackend)
+    if filled:
+        cache.take_fills(filled)  # as the engine hands the read-back words to the cache
     controller.on_routing(layers, routing, hidden=hidden)
+
+
+def _plan_fills(cache: ExpertCache, trace: Trace, rows: slice, starts: frozenset[int]) -> dict[int, FillPlan]:
+    """The engine's fill plans before a decode (``CachePipeline.begin_step``): fill slots only for a decode of
+    one token (a decoded token, or a prompt of one token; never a micro-batch of a longer prompt). il -> its
+    plan."""
+    one = rows.stop - rows.start == 1 and (trace.stage[rows.start] != STAGE_PREFILL or rows.start in starts)
+    return {p.il: p for p in cache.plan_fills(1 if one else 0)}
 
 
 def _planner(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
@@ -588,7 +626,7 @@ def _result(config: SimConfig, trace: Trace, cache: ExpertCache, link: LinkCopyB
         native_calls=t.native_calls, decode_tokens=n_decode, prefill_tokens=n_prefill,
         tpot_s=decode_s / n_decode if profile is not None and n_decode else None,
         ttft_s=float(np.mean(ttft)) if profile is not None and ttft else None,
-        link_busy_s=link.busy_s, stats=cache.stats.to_dict(), decode_mode=config.decode_mode,
+        link_busy_s=link.busy_s, stats=cache.stats.to_dict(), decode_mode=config.mode,
         ttft_each_s=tuple(ttft) if profile is not None else (), planner=config.planner,
         plan_accuracy=t.plan_accuracy)
 

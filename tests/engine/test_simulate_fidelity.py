@@ -66,18 +66,39 @@ def test_simulator_counts_equal_the_engine(qwen3moe_model, tmp_path, flags):
         assert {f: s[f] for f in fields} == {f: live[il][f] for f in fields}, il
 
 
+def _engine_without_fills(monkeypatch) -> None:
+    """``ggmoe run``'s cache config with in-graph fills off (``CacheConfig(fills=False)``: the GPU matrix's
+    ``async`` row), for the run that follows in this process."""
+    import dataclasses
+
+    from ggmoe.cli import warm
+
+    made = warm.cache_config
+    monkeypatch.setattr(warm, "cache_config", lambda *a, **k: dataclasses.replace(made(*a, **k), fills=False))
+
+
 @pytest.mark.immediate_copies("the replay lands a copy when it is issued, as the immediate stream does")
-@pytest.mark.parametrize(("policy", "predictor", "slots", "planner"), [
-    ("lru", None, 3, None), ("lfu", None, 3, None), ("tinylfu", None, 3, None), ("lru", "reuse", 5, None), ("lru", None, 4, "token.npz"),
-    ("lru", "reuse", 5, "reuse")])
-def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, policy, predictor, slots, planner):
+@pytest.mark.parametrize(("policy", "predictor", "slots", "planner", "fills"), [
+    ("lru", None, 3, None, False), ("lfu", None, 3, None, False), ("tinylfu", None, 3, None, False),
+    ("lru", "reuse", 5, None, False), ("lru", None, 4, "token.npz", False), ("lru", "reuse", 5, "reuse", False),
+    # in-graph fills (the engine's default): the graph fills what assign computes, the controller settles it
+    ("lru", None, 3, None, True), ("tinylfu", None, 3, None, True), ("lru", "reuse", 5, None, True),
+    ("lru", "reuse", 5, "reuse", True)])
+def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, monkeypatch, policy, predictor, slots,
+                                                 planner, fills):
     """The async decode replayed: the engine's counts (decode steps read through the tables, the controller
-    between tokens, prefill on the route op; with a predictor, the mailbox's stride prefetch into free slots)
-    equal the simulator's in async mode on the same routing. The trace comes from a sync run of the same
-    greedy generation: recording router probabilities needs the route op, and the routing does not depend on
-    the mode."""
-    run = ["run", str(qwen3moe_model), "-p", "The quick brown fox jumps over", "-n", "24", "--cache-slots",
-           str(slots), "--policy", policy]
+    between tokens, prefill on the route op; with a predictor, the mailbox's stride prefetch into free slots;
+    with fills, the misses the graph filled, settled without admissions) equal the simulator's in async mode on
+    the same routing. The trace comes from a sync run of the same greedy generation: recording router
+    probabilities needs the route op, and the routing does not depend on the mode."""
+    # With fills and a predictor: the graph assigns fills by the entries it reads, so the mailbox's reader must
+    # not race it (lockstep); and a prompt short enough to read through the tables in the run and the replay
+    # alike (a longer one routes every token at the last layer in the trace, one in the run: that layer's
+    # prefetch outcomes then move the prefetcher's budget, which every layer shares).
+    prompt = "The" if fills and predictor else "The quick brown fox jumps over"
+    if fills and predictor:
+        monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
+    run = ["run", str(qwen3moe_model), "-p", prompt, "-n", "24", "--cache-slots", str(slots), "--policy", policy]
     pre = ["--predictor", predictor, "--stride", "1"] if predictor else []
     if planner == "token.npz":  # a cross-token mlp: its input rows from the mailbox live, from the trace replayed
         from random_predictor import random_predictor_file
@@ -85,20 +106,25 @@ def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, polic
         planner = str(random_predictor_file(qwen3moe_model, tmp_path / planner, hidden=16, seed=5, mode="token"))
     pre += ["--plan-predictor", planner] if planner else []
     stats, tr = tmp_path / "s.json", tmp_path / "trace"
-    r = CliRunner().invoke(main, [*run, *pre, "--decode-mode", "async", "--stats-json", str(stats)])
+    with monkeypatch.context() as m:
+        if not fills:
+            _engine_without_fills(m)
+        r = CliRunner().invoke(main, [*run, *pre, "--decode-mode", "async", "--stats-json", str(stats)])
     assert r.exit_code == 0, r.output
     d = json.loads(stats.read_text())
-    assert d["decode_mode_in_effect"] == "async" and d["total"]["host_reads"] > 0
+    assert d["decode_mode_in_effect"] == "async" and d["total"]["fills" if fills else "host_reads"] > 0
+    assert (d["total"]["fills"] > 0) == fills
     if predictor:
         assert d["total"]["prefetch_issued"] > 0
     r = CliRunner().invoke(main, [*run, "--decode-mode", "sync", "--trace-out", str(tr)])
     assert r.exit_code == 0, r.output
     facts = inspect_model(qwen3moe_model)
     cfg = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, slots), policy=policy, decode_mode="async",
-                    predictor=predictor, stride=1, planner=planner)
+                    predictor=predictor, stride=1, planner=planner, fills=fills)
     sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None)
     fields = (*FIELDS, "host_reads", "host_read_bytes", "evictions", "prefetch_issued", "prefetch_hits",
-              "prefetch_late", "prefetch_wasted", "plan_total", "plan_correct", "admission_copies")
+              "prefetch_late", "prefetch_wasted", "plan_total", "plan_correct", "admission_copies", "fills",
+              "bytes_copied")
     if planner:
         assert d["planner"]["runs_on"] == "controller" and d["total"]["plan_total"] > 0
     last = str(max(facts.moe_layers))

@@ -149,26 +149,35 @@ def test_decode_mode_choice_is_explained():
 MB = 1 << 20
 
 
-@pytest.mark.parametrize(("slots", "sync_s", "read_bw", "faster"), [
-    # a miss crosses the link twice in async (read in place, then admitted): a sync per layer costs less
-    # (the H200 loan: async 0.66x sync at 50 % of gpt-oss-20b's shape)
-    (2, 57e-6, 25e9, "sync"),
-    (2, 2e-3, 25e9, "async"),  # a sync per layer dearer than a second pass of the misses over the link
-    (2, 57e-6, 2e9, "sync"),  # reads in place ten times slower than copies: waiting for copies wins
-    (8, 57e-6, 2e9, "async"),  # every expert cached: no misses, only the sync per layer is left
-    (2, 0.0, None, "async"),  # the CPU build: in place costs nothing, both copy each miss once: a tie
+@pytest.mark.parametrize(("slots", "sync_s", "read_bw", "fills", "faster"), [
+    # without fills a miss crosses the link twice in async (read in place, then admitted): a sync per layer
+    # costs less (the H200 loan: async 0.66x sync at 50 % of gpt-oss-20b's shape)
+    (2, 57e-6, 25e9, False, "sync"),
+    (2, 2e-3, 25e9, False, "async"),  # a sync per layer dearer than a second pass of the misses over the link
+    (2, 57e-6, 2e9, False, "sync"),  # reads in place ten times slower than copies: waiting for copies wins
+    (8, 57e-6, 2e9, False, "async"),  # every expert cached: no misses, only the sync per layer is left
+    (2, 0.0, None, False, "async"),  # the CPU build: in place costs nothing, both copy each miss once: a tie
+    # with fills a miss crosses once, at the read's rate: as fast as a copy, async saves the sync per layer
+    (2, 57e-6, 25e9, True, "async"),
+    (2, 57e-6, 2e9, True, "sync"),  # a fill at a tenth of the copies' rate: waiting for copies still wins
+    (8, 57e-6, 2e9, True, "async"),
+    (2, 0.0, None, True, "async"),  # the CPU build: a fill is the memcpy an admission was: a tie
 ])
-def test_auto_weighs_the_two_modes(slots, sync_s, read_bw, faster):
+def test_auto_weighs_the_two_modes(slots, sync_s, read_bw, fills, faster):
     """Two layers of 8 experts, top-2, 4 MiB experts, copies at 25 GB/s + 10 us (by hand: at 2 of 8 slots a
     layer misses 1.5 experts a token)."""
     copy_s = lambda nb: 10e-6 + nb / 25e9  # noqa: E731
     read_s = (lambda nb: nb / read_bw) if read_bw else None  # noqa: E731
-    est = weigh_modes({0: 4 * MB, 1: 4 * MB}, {0: slots, 1: slots}, 8, 2, copy_s, sync_s, read_s, "by hand")
+    est = weigh_modes({0: 4 * MB, 1: 4 * MB}, {0: slots, 1: slots}, 8, 2, copy_s, sync_s, read_s, "by hand",
+                      fills=fills)
     misses = 2 * 1.5 if slots == 2 else 0.0
     assert est.sync_s == pytest.approx(2 * sync_s + misses * copy_s(4 * MB))
-    assert est.async_s == pytest.approx(misses * ((4 * MB / read_bw if read_bw else 0.0) + copy_s(4 * MB)))
+    read = 4 * MB / read_bw if read_bw else 0.0
+    per_miss = (read if read_bw else copy_s(4 * MB)) if fills else read + copy_s(4 * MB)
+    assert est.async_s == pytest.approx(misses * per_miss)
     m = choose_decode_mode("auto", [], est)
     assert m.mode == faster and "estimates" in m.reason and "by hand" in m.reason and "on a GPU" in m.reason
+    assert ("fills each miss once" in m.reason) == fills
     assert "with a stride prefetch" in choose_decode_mode("auto", [], est, "with a stride prefetch").reason
     assert choose_decode_mode("async", [], est).mode == "async"  # asked for: no weighing
     assert choose_decode_mode("sync", [], est).mode == "sync"

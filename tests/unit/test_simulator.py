@@ -359,6 +359,53 @@ def test_the_async_decode_reads_misses_over_the_link_and_admits_between_tokens()
     assert s.stats["total"]["misses"] == 2 and s.exposed_copy_s == pytest.approx(2 * 3 * CHUNK)
 
 
+@pytest.mark.parametrize("layer_s", [10e-3, 1e-3])
+def test_fills_cross_the_link_once_and_admit_nothing(layer_s):
+    """The trace of the test above with in-graph fills: each miss is copied into a fill slot inside its layer
+    (the zero-copy rate, on the layer's path) and computed from there; nothing is admitted after, so a
+    fast layer hits what a slow one does (no admission to wait for) and the hit rate is sync LRU's."""
+    profile = dataclasses.replace(PROFILE, zero_copy_bytes_per_s=5e8, gpu_layer_s=layer_s)
+    tr = trace([[[0]], [[1]], [[0]], [[0]]])
+    r = simulate(tr, SimConfig({0: 2}, decode_mode="async", fills=True), {0: BPE}, profile)
+    gpu, zc = BPE / 1e12, BPE / 5e8
+    st = r.stats["total"]
+    assert r.decode_mode == "async-fill" and "async-fill" in r.label
+    assert (st["hits"], st["misses"], st["fills"]) == (2, 2, 2)
+    assert (st["host_reads"], st["admission_copies"], st["bytes_copied"]) == (0, 0, 2 * BPE)
+    assert r.ttft_s == pytest.approx(2 * (layer_s + zc + gpu))  # the one-token prompt fills too
+    assert r.tpot_s == pytest.approx((layer_s + zc + gpu + 2 * (layer_s + gpu)) / 3)
+    s = simulate(tr, SimConfig({0: 2}), {0: BPE}, profile)
+    assert r.hit_rate == s.hit_rate
+
+
+def test_fills_follow_sync_lrus_hits_on_every_layer_and_plan_only_one_token_decodes():
+    """Three layers, top-2, 3 slots, a 3-token prompt (read through the tables, no fills: the engine plans
+    them only for a one-token decode) then 60 tokens: with copies that land at once, fills are the decode's
+    misses, read in place and admitted only in the prompt; with a profile, faster than sync."""
+    rng = np.random.default_rng(5)
+    tr = trace([[sorted(rng.choice(8, size=2, replace=False).tolist()) for _ in range(3)] for _ in range(63)],
+               n_prefill=3)
+    bpe = dict.fromkeys(range(3), BPE)
+    cfg = SimConfig(dict.fromkeys(range(3), 3), decode_mode="async", fills=True)
+    ft = simulate(tr, cfg, bpe, None).stats["total"]
+    distinct = [len({e for t in range(3) for e in tr.ids[t, j].tolist()}) for j in range(3)]  # the prompt's
+    assert ft["fills"] + sum(distinct) == ft["misses"] and ft["host_reads"] == sum(distinct)
+    assert ft["admission_copies"] == sum(min(3, n) for n in distinct)  # as many as the slots hold
+    sync = simulate(tr, SimConfig(dict.fromkeys(range(3), 3)), bpe, PROFILE)
+    assert simulate(tr, cfg, bpe, PROFILE).tpot_s < sync.tpot_s
+    with pytest.raises(UsageError, match="async decode"):
+        simulate(tr, SimConfig(dict.fromkeys(range(3), 3), fills=True), bpe, PROFILE)
+
+
+def test_simulate_names_async_with_fills_async_fill():
+    from ggmoe.cli.simulate import _check_choices
+
+    choices = _check_choices((), (), (), ("sync,async,async-fill",), (), ())
+    assert choices.modes == ["sync", "async", "async-fill"]
+    with pytest.raises(UsageError, match="async-fill"):
+        _check_choices((), (), (), ("fill",), (), ())
+
+
 def test_the_async_decode_refuses_what_needs_the_sync_mode():
     tr = trace([[[0]], [[1]]])
     with pytest.raises(UsageError, match="async decode"):
