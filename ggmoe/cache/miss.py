@@ -78,6 +78,17 @@ def effective_miss_policy(policy: str, costs: MissCosts | None, bytes_per_expert
                     f"({costs.cpu_s(nb) * 1e6:.0f} us), so misses wait for copies and the host path is off")
 
 
+def without_host_path_when_full(policy: str, n_slots: Mapping[int, int], n_expert: int) -> tuple[str, str | None]:
+    """``auto`` on a cache with a slot for every expert of every layer: nothing is computed on the CPU once each
+    expert was used once, while the host path would still split every MoE layer's graph and keep a zero slot
+    (one expert too few, so a miss every few tokens). It runs as ``wait`` and says so (one line for the user).
+    ``cpu``, asked for by name, is left as it is."""
+    if policy != "auto" or not n_slots or min(n_slots.values()) < n_expert:
+        return policy, None
+    return "wait", ("auto: every expert has a slot, so nothing is computed on the CPU once cached and the host "
+                    "path is off (each expert's first use waits for its copy)")
+
+
 def host_path_refusal(split: bool, decode_mode: str) -> str | None:
     """Why the host path cannot serve a cache (None: it can): ``split``, whether some layer's experts are split
     (MoEpic); ``decode_mode``, the one asked for (sync, async, auto)."""

@@ -18,7 +18,7 @@ from ggmoe.base.errors import EngineError
 from ggmoe.cache import CacheConfig, MonotonicClock, ThreadedCopyBackend
 from ggmoe.cache.copy import LinkStreamCopyBackend, StreamCopyBackend
 from ggmoe.cache.decode_mode import ModeEstimate, weigh_modes
-from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy
+from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy, without_host_path_when_full
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.split import LayerSplit, model_split
 from ggmoe.control.assemble import CacheParts, assemble_cache
@@ -71,6 +71,7 @@ class CacheRuntime:
         self._ggml: GgmlCopyBackend | None = None
         self.slots: SlotTensors | None = None
         asked = check_miss_policy(config.miss_policy)
+        asked, full_note = without_host_path_when_full(asked, n_slots, n_expert)
         if self.split and asked != "wait":
             raise EngineError("split experts read what is not cached from host memory through the expert "
                               f"table: --miss-policy {asked} (the host path) cannot serve them; use wait")
@@ -81,6 +82,7 @@ class CacheRuntime:
             # what runs: auto becomes wait when the CPU is never sooner than a copy (the host path only costs)
             self.miss_policy, self.miss_policy_note = effective_miss_policy(asked, costs,
                                                                             self.slots.bytes_per_expert())
+            self.miss_policy_note = self.miss_policy_note or full_note
             host_path = self.miss_policy != "wait"
             if host_path and asked == "auto":  # the host path reads a zero slot: allocate again with it
                 self._allocate(model_ptr, n_slots, config, zero_slot=True)
