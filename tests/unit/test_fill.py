@@ -102,15 +102,3 @@ def test_no_fill_layers_where_every_expert_fits_or_nothing_is_kept():
     on_demand = ExpertCache(N_EXPERT, K, {0: 4}, POLICIES.get("on-demand")(N_EXPERT, [0]))
     assert on_demand.fill_layers == ()
 
-
-@pytest.mark.parametrize("policy, slots, want", [
-    ("auto", {0: 8, 1: 8}, "wait"),  # every expert has a slot: nothing for the CPU once cached
-    ("auto", {0: 8, 1: 7}, "auto"),  # a layer that misses: the host path can pay
-    ("cpu", {0: 8, 1: 8}, "cpu"),  # asked for by name: left as it is
-    ("wait", {0: 8}, "wait"),
-])
-def test_auto_turns_the_host_path_off_where_every_expert_has_a_slot(policy, slots, want):
-    from ggmoe.cache.miss import without_host_path_when_full
-
-    got, note = without_host_path_when_full(policy, slots, N_EXPERT)
-    assert got == want and (note is not None) == (policy != want)
