@@ -278,6 +278,26 @@ class ExpertCache:
                     plans.append(plan)
             return tuple(plans)
 
+    def preload(self) -> int:
+        """Every expert of a ``roomy`` cache (a slot for each, in every layer) copied in now and landed, so the
+        decode starts warm: no expert's first use is a miss read in place and then admitted. Returns how many
+        were loaded (none for a cache that is not roomy)."""
+        if not self.roomy:
+            return 0
+        n = 0
+        with self.lock:
+            for il, table in self.tables.items():
+                missing = [e for e in range(self.n_expert) if table.slot_of_list[e] < 0]
+                handles = self._load(il, table, [], missing, Priority.ADMISSION)
+                self.copies.wait(handles)
+                for h in handles:
+                    table.landed(h.slot)
+                    self._submitted.pop(h.id, None)
+                    self._submit_token.pop(h.id, None)
+                self.stats.layers[il].preloaded += len(handles)
+                n += len(handles)
+        return n
+
     def take_fills(self, fills: Iterable[Fill]) -> None:
         """What the decode's graph filled (read back, or ``assign``-ed by the simulator): ``after_token`` of each
         layer settles them (the experts placed, their slots' experts evicted, no admission copies)."""

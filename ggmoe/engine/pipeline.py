@@ -146,6 +146,9 @@ class CachePipeline:
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
         reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note)
+        idle = self._prefetch_idle_note()  # the async decode's stride prefetch would never find a free slot
+        if idle is not None and cache.decode_mode == "auto":
+            reasons.append(idle)  # auto takes the sync decode, where the predictor runs
         max_tokens = table_max_tokens(self._n_batch, self.n_ubatch)
         if not max_tokens:
             reasons.append(f"micro-batches of {self.n_ubatch} tokens are too small for the routing output")
@@ -157,6 +160,8 @@ class CachePipeline:
                    else None)
         self.decode_mode = choose_decode_mode(cache.decode_mode, reasons, weighed,
                                               "with a stride prefetch" if self.prefetcher is not None else "on a GPU")
+        if idle is not None and self.decode_mode.mode == "async":  # asked for: it runs, and says the predictor won't
+            self.decode_mode = replace(self.decode_mode, reason=f"{self.decode_mode.reason}; {idle}")
         if self.prefetcher is not None and self.decode_mode.mode == "sync":
             self._sync_prefetch(cache)
         if self.decode_mode.mode == "async" or split:
@@ -164,17 +169,24 @@ class CachePipeline:
             # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
             self.hook.after_route = self._tables_follow
         if self.decode_mode.mode == "async":
-            self.controller = TokenController(self.runtime.cache, None, self.planner)
-            self._async_predictors(max_tokens)
-
-            def on_change(request: HookRequest) -> None:
-                route_inputs(request)
-                self._update_table_mode()
-
-            self.observers.on_change = on_change
-            self._update_table_mode()
+            self._start_async(max_tokens, route_inputs)
         if self.planner is not None:  # the sync decode's route events; in async, while table mode is off
             self.observers.add(self.planner)
+
+    def _start_async(self, max_tokens: int, route_inputs: Callable[[HookRequest], None]) -> None:
+        """The async decode's controller, predictors and table mode; a cache with a slot for every expert is
+        warmed first (no expert's first use a miss)."""
+        if self.runtime.cache.preload():
+            self._tables_follow()
+        self.controller = TokenController(self.runtime.cache, None, self.planner)
+        self._async_predictors(max_tokens)
+
+        def on_change(request: HookRequest) -> None:
+            route_inputs(request)
+            self._update_table_mode()
+
+        self.observers.on_change = on_change
+        self._update_table_mode()
 
     def _make_tables(self, fill: bool, max_tokens: int) -> None:
         """The expert tables the cache's steps write, with the fill words where the graph fills misses (patch
@@ -198,6 +210,20 @@ class CachePipeline:
                 return (f"{who} {pred.name!r} reads the MoE input, which {self.facts.arch} weights before its "
                         "experts: the async decode's mailbox carries its ids only")
         return None
+
+    def _prefetch_idle_note(self) -> str | None:
+        """Why the async decode's stride prefetch would never run (None: it can, or there is no prefetcher): a
+        prefetch into a running graph takes a free slot only, and a layer with as many slots as a token's experts
+        keeps none free (``ExpertCache.keep_free_cap``). The sync decode's prefetch evicts, so it runs there."""
+        cache, pf = self.runtime.cache, self.prefetcher
+        if pf is None or not cache.prefetch_layers:  # every expert cached: nothing to prefetch in either mode
+            return None
+        cap = cache.keep_free_cap(pf.n_prefetch)
+        if any(cap.get(il, 0) for il in cache.prefetch_layers):
+            return None
+        slots = sorted({cache.n_slots[il] for il in cache.prefetch_layers})
+        return (f"predictor {pf.predictor.name!r} cannot prefetch in the async decode: {slots[-1]} slots per "
+                f"layer for top-{cache.n_expert_used} leave no free slot (the sync decode's prefetch evicts)")
 
     def _sync_prefetch(self, cache: CacheConfig) -> None:
         """The sync decode's prefetcher: a route observer (in-graph nets and the worker thread as configured)."""
@@ -246,7 +272,8 @@ class CachePipeline:
         self.stride = StrideReader(self.mailbox, self.prefetcher, cache, facts.moe_layers)
         self.runtime.stream.flip = self.tables.entry_flip
         self._keep_free = cache.keep_free_cap(self.prefetcher.n_prefetch)
-        # it asks the route op for nothing: its inputs come from the mailbox (a request would turn table mode off)
+        # in table mode it asks the route op for nothing (its inputs come from the mailbox); while table mode is off
+        # it asks for what its predictor reads, as in sync (``_route_requests``), and never keeps table mode off
         self.prefetcher.request = HookRequest(probs=False, hidden=False)
         self.observers.add(self.prefetcher)
 
@@ -297,8 +324,31 @@ class CachePipeline:
 
     # -- decode mode
     def _table_mode_wanted(self) -> bool:
-        req = self.observers.request
-        return self.controller is not None and not (req.probs or req.hidden)
+        """Whether no observer needs the route op: the prefetcher's and the planner's own requests do not count
+        (in table mode the mailbox and the controller bring their inputs; they ask only while it is off)."""
+        own = self._own_observers()
+        return self.controller is not None and not any(
+            o.request.probs or o.request.hidden for o in self.observers.items if not any(o is x for x in own))
+
+    def _own_observers(self) -> tuple[RouteObserver, ...]:
+        """The async decode's prefetcher and planner (observers whose inputs follow table mode)."""
+        if self.controller is None:
+            return ()
+        return tuple(o for o in (self.prefetcher, self.planner) if o is not None)
+
+    def _route_requests(self, table_mode: bool) -> None:
+        """The async decode's prefetcher and planner ask the route op for nothing while table mode serves the
+        decode (the mailbox brings their inputs), and for what their predictors read while it is off (an observer
+        needs the route op): they then predict from the route op's events, as in sync."""
+        changed = False
+        for obs in self._own_observers():
+            pred = obs.predictor
+            want = (HookRequest(probs=False, hidden=False) if table_mode
+                    else HookRequest(probs=pred.needs_probs, hidden=pred.needs_hidden))
+            changed |= obs.request != want
+            obs.request = want
+        if changed:
+            self.observers.refresh()  # the union to the route op (``on_change``)
 
     def _update_table_mode(self) -> None:
         """Table mode on while nothing needs the route op's per-layer answer (see the module's doc)."""
@@ -317,6 +367,7 @@ class CachePipeline:
         if self.stride is not None:
             self.prefetcher.via_mailbox = self.prefetcher.free_only = on
             self.runtime.cache.keep_free = dict(self._keep_free) if on else {}
+        self._route_requests(on)  # last: it may call back here (the route op's inputs changed)
 
     def set_routing_override(self, override: Callable[[int, int], list[int]] | None) -> None:
         """Benchmarks only (trace-replay routing): the experts ``override(il, n_tokens)`` gives replace the
