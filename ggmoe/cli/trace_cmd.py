@@ -60,7 +60,7 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
       ggmoe trace model.gguf --prompts prompts.jsonl -o traces/ --max-tokens 64
       ggmoe trace --prompts docs.jsonl -o traces/ --mode teacher --prefill-tokens 32
     """
-    from ggmoe.engine.record import RecordConfig, record_trace
+    from ggmoe.engine.record import ASYNC_NOTE, RecordConfig, record_trace, records_ids_only
     from ggmoe.trace.prompts import read_prompts
 
     # Everything a user can get wrong fails here, before the first prompt runs.
@@ -74,6 +74,8 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
     with make_engine(path, n_ctx, threads, verbose, cache) as eng:
         if routing_out is not None:
             eng.add_observer(routing_out.collector)
+        if records_ids_only(eng):
+            click.echo(f"note: {ASYNC_NOTE}", err=True)
         with click.progressbar(length=len(prompts), label="tracing", file=sys.stderr) as bar:
             written = record_trace(eng, prompts, cfg, Path(out) / "trace.npz", progress=bar.update)
         write_stats(eng, flags["stats_json"], {"model": str(path), "prompts": len(prompts), "mode": mode})

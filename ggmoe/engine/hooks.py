@@ -53,6 +53,10 @@ class Observers:
         self.items = tuple(o for o in self.items if o is not obs)
         self._refresh()
 
+    def refresh(self) -> None:
+        """The union again, after an observer changed its ``request`` in place."""
+        self._refresh()
+
     def _refresh(self) -> None:
         before = self.request
         self.request = HookRequest(probs=any(o.request.probs for o in self.items),

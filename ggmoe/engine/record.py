@@ -23,6 +23,10 @@ from ggmoe.inspect.fingerprint import model_fingerprint
 from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, TraceMeta, TraceWriter
 
 MODES = ("greedy", "sample", "teacher")
+# what a trace of the async decode lacks: it reads no router probabilities or MoE inputs (``LACKS``)
+ASYNC_LACKS = ("hidden", "probs")
+ASYNC_NOTE = ("the trace holds expert ids only: the async decode, which it measures, reads no router probabilities "
+              "or MoE inputs (--decode-mode sync records them)")
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class RecordConfig:
     keep_hidden: bool = True
 
 
-def trace_meta(engine: Engine, mode: str, max_tokens: int) -> TraceMeta:
+def trace_meta(engine: Engine, mode: str, max_tokens: int, lacks: tuple[str, ...] = ()) -> TraceMeta:
     """The trace's header, from the engine's model facts (read once, at load)."""
     f = engine.facts
     return TraceMeta(
@@ -43,8 +47,15 @@ def trace_meta(engine: Engine, mode: str, max_tokens: int) -> TraceMeta:
         model_name=Path(engine.config.model_path).name, arch=f.arch, n_layer=f.n_layer,
         n_expert=f.n_expert, n_expert_used=f.n_expert_used, n_embd=f.n_embd,
         mode=mode, max_tokens=max_tokens, ggmoe_version=__version__, n_ubatch=engine.config.n_ubatch,
-        gating=f.gating.func,
+        gating=f.gating.func, lacks=lacks,
     )
+
+
+def records_ids_only(engine: Engine) -> bool:
+    """Whether ``record_trace`` on ``engine`` records expert ids only: its cache runs the async decode, which a
+    server would run, and a recorder asking for probabilities or MoE inputs would turn it into the sync path
+    (the route op at every layer), so the trace would measure another decode than the one it names."""
+    return engine.decode_mode.get("decode_mode_in_effect") == "async"
 
 
 def _step_writer(writer: TraceWriter, rec: RouteRecorder) -> StepCallback:
@@ -58,14 +69,17 @@ def _step_writer(writer: TraceWriter, rec: RouteRecorder) -> StepCallback:
 
 def record_trace(engine: Engine, prompts: Iterable[str], config: RecordConfig, out: str | Path,
                  progress: Callable[[int], None] | None = None) -> Path:
-    """Trace every prompt and write ``out`` (a ``.npz`` path); returns the path written."""
+    """Trace every prompt and write ``out`` (a ``.npz`` path); returns the path written. On an engine whose
+    cache runs the async decode the trace holds expert ids only (``records_ids_only``)."""
     if config.mode not in MODES:
         raise UsageError(f"unknown mode {config.mode!r}; choose one of {', '.join(MODES)}")
     if config.max_tokens < 1:
         raise UsageError("max_tokens must be at least 1")
-    recorder = RouteRecorder(HookRequest(probs=True, hidden=config.keep_hidden))
-    meta = trace_meta(engine, config.mode, config.max_tokens)
-    writer = TraceWriter(meta, keep_hidden=config.keep_hidden)
+    ids_only = records_ids_only(engine)  # the async decode's routing from its controller, table mode kept
+    recorder = RouteRecorder(HookRequest(probs=False, hidden=False) if ids_only
+                             else HookRequest(probs=True, hidden=config.keep_hidden))
+    meta = trace_meta(engine, config.mode, config.max_tokens, ASYNC_LACKS if ids_only else ())
+    writer = TraceWriter(meta, keep_hidden=config.keep_hidden and not ids_only)
     # Every prompt is checked before any runs: a bad one fails fast instead of losing the work before it.
     plans = [_plan(engine, i, prompt, config) for i, prompt in enumerate(prompts)]
     with engine.observing(recorder):

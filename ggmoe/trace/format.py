@@ -145,6 +145,8 @@ class TraceWriter:
     def __init__(self, meta: TraceMeta, keep_hidden: bool) -> None:
         self.meta = meta
         self.keep_hidden = keep_hidden
+        # the events carry ids only (the async decode's): probabilities are written as zeros, never read as data
+        self.ids_only = "probs" in meta.lacks
         self._rows: dict[str, list[np.ndarray]] = {k: [] for k in
                                                    ("token_ids", "positions", "stage", "ids", "probs", "hidden", "logits")}
         self._offsets = [0]
@@ -160,14 +162,17 @@ class TraceWriter:
             raise TraceFormatError(f"MoE layers changed between steps: {self._layers} vs {layers}")
         for il in layers:
             ev = events[il]
-            if ev.n_tokens != n or ev.probs is None or (self.keep_hidden and ev.hidden is None):
+            if ev.n_tokens != n or (ev.probs is None and not self.ids_only) or (self.keep_hidden and ev.hidden is None):
                 raise TraceFormatError(f"layer {il}: hook delivered {ev.n_tokens} rows for {n} tokens")
         r = self._rows
         r["token_ids"].append(np.asarray(tokens, dtype=np.int32))
         r["positions"].append(np.arange(pos0, pos0 + n, dtype=np.int32))
         r["stage"].append(np.full(n, stage, dtype=np.uint8))
         r["ids"].append(np.stack([events[il].ids for il in layers], axis=1).astype(np.int16))
-        r["probs"].append(np.stack([events[il].probs for il in layers], axis=1).astype(np.float16))
+        if self.ids_only:
+            r["probs"].append(np.zeros((n, len(layers), self.meta.n_expert), dtype=np.float16))
+        else:
+            r["probs"].append(np.stack([events[il].probs for il in layers], axis=1).astype(np.float16))
         if self.keep_hidden:
             r["hidden"].append(np.stack([events[il].hidden for il in layers], axis=1).astype(np.float16))
         if all(events[il].logits is not None for il in layers):
