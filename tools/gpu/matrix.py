@@ -487,7 +487,8 @@ def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None =
                     policy="tinylfu" if cell.config == "async-tinylfu" else "lru", predictor=pred,
                     stride=2 if cell.config in ("async-prefetch", "async-fill-prefetch") else 1,
                     miss_policy=sim_miss_policy(cell),
-                    decode_mode="async" if cell.decode_mode == "async" else "sync")
+                    decode_mode="async" if cell.decode_mode == "async" else "sync",
+                    fills=cell.decode_mode == "async" and cell.config in ("async-fill", "async-fill-prefetch"))
     r = simulate(trace, sim, bpe, profile, train=train if pred == "eam" else None)
     return r.tpot_s * 1e3 if r.tpot_s is not None else None
 
