@@ -21,6 +21,13 @@ copies in flight (``LinkCopyBackend.occupy``: each at half its rate while both r
 land on the link's timeline and become readable at the first token boundary after they land (epochs).
 Larger micro-batches (prefill) take the sync path, as in the engine.
 
+In-graph fills (``SimConfig.fills``, simulate's ``--decode-mode async-fill``; the engine's ``CacheConfig.fills``):
+before each one-token decode the cache plans its fill slots (``ExpertCache.plan_fills``); per layer, the misses
+that ``ggmoe.cache.fill.assign`` puts in them (against what was readable when the layer started) cross the
+link inside the layer at the zero-copy rate, as a read in place does, and are then computed from VRAM; the
+cache takes them (``take_fills``) and the controller settles them with no admission copy. Misses beyond the
+fill slots are read in place and admitted as without fills.
+
 With a planner (``SimConfig.planner``: a cross-token predictor, ``ggmoe.control.planner``), the engine's own
 ``NextTokenPlanner`` plans each layer's next call as in the engine: in the async replay the controller shows it
 every layer between tokens (the MoE input rows from the trace, as the engine's mailbox hands them), in the sync
