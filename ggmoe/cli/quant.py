@@ -15,6 +15,7 @@ from ggmoe.cli.options import model_path, threads_opt
 
 if TYPE_CHECKING:
     from ggmoe.cache.hardware import HardwareProfile
+    from ggmoe.cli.quant_quality import LevelRun, LiveSpec
     from ggmoe.inspect import ModelFacts
     from ggmoe.simulate.des import SimResult
     from ggmoe.trace import Trace
@@ -80,6 +81,66 @@ def _types(facts: ModelFacts) -> str:
     return "/".join(names)
 
 
+def _pareto(points: list[tuple[float, float] | None]) -> list[bool]:
+    """Which points no other point beats on both axes (lower is better on both); None is never marked."""
+    def beaten(a: tuple[float, float]) -> bool:
+        return any(b is not None and b[0] <= a[0] and b[1] <= a[1] and b != a for b in points)
+
+    return [p is not None and not beaten(p) for p in points]
+
+
+def _live_rows(rows: list[dict[str, Any]], out: list[dict[str, Any]], runs: list[LevelRun],
+               ref_name: str) -> tuple[list[tuple[float, float] | None], bool]:
+    """Add each level's measured and quality figures to its table row and JSON record; return the Pareto
+    points (TPOT, mean KLD) and whether TPOT is measured."""
+    measured = any(r.measured is not None for r in runs)
+    points: list[tuple[float, float] | None] = []
+    for row, rec, run in zip(rows, out, runs, strict=True):
+        if run.measured is not None:
+            m = run.measured
+            row.update({"hit rate (meas.)": "-" if m.hit_rate is None else f"{m.hit_rate:.1%}",
+                        "TPOT ms (meas.)": f"{m.tpot_s * 1e3:.3f}"})
+            rec["measured"] = m.to_dict()
+        q = run.quality
+        if q is not None:
+            row.update({"PPL": f"{q.ppl:.3f}", "KLD mean": f"{q.kld_mean:.5f}", "KLD median": f"{q.kld_median:.5f}",
+                        "KLD p99": f"{q.kld_p99:.5f}", "same top": f"{q.top_agreement:.1%}"})
+            rec["quality"] = {**q.to_dict(), "reference": ref_name}
+        tpot = run.measured.tpot_s if measured and run.measured else rec.get("tpot_s_estimate")
+        points.append((tpot, q.kld_mean) if q is not None and tpot is not None else None)
+    return points, measured
+
+
+def _quality_plot(path: str, names: list[str], points: list[tuple[float, float] | None], ppl: list[float],
+                  pareto: list[bool], measured: bool) -> None:
+    """Mean KLD and perplexity against TPOT, one point per level; the Pareto levels filled and joined."""
+    from ggmoe.base.outputs import atomic_write
+    from ggmoe.cli.simulate import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    kept = [i for i, p in enumerate(points) if p is not None]
+    for ax, ys, label in ((axes[0], [points[i][1] for i in kept], "mean KL divergence vs the reference"),
+                          (axes[1], [ppl[i] for i in kept], "perplexity")):
+        xs = [points[i][0] * 1e3 for i in kept]
+        front = sorted((x, y) for x, y, i in zip(xs, ys, kept, strict=True) if pareto[i])
+        if ax is axes[0] and front:
+            ax.plot(*zip(*front, strict=True), "-", color="tab:green", alpha=0.5, label="Pareto front")
+        for x, y, i in zip(xs, ys, kept, strict=True):
+            ax.plot(x, y, "*" if pareto[i] else "o", ms=12 if pareto[i] else 7,
+                    color="tab:green" if pareto[i] else "tab:gray")
+            ax.annotate(names[i], (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        ax.set_xlabel(f"TPOT, ms ({'measured here' if measured else 'estimate'})")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("quantization levels: quality against speed (lower is better on both; stars: Pareto)")
+    fig.tight_layout()
+    with atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
+
+
 @click.command("compare-quants")
 @click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--traces", multiple=True, required=True, type=click.Path(),
@@ -88,16 +149,42 @@ def _types(facts: ModelFacts) -> str:
 @click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST e.g. rtx4090/pcie4x16/ddr5-5600x2, a .toml).")
 @click.option("--policy", default="lru", show_default=True)
 @click.option("--miss-policy", default="wait", show_default=True)
+@click.option("--text", "text_path", type=click.Path(dir_okay=False),
+              help="A text file: each level's perplexity on it and KL divergence against the reference level.")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=8),
+              help="Window in tokens; the second half of each is scored [default: 512, or the model's training "
+                   "context when shorter].")
+@click.option("--chunks", type=click.IntRange(min=1), help="At most this many windows [default: all the text fills].")
+@click.option("--reference", help="The level the KL divergence is measured against [default: the one with the "
+                                  "most bytes per expert].")
+@click.option("--kl-base", type=click.Path(dir_okay=False),
+              help="A reference written by --save-kl-base, instead of a reference level's pass.")
+@click.option("--save-kl-base", type=click.Path(dir_okay=False),
+              help="Write the reference level's top tokens here (.npz), for another run's --kl-base.")
+@click.option("--kl-top", type=click.IntRange(min=1, max=1 << 16), default=64, show_default=True,
+              help="The reference's most likely tokens kept per position (the rest is one outcome).")
+@click.option("--measure", is_flag=True, help="Also decode on this machine at the budget: TPOT and hit rate "
+                                              "measured, beside the estimate.")
+@click.option("--measure-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens decoded one at a time by --measure.")
+@threads_opt
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of hit rate and TPOT.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Write a PNG: quality against speed with --text (Pareto levels marked), else hit rate and TPOT.")
 @edge
 def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, hw: str, policy: str,
-                   miss_policy: str, as_json: bool, plot_path: str | None) -> None:
+                   miss_policy: str, text_path: str | None, n_ctx: int | None, chunks: int | None,
+                   reference: str | None, kl_base: str | None, save_kl_base: str | None, kl_top: int,
+                   measure: bool, measure_tokens: int, threads: int | None, as_json: bool,
+                   plot_path: str | None) -> None:
     """Quantization levels of one model at one VRAM budget: bytes per expert, experts that fit, hit rate,
-    estimated TPOT.
+    estimated TPOT; with --text, perplexity and KL divergence; with --measure, TPOT measured here.
 
     The traces give the routing, taken as the same for every level (quantization changes it little);
-    the models must share layers, experts and top-k. TPOT is an estimate (docs/simulator.md).
+    the models must be levels of one model. TPOT (est.) is the simulator's estimate on --hw
+    (docs/simulator.md). The quality pass runs each level through the engine with the cache at the
+    budget (the cache is exact): windows of --ctx tokens, the second half of each scored, as
+    llama-perplexity does; the KL divergence is over the reference's --kl-top tokens and the rest.
 
     \b
     Examples:
@@ -105,38 +192,140 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
       ggmoe quantize ggmoe/models/tiny-moe.gguf -o f16.gguf --type F16
       ggmoe trace --prompts prompts.jsonl -o traces/
       ggmoe compare-quants q4.gguf ggmoe/models/tiny-moe.gguf f16.gguf --traces traces/trace.npz --vram 4MiB
+      ggmoe compare-quants q4.gguf f16.gguf --traces traces/ --vram 4MiB --text wiki.txt --measure \\
+            --save-kl-base f16-ref.npz --plot q.png
+      ggmoe compare-quants q5.gguf --traces traces/ --vram 4MiB --text wiki.txt --kl-base f16-ref.npz --json
     """
     from ggmoe.base.units import parse_bytes
     from ggmoe.cache.hardware import load_profile
-    from ggmoe.cache.miss import check_miss_policy
-    from ggmoe.cache.policies import POLICIES
-    from ggmoe.cli.simulate import PLOT_SUFFIXES, plot, pyplot, render_table
     from ggmoe.trace import load_traces
 
-    if plot_path is not None:
-        check_output(plot_path, "--plot", suffixes=PLOT_SUFFIXES)
-        pyplot()  # matplotlib missing: say so before simulating
-    POLICIES.get(policy)  # names against their registries, before any file is read
-    check_miss_policy(miss_policy)
+    _check_outputs(plot_path, save_kl_base, text_path, reference, kl_base)
+    _check_names(policy, miss_policy)
     profile = load_profile(hw)
     budget = parse_bytes(vram)
     paths = [model_path(m, "MODELS") for m in models]
+    facts = _same_model(paths)
     trace = load_traces(list(traces))
     rows, results, out = [], [], []
     for path in paths:
         row, r, record = _level(path, trace, budget, (policy, miss_policy), profile)
         rows.append(row)
         out.append(record)
-        if r is not None:
-            results.append(r)
-    if plot_path is not None and results:
-        fitting = [r for r in rows if r["hit rate"] != "-"]
-        plot(plot_path, [{"size": r["model"], "policy": policy, "predictor": r["expert types"],
-                          "miss": miss_policy} for r in fitting], results)
+        results.append(r)
+    spec = _live_spec(paths, facts, text_path, n_ctx, chunks, kl_top, reference, kl_base,
+                      measure_tokens if measure else None, threads)
+    runs = _run_live(paths, facts, out, spec, (policy, miss_policy), save_kl_base)
+    ref_name = paths[spec.reference].name if spec.reference is not None else f"--kl-base {kl_base}"
+    points, measured = _live_rows(rows, out, runs, ref_name) if runs else ([], False)
+    _report(rows, out, results, points, measured, plot_path, as_json, (vram, budget, hw, policy, miss_policy, trace.n_tokens))
+
+
+def _check_outputs(plot_path: str | None, save_kl_base: str | None, text_path: str | None,
+                   reference: str | None, kl_base: str | None) -> None:
+    """Output paths and the flags that need --text, before any file is read."""
+    from ggmoe.cli.simulate import PLOT_SUFFIXES, pyplot
+
+    if plot_path is not None:
+        check_output(plot_path, "--plot", suffixes=PLOT_SUFFIXES)
+        pyplot()  # matplotlib missing: say so before any work
+    if save_kl_base is not None:
+        check_output(save_kl_base, "--save-kl-base", suffixes=(".npz",))
+    needs = next((f for f, v in (("--reference", reference), ("--kl-base", kl_base),
+                                 ("--save-kl-base", save_kl_base)) if v is not None), None)
+    if needs is not None and text_path is None:
+        raise UsageError(f"{needs} needs --text (the text the KL divergence is measured on)")
+    if kl_base is not None and (reference is not None or save_kl_base is not None):
+        raise UsageError("--kl-base is the reference: give it without --reference and --save-kl-base")
+    if text_path is not None and not Path(text_path).is_file():
+        raise UsageError(f"--text {text_path}: no such file")
+
+
+def _check_names(policy: str, miss_policy: str) -> None:
+    from ggmoe.cache.miss import check_miss_policy
+    from ggmoe.cache.policies import POLICIES
+
+    POLICIES.get(policy)  # names against their registries, before any file is read
+    check_miss_policy(miss_policy)
+
+
+def _same_model(paths: list[Path]) -> list[ModelFacts]:
+    from ggmoe.cli.quant_quality import check_same_model
+    from ggmoe.inspect import inspect_model
+
+    facts = [inspect_model(p) for p in paths]
+    check_same_model(paths, facts)
+    return facts
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"--text {path}: not UTF-8 text") from None
+    except OSError as e:
+        raise UsageError(f"--text {path}: {e.strerror}") from None
+
+
+def _live_spec(paths: list[Path], facts: list[ModelFacts], text_path: str | None, n_ctx: int | None,
+               chunks: int | None, kl_top: int, reference: str | None, kl_base: str | None,
+               measure_tokens: int | None, threads: int | None) -> LiveSpec:
+    from ggmoe.cli.quant_quality import LiveSpec, QualitySpec, default_ctx, reference_index
+    from ggmoe.simulate.quality import load_reference
+
+    trained = default_ctx(paths[0], facts[0]) if n_ctx is None else None
+    window = n_ctx if n_ctx is not None else trained
+    quality = None
+    if text_path is not None:
+        quality = QualitySpec(_read_text(text_path), window, chunks, kl_top)
+    ref_index = reference_index(paths, facts, reference) if text_path is not None and kl_base is None else None
+    base = load_reference(kl_base) if kl_base is not None else None
+    return LiveSpec(quality, window, ref_index, base, kl_base, measure_tokens, threads)
+
+
+def _run_live(paths: list[Path], facts: list[ModelFacts], out: list[dict[str, Any]], spec: LiveSpec,
+              policies: tuple[str, str], save_kl_base: str | None) -> list[LevelRun]:
+    """The engine passes (none without --text and --measure); the reference written when asked."""
+    from ggmoe.cache.config import CacheConfig
+    from ggmoe.cli.quant_quality import run_levels
+    from ggmoe.simulate.quality import save_reference
+
+    if spec.quality is None and spec.measure_tokens is None:
+        return []
+    caches = [CacheConfig(n_slots=r["slots_per_layer"], policy=policies[0], miss_policy=policies[1])
+              if r["fits"] else None for r in out]
+    runs = run_levels(paths, facts, caches, spec)
+    built = next((r.reference for r in runs if r.reference is not None), None)
+    if save_kl_base is not None and built is not None:
+        save_reference(save_kl_base, built)
+    return runs
+
+
+def _report(rows: list[dict[str, Any]], out: list[dict[str, Any]], results: list[SimResult | None],
+            points: list[tuple[float, float] | None], measured: bool, plot_path: str | None, as_json: bool,
+            head: tuple[str, int, str, str, str, int]) -> None:
+    """The table (or JSON) and the picture."""
+    from ggmoe.cli.simulate import plot, render_table
+
+    vram, budget, hw, policy, miss, n_tokens = head
+    pareto = _pareto(points)
+    if points:
+        for row, rec, p in zip(rows, out, pareto, strict=True):
+            row["Pareto"] = "*" if p else ""
+            rec["pareto"] = p
+    if plot_path is not None and points:
+        ppl = [rec["quality"]["ppl"] if "quality" in rec else 0.0 for rec in out]
+        _quality_plot(plot_path, [r["model"] for r in rows], points, ppl, pareto, measured)
+    elif plot_path is not None and any(r is not None for r in results):
+        fitting = [(row, r) for row, r in zip(rows, results, strict=True) if r is not None]
+        plot(plot_path, [{"size": row["model"], "policy": policy, "predictor": row["expert types"],
+                          "miss": miss} for row, _ in fitting], [r for _, r in fitting])
     if as_json:
         click.echo(json.dumps({"vram": budget, "profile": hw, "policy": policy,
-                               "estimates": "tpot_s_estimate comes from the profile's cost model", "models": out},
-                              indent=2))
+                               "estimates": "tpot_s_estimate comes from the profile's cost model",
+                               "pareto_axes": ["tpot_s (measured)" if measured else "tpot_s_estimate",
+                                               "quality.kld_mean"] if points else None,
+                               "models": out}, indent=2))
         return
-    click.echo(f"--vram {vram}, profile {hw}, policy {policy}; routing from {trace.n_tokens} traced tokens")
+    click.echo(f"--vram {vram}, profile {hw}, policy {policy}; routing from {n_tokens} traced tokens")
     click.echo(render_table(rows))
