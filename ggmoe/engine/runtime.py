@@ -167,13 +167,14 @@ class CacheRuntime:
         if config.hw_profile is not None:
             prof = load_profile(config.hw_profile)
             return weigh_modes(*shape, prof.copy_s, prof.hook_s, prof.zero_copy_s, f"profile {config.hw_profile}",
-                               counts)
+                               counts, fills=config.fills)
         costs = self._measured or measure_costs(self.slots, self._ggml, n_threads, self._link_s)
         if self._ggml.backend:  # a GPU: the misses read over the link at the copies' speed, a sync per layer
             return weigh_modes(*shape, costs.copy_s, P.HOOK_S, costs.copy_s, "copies measured here; a sync per "
-                               "layer as measured on an H100, reads in place at the copies' speed", counts)
+                               "layer as measured on an H100, reads in place at the copies' speed", counts,
+                               fills=config.fills)
         return weigh_modes(*shape, costs.copy_s, 0.0, None, "copies measured here; the CPU build reads in place "
-                           "from the memory it computes from", counts)
+                           "from the memory it computes from", counts, fills=config.fills)
 
     def _costs(self, config: CacheConfig, n_threads: int) -> MissCosts:
         """The auto policy's cost model: the hardware profile's, or measured now on the slots."""
