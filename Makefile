@@ -6,9 +6,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK = 1
 PORT ?= 8080
 .PHONY: setup engine run generate test test-unit lint gpu-smoke
 
-# Build (or reuse the cached) patched llama-cpp-python wheel, then install ggmoe with its extras.
+# Build (or reuse the cached) patched llama-cpp-python wheel, then install ggmoe with its extras; then the
+# engine once more, which puts the patched build back if an extra's dependencies replaced it (else a no-op).
 setup: engine
 	$(PY) -m pip install -q -e '.[dev,train]'
+	$(PY) tools/build_engine.py --install
 
 engine:
 	$(PY) tools/build_engine.py --install

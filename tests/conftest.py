@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-_TIERS = ("unit", "engine", "serve", "slow", "gpu")
+_TIERS = ("unit", "engine", "serve", "integrations", "slow", "gpu")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
