@@ -108,6 +108,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("simulate",),
     ("serve",),
+    ("integrations",),
     ("cli", "__main__"),
 )
 
