@@ -299,11 +299,17 @@ class Prefetcher:
         calls = self.cache.stats.layers[target].calls if target in self.cache.tables else None
         self._do(self._observe, event, target, calls)
 
-    def observe_layer(self, event: RouteEvent) -> None:
+    def target(self, il: int) -> int | None:
+        """The layer that layer ``il``'s event predicts (``stride`` MoE layers ahead), or None."""
+        return self._next.get(il)
+
+    def observe_layer(self, event: RouteEvent, prefetch: bool = True) -> None:
         """The async decode's stride prefetch: layer ``event.il`` of a decode token has started (its routing and
-        input rows from the mailbox, read while the graph runs); predict ``stride`` layers ahead and prefetch."""
+        input rows from the mailbox, read while the graph runs); predict ``stride`` layers ahead and prefetch.
+        ``prefetch`` False: the target layer has already started (the reader fell behind the device), so the
+        predictor only observes."""
         if self._decoding and event.n_tokens == 1:
-            self._observe(event, self._next.get(event.il), None)
+            self._observe(event, self._next.get(event.il) if prefetch else None, None)
 
     def scores_from_graph(self) -> None:
         """The engine computes the predictor's nets in the graph: the route events bring their logits, so the

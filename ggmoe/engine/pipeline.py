@@ -551,6 +551,8 @@ class CachePipeline:
                              "runs_on": "mailbox" if self.stride is not None and pf.via_mailbox else "route op",
                              "experts_per_layer": pf.limit if pf.free_only else pf.n_prefetch,
                              "keep_free": dict(self.runtime.cache.keep_free) if self.stride is not None else {},
+                             # the mailbox's reader: layers read only after the layer they predict had started
+                             "layers_behind": self.stride.layers_behind if self.stride is not None else 0,
                              # benchmarks only (GGMOE_MAILBOX_LOCKSTEP): the device waited for the host per layer
                              "lockstep": bool(self.stride is not None and self.stride.mailbox.lockstep)}}
 

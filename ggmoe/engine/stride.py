@@ -39,6 +39,9 @@ class StrideReader:
         self.error: BaseException | None = None
         self.tokens = 0  # tokens read
         self.layer_reads = 0  # layers read while their decode ran (the rest after it returned)
+        # layers read only after the layer they predict had started (the device ran ahead of this thread): their
+        # predictions issue nothing, since a prefetch would land after the read it was for
+        self.layers_behind = 0
         self._go = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -95,9 +98,16 @@ class StrideReader:
             ids, rows = mb.read(il, n, hidden and self.with_hidden)
             try:
                 self.cache.seen_start(il, ids.ravel().tolist())
-                pf.observe_layer(RouteEvent(il=il, ids=ids, probs=None, hidden=rows))
+                behind = self._target_started(il)
+                self.layers_behind += behind
+                pf.observe_layer(RouteEvent(il=il, ids=ids, probs=None, hidden=rows), prefetch=not behind)
             finally:
                 mb.acknowledge(il)  # lockstep: the layer's matmuls may run
+
+    def _target_started(self, il: int) -> bool:
+        """Whether the layer that layer ``il`` predicts has already started (or the decode has ended)."""
+        target = self.prefetcher.target(il)
+        return target is not None and (self._decode_done or self.mailbox.written(target)[0] > 0)
 
     def close(self) -> None:
         """Stop the thread (between tokens)."""

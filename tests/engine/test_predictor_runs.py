@@ -189,4 +189,5 @@ def test_a_predictor_that_knows_the_routing_beats_async_lru(model, monkeypatch):
         assert eng.pipeline.mode_in_effect == "async"
         _teacher(eng, ids)
         t = eng.cache_stats.total()
+        assert eng.pipeline.stride.layers_behind == 0  # lockstep: every layer read before its target started
     assert t.prefetch_issued > 0 and t.hit_rate > lru + 0.05, (t.hit_rate, lru)

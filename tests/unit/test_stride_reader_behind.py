@@ -1,0 +1,71 @@
+"""The mailbox's reader behind the device (issue 41, item 5): a layer read after the layer it predicts has started
+issues no prefetch, since the copy would land after the read it was for. On a loaded 2-core machine the reader
+fell that far behind for 7 of 8 layers; its late prefetches held free slots that LRU would have kept, and the
+async decode with a trained mlp hit 5.7 points under async LRU."""
+
+from __future__ import annotations
+
+import numpy as np
+from test_stride_cache import Fixed, _cache
+
+from ggmoe.control.prefetch import Prefetcher
+from ggmoe.engine.stride import StrideReader
+from ggmoe.predict import ModelShape
+
+
+class FakeMailbox:
+    """Every layer has written its ids for one token (the decode ran ahead of the reader)."""
+
+    def __init__(self, started: set[int]) -> None:
+        self.started = started
+        self.lockstep = False
+
+    def written(self, il: int) -> tuple[int, bool]:
+        return (1 if il in self.started else 0), False
+
+    def read(self, il: int, n: int, with_hidden: bool) -> tuple[np.ndarray, None]:
+        return np.array([[4 + il, 5 + il]], dtype=np.int32), None
+
+    def clear(self) -> None:
+        pass
+
+    def hold(self) -> None:
+        pass
+
+    def acknowledge(self, il: int) -> None:
+        pass
+
+    def release_all(self) -> None:
+        pass
+
+
+def _reader(started: set[int], done: bool) -> tuple[StrideReader, object]:
+    cache, _ = _cache(n_slots=8)
+    pf = Prefetcher(cache, Fixed(ModelShape("x", (0, 1), 16, 2, 4), 1), [0, 1], n_prefetch=4)
+    pf.free_only = pf.via_mailbox = True
+    pf._decoding = True
+    reader = StrideReader(FakeMailbox(started), pf, cache, [0, 1])
+    reader._decode_done = done
+    return reader, cache
+
+
+def test_a_layer_read_after_its_target_started_prefetches_nothing():
+    reader, cache = _reader({0, 1}, done=False)  # layer 1, which layer 0 predicts, has started already
+    reader._read_token()
+    reader.close()
+    assert reader.layers_behind == 1 and cache.stats.total().prefetch_issued == 0
+
+
+def test_a_layer_read_before_its_target_started_prefetches():
+    reader, cache = _reader({0}, done=False)
+    reader.layers = (0,)  # layer 1 has not written: read layer 0 only, as the running decode would let it
+    reader._read_token()
+    reader.close()
+    assert reader.layers_behind == 0 and cache.stats.total().prefetch_issued > 0
+
+
+def test_after_the_decode_ended_nothing_is_prefetched():
+    reader, cache = _reader({0, 1}, done=True)
+    reader._read_token()
+    reader.close()
+    assert cache.stats.total().prefetch_issued == 0
