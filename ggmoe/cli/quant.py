@@ -216,7 +216,8 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
     spec = _live_spec(paths, facts, text_path, n_ctx, chunks, kl_top, reference, kl_base,
                       measure_tokens if measure else None, threads)
     runs = _run_live(paths, facts, out, spec, (policy, miss_policy), save_kl_base)
-    ref_name = paths[spec.reference].name if spec.reference is not None else f"--kl-base {kl_base}"
+    ref_name = (paths[spec.reference].name if spec.reference is not None else
+                f"{(spec.kl_base.meta.get('model') or {}).get('name')} (--kl-base {kl_base})" if spec.kl_base else "")
     points, measured = _live_rows(rows, out, runs, ref_name) if runs else ([], False)
     _report(rows, out, results, points, measured, plot_path, as_json, (vram, budget, hw, policy, miss_policy, trace.n_tokens))
 
@@ -270,14 +271,13 @@ def _read_text(path: str) -> str:
 def _live_spec(paths: list[Path], facts: list[ModelFacts], text_path: str | None, n_ctx: int | None,
                chunks: int | None, kl_top: int, reference: str | None, kl_base: str | None,
                measure_tokens: int | None, threads: int | None) -> LiveSpec:
-    from ggmoe.cli.quant_quality import LiveSpec, QualitySpec, default_ctx, reference_index
+    from ggmoe.cli.quant_quality import LiveSpec, QualitySpec, check_ctx, reference_index
     from ggmoe.simulate.quality import load_reference
 
-    trained = default_ctx(paths[0], facts[0]) if n_ctx is None else None
-    window = n_ctx if n_ctx is not None else trained
+    window = check_ctx(paths[0], facts[0], n_ctx)
     quality = None
     if text_path is not None:
-        quality = QualitySpec(_read_text(text_path), window, chunks, kl_top)
+        quality = QualitySpec(_read_text(text_path), text_path, window, chunks, kl_top)
     ref_index = reference_index(paths, facts, reference) if text_path is not None and kl_base is None else None
     base = load_reference(kl_base) if kl_base is not None else None
     return LiveSpec(quality, window, ref_index, base, kl_base, measure_tokens, threads)

@@ -44,6 +44,7 @@ class QualitySpec:
     """What the quality pass reads: the text, the window, how much of it, and the reference's top tokens."""
 
     text: str
+    source: str  # where the text came from, for messages
     n_ctx: int
     max_windows: int | None
     top_k: int
@@ -80,7 +81,10 @@ def windows_of(engine: Engine, spec: QualitySpec) -> Windows:
     from ggmoe.simulate.quality import make_windows
 
     ids = engine.tokenize(spec.text, add_bos=False)
-    return make_windows(ids, engine.tokenize("", add_bos=True), spec.n_ctx, spec.max_windows)
+    try:
+        return make_windows(ids, engine.tokenize("", add_bos=True), spec.n_ctx, spec.max_windows)
+    except UsageError as e:
+        raise UsageError(f"--text {spec.source}: {e}") from None
 
 
 def quality_pass(engine: Engine, windows: Windows, spec: QualitySpec, ref: Reference | None,
@@ -120,12 +124,17 @@ def measure(engine: Engine, cache: CacheConfig | None, text_ids: list[int] | Non
     return Measured(n, decode_s, stats.total().hit_rate if stats is not None else None, forced)
 
 
-def default_ctx(path: Path, facts: ModelFacts) -> int:
-    """The window when --ctx is not given: 512 tokens, or the model's training context when shorter."""
+def check_ctx(path: Path, facts: ModelFacts, n_ctx: int | None) -> int:
+    """The window: --ctx, at most the model's training context; 512 tokens (or that context) when not given."""
     from ggmoe.inspect.reader import read_header
 
     trained = read_header(path).kv.get(f"{facts.arch}.context_length")
-    return min(512, int(trained)) if isinstance(trained, int) and trained >= 8 else 512
+    trained = int(trained) if isinstance(trained, int) and trained >= 8 else None
+    if n_ctx is None:
+        return min(512, trained or 512)
+    if trained is not None and n_ctx > trained:
+        raise UsageError(f"--ctx {n_ctx} is longer than {path.name}'s training context ({trained} tokens)")
+    return n_ctx
 
 
 def reference_index(paths: list[Path], facts: list[ModelFacts], named: str | None) -> int:
