@@ -39,7 +39,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from ggmoe.base.errors import UsageError
-from ggmoe.serve import anthropic, errors
+from ggmoe.serve import anthropic, errors, responses
 from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.asgi import BodyLimit, JsonBodies, LoopbackHostOnly, RequestCounter, SameOriginOnly
 from ggmoe.serve.errors import APIError
@@ -49,6 +49,7 @@ from ggmoe.serve.llama import GgmoeLlama
 from ggmoe.serve.metrics import Metrics
 from ggmoe.serve.native import NativeRun, infill_tokens, processors, prompt_tokens
 from ggmoe.serve.parallel import Pump, SlotPool
+from ggmoe.serve.responses import ResponsesRequest
 from ggmoe.serve.schema import (
     ChatRequest,
     CompletionRequest,
@@ -58,14 +59,14 @@ from ggmoe.serve.schema import (
     NativeEmbeddingRequest,
     Tool,
 )
-from ggmoe.serve.server_routes import add_anthropic_routes, add_llama_server_routes
+from ggmoe.serve.server_routes import add_anthropic_routes, add_llama_server_routes, add_responses_routes
 from ggmoe.serve.slots import SlotState
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
                     "/chat/completions", "/completions", "/models", "/v1/health", "/healthz", "/props",
                     "/tokenize", "/detokenize", "/v1/embeddings", "/embeddings", "/openapi.json",
                     "/completion", "/infill", "/apply-template", "/slots", "/embedding",
-                    "/v1/messages", "/v1/messages/count_tokens"})
+                    "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"})
 _DISCONNECT_POLL_S = 0.1  # seconds between checks that a non-streaming client is still there
 
 
@@ -217,6 +218,27 @@ class Server:
         params = _shown(plan.kwargs)
         return await self.execute(request, watch, body.stream, result, chunks, ANTHROPIC_SSE, params, run,
                                   plan.prompt)
+
+    async def responses(self, request: Request, body: ResponsesRequest) -> Any:
+        """OpenAI's ``/v1/responses``: the request run as a chat, the answer a ``response`` object or its events."""
+        arrival = time.monotonic()
+        chat = responses.chat_request(body)
+        chat.chat_template_kwargs = self.template_kwargs(None)
+        check_request(chat, self.n_ctx, self.n_vocab, self.settings.strict_openai)
+        try:
+            plan = plan_chat(chat, self.llama, self.n_ctx, self.settings.strict_openai)
+        except Exception as e:  # a template that fails to render, a schema that does not convert
+            raise api_error(e) from e
+        watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
+        run = Run(plan, self.llama, watch, body.model)
+        shape = responses.Shape(body)
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            return responses.numbered(responses.events(run.chunks(), shape, len(plan.prompt),
+                                                       lambda: watch.n_tokens))
+
+        return await self.execute(request, watch, body.stream, lambda: responses.response(run.result(), shape),
+                                  chunks, RESPONSES_SSE, _shown(plan.kwargs), run, plan.prompt)
 
     def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens (tools included), no generation."""
@@ -466,6 +488,11 @@ ANTHROPIC_SSE = Sse(lambda c: {"event": c["type"], "data": json.dumps(c)}, lambd
                     lambda err: {"event": "error",
                                  "data": json.dumps(errors.anthropic_body(err.message, err.type, err.status))})
 
+RESPONSES_SSE = Sse(lambda c: {"event": c["type"], "data": json.dumps(c)}, lambda last, watch: [],
+                    lambda err: {"event": "error", "data": json.dumps({
+                        "type": "error", "code": err.code or err.type, "message": err.message, "param": err.param,
+                        "sequence_number": 0})})
+
 
 def _start(chunks_of: Callable[[], Iterator[dict[str, Any]]], cancel: threading.Event | None = None
            ) -> tuple[Iterator[dict[str, Any]], dict[str, Any] | None]:
@@ -582,6 +609,7 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
 
     add_llama_server_routes(app, server, auth)
     add_anthropic_routes(app, server, auth)
+    add_responses_routes(app, server, auth)
 
     # Outermost last: count every response, refuse foreign Hosts, then other sites' pages (a JSON body may come
     # as text/plain or a form, which browsers send cross-site without a preflight), then limit bodies.

@@ -19,6 +19,7 @@ from fastapi.params import Depends
 from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.errors import APIError
 from ggmoe.serve.native import tokenize_text
+from ggmoe.serve.responses import ResponsesRequest
 from ggmoe.serve.schema import (
     ApplyTemplateRequest,
     DetokenizeRequest,
@@ -60,6 +61,8 @@ class RouteServer(Protocol):
     async def anthropic(self, request: Request, body: MessagesRequest) -> Any: ...
 
     def count_tokens(self, body: CountTokensRequest) -> dict[str, int]: ...
+
+    async def responses(self, request: Request, body: ResponsesRequest) -> Any: ...
 
     def render(self, messages: list[Message], tools: list[Tool] | None,
                template_kwargs: dict[str, Any] | None = None) -> str: ...
@@ -105,6 +108,14 @@ def add_anthropic_routes(app: FastAPI, server: RouteServer, auth: list[Depends])
     @app.post("/v1/messages/count_tokens", dependencies=auth)
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
         return server.count_tokens(body)
+
+
+def add_responses_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) -> None:
+    """OpenAI's Responses API (``ggmoe.serve.responses``)."""
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def create_response(request: Request, body: ResponsesRequest) -> Any:
+        return await server.responses(request, body)
 
 
 def add_llama_server_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) -> None:

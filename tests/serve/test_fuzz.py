@@ -8,9 +8,10 @@ from server_process import API_KEY
 
 EXAMPLES = 15  # per operation and generation mode
 TIME_LIMIT_S = 120.0
-# llama-server's native routes and Anthropic's: the run must reach each of them
+# llama-server's native routes, Anthropic's and OpenAI's Responses: the run must reach each of them
 NEW_ROUTES = {"POST /completion", "POST /infill", "POST /embedding", "POST /apply-template", "GET /props",
-              "GET /slots", "POST /slots/{id_slot}", "POST /v1/messages", "POST /v1/messages/count_tokens"}
+              "GET /slots", "POST /slots/{id_slot}", "POST /v1/messages", "POST /v1/messages/count_tokens",
+              "POST /v1/responses"}
 
 
 def test_fuzzing_every_route_finds_no_500_and_no_malformed_error(server):

@@ -33,6 +33,7 @@ ROUTES = [
     ("POST", "/slots/0?action=save", {"filename": "evil.bin"}),
     ("POST", "/slots/0?action=restore", {"filename": "evil.bin"}), ("POST", "/slots/0?action=erase", None),
     ("POST", "/v1/messages", ANTHROPIC), ("POST", "/v1/messages/count_tokens", ANTHROPIC),
+    ("POST", "/v1/responses", {"model": "m", "input": "Hi", "max_output_tokens": 2}),
     ("OPTIONS", "/v1/chat/completions", None),
 ]
 # What a page can send cross-site without a CORS preflight, and what scripts send.
