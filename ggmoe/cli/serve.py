@@ -201,7 +201,8 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 
     \b
     Routes (docs/serving.md):
-      OpenAI:        POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models
+      OpenAI:        POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses;
+                     GET /v1/models
       llama-server:  POST /completion (and /completions), /infill, /embedding(s), /tokenize,
                      /detokenize, /apply-template, /slots/{id}?action=save|restore|erase;
                      GET /props, /slots; /chat/completions and /models without /v1
