@@ -91,12 +91,13 @@ def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, monke
     with fills, the misses the graph filled, settled without admissions) equal the simulator's in async mode on
     the same routing. The trace comes from a sync run of the same greedy generation: recording router
     probabilities needs the route op, and the routing does not depend on the mode."""
-    # With fills and a predictor: the graph assigns fills by the entries it reads, so the mailbox's reader must
-    # not race it (lockstep); and a prompt short enough to read through the tables in the run and the replay
-    # alike (a longer one routes every token at the last layer in the trace, one in the run: that layer's
+    # With a predictor the mailbox's reader keeps pace with the device (lockstep), as the replay's does: a reader
+    # behind the device issues nothing for a layer that has already started. With fills too, the graph assigns
+    # fills by the entries it reads, and a prompt short enough to read through the tables in the run and the
+    # replay alike (a longer one routes every token at the last layer in the trace, one in the run: that layer's
     # prefetch outcomes then move the prefetcher's budget, which every layer shares).
     prompt = "The" if fills and predictor else "The quick brown fox jumps over"
-    if fills and predictor:
+    if predictor:
         monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
     run = ["run", str(qwen3moe_model), "-p", prompt, "-n", "24", "--cache-slots", str(slots), "--policy", policy]
     pre = ["--predictor", predictor, "--stride", "1"] if predictor else []
