@@ -220,6 +220,19 @@ class _Gen:
         return b"".join(p for _, p in self.sampled).decode("utf-8", "replace")
 
 
+def _timings(g: _Gen) -> dict[str, Any]:
+    """llama-server's ``timings`` of a generation so far: the prompt's and the predicted tokens'."""
+    n_pred = len(g.sampled)
+    prompt_ms = ((g.t_first or time.monotonic()) - g.t0) * 1e3
+    pred_ms = ((g.t_last or 0.0) - (g.t_first or 0.0)) * 1e3
+    n_eval = len(g.tokens) - g.cached
+    return {"cache_n": g.cached, "prompt_n": n_eval, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / max(n_eval, 1),
+            "prompt_per_second": 1e3 * n_eval / prompt_ms if prompt_ms > 0 else 0.0,
+            "predicted_n": n_pred, "predicted_ms": pred_ms, "predicted_per_token_ms": pred_ms / max(n_pred, 1),
+            "predicted_per_second": 1e3 * n_pred / pred_ms if pred_ms > 0 else 0.0}
+
+
 class NativeRun:
     """A native request on the model: ``result()`` or ``chunks()`` (llama-server's shapes)."""
 
@@ -328,9 +341,6 @@ class NativeRun:
         n_bytes = len(content.encode("utf-8"))
         covered, _ = _cover(g.sampled, 0, n_bytes, lambda s: len(s[1]))
         n_pred = len(g.sampled)
-        prompt_ms = ((g.t_first or time.monotonic()) - g.t0) * 1e3
-        pred_ms = ((g.t_last or 0.0) - (g.t_first or 0.0)) * 1e3
-        n_eval = len(g.tokens) - g.cached
         out = {"index": k, "content": "" if stream else content,
                "tokens": [t for t, _ in covered] if self.body.return_tokens and not stream else [],
                "id_slot": self.id_slot, "stop": True, "model": self.model_id, "tokens_predicted": n_pred,
@@ -338,12 +348,7 @@ class NativeRun:
                "prompt": self.llama.detokenize(g.tokens, special=True).decode("utf-8", "replace"),
                "has_new_line": "\n" in content, "truncated": truncated, "stop_type": stop_type,
                "stopping_word": word, "tokens_cached": g.cached,
-               "timings": {"cache_n": g.cached, "prompt_n": n_eval, "prompt_ms": prompt_ms,
-                           "prompt_per_token_ms": prompt_ms / max(n_eval, 1),
-                           "prompt_per_second": 1e3 * n_eval / prompt_ms if prompt_ms > 0 else 0.0,
-                           "predicted_n": n_pred, "predicted_ms": pred_ms,
-                           "predicted_per_token_ms": pred_ms / max(n_pred, 1),
-                           "predicted_per_second": 1e3 * n_pred / pred_ms if pred_ms > 0 else 0.0}}
+               "timings": _timings(g)}
         if g.recorder is not None and not stream:
             out["completion_probabilities"] = [_prob(e) for e in g.recorder.covering(0, n_bytes)[0]]
         return pick_fields(out, self.body.response_fields) if self.body.response_fields else out
@@ -384,5 +389,10 @@ class NativeRun:
                 entries, sent_probs = g.recorder.covering(sent_probs, spare_p + n)
                 spare_p += n - sum(len(e.text) for e in entries)
                 out["completion_probabilities"] = [_prob(e) for e in entries]
+            if self.body.timings_per_token:
+                out["timings"] = _timings(g)
+            if self.body.return_progress and len(text) == len(piece):  # the first chunk: the prompt is in
+                out["prompt_progress"] = {"total": len(tokens), "cache": g.cached, "processed": len(tokens),
+                                          "time_ms": ((g.t_first or time.monotonic()) - g.t0) * 1e3}
             yield out
         yield self._final(k, g, text, finish, stream=True)

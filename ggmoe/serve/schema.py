@@ -343,6 +343,8 @@ class NativeCompletionRequest(BaseModel):
     logit_bias: list[tuple[TokenOrText, float | bool]] | dict[str, float | bool] | None = None
     ignore_eos: bool = False
     cache_prompt: bool = True
+    timings_per_token: bool = Field(default=False, description="Streamed chunks carry the timings so far.")
+    return_progress: bool = Field(default=False, description="The first streamed chunk carries prompt_progress.")
     return_tokens: bool = False
     stream: bool = False
     id_slot: int = Field(default=-1, ge=-1)
