@@ -4,6 +4,7 @@ through the engine with the expert cache at the budget the simulator estimates."
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,17 +27,14 @@ class Measured:
 
     decode_tokens: int
     decode_s: float
+    tpot_s: float  # the median of the tokens' times: a busy machine's pauses do not move it
     hit_rate: float | None  # over the prompt and the decode, from a cold cache (None: no cache)
     forced: bool  # the text's own tokens were fed (the same for every level), not the level's greedy ones
 
-    @property
-    def tpot_s(self) -> float:
-        return self.decode_s / self.decode_tokens
-
     def to_dict(self) -> dict[str, Any]:
         return {"decode_tokens": self.decode_tokens, "decode_s": self.decode_s, "tpot_s": self.tpot_s,
-                "tokens_per_s": self.decode_tokens / self.decode_s, "hit_rate": self.hit_rate,
-                "teacher_forced": self.forced}
+                "tpot_mean_s": self.decode_s / self.decode_tokens, "tokens_per_s": 1 / self.tpot_s,
+                "hit_rate": self.hit_rate, "teacher_forced": self.forced}
 
 
 @dataclass(frozen=True)
@@ -114,14 +112,12 @@ def measure(engine: Engine, cache: CacheConfig | None, text_ids: list[int] | Non
         prompt, follow = text_ids[:MEASURE_PROMPT], text_ids[MEASURE_PROMPT:MEASURE_PROMPT + n_tokens + 1]
     else:
         prompt, follow = engine.tokenize(FALLBACK_PROMPT), None
-    n, decode_s = 0, 0.0
-    for i, (_tok, dt) in enumerate(engine.stream(prompt, n_tokens + 1, forced=follow)):
-        if i > 0:
-            n, decode_s = n + 1, decode_s + dt
-    if n == 0:
+    times = [dt for i, (_tok, dt) in enumerate(engine.stream(prompt, n_tokens + 1, forced=follow)) if i > 0]
+    if not times:
         raise UsageError("--measure: the model stopped before decoding a token; give --text")
     stats = engine.cache_stats
-    return Measured(n, decode_s, stats.total().hit_rate if stats is not None else None, forced)
+    return Measured(len(times), sum(times), statistics.median(times),
+                    stats.total().hit_rate if stats is not None else None, forced)
 
 
 def check_ctx(path: Path, facts: ModelFacts, n_ctx: int | None) -> int:
