@@ -55,6 +55,9 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
            **flags: Any) -> None:
     """Record per-token routing (ids, router probabilities, MoE inputs) into OUT/trace.npz.
 
+    With a cache that runs the async decode, the run is that decode (its stride prefetch included) and the
+    trace holds expert ids only; --decode-mode sync records probabilities and MoE inputs.
+
     \b
     Examples (``ggmoe trace ...`` is ``ggmoe trace record ...``):
       ggmoe trace model.gguf --prompts prompts.jsonl -o traces/ --max-tokens 64
