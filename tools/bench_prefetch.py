@@ -1,12 +1,14 @@
 """Hit rate of the live cache with and without stride prefetching, on held-out teacher-forced documents.
 
     python tools/bench_prefetch.py DOCS.jsonl [DOCS2.jsonl ...] --predictor PRED.npz [--docs 50]
-        [--slots 8 16] [--stride 2] [--json]
+        [--slots 8 16] [--stride 2] [--decode-mode sync|async|auto] [--json]
 
 Each configuration runs the embedded model (or --model) over the same documents,
 teacher-forced as ``ggmoe trace --mode teacher`` does (64 prefill tokens, 64
 decode steps), with an LRU cache of N slots per layer: LRU alone, LRU plus the
-predictor's prefetching, and the same with misses computed on the CPU. Reports
+predictor's prefetching, and the same with misses computed on the CPU, in the sync decode (the figures in
+docs/benchmarks.md; ``--decode-mode async`` measures the async decode's mailbox prefetch, as ``ggmoe trace``
+does on an async cache; its row of misses on the CPU stays sync, as the host path needs the route op). Reports
 hit rate (prefetch hits included: a prefetched expert that was used is a hit),
 prefetches issued and used, the predictor's run-time accuracy, and decode speed.
 Run it alone on the machine.
@@ -94,6 +96,8 @@ def main() -> int:
     ap.add_argument("--docs-per-file", type=int, default=50)
     ap.add_argument("--slots", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--stride", type=int, default=2)
+    ap.add_argument("--decode-mode", choices=("sync", "async", "auto"), default="sync",
+                    help="the decode the rows run (sync: docs/benchmarks.md's figures)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--speed", action="store_true",
                     help="only the decode speed with every expert cached, prefetching on and off")
@@ -106,10 +110,13 @@ def main() -> int:
     rows = []
     for n in a.slots:
         pre = PrefetchConfig(a.predictor, stride=a.stride)
-        for label, cache in (("lru", CacheConfig(n_slots=n)),
-                             (f"lru + {Path(a.predictor).name} s{a.stride}", CacheConfig(n_slots=n, prefetch=pre)),
+        mode = a.decode_mode
+        for label, cache in (("lru", CacheConfig(n_slots=n, decode_mode=mode)),
+                             (f"lru + {Path(a.predictor).name} s{a.stride}",
+                              CacheConfig(n_slots=n, prefetch=pre, decode_mode=mode)),
                              (f"lru + {Path(a.predictor).name} s{a.stride} + cpu misses",
-                              CacheConfig(n_slots=n, prefetch=pre, miss_policy="cpu"))):
+                              CacheConfig(n_slots=n, prefetch=pre, miss_policy="cpu",
+                                          decode_mode="sync" if mode == "async" else mode))):
             r = _run(a.model, docs, cache)
             rows.append({"slots": n, "config": label, **r})
             print(f"{n:>3} slots  {label:<40} hit {r['hit_rate']:.1%}  prefetch {r['prefetch_hits']}/"
