@@ -6,8 +6,10 @@ Modes, each an engine of its own on the same model, decoding the same teacher-fo
 - ``host``: ``--cache-slots K --policy on-demand --miss-policy cpu --decode-mode sync``: every selected
   expert computed by the host path (K = n_expert_used, nothing ever resident);
 - ``sync-cached``: a slot for every expert, the sync decode, no host path (the route op's own cost);
-- ``host-cached``: a slot for every expert with the host path enabled (``--miss-policy cpu``): once every
-  expert is resident, nothing goes to the CPU (what the host path costs when unused).
+- ``auto-cached``: a slot for every expert with ``--miss-policy auto`` (how a user turns the host path on):
+  every expert fits, so auto leaves the host path off (what it costs when unused);
+- ``cpu-cached``: the same with ``--miss-policy cpu``, the host path kept on as asked: its graph and its zero
+  slot cost something even when nothing goes to the CPU.
 
 Rounds alternate the modes (stock, host, ... stock, host, ...), so a drift of the machine's speed reaches every
 mode alike; each figure is the median over rounds of decode tokens per second, and each ratio is the median of
@@ -32,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("stock", "host", "sync-cached", "host-cached")
+MODES = ("stock", "host", "sync-cached", "auto-cached", "cpu-cached")
 
 
 def _config(mode: str, path: Path, n_expert: int, k: int, threads: int):
@@ -47,7 +49,7 @@ def _config(mode: str, path: Path, n_expert: int, k: int, threads: int):
     elif mode == "sync-cached":
         cache = CacheConfig(n_slots=n_expert, decode_mode="sync")
     else:
-        cache = CacheConfig(n_slots=n_expert, miss_policy="cpu", decode_mode="sync")
+        cache = CacheConfig(n_slots=n_expert, miss_policy=mode.split("-")[0], decode_mode="sync")
     return EngineConfig(**base, cache=cache)
 
 

@@ -423,6 +423,9 @@ class ExpertCache:
             else:
                 if cand is None:
                     cand = [x for x in self._victims(table, protect) if not table.prefetched[table.slot_of_list[x]]]
+                    plan = self.fill_plans.get(il)
+                    if plan is not None:  # a running graph may be filling these slots
+                        cand = [x for x in cand if x not in plan.held]
                 if not cand:
                     break
                 victim = self.policy.victim(il, cand, self.clock)

@@ -426,7 +426,8 @@ class CachePipeline:
         stamp. Fills of a decode that was never settled (it failed after its graph ran) are read back and
         settled first."""
         cache, words = self.runtime.cache, self.tables.fills
-        if cache.fill_plans:
+        if cache.fill_plans:  # that decode's graph done first (a no-op when the device is idle)
+            B.llama_cpp.llama_synchronize(self._ctx_ptr)
             cache.take_fills(words.read())
         words.write(cache.plan_fills(n_tokens))  # none but a table decode's: a stale plan never runs
 
@@ -472,6 +473,10 @@ class CachePipeline:
         try:
             yield
         except BaseException as e:
+            # a decode that raised may have left its graph running (only reading the logits synchronizes): the
+            # tables, the fill words and the routing are read and written next, on a GPU through another stream
+            if self._ctx_ptr:
+                B.llama_cpp.llama_synchronize(self._ctx_ptr)
             self._raise_stored(on_error, e)
             raise
         self.after_decode(len(tokens))

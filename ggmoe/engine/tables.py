@@ -391,6 +391,7 @@ class FillWords:
     def register(self, ctx_ptr: int) -> None:
         P = _patched.load()
         self._p = ctypes.cast(self.tensor, B.ggml_tensor_p)  # cast once: written and read every token
+        self.write(())  # defined words (no plan) before any graph can read them: device memory starts undefined
         for il, view in zip(self.row, self.views, strict=True):
             rc = P.llama_ggmoe_set_layer_fill(ctx_ptr, il, view)
             if rc != _patched.LLAMA_GGMOE_OK:
