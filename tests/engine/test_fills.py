@@ -166,3 +166,20 @@ def test_the_graph_fills_what_assign_computes(qwen3moe_model, monkeypatch):
                     expect += assign(plan, routing[il, 0].tolist(), plans["readable"][il])
                 assert sorted(seen[-1], key=lambda f: (f.il, f.expert)) == sorted(expect, key=lambda f: (f.il, f.expert))
     assert any(seen)
+
+
+def test_set_layer_fill_refuses_what_the_graph_cannot_fill(qwen3moe_model):
+    """``llama_ggmoe_set_layer_fill``: words of the wrong type or size, an unknown layer; NULL removes them."""
+    from ggmoe.engine import patch as P
+
+    facts = inspect_model(qwen3moe_model)
+    with _engine(qwen3moe_model, facts.n_expert // 2) as eng:
+        lib, ctx, tables = P.load(), eng.pipeline._ctx_ptr, eng.pipeline.tables
+        il = facts.moe_layers[0]
+        assert lib.llama_ggmoe_set_layer_fill(ctx, il, tables.routing) == P.LLAMA_GGMOE_ERR_SHAPE  # I32
+        assert lib.llama_ggmoe_set_layer_fill(ctx, -1, tables.fills.views[0]) == P.LLAMA_GGMOE_ERR_LAYER
+        assert lib.llama_ggmoe_set_layer_fill(ctx, il, None) == P.LLAMA_GGMOE_OK
+        row = tables.fills.row[il]
+        assert lib.llama_ggmoe_set_layer_fill(ctx, il, tables.fills.views[row]) == P.LLAMA_GGMOE_OK
+        _decode_text(eng, 8)
+        assert eng.cache_stats.total().fills > 0

@@ -516,5 +516,5 @@ def test_unpatched_library_raises_engine_not_patched(P):
         "llama_ggmoe_model_get_tensor", "llama_ggmoe_set_route_cb", "llama_ggmoe_get_error",
         "llama_ggmoe_set_layer_cache", "llama_ggmoe_set_host_path", "llama_ggmoe_set_route_inputs",
         "llama_ggmoe_set_predictor", "llama_ggmoe_set_layer_table", "llama_ggmoe_set_table_mode",
-        "llama_ggmoe_set_forced_routing", "llama_ggmoe_set_mailbox",
+        "llama_ggmoe_set_forced_routing", "llama_ggmoe_set_mailbox", "llama_ggmoe_set_layer_fill",
     }

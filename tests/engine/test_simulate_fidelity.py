@@ -289,7 +289,8 @@ def test_simulator_counts_equal_a_split_run(qwen3moe_model, tmp_path, mode, flag
     assert r.exit_code == 0, r.output
     cfg = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, 3), policy="lru", decode_mode=mode,
                     split=model_split(facts, theta), predictor=opts.get("--predictor"), stride=1,
-                    n_prefetch=int(opts["--prefetch"]) if flags else None, predictor_s=0.0)
+                    n_prefetch=int(opts["--prefetch"]) if flags else None, predictor_s=0.0,
+                    fills=mode == "async")  # the run's whole layers fill their misses (the async default)
     sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None,
                    model_path=str(qwen3moe_model))
     total = sim.stats["total"]
