@@ -216,7 +216,8 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                       help="async: experts read through a device-side table, no sync per MoE layer, the cache "
                            "managed between tokens; sync: the route op answers every layer (needed by the host "
                            "path and prefetching); auto (default): async unless something needs sync or, on a GPU, "
-                           "the cost model estimates sync faster (async moves each miss over the link twice).")(fn)
+                           "the cost model estimates sync faster (async's graph copies each miss into a free slot "
+                           "and reads it there: one crossing of the link).")(fn)
     fn = click.option("--stats-json", type=click.Path(),
                       help="Write cache statistics (hit rate per layer, bytes copied, copy waits) here.")(fn)
     fn = click.option("--policy", help="Cache eviction policy (default lru; see `ggmoe policies`).")(fn)
