@@ -184,6 +184,9 @@ def _fit(path: Path, cache: dict[str, Any], threads: int | None) -> dict[str, An
 @click.option("--chat-template-kwargs", metavar="JSON",
               help="Variables every chat template rendering gets, as a JSON object, e.g. '{\"enable_thinking\": "
                    "false}' (llama-server's flag); a request's chat_template_kwargs override them.")
+@click.option("--reasoning-budget", type=int, default=-1, show_default=True, metavar="N",
+              help="llama-server's flag: -1 lets a reasoning model think; 0 turns thinking off (the chat template "
+                   "gets enable_thinking false). ggmoe cuts no thinking at a token budget, so only -1 and 0 are taken.")
 @click.option("--fit", is_flag=True,
               help="Choose the cache as `ggmoe plan MODEL --gpu` does, on this machine: the GPU found by name in the "
                    "parts file (or --hw GPU/LINK/HOST), its free VRAM and link from nvidia-smi, the CPU measured; "
@@ -194,7 +197,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
           aliases: tuple[str, ...], strict_openai: bool, max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool,
           reconfigure_every: int | None, slot_save_path: str | None, parallel: int, kv_unified: bool,
           reconfigure_hw: str, chat_template: str | None, chat_template_file: str | None,
-          chat_template_kwargs: str | None, fit: bool, n_ctx: int | None,
+          chat_template_kwargs: str | None, reasoning_budget: int, fit: bool, n_ctx: int | None,
           threads: int | None, verbose: bool, **cache: Any) -> None:
     """Serve a model over HTTP: OpenAI's API, llama-server's routes, Anthropic's Messages API (--parallel N: N
     generations decoding together).
@@ -223,6 +226,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
 
     max_body_bytes = _check_http_options(api_key, model_name, max_body)
     template, template_kwargs = _chat_template_options(chat_template, chat_template_file, chat_template_kwargs)
+    template_kwargs = _reasoning(reasoning_budget, template_kwargs)
     path = model_path(model)
     if fit:
         cache = _fit(path, cache, threads)
@@ -264,6 +268,19 @@ def _check_http_options(api_key: str | None, model_name: str | None, max_body: s
     if max_body_bytes < 1:
         raise UsageError("--max-body 0 would refuse every request: give a size such as 1MiB")
     return max_body_bytes
+
+
+def _reasoning(budget: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """--reasoning-budget as llama-server takes it: -1 leaves the template's thinking as it is, 0 renders every
+    chat with enable_thinking false (unless --chat-template-kwargs says otherwise: then one clear error)."""
+    if budget == -1:
+        return kwargs
+    if budget != 0:
+        raise UsageError(f"--reasoning-budget {budget}: ggmoe cuts no thinking at a token budget; give -1 "
+                         "(think) or 0 (no thinking)")
+    if kwargs.get("enable_thinking", False) is not False:
+        raise UsageError("--reasoning-budget 0 turns thinking off, but --chat-template-kwargs sets enable_thinking")
+    return {**kwargs, "enable_thinking": False}
 
 
 def _chat_template_options(template: str | None, path: str | None, kwargs: str | None

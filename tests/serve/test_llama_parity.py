@@ -84,3 +84,12 @@ def test_chat_template_kwargs_reach_a_chat_completion(oai):
     off = oai.chat.completions.create(model="x", messages=HI, max_tokens=1,
                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert off.usage.prompt_tokens > on.usage.prompt_tokens  # "</think>" rendered
+
+
+@pytest.mark.parametrize("budget,want", [(-1, {}), (0, {"enable_thinking": False})])
+def test_reasoning_budget_zero_turns_thinking_off(budget, want):
+    """llama-server's --reasoning-budget: 0 renders every chat with enable_thinking false, -1 changes nothing."""
+    from ggmoe.cli.serve import _reasoning
+
+    assert _reasoning(budget, {}) == want
+    assert _reasoning(budget, {"x": 1}) == {"x": 1, **want}

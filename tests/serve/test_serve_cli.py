@@ -41,6 +41,8 @@ def ggmoe(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--chat-template-kwargs", "{"], "is not JSON"),
     (["--chat-template-kwargs", "[1]"], "must be a JSON object"),
     (["--chat-template-kwargs", '{"messages": []}'], "may not set messages"),
+    (["--reasoning-budget", "512"], "cuts no thinking at a token budget"),
+    (["--reasoning-budget", "0", "--chat-template-kwargs", '{"enable_thinking": true}'], "turns thinking off"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_flags_get_one_line(args, message):
     r = ggmoe("serve", *args)
