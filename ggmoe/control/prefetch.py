@@ -100,7 +100,7 @@ class Prefetcher:
         self._off = 0  # decode tokens the budget has been 0 (the prefetcher off) in a row
         self._probe_wait = PROBE_AFTER // 2  # tokens off before the next try: doubled each time it turns off
         # il -> (used, wasted + late) prefetches and (dropped, copied) admissions at the last look
-        self._seen_outcomes: dict[int, tuple[int, int, int, int]] = {}
+        self._seen_outcomes: dict[int, tuple[int, int, int, int, int]] = {}
         self._issued: dict[int, int] = {}  # il -> prefetches issued into it, at the last look
         # tokens in a row whose predictions issued nothing (every predicted expert resident), and decode tokens
         # the mailbox is left unread for: 1, 2, 4 ... up to IDLE_SKIP_MAX, back to 0 once a prefetch is issued
@@ -225,25 +225,27 @@ class Prefetcher:
     def _outcomes(self) -> tuple[float, float, dict[int, int]]:
         """Since the last look: the bytes used prefetches saved (the miss's read over the link), the bytes wasted
         and late ones cost, and every layer's prefetches issued so far. A wasted byte costs only where the link
-        had no time to spare: it is weighed by the share of admissions dropped since (an earlier token's
-        admissions still queued when the next token's came). On an idle link a prefetch that is not used costs
+        had no time to spare: it is weighed by the share of the misses' crossings that were on a token's path
+        or dropped (the graph's in-graph fills, and an earlier token's admissions still queued when the next
+        token's came) among all of them (fills and admissions). On an idle link a prefetch that is not used costs
         nothing but its free slot; on the real DeepSeek-V2-Lite routing over PCIe 4, where 88 % of admissions
-        were dropped, async + reuse's prefetches cost 2 ms a token until they were weighed so."""
+        were dropped, async + reuse's prefetches cost 2 ms a token until they were weighed so. A fill crosses
+        the link inside its layer, so beside fills every wasted byte counts."""
         used = wasted = 0.0
-        dropped = admitted = 0
+        pressed = crossed = 0
         issued: dict[int, int] = {}
         for il in self.layers:
             s = self.cache.stats.layers[il]
             nb = self.cache.slot_bytes.get(il, 0) or 1
-            hits, lost, drops, admits = self._seen_outcomes.get(il, (0, 0, 0, 0))
+            hits, lost, drops, admits, fills = self._seen_outcomes.get(il, (0, 0, 0, 0, 0))
             used += (s.prefetch_hits - hits) * nb
             wasted += (s.prefetch_wasted + s.prefetch_late - lost) * nb
-            dropped += s.admissions_dropped - drops
-            admitted += s.admission_copies - admits
+            pressed += s.admissions_dropped - drops + s.fills - fills
+            crossed += s.admission_copies - admits + s.fills - fills
             self._seen_outcomes[il] = (s.prefetch_hits, s.prefetch_wasted + s.prefetch_late, s.admissions_dropped,
-                                       s.admission_copies)
+                                       s.admission_copies, s.fills)
             issued[il] = s.prefetch_issued
-        wasted *= min(1.0, dropped / admitted) if admitted else 0.0
+        wasted *= min(1.0, pressed / crossed) if crossed else 0.0
         return used, wasted, issued
 
     def _idle_token(self) -> None:
