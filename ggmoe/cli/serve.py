@@ -184,7 +184,7 @@ def _fit(path: Path, cache: dict[str, Any], threads: int | None) -> dict[str, An
 @click.option("--chat-template-kwargs", metavar="JSON",
               help="Variables every chat template rendering gets, as a JSON object, e.g. '{\"enable_thinking\": "
                    "false}' (llama-server's flag); a request's chat_template_kwargs override them.")
-@click.option("--reasoning-budget", type=int, default=-1, show_default=True, metavar="N",
+@click.option("--reasoning-budget", "thinking", type=int, default=-1, show_default=True, metavar="N",
               help="llama-server's flag: -1 lets a reasoning model think; 0 turns thinking off (the chat template "
                    "gets enable_thinking false). ggmoe cuts no thinking at a token budget, so only -1 and 0 are taken.")
 @click.option("--fit", is_flag=True,
@@ -197,7 +197,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
           aliases: tuple[str, ...], strict_openai: bool, max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool,
           reconfigure_every: int | None, slot_save_path: str | None, parallel: int, kv_unified: bool,
           reconfigure_hw: str, chat_template: str | None, chat_template_file: str | None,
-          chat_template_kwargs: str | None, reasoning_budget: int, fit: bool, n_ctx: int | None,
+          chat_template_kwargs: str | None, thinking: int, fit: bool, n_ctx: int | None,
           threads: int | None, verbose: bool, **cache: Any) -> None:
     """Serve a model over HTTP: OpenAI's API, llama-server's routes, Anthropic's Messages API (--parallel N: N
     generations decoding together).
@@ -225,8 +225,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
     from ggmoe.serve.runner import run_app
 
     max_body_bytes = _check_http_options(api_key, model_name, max_body)
-    template, template_kwargs = _chat_template_options(chat_template, chat_template_file, chat_template_kwargs)
-    template_kwargs = _reasoning(reasoning_budget, template_kwargs)
+    template, template_kwargs = _chat_template_options(chat_template, chat_template_file, chat_template_kwargs, thinking)
     path = model_path(model)
     if fit:
         cache = _fit(path, cache, threads)
@@ -283,10 +282,10 @@ def _reasoning(budget: int, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "enable_thinking": False}
 
 
-def _chat_template_options(template: str | None, path: str | None, kwargs: str | None
+def _chat_template_options(template: str | None, path: str | None, kwargs: str | None, reasoning_budget: int = -1
                            ) -> tuple[str | None, dict[str, Any]]:
     """--chat-template or --chat-template-file (a Jinja template, checked), and --chat-template-kwargs (a JSON
-    object), before anything loads."""
+    object) with --reasoning-budget's, before anything loads."""
     from ggmoe.serve.llama import chat_template_of, check_chat_template
     from ggmoe.serve.schema import check_template_kwargs
 
@@ -301,7 +300,7 @@ def _chat_template_options(template: str | None, path: str | None, kwargs: str |
         template = chat_template_of(template)
         check_chat_template(template)
     if kwargs is None:
-        return template, {}
+        return template, _reasoning(reasoning_budget, {})
     try:
         parsed = json.loads(kwargs)
     except ValueError as e:
@@ -312,7 +311,7 @@ def _chat_template_options(template: str | None, path: str | None, kwargs: str |
         check_template_kwargs(parsed)
     except ValueError as e:
         raise UsageError(f"--chat-template-kwargs: {e}") from e
-    return template, parsed
+    return template, _reasoning(reasoning_budget, parsed)
 
 
 def _loopback(host: str, api_key: str | None) -> bool:

@@ -51,5 +51,5 @@ def test_engine_slots_and_copies_count_the_weights(arch_model):
         stats = eng.cache_stats
     assert held == {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, arch
     for il, s in stats.layers.items():
-        copies = s.demand_copies + s.admission_copies + s.prefetch_issued
+        copies = s.demand_copies + s.admission_copies + s.prefetch_issued + s.fills + s.preloaded
         assert copies > 0 and s.bytes_copied == copies * facts.bytes_per_expert(il), (arch, il)

@@ -165,7 +165,7 @@ def test_embedded_model_logits_equal_stock_path(stock_logits, n_slots, policy):
         st = eng.cache_stats.total()
     for a, b in zip(got, stock_logits(path), strict=True):
         assert np.abs(a - b).max() <= EXACT
-    assert st.calls > st.native_calls and st.misses > 0
+    assert st.calls > st.native_calls and st.misses + st.preloaded > 0  # a cache of every expert: preloaded
 
 
 def test_embedded_model_run_stats_equal_replay(tmp_path):

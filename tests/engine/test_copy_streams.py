@@ -116,7 +116,9 @@ def test_the_async_cache_sees_a_copy_only_once_it_landed(qwen3moe_model, monkeyp
         ids = stock.tokenize("hello hello hello hello hello")
         ref = [stock.decode([t]) for t in ids]
     with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=128, n_batch=64, n_ubatch=4,
-                             cache=CacheConfig(n_slots=facts.n_expert, decode_mode="async"))) as eng:
+                             # one slot short of every expert (a cache of all is preloaded) and no fills (the
+                             # graph's fills land with the token): the misses are admitted as copies
+                             cache=CacheConfig(n_slots=facts.n_expert - 1, decode_mode="async", fills=False))) as eng:
         stream = eng._runtime.stream.stream
         assert isinstance(stream, DeferredStream) and eng.decode_mode["copy_stream"] == "deferred"
         hold = threading.Event()
