@@ -72,7 +72,10 @@ def test_mailbox_hands_the_predictor_what_the_route_op_would(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("predictor", ["reuse", "mlp"])
-def test_stride_prefetch_logits_equal_stock(arch_model, stock_logits, tmp_path, predictor):
+def test_stride_prefetch_logits_equal_stock(arch_model, stock_logits, tmp_path, predictor, monkeypatch):
+    # lockstep: the reader keeps pace with the decode, so that every layer's prefetch is issued before its layer
+    # starts whatever the machine's load (a reader behind the device issues none)
+    monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
     arch, path = arch_model
     facts = inspect_model(path)
     ref = stock_logits(path)
