@@ -834,7 +834,9 @@ class WholeLayer:
         want = n - len(slots)
         if want > 0:
             slot_of = table.slot_of_list
-            cand = [x for x in c._victims(table, set(c.plan.get(il, ()))) if not table.prefetched[slot_of[x]]]
+            cand = c._victims(table, set(c.plan[il]) if c.plan.get(il) else set())
+            if c.n_prefetched[il]:  # (no unused prefetch in the layer: nothing to leave out, the common case)
+                cand = [x for x in cand if not table.prefetched[slot_of[x]]]
             for victim in self._victim_order(cand, want):
                 slots.append(slot_of[victim])
                 held.append(victim)
