@@ -42,6 +42,6 @@ def test_mxfp4_experts_through_the_table(arch):
         if mode == "async":
             assert _tg_splits(mark) <= stock_splits  # the decode graph stays on the device
             if n_slots < facts.n_expert:
-                assert st.host_reads > 0  # misses read by the GPU from pinned host memory
+                assert st.host_reads + st.fills > 0  # misses read by the GPU over the link: in place, or filled
         if miss == "cpu":
             assert st.host_computed > 0

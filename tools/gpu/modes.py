@@ -7,7 +7,8 @@ of the experts cached per layer, decodes the same, each in its own process with 
 loses one mode):
 
     sync         the route op per MoE layer, LRU, misses copied and waited for
-    async        the device-side expert tables, LRU admissions between tokens
+    async        the device-side expert tables, in-graph fills of one-token decodes (patch 0012), LRU admissions
+                 of the rest between tokens
     host         sync with the host path (--miss-policy cpu: the CPU computes misses)
     prefetch     sync with stride prefetching (reuse predictor, stride 1)
     async-prefetch  async with stride prefetching from the mailbox (patch 0010: reuse, stride 1)
