@@ -183,3 +183,35 @@ def test_set_layer_fill_refuses_what_the_graph_cannot_fill(qwen3moe_model):
         assert lib.llama_ggmoe_set_layer_fill(ctx, il, tables.fills.views[row]) == P.LLAMA_GGMOE_OK
         _decode_text(eng, 8)
         assert eng.cache_stats.total().fills > 0
+
+
+def test_a_decode_that_failed_after_its_graph_is_settled_before_the_next(qwen3moe_model, stock_logits, monkeypatch):
+    """The controller's step after a decode raises (the graph had filled slots): the next decode reads the fills
+    back and settles them before it plans, so no entry is left pointing at a slot that holds another expert."""
+    from ggmoe.engine.pipeline import CachePipeline
+
+    facts = inspect_model(qwen3moe_model)
+    ref = stock_logits(qwen3moe_model)
+    real = CachePipeline.after_decode
+    failed = []
+
+    def once(self, n_tokens):
+        if not failed and self.runtime.cache.fill_plans:
+            failed.append(n_tokens)
+            raise RuntimeError("the controller's step failed")
+        return real(self, n_tokens)
+
+    with _engine(qwen3moe_model, facts.n_expert // 2) as eng:
+        eng.reset()
+        ids = eng.tokenize(TEXTS[0])
+        eng.decode(ids[:1])
+        monkeypatch.setattr(CachePipeline, "after_decode", once)
+        with pytest.raises(RuntimeError, match="controller's step failed"):
+            for t in ids[1:6]:
+                eng.decode([t])
+        monkeypatch.setattr(CachePipeline, "after_decode", real)
+        got = run_sequences(eng)  # from fresh sequences: every logit as stock's
+        fills = eng.cache_stats.total().fills
+    assert failed and fills > 0
+    for a, b in zip(got, ref, strict=True):
+        assert np.abs(a - b).max() <= EXACT
