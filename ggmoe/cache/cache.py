@@ -25,7 +25,7 @@ import numpy as np
 from ggmoe.base.errors import UsageError
 from ggmoe.cache.clock import Clock, MonotonicClock
 from ggmoe.cache.copy import CopyBackend, CopyHandle, NullCopyBackend, Priority
-from ggmoe.cache.fill import Fill, FillPlan
+from ggmoe.cache.fill import SCORE_SCALE, Fill, FillPlan
 from ggmoe.cache.miss import HOST_MAX_TOKENS, SLOT_HOST, MissCosts, check_miss_policy, prefer_host
 from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.slots import BottomTable, SlotTable
@@ -137,8 +137,10 @@ class ExpertCache:
         self._on_evict = policy.on_evict if type(policy).on_evict is not Policy.on_evict else None
         # the policy's several victims at once (one sort instead of a scan per eviction), where it has them
         self._pick_victims = policy.victims if type(policy).victims is not Policy.victims else None
-        # the policy's filter on admissions of misses served without a slot (None: it admits all, the default)
+        # the policy's filter on admissions of misses served without a slot (None: it admits all, the default),
+        # and its form for the in-graph fills (a score per expert)
         self._admits = policy.admit if type(policy).admit is not Policy.admit else None
+        self._scores = policy.admit_scores if type(policy).admit_scores is not Policy.admit_scores else None
         # the copy queue's (None: the backend has no queue)
         self._promote = getattr(copies, "promote", None)
         self._remaining = getattr(copies, "remaining_s", None)
@@ -840,7 +842,11 @@ class WholeLayer:
             for victim in self._victim_order(cand, want):
                 slots.append(slot_of[victim])
                 held.append(victim)
-        return FillPlan(il, tuple(slots), tuple(held))
+        if c._scores is None or not any(h >= 0 for h in held):
+            return FillPlan(il, tuple(slots), tuple(held))
+        # the policy's admission filter: a miss takes a victim's slot only when it scores above the victim
+        score = tuple(int(x * SCORE_SCALE) for x in c._scores(il))
+        return FillPlan(il, tuple(slots), tuple(held), tuple(score[h] if h >= 0 else -1 for h in held), score)
 
     def _victim_order(self, cand: list[int], n: int) -> list[int]:
         """The policy's next ``n`` victims among ``cand``, first evicted first (nothing evicted yet)."""

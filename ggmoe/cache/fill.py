@@ -14,14 +14,25 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+SCORE_SCALE = 1024  # a policy's admission score (a use count, halved over time) in the graph's integer words
+
 
 @dataclass(frozen=True)
 class FillPlan:
-    """Layer ``il``'s fill slots for the next table-mode decode, in the order the graph takes them."""
+    """Layer ``il``'s fill slots for the next table-mode decode, in the order the graph takes them, and the
+    policy's admission filter: a miss takes a slot only when its score is above the slot's bar."""
 
     il: int
     slots: tuple[int, ...]  # [f] slot indices
     held: tuple[int, ...]  # [f] the expert each slot holds now (-1: empty); it is evicted if its slot is filled
+    bar: tuple[int, ...] = ()  # [f] the score a miss must exceed to take the slot (-1, or () for all: any miss)
+    score: tuple[int, ...] | None = None  # [n_expert] each expert's admission score (None: 0 for every expert)
+
+    def admits(self, k: int, expert: int) -> bool:
+        """Whether a miss of ``expert`` may take slot ``k`` of the plan."""
+        if not self.bar:
+            return True
+        return (self.score[expert] if self.score is not None else 0) > self.bar[k]
 
 
 @dataclass(frozen=True)
@@ -35,18 +46,16 @@ class Fill:
 
 
 def assign(plan: FillPlan, selected: Iterable[int], readable: Iterable[int]) -> list[Fill]:
-    """What the graph does with ``plan`` (patch 0012's assignment, for the simulator and the tests): the
-    ``selected`` experts not ``readable`` from a slot, ascending, take the plan's slots in order, skipping a
-    slot whose expert is selected; misses beyond the slots are read in place."""
+    """What the graph does with ``plan`` (patch 0012's assignment, for the simulator and the tests): each
+    ``selected`` expert not ``readable`` from a slot, ascending, takes the first of the plan's slots not taken
+    yet whose expert is not selected and that admits it; misses that find none are read in place."""
     sel = set(selected)
-    ready = set(readable)
+    taken = [h >= 0 and h in sel for h in plan.held]  # a slot whose expert is read now is a hit, never filled
     out: list[Fill] = []
-    nxt, f = 0, len(plan.slots)
-    for e in sorted(sel - ready):
-        while nxt < f and plan.held[nxt] >= 0 and plan.held[nxt] in sel:
-            nxt += 1
-        if nxt >= f:
-            break
-        out.append(Fill(plan.il, e, plan.slots[nxt], plan.held[nxt]))
-        nxt += 1
+    for e in sorted(sel.difference(readable)):
+        for k, used in enumerate(taken):
+            if not used and plan.admits(k, e):
+                taken[k] = True
+                out.append(Fill(plan.il, e, plan.slots[k], plan.held[k]))
+                break
     return out

@@ -167,7 +167,7 @@ class ExpertTables:
             made, offsets = self._new_tables(kinds, rows_of, n_expert, total)
             self._new_routing(n_expert_used, max_tokens, n_layer)
             if fill_layers:
-                self.fills = FillWords(self.arena, fill_layers, f_max)
+                self.fills = FillWords(self.arena, fill_layers, f_max, n_expert)
             self.arena.allocate(slots.buft)
             self._all_p = ctypes.cast(self.all, B.ggml_tensor_p)  # cast once: written every token
             self._new_layers(pairs, offsets, rows_of, n_expert)
@@ -375,9 +375,10 @@ class FillWords:
     layer of ``GGML_MMID_FILL_WORDS(f_max)`` words, each row a view handed to the layer's matmuls. ``write``
     sends the plans and a new stamp before a table-mode decode; ``read`` says what the graph filled."""
 
-    def __init__(self, arena: TensorArena, layers: Sequence[int], f_max: int) -> None:
+    def __init__(self, arena: TensorArena, layers: Sequence[int], f_max: int, n_expert: int) -> None:
         self.f_max = f_max
-        self.width = 5 + 5 * f_max  # words per layer (GGML_MMID_FILL_WORDS)
+        self.width = 5 + 6 * f_max + n_expert  # words per layer (GGML_MMID_FILL_WORDS)
+        self.scores = 5 + 6 * f_max  # where each expert's admission score starts in a row
         self.row = {il: i for i, il in enumerate(layers)}
         self.words = np.zeros((len(layers), self.width), dtype=np.int64)  # the host mirror
         self.words[:, 1] = f_max
@@ -411,6 +412,8 @@ class FillWords:
             w[r, 0] = f
             w[r, 3: 3 + f] = p.slots
             w[r, 3 + f_max: 3 + f_max + f] = p.held
+            w[r, 3 + 2 * f_max: 3 + 2 * f_max + f] = p.bar or -1  # -1: any miss takes the slot
+            w[r, self.scores:] = p.score if p.score is not None else 0
         B.libggml_base.ggml_backend_tensor_set(self._p, w.ctypes.data, 0, w.nbytes)
 
     def read(self) -> list[Fill]:
@@ -419,7 +422,7 @@ class FillWords:
             return []
         back, f_max = self._back, self.f_max
         B.libggml_base.ggml_backend_tensor_get(self._p, back.ctypes.data, 0, back.nbytes)
-        out, base = [], 3 + 2 * f_max
+        out, base = [], 3 + 3 * f_max
         for il, plan in self.plans.items():
             r = back[self.row[il]]
             if r[base] != self.stamp:

@@ -125,7 +125,8 @@ def test_a_free_fill_slot_is_never_read_before_its_fill(qwen3moe_model, stock_lo
     assert poisoner.poisoned > 0 and fills > 0
 
 
-def test_the_graph_fills_what_assign_computes(qwen3moe_model, monkeypatch):
+@pytest.mark.parametrize("policy", ["lru", "tinylfu"])  # tinylfu: the admission filter's scores and bars
+def test_the_graph_fills_what_assign_computes(qwen3moe_model, monkeypatch, policy):
     """The fills read back after each decode equal ``assign`` of the plan on the routing the decode reported
     and the experts readable at launch (no stride prefetch: nothing else changes the tables mid-graph)."""
     facts = inspect_model(qwen3moe_model)
@@ -138,7 +139,7 @@ def test_the_graph_fills_what_assign_computes(qwen3moe_model, monkeypatch):
         return out
 
     monkeypatch.setattr(tables_mod.FillWords, "read", checked)
-    with _engine(qwen3moe_model, facts.n_expert_used + 1) as eng:
+    with _engine(qwen3moe_model, facts.n_expert_used + 1, policy=policy) as eng:
         cache, tables = eng._runtime.cache, eng.pipeline.tables
         for text in TEXTS:
             eng.reset()

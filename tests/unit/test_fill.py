@@ -102,3 +102,27 @@ def test_no_fill_layers_where_every_expert_fits_or_nothing_is_kept():
     on_demand = ExpertCache(N_EXPERT, K, {0: 4}, POLICIES.get("on-demand")(N_EXPERT, [0]))
     assert on_demand.fill_layers == ()
 
+
+
+@pytest.mark.parametrize("bar, score, selected, want", [
+    # a victim's slot only for a miss scoring above the victim; the free slot takes any
+    ((-1, 5), {1: 3, 2: 9}, [1, 2], [(1, 10, -1), (2, 11, 7)]),
+    ((-1, 5), {1: 9, 2: 3}, [1, 2], [(1, 10, -1)]),  # 2 scores below the victim: read in place
+    ((5, -1), {1: 3, 2: 9}, [1, 2], [(1, 11, -1), (2, 10, 6)]),  # a later slot taken by an earlier miss
+])
+def test_assign_honours_the_admission_filter(bar, score, selected, want):
+    held = (-1, 7) if bar[0] == -1 else (6, -1)
+    scores = tuple(score.get(e, 0) for e in range(N_EXPERT))
+    plan = FillPlan(0, (10, 11), held, bar, scores)
+    assert [(f.expert, f.slot, f.held) for f in assign(plan, selected, [])] == want
+
+
+def test_tinylfu_plans_carry_the_use_counts_and_lru_none():
+    for name, filtered in (("lru", False), ("tinylfu", True)):
+        cache = ExpertCache(N_EXPERT, K, {0: 4}, POLICIES.get(name)(N_EXPERT, [0]))
+        cache.fill_slots = K
+        for ids in ([0, 1], [2, 3], [0, 2]):  # the slots full: the plan's victims come with their bars
+            _token(cache, ids)
+        (plan,) = cache.plan_fills()
+        assert any(h >= 0 for h in plan.held)
+        assert (plan.score is not None and len(plan.bar) == len(plan.slots)) == filtered

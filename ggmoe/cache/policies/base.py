@@ -52,6 +52,12 @@ class Policy(ABC):
         costs the call nothing; the cache then evicts by ``victims``/``victim`` as always. Default: all."""
         return wanting
 
+    def admit_scores(self, il: int) -> list[float] | None:
+        """The in-graph fills' form of ``admit`` (``ggmoe.cache.fill``): per expert of layer ``il`` a score, such
+        that a miss may take a victim's slot only when its score is above the victim's (free slots take any).
+        None (the default): every miss may take any fill slot."""
+        return None
+
     def release(self, il: int, resident: list[int]) -> list[int]:
         """Experts of ``resident`` to drop at the end of a layer call (none: keep them for reuse)."""
         return []

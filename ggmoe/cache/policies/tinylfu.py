@@ -46,6 +46,10 @@ class TinyLFU(LRU):
             self.freq[il] = [x * 0.5 for x in f]
             self.seen[il] = 0
 
+    def admit_scores(self, il: int) -> list[float]:
+        """The layer's use counts: an in-graph fill takes a victim's slot only for a miss used more often."""
+        return self.freq[il]
+
     def admit(self, il: int, wanting: list[int], victims: list[int], n_free: int) -> list[int]:
         f = self.freq[il]
         rivals = self.victims(il, victims, len(victims), 0)  # LRU's victims, in the order it evicts them
