@@ -372,7 +372,7 @@ class ExpertTables:
 
 class FillWords:
     """Every fill layer's words (patch 0012, ``ggml_mul_mat_id_set_fill``): one I64 tensor ``[W, n]``, a row per
-    layer of ``GGML_MMID_FILL_WORDS(f_max)`` words, each row a view handed to the layer's matmuls. ``write``
+    layer of ``GGML_MMID_FILL_WORDS(f_max, n_expert)`` words, each row a view handed to the layer's matmuls. ``write``
     sends the plans and a new stamp before a table-mode decode; ``read`` says what the graph filled."""
 
     def __init__(self, arena: TensorArena, layers: Sequence[int], f_max: int, n_expert: int) -> None:
