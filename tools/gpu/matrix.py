@@ -17,6 +17,8 @@ routing, benchmark only, see trace_routing.py) and each configuration:
                  misses into fill slots chosen between tokens and reads them there (one crossing per miss)
     async-fill-prefetch  async-fill with the mailbox's stride prefetch (reuse, stride 2): prefetched experts
                  are hits, the rest fills
+    async-fill-tinylfu  async-fill under tinylfu: a miss takes a victim's fill slot only when the layer used
+                 it more often than the victim (the simulator's fastest row on the shared real routing)
     split        MoEpic's expert split in the sync decode, LRU: each slot holds an expert's top segment (a share
                  θ of its neurons, --split-theta), as many tops as fit the VRAM of the lru row's whole experts;
                  a top-only hit reads the bottom, a miss the whole expert, from pinned host memory (zero-copy);
@@ -105,14 +107,16 @@ if TYPE_CHECKING:
 
 CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async",
            "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host",
-           "async-tinylfu", "async-fill", "async-fill-prefetch")
-DEFAULT_CONFIGS = (*CONFIGS[:10], "prefetch-mlp", "async-tinylfu", "async-fill", "async-fill-prefetch")
+           "async-tinylfu", "async-fill", "async-fill-prefetch", "async-fill-tinylfu")
+DEFAULT_CONFIGS = (*CONFIGS[:10], "prefetch-mlp", "async-tinylfu", "async-fill", "async-fill-prefetch",
+                   "async-fill-tinylfu")
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
 PER_FRACTION = ("n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg",
                 "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu", "async-fill",
-                "async-fill-prefetch")
+                "async-fill-prefetch", "async-fill-tinylfu")
 GGMOE = ("lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto",
-         "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu", "async-fill", "async-fill-prefetch")
+         "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu", "async-fill", "async-fill-prefetch",
+         "async-fill-tinylfu")
 LRU_MISS = {"lru": "wait", "lru-auto": "auto", "lru-host": "cpu"}  # the lru rows' --miss-policy
 SPLIT = ("split", "split-async")  # MoEpic's split: only below 100 % (with every expert cacheable it is moot)
 WHOLE_LRU = ("lru", "async")  # whole-expert LRU, the split rows' reference at the same VRAM
@@ -280,10 +284,10 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
     if config in LRU_MISS:
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=LRU_MISS[config],
                                                       decode_mode="sync")), n_slots
-    if config in ("async", "async-tinylfu", "async-fill"):
-        policy = "tinylfu" if config == "async-tinylfu" else "lru"
+    if config in ("async", "async-tinylfu", "async-fill", "async-fill-tinylfu"):
+        policy = "tinylfu" if config.endswith("tinylfu") else "lru"
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode="async",
-                                                      fills=config == "async-fill")), n_slots
+                                                      fills=config.startswith("async-fill"))), n_slots
     if config in ("async-prefetch", "async-fill-prefetch"):
         pre = PrefetchConfig(predictor="reuse", stride=2)
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", decode_mode="async",
@@ -455,7 +459,7 @@ def sim_miss_policy(cell: Cell) -> str:
     if cell.config in LRU_MISS:
         return LRU_MISS[cell.config]
     return "wait" if cell.config in ("async", "async-tinylfu", "async-prefetch", "prefetch-wait", "async-fill",
-                                     "async-fill-prefetch") else "auto"
+                                     "async-fill-prefetch", "async-fill-tinylfu") else "auto"
 
 
 def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None = None) -> float | None:
@@ -482,13 +486,13 @@ def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None =
         return r.tpot_s * 1e3 if r.tpot_s is not None else None
     pred = {"lru": None, "async": None, "async-tinylfu": None, "lru-auto": None, "lru-host": None, "prefetch": "reuse", "prefetch-bg": "reuse",
             "prefetch-wait": "reuse", "prefetch-eam": "eam", "async-prefetch": "reuse", "async-fill": None,
-            "async-fill-prefetch": "reuse"}[cell.config]
+            "async-fill-prefetch": "reuse", "async-fill-tinylfu": None}[cell.config]
     sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots),
-                    policy="tinylfu" if cell.config == "async-tinylfu" else "lru", predictor=pred,
+                    policy="tinylfu" if cell.config.endswith("tinylfu") else "lru", predictor=pred,
                     stride=2 if cell.config in ("async-prefetch", "async-fill-prefetch") else 1,
                     miss_policy=sim_miss_policy(cell),
                     decode_mode="async" if cell.decode_mode == "async" else "sync",
-                    fills=cell.decode_mode == "async" and cell.config in ("async-fill", "async-fill-prefetch"))
+                    fills=cell.decode_mode == "async" and cell.config.startswith("async-fill"))
     r = simulate(trace, sim, bpe, profile, train=train if pred == "eam" else None)
     return r.tpot_s * 1e3 if r.tpot_s is not None else None
 
