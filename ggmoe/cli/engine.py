@@ -34,7 +34,9 @@ def build(install_it: bool, cuda: bool, rebuild: bool, check_patches: bool) -> N
 
     CMAKE_ARGS from the environment is added after ggmoe's CMake flags, as
     llama-cpp-python's own install honours it. A build takes several minutes on
-    a few cores; the wheel is cached, keyed by version, patches and flags.
+    a few cores; the wheel is cached, keyed by version, patches and flags. The
+    build is native (GGMOE_NATIVE=0: portable) without ggml's AMX kernels, which
+    crash on Sapphire Rapids and later (llama.cpp #20824); GGMOE_AMX=1 keeps them.
 
     \b
     Examples:
