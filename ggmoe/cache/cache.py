@@ -291,11 +291,7 @@ class ExpertCache:
             for il, table in self.tables.items():
                 missing = [e for e in range(self.n_expert) if table.slot_of_list[e] < 0]
                 handles = self._load(il, table, [], missing, Priority.ADMISSION)
-                self.copies.wait(handles)
-                for h in handles:
-                    table.landed(h.slot)
-                    self._submitted.pop(h.id, None)
-                    self._submit_token.pop(h.id, None)
+                self._land_all(table)
                 self.stats.layers[il].preloaded += len(handles)
                 n += len(handles)
         return n
@@ -839,7 +835,7 @@ class WholeLayer:
             cand = c._victims(table, set(c.plan[il]) if c.plan.get(il) else set())
             if c.n_prefetched[il]:  # (no unused prefetch in the layer: nothing to leave out, the common case)
                 cand = [x for x in cand if not table.prefetched[slot_of[x]]]
-            for victim in self._victim_order(cand, want):
+            for victim in c.policy.victims(il, cand, want, c.clock):  # first evicted first (nothing evicted yet)
                 slots.append(slot_of[victim])
                 held.append(victim)
         if c._scores is None or not any(h >= 0 for h in held):
@@ -847,18 +843,6 @@ class WholeLayer:
         # the policy's admission filter: a miss takes a victim's slot only when it scores above the victim
         score = tuple(int(x * SCORE_SCALE) for x in c._scores(il))
         return FillPlan(il, tuple(slots), tuple(held), tuple(score[h] if h >= 0 else -1 for h in held), score)
-
-    def _victim_order(self, cand: list[int], n: int) -> list[int]:
-        """The policy's next ``n`` victims among ``cand``, first evicted first (nothing evicted yet)."""
-        c = self.cache
-        if c._pick_victims is not None:
-            return list(c._pick_victims(self.il, cand, n, c.clock))[:n]
-        out, cand = [], list(cand)
-        while cand and len(out) < n:
-            victim = c.policy.victim(self.il, cand, c.clock)
-            cand.remove(victim)
-            out.append(victim)
-        return out
 
     def settle_fill(self, plan: FillPlan, fills: list[Fill]) -> set[int]:
         """The graph's fills of one decode (``plan``'s slots): each expert is placed ready in its slot (no copy
