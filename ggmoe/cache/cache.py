@@ -824,6 +824,8 @@ class WholeLayer:
         prefetch's (taken off the free list until settled), then victims in the policy's order (never a planned
         expert, an unused prefetch or a slot still loading)."""
         c, il, table = self.cache, self.il, self.table
+        if table.n_loading:
+            self._reclaim_admissions()
         keep = c.keep_free.get(il, 0) if c.keep_free else 0
         free = table.free
         slots = free[keep:keep + n]
@@ -843,6 +845,19 @@ class WholeLayer:
         # the policy's admission filter: a miss takes a victim's slot only when it scores above the victim
         score = tuple(int(x * SCORE_SCALE) for x in c._scores(il))
         return FillPlan(il, tuple(slots), tuple(held), tuple(score[h] if h >= 0 else -1 for h in held), score)
+
+    def _reclaim_admissions(self) -> None:
+        """Admissions still queued (not started) are cancelled before a fill plan and their slots freed: a fill
+        brings a miss in the graph with one crossing, where an admission is its second; and a layer whose slots
+        all wait for admissions would have no fill slot, read every miss in place, admit it again, and so on."""
+        c, il, table = self.cache, self.il, self.table
+        dropped = c._cancel_where(table.copy, Priority.ADMISSION, lambda h: True)
+        if dropped:
+            c.stats.layers[il].admissions_dropped += len(dropped)
+            for slot in dropped:
+                if c._on_evict is not None:
+                    c._on_evict(il, table.expert_in_list[slot])
+                table.drop(slot)
 
     def settle_fill(self, plan: FillPlan, fills: list[Fill]) -> set[int]:
         """The graph's fills of one decode (``plan``'s slots): each expert is placed ready in its slot (no copy

@@ -126,3 +126,21 @@ def test_tinylfu_plans_carry_the_use_counts_and_lru_none():
         (plan,) = cache.plan_fills()
         assert any(h >= 0 for h in plan.held)
         assert (plan.score is not None and len(plan.bar) == len(plan.slots)) == filtered
+
+
+def test_a_plan_reclaims_queued_admissions_for_fill_slots():
+    """A layer whose slots all wait for queued admissions still gets fill slots: the queued admissions are
+    cancelled (a fill brings the miss with one crossing, the admission would be its second)."""
+    from ggmoe.cache.copy import ThreadedCopyBackend
+
+    copies = ThreadedCopyBackend(lambda il, e, s: None, delay_s=60.0)  # nothing lands while the test runs
+    try:
+        cache = ExpertCache(N_EXPERT, K, {0: K}, POLICIES.get("lru")(N_EXPERT, [0]), copies)
+        cache.follow_tables()
+        cache.after_token(0, [0, 1])  # no plan: both misses admitted, queued behind the slow link
+        assert cache.tables[0].n_loading == K and not cache.tables[0].free
+        cache.fill_slots = K
+        (plan,) = cache.plan_fills()
+        assert len(plan.slots) == K and cache.stats.layers[0].admissions_dropped > 0
+    finally:
+        copies.close()
