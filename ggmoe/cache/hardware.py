@@ -36,6 +36,11 @@ class HardwareProfile:
     hook_s: float  # the route callback's fixed cost per MoE layer (s)
     # bytes/s the GPU's SMs read from pinned host memory (the async decode's misses); None: the copy rate
     zero_copy_bytes_per_s: float | None = None
+    # the disk under the host tier (a model larger than --host-ram): what expert reads from the file reach
+    # (bytes/s) and the fixed cost of a read on an idle disk (s); None: no disk given (load_profile and
+    # compose_profile give the default disk, ggmoe.cache.parts.DEFAULT_DISK)
+    disk_bytes_per_s: float | None = None
+    disk_latency_s: float | None = None
 
     def copy_s(self, nbytes: int, n_copies: int = 1) -> float:
         """Seconds to copy ``nbytes`` of one expert issued as ``n_copies`` copies (one per tensor kind)."""
@@ -44,6 +49,13 @@ class HardwareProfile:
     def zero_copy_s(self, nbytes: int) -> float:
         """Seconds for the GPU to read ``nbytes`` of expert weights from pinned host memory (no copy)."""
         return nbytes / (self.zero_copy_bytes_per_s or self.copy_bytes_per_s)
+
+    def disk_read_s(self, nbytes: int) -> float:
+        """Seconds for the disk to read ``nbytes`` of one expert when idle: its reads (one per tensor kind) are in
+        flight together, so the latency counts once."""
+        if self.disk_bytes_per_s is None:
+            raise UsageError(f"hardware profile {self.name!r} has no disk")
+        return (self.disk_latency_s or 0.0) + nbytes / self.disk_bytes_per_s
 
     def gpu_expert_s(self, nbytes: int) -> float:
         return self.gpu_launch_s + nbytes / self.gpu_bytes_per_s
@@ -71,14 +83,17 @@ def profile_names() -> list[str]:
 
 
 def compose_profile(spec: str, parts_file: Path | None = None) -> tuple[HardwareProfile, dict[str, str]]:
-    """``GPU/LINK/HOST`` (``ggmoe.cache.parts``) as a profile, and the source of every figure."""
+    """``GPU/LINK/HOST[/DISK]`` (``ggmoe.cache.parts``; no DISK: ``DEFAULT_DISK``) as a profile, and the source of
+    every figure."""
     from ggmoe.cache import parts as P
 
     names = spec.split("/")
-    if len(names) != 3 or not all(names):
-        raise UsageError(f"hardware {spec!r}: compose it as GPU/LINK/HOST, e.g. rtx4090/pcie4x16/ddr5-5600x2")
+    if len(names) not in (3, 4) or not all(names):
+        raise UsageError(f"hardware {spec!r}: compose it as GPU/LINK/HOST or GPU/LINK/HOST/DISK, e.g. "
+                         "rtx4090/pcie4x16/ddr5-5600x2/nvme4")
     table = P.load_parts(parts_file or P.PARTS_FILE)
     gpu, slot, host = P.part(table, "gpu", names[0]), P.part(table, "link", names[1]), P.part(table, "host", names[2])
+    disk = P.part(table, "disk", names[3] if len(names) == 4 else P.DEFAULT_DISK)
     link = P.effective_link(gpu, slot)
     scale = 1008.0e9 / gpu.memory_bytes_per_s
     profile = HardwareProfile(
@@ -87,7 +102,8 @@ def compose_profile(spec: str, parts_file: Path | None = None) -> tuple[Hardware
         copy_bytes_per_s=link.bytes_per_s, copy_latency_s=link.latency_s,
         gpu_bytes_per_s=P.GPU_SHARE * gpu.memory_bytes_per_s, gpu_launch_s=P.GPU_LAUNCH_S,
         gpu_layer_s=P.LAYER_S_AT_4090 * scale, cpu_bytes_per_s=P.CPU_SHARE * host.memory_bytes_per_s,
-        cpu_latency_s=P.CPU_LATENCY_S, hook_s=P.HOOK_S)
+        cpu_latency_s=P.CPU_LATENCY_S, hook_s=P.HOOK_S, disk_bytes_per_s=disk.expert_bytes_per_s,
+        disk_latency_s=disk.latency_s)
     sources = {"copy_bytes_per_s": link.source, "copy_latency_s": f"{link.name}: {link.latency_s * 1e6:g} us "
                "per copy (ggmoe/cache/parts.py)",
                "gpu_bytes_per_s": f"{gpu.source}; x {P.GPU_SHARE} for a memory-bound matvec",
@@ -95,8 +111,25 @@ def compose_profile(spec: str, parts_file: Path | None = None) -> tuple[Hardware
                f"an RTX 4090 x 1008 GB/s / {gpu.name}'s {gpu.memory_bytes_per_s / 1e9:g} GB/s",
                "cpu_bytes_per_s": f"{host.source}; x {P.CPU_SHARE} for a quantized matvec",
                "cpu_latency_s": "none: llama.cpp computes a layer's CPU experts in one op; the H100 loan measured a "
-               "bandwidth alone (h100 profile)", "hook_s": "measured on the H100 loan (h100 profile)"}
+               "bandwidth alone (h100 profile)", "hook_s": "measured on the H100 loan (h100 profile)",
+               **_disk_sources(disk)}
     return profile, sources
+
+
+def _disk_sources(disk: object) -> dict[str, str]:
+    """The sources of a disk part's two figures."""
+    from ggmoe.cache import parts as P
+
+    return {"disk_bytes_per_s": f"{disk.name}: {disk.source}; sequential read x {P.DISK_SHARE} for expert reads",
+            "disk_latency_s": f"{disk.name}: one 4 KiB read at QD1 ({disk.latency_s * 1e6:g} us)"}
+
+
+def default_disk() -> tuple[float, float]:
+    """(bytes/s, latency s) of ``DEFAULT_DISK``: the disk of a profile file with no [disk] table."""
+    from ggmoe.cache import parts as P
+
+    disk = P.part(P.load_parts(), "disk", P.DEFAULT_DISK)
+    return disk.expert_bytes_per_s, disk.latency_s
 
 
 def gpu_vram(name: str) -> int:
@@ -116,7 +149,7 @@ def load_profile(spec: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
         path = PROFILES_DIR / f"{spec}.toml"
     if not path.is_file():
         raise UsageError(f"unknown hardware profile {str(spec)!r}: give one of {', '.join(profile_names())}, "
-                         "GPU/LINK/HOST (e.g. rtx4090/pcie4x16/ddr5-5600x2) or a profile .toml file")
+                         "GPU/LINK/HOST[/DISK] (e.g. rtx4090/pcie4x16/ddr5-5600x2/nvme4) or a profile .toml file")
     data = read_toml(path, str(path), "profile", MAX_PROFILE_BYTES)
     values: dict[str, float] = {}
     for attr, (table, key, low) in _FIELDS.items():
@@ -130,10 +163,26 @@ def load_profile(spec: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
         if isinstance(zc, bool) or not isinstance(zc, int | float) or not math.isfinite(zc) or zc < 1e3:
             raise UsageError(f"{path}: [copy] zero_copy_bytes_per_s must be a finite number >= 1000, not {zc!r:.40}")
         values["zero_copy_bytes_per_s"] = float(zc)
+    values["disk_bytes_per_s"], values["disk_latency_s"] = _disk_table(path, data.get("disk"))
     name, desc = data.get("name", path.stem), data.get("description", "")
     if not isinstance(name, str) or not isinstance(desc, str):
         raise UsageError(f"{path}: name and description must be strings")
     return HardwareProfile(name=name, description=desc, **values)
+
+
+def _disk_table(path: Path, table: object) -> tuple[float, float]:
+    """A profile file's optional [disk] (bytes_per_s, latency_s); the default disk's figures without one."""
+    if table is None:
+        return default_disk()
+    if not isinstance(table, dict):
+        raise UsageError(f"{path}: [disk] must be a table")
+    out = []
+    for key, low in (("bytes_per_s", 1e3), ("latency_s", 0.0)):
+        v = table.get(key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < low:
+            raise UsageError(f"{path}: [disk] {key} must be a finite number >= {low:g}, not {v!r:.40}")
+        out.append(float(v))
+    return out[0], out[1]
 
 
 def _toml_float(v: float) -> str:
@@ -153,6 +202,11 @@ def render_profile(profile: HardwareProfile, sources: dict[str, str]) -> str:
         if attr == "copy_latency_s" and profile.zero_copy_bytes_per_s is not None:
             lines.append(f"# {_comment(sources.get('zero_copy_bytes_per_s', 'not stated'))}")
             lines.append(f"zero_copy_bytes_per_s = {_toml_float(profile.zero_copy_bytes_per_s)}")
+    if profile.disk_bytes_per_s is not None:
+        lines += ["", "[disk]", f"# {_comment(sources.get('disk_bytes_per_s', 'not stated'))}",
+                  f"bytes_per_s = {_toml_float(profile.disk_bytes_per_s)}",
+                  f"# {_comment(sources.get('disk_latency_s', 'not stated'))}",
+                  f"latency_s = {_toml_float(profile.disk_latency_s or 0.0)}"]
     return "\n".join(lines) + "\n"
 
 

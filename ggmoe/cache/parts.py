@@ -1,8 +1,9 @@
-"""Hardware profiles composed from parts: ``--hw GPU/LINK/HOST`` (e.g. ``rtx4090/pcie4x16/ddr5-5600x2``).
+"""Hardware profiles composed from parts: ``--hw GPU/LINK/HOST[/DISK]`` (e.g. ``rtx4090/pcie4x16/ddr5-5600x2/nvme4``).
 
 The parts are public specifications (``profiles/parts/parts.toml``, each with its source): a GPU's memory
 bandwidth, VRAM and own PCIe interface; a link (``pcie{3,4,5}x{4,8,16}`` from the PCI-SIG per-lane rates,
-Thunderbolt tunnels from the parts file); a host's memory bandwidth. A specification becomes a cost
+Thunderbolt tunnels from the parts file); a host's memory bandwidth; a disk's reads (the tier under the host
+tier, ``DEFAULT_DISK`` when the spec names none). A specification becomes a cost
 through one efficiency per resource, the same for every part (no per-machine factor):
 
 ================  =====  ==========================================================================
@@ -19,6 +20,11 @@ CPU (expert)      0.50   a quantized matvec streams about half the DRAM bandwidt
                          expert (llama.cpp computes a layer's experts in one op; the H100 loan measured a
                          bandwidth alone, h100 profile), published -ot exps=CPU and --n-cpu-moe figures are
                          reproduced within 20 % (docs/simulator.md, ggmoe/simulate/fidelity.py)
+disk (expert)     0.90   an expert is read as one large aligned read per tensor kind, several in flight:
+                         sequential within each read. KitGuru's 128 KB sequential reads reached 3,402 of
+                         a 970 EVO's rated 3,500 MB/s (0.97, kitguru.net/components/ssd-drives/simon-
+                         crisp/samsung-970-evo-2tb-review/8); O_DIRECT reads of scattered extents keep
+                         a margin below that (an estimate)
 ================  =====  ==========================================================================
 
 The link a GPU gets is the slower of the slot and the card's own interface (an RTX 4060 Ti in a PCIe 5.0
@@ -43,6 +49,8 @@ PARTS_FILE = Path(__file__).with_name("profiles") / "parts" / "parts.toml"
 COPY_SHARE = 0.85
 GPU_SHARE = 0.70
 CPU_SHARE = 0.50
+DISK_SHARE = 0.90
+DEFAULT_DISK = "nvme4"  # a PCIe 4.0 NVMe drive: the disk of a profile that names none
 PCIE_LANE_BYTES_PER_S = {3: 0.985e9, 4: 1.969e9, 5: 3.938e9}  # per lane and direction, after 128b/130b (PCI-SIG)
 PCIE_LATENCY_S = 10.0e-6  # one copy's launch and DMA setup (the pcie4 profile)
 GPU_LAUNCH_S = 5.0e-6  # an expert's kernels (the pcie4 profile)
@@ -55,6 +63,8 @@ _FIELDS = {  # kind -> (field, type, required)
             ("source", str, True)),
     "link": (("bytes_per_s", float, True), ("latency_s", float, True), ("source", str, True)),
     "host": (("memory_bytes_per_s", float, True), ("source", str, True)),
+    "disk": (("read_bytes_per_s", float, True), ("random_4k_bytes_per_s", float, True), ("latency_s", float, True),
+             ("source", str, True)),
 }
 
 
@@ -73,6 +83,20 @@ class Link:
     bytes_per_s: float  # host-to-device, what copies reach (bytes/s)
     latency_s: float  # fixed cost of one copy (s)
     source: str
+
+
+@dataclass(frozen=True)
+class Disk:
+    name: str
+    read_bytes_per_s: float  # the rated sequential read (bytes/s)
+    random_4k_bytes_per_s: float  # rated 4 KiB random reads at QD32, IOPS x 4096 (bytes/s)
+    latency_s: float  # one 4 KiB read at QD1 (s)
+    source: str
+
+    @property
+    def expert_bytes_per_s(self) -> float:
+        """What reading experts from the file reaches (bytes/s): the sequential rate x DISK_SHARE."""
+        return DISK_SHARE * self.read_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -104,11 +128,12 @@ def _check(kind: str, name: str, entry: object, label: str) -> dict[str, Any]:
 def load_parts(path: Path = PARTS_FILE) -> dict[str, dict[str, Any]]:
     """kind -> name -> part, every entry checked (a parts file of one's own: the same format)."""
     data = read_toml(path, str(path), "parts file")
-    parts: dict[str, dict[str, Any]] = {"gpu": {}, "link": {}, "host": {}}
-    cls = {"gpu": Gpu, "link": Link, "host": Host}
+    parts: dict[str, dict[str, Any]] = {"gpu": {}, "link": {}, "host": {}, "disk": {}}
+    cls = {"gpu": Gpu, "link": Link, "host": Host, "disk": Disk}
     for kind, table in data.items():
         if kind not in parts or not isinstance(table, dict):
-            raise UsageError(f"{path}: unknown table [{kind}]; parts are [gpu.NAME], [link.NAME], [host.NAME]")
+            raise UsageError(f"{path}: unknown table [{kind}]; parts are [gpu.NAME], [link.NAME], [host.NAME], "
+                             "[disk.NAME]")
         for name, entry in table.items():
             parts[kind][name] = cls[kind](name=name, **_check(kind, name, entry, str(path)))
     for g in parts["gpu"].values():
