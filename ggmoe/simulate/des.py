@@ -33,6 +33,11 @@ With a planner (``SimConfig.planner``: a cross-token predictor, ``ggmoe.control.
 every layer between tokens (the MoE input rows from the trace, as the engine's mailbox hands them), in the sync
 replay it is a route observer.
 
+A model larger than its host budget (``SimConfig.host_slots``, from ``--host-ram`` through
+``ggmoe.cache.tiers``) adds a disk link under the host link (``ggmoe.simulate.disk``): every GPU-tier miss
+(a copy, an in-place read, a CPU expert) reads the expert from disk into a host slot first when the host tier
+does not hold it, and the predictions the cache is handed read their experts into the host tier ahead.
+
 The cache, the policies, the miss policy, the planner and the prefetcher are the engine's own objects; only the copy
 backend and the clock are simulated. Without a hardware profile every cost is zero and copies land at once:
 the counts then equal the engine's on a CPU build exactly. What is not modelled: the output head and
@@ -69,6 +74,7 @@ from ggmoe.control.prefetch import Prefetcher, default_n_prefetch
 from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.base import Predictor, check_trace_inputs, is_predictor_file
+from ggmoe.simulate.disk import DiskLinkCopyBackend, DiskQueue, HostTier, TierCounts
 from ggmoe.simulate.replay import micro_batches, next_uses_flat
 from ggmoe.simulate.timeline import FlagLinkCopyBackend, LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace
@@ -104,6 +110,9 @@ class SimConfig:
     # fill slots, the graph copies each miss into one (``ggmoe.cache.fill.assign``) and reads it there, so a miss
     # crosses the link once and is not admitted after; False: misses read in place, then admitted
     fills: bool = False
+    # the host tier's slots per MoE layer when the experts do not all fit --host-ram (ggmoe.cache.tiers): a miss in
+    # both tiers reads the expert from disk first (ggmoe.simulate.disk); None: every expert in host memory
+    host_slots: int | None = None
 
     @property
     def mode(self) -> str:
@@ -121,6 +130,8 @@ class SimConfig:
         if self.split:
             thetas = sorted({s.n_top / s.n_ff for s in self.split.values()})
             mode += f", split θ {thetas[0]:.2g}" + (f"-{thetas[-1]:.2g}" if len(thetas) > 1 else "")
+        if self.host_slots is not None:
+            mode += f", {self.host_slots} host slots"
         return f"{self.policy} {size} slots, predictor {pred}, miss {self.miss_policy}{mode}"
 
 
@@ -151,6 +162,7 @@ class SimResult:
     ttft_each_s: tuple[float, ...] = ()  # estimate: each prompt's time to its first token, in order
     planner: str | None = None  # the cross-token predictor that planned between tokens, or None
     plan_accuracy: float = 0.0  # its plans' top n_expert_used that the layer's next call selected
+    tiers: dict = field(default_factory=dict)  # the disk tier's: per-tier hits, misses and bytes (empty: none)
 
 
 def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
@@ -290,7 +302,9 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     # (not with a predictor: the async stride prefetch's mailbox calls into the cache inside a token)
     backend = (FlagLinkCopyBackend if config.decode_mode == "async" and not split and not config.predictor
                else LinkCopyBackend)
-    link = backend(clock, dict(bytes_per_expert), profile, n_chunks, split)
+    host = _host_tier(config, trace, clock, profile, bytes_per_expert, layers)
+    link = (backend(clock, dict(bytes_per_expert), profile, n_chunks, split) if host is None
+            else DiskLinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks, split, host))
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
     miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert)  # as the engine
@@ -308,6 +322,8 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
         _stride_prefetch(cache, prefetcher)
     if config.fills:  # as the engine's pipeline sets it where the graph fills
         cache.fill_slots = m.n_expert_used
+    if host is not None and (pred is not None or config.planner):
+        _disk_prefetch(cache, host)
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
     rows_now = _Row(trace, pos)  # the trace row a one-token micro-batch replays: the planner's input rows
@@ -320,6 +336,45 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     mailbox = _Mailbox(prefetcher, trace, pos) if controller is not None and prefetcher is not None else None
     return _Sim(step, controller, mailbox, rows_now, layers, pos, ids, batches, is_async, future, policy,
                 frozenset(int(x) for x in trace.prompt_offsets[:-1]))
+
+
+def _host_tier(config: SimConfig, trace: Trace, clock: ManualClock, profile: HardwareProfile | None,
+               bytes_per_expert: Mapping[int, int], layers: list[int]) -> HostTier | None:
+    """The host tier over the disk when the experts do not all fit it (``config.host_slots``), else None."""
+    m = trace.meta
+    if config.host_slots is None or config.host_slots >= m.n_expert:
+        return None
+    if config.host_slots < m.n_expert_used:
+        raise UsageError(f"{config.host_slots} host slots per layer: a model on disk needs at least n_expert_used = "
+                         f"{m.n_expert_used}")
+    if profile is not None and profile.disk_bytes_per_s is None:
+        raise UsageError(f"hardware profile {profile.name!r} has no disk: give one with a [disk] table")
+    n_pre = config.n_prefetch if config.n_prefetch is not None else default_n_prefetch(m.n_expert_used, m.n_expert)
+    n_plan = config.n_protect if config.n_protect is not None else default_protect(m.n_expert, m.n_expert_used)
+    disk = DiskQueue(clock, profile, TierCounts())
+    return HostTier(config.host_slots, m.n_expert, layers, bytes_per_expert, disk,
+                    n_prefetch=max(n_pre if config.predictor else 0, n_plan if config.planner else 0))
+
+
+def _disk_prefetch(cache: ExpertCache, host: HostTier) -> None:
+    """The disk's prefetch from the routing: every prediction the cache is handed (the stride prefetcher's
+    ``prefetch``, the planner's ``plan_next``) first reads its experts that are neither on the GPU nor in the
+    host tier into the host tier, in the background; the cache then does what it always does with it."""
+    prefetch, plan_next = cache.prefetch, cache.plan_next
+
+    def on_gpu(il: int, experts: list[int]) -> list[int]:
+        slot_of = cache.tables[il].slot_of_list
+        return [e for e in experts if slot_of[e] >= 0]
+
+    def prefetch_via_disk(il: int, experts: list[int], *args: Any, **kwargs: Any) -> int:
+        host.prefetch(il, experts, on_gpu(il, experts))
+        return prefetch(il, experts, *args, **kwargs)
+
+    def plan_via_disk(il: int, experts: list[int]) -> None:
+        host.prefetch(il, experts, on_gpu(il, experts))
+        plan_next(il, experts)
+
+    cache.prefetch, cache.plan_next = prefetch_via_disk, plan_via_disk
 
 
 def _replay(sim: _Sim, trace: Trace) -> tuple[float, float, list[float]]:
@@ -398,6 +453,7 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
     split = cache.split
     track = type(st.link) is FlagLinkCopyBackend  # the plain link answers lazily: nothing to settle
     observers = [o for o in (st.prefetcher, st.planner) if o is not None]  # the route observers that predict
+    host = getattr(st.link, "host", None)  # the disk tier's host tier (None: every expert in host memory)
     for j, il in enumerate(layers):
         clock.advance(before)
         flat = flats[j]
@@ -406,7 +462,8 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
             st.link.settle()  # what landed by now, before the cache asks (FlagLinkCopyBackend)
         if not fits[j]:
             cache.observe(il, sel_all[:, j])
-            clock.advance(costs.native_upload(il) + costs.experts(il, need))
+            stream = host.stream_s(il, costs.n_expert) if host is not None else 0.0
+            clock.advance(max(stream, costs.native_upload(il)) + costs.experts(il, need))
             continue
         in_split = il in split
         if in_split:  # a split layer reads misses and bottoms in place
@@ -424,7 +481,8 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
             read_s = st.link.occupy(costs.zero_copy(lst.host_read_bytes - read0))
             clock.advance(max(costs.experts(il, need - n_host - (lst.misses - miss0)) + read_s, costs.cpu(il, n_host)))
         elif n_host:  # a whole-expert layer reads nothing in place on the sync path
-            clock.advance(max(costs.experts(il, need - n_host), costs.cpu(il, n_host)))
+            wait = host.wait_s(il, {e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST}) if host else 0.0
+            clock.advance(max(costs.experts(il, need - n_host), wait + costs.cpu(il, n_host)))
         else:  # the GPU computes them all (max(t + 0.0, 0.0) is t: the same time)
             clock.advance(costs.experts(il, need))
     return fi
@@ -468,6 +526,7 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
     flats = routing.reshape(routing.shape[0], -1).tolist()  # per layer, the ids token after token
     layer_s = costs.layer(sel.shape[0])
     split = cache.split
+    host = getattr(link, "host", None)  # the disk tier's host tier (None: every expert in host memory)
     filled: list[Fill] = []
     # as the engine's pipeline decides before a token launches: read the mailbox only where a prefetch could go
     read = (mailbox is not None and sel.shape[0] == 1 and cache.has_free_slot()
@@ -487,6 +546,8 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
             nbytes = _read_in_place(cache, il, need)
         else:  # a whole expert for each one not ready in a slot (filled or read in place: one crossing)
             nbytes = (len(need) - len(readable)) * cache.bytes_per_expert.get(il, 0)
+            if host is not None and nbytes:  # from a host slot: a miss there reads the disk first
+                clock.advance(host.wait_s(il, need.difference(readable)))
         plan = plans.get(il) if plans else None
         n_filled = 0
         if plan is not None:  # the graph's assignment: its misses copied into fill slots, read there
@@ -635,7 +696,18 @@ def _result(config: SimConfig, trace: Trace, cache: ExpertCache, link: LinkCopyB
         ttft_s=float(np.mean(ttft)) if profile is not None and ttft else None,
         link_busy_s=link.busy_s, stats=cache.stats.to_dict(), decode_mode=config.mode,
         ttft_each_s=tuple(ttft) if profile is not None else (), planner=config.planner,
-        plan_accuracy=t.plan_accuracy)
+        plan_accuracy=t.plan_accuracy, tiers=_tiers(config, link, t, n_decode))
+
+
+def _tiers(config: SimConfig, link: LinkCopyBackend, t: Any, n_decode: int) -> dict:
+    """Each tier's hits, misses and bytes with a disk tier (empty without one)."""
+    host = getattr(link, "host", None)
+    if host is None:
+        return {}
+    return {"gpu": {"slots": dict(config.n_slots), "hits": t.hits, "misses": t.misses},
+            "host": {"slots": config.host_slots, **host.counts.to_dict(n_decode)},
+            "disk": {"reads": host.counts.disk_reads, "bytes": host.counts.disk_bytes,
+                     "busy_s": host.counts.disk_busy_s}}
 
 
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")
