@@ -18,6 +18,7 @@ from ggmoe.cli.options import FiniteFloat, model_path, plan_config
 
 if TYPE_CHECKING:
     from ggmoe.cache.hardware import HardwareProfile
+    from ggmoe.cache.tiers import TierSizes
     from ggmoe.inspect import ModelFacts
     from ggmoe.simulate.des import SimConfig, SimResult
     from ggmoe.trace import Trace
@@ -85,7 +86,16 @@ def _row(size: str, r: SimResult, theta: float = 1.0) -> dict[str, Any]:
             "CPU experts": r.host_computed,
             "TPOT ms (est.)": f"{r.tpot_s * 1e3:.3f}" if est else "-",
             "TTFT ms (est.)": f"{r.ttft_s * 1e3:.1f}" if r.ttft_s is not None else "-",
-            "cache MiB": f"{r.cache_bytes / 2**20:.1f}"}
+            "cache MiB": f"{r.cache_bytes / 2**20:.1f}", **_tier_columns(r)}
+
+
+def _tier_columns(r: SimResult) -> dict[str, str]:
+    """The host and disk tiers' columns of a row with a disk tier (none without one)."""
+    host = r.tiers.get("host")
+    if not host:
+        return {}
+    return {"host hits": f"{host['host_hit_rate']:.1%}", "disk MiB/tok": f"{host['disk_bytes_per_token'] / 2**20:.1f}",
+            "predicted reads": f"{host['predicted_read_share']:.1%}"}
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
@@ -233,6 +243,9 @@ def trace_model(trace: Trace, model: str | None, need_bytes: bool,
                    "predictor they were saved with starts from what it learnt.")
 @click.option("--jobs", type=click.IntRange(1, 256),
               help="Worker processes, one configuration each at a time (default: the CPUs this process may use).")
+@click.option("--host-ram", "host_ram", help="Host RAM for the experts, e.g. 24GiB: experts beyond it stay on disk "
+              "under a host tier of that size, read from the profile's disk (--hw .../nvme4); default: every "
+              "expert in host memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print every result as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of hit rate and TPOT.")
 @edge
@@ -242,7 +255,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
              miss_policy: tuple[str, ...],
              decode_mode: tuple[str, ...], theta: tuple[str, ...], hw: str,
              predictor_train: tuple[str, ...], predictor_s: float | None, stats_in: str | None, jobs: int | None,
-             as_json: bool, plot_path: str | None) -> None:
+             host_ram: str | None, as_json: bool, plot_path: str | None) -> None:
     """Replay traces through the cache, copy queue and prefetcher on a hardware cost model.
 
     Every combination of the sizes, policies, predictors and miss policies given is simulated and shown
@@ -258,6 +271,7 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe simulate traces/trace.npz --cache-fraction 0.5 --decode-mode sync,async,async-fill --hw h100
       ggmoe simulate traces/trace.npz --cache-slots 8 --decode-mode async --plan-predictor none,reuse,next.npz
       ggmoe simulate traces/trace.npz --cache-fraction 0.25 --theta 1,0.5 --decode-mode async --hw h100
+      ggmoe simulate traces/trace.npz --vram 8GiB --host-ram 24GiB --hw rtx4090/pcie4x16/ddr5-5600x2/nvme4
       ggmoe trace import esft/intent esft/law -o ds2/ --n-expert 64 --top-k 6 && \
         ggmoe simulate ds2/ --hw none --cache-fraction 0.125,0.25,0.5 --policy lru,belady --jobs 2
     """
@@ -265,14 +279,31 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
         check_output(plot_path, "--plot", suffixes=PLOT_SUFFIXES)
     choices = _check_choices(policy, predictor, miss_policy, decode_mode, theta, plan_predictor)
     inputs = _load_inputs(traces, model, hw, predictor_train, stats_in, bool(vram), choices.thetas)
+    tiers = _host_tiers(inputs, host_ram)
     options = _policy_options(choices.policies, inputs.warm)
     combos = _combinations(inputs.facts, cache_slots, cache_fraction, vram, choices)
     _check_predictors(choices.predictors, choices.planners, combos, stride, inputs)
     if plot_path is not None:
         pyplot()  # matplotlib missing: say so before simulating, not after
     configs = _sim_configs(combos, inputs, options, stride, n_prefetch, predictor_s)
+    if tiers is not None and tiers.disk:
+        configs = [dataclasses.replace(c, host_slots=tiers.host_slots) for c in configs]
     results = run_configs(configs, inputs.shared(), jobs)
     _report(traces, hw, inputs, combos, results, plot_path, as_json)
+    if tiers is not None and not as_json:
+        click.echo("tiers (GPU slots: the rows' sizes):\n" + "\n".join(tiers.render_lines()[1:]))
+
+
+def _host_tiers(inputs: _Inputs, host_ram: str | None) -> TierSizes | None:
+    """The host tier that --host-ram buys (``ggmoe.cache.tiers``), or None without the flag."""
+    if host_ram is None:
+        return None
+    if inputs.path is None:
+        raise UsageError("--host-ram needs the model's bytes per expert: give --model")
+    from ggmoe.base.units import parse_bytes
+    from ggmoe.cache.tiers import tier_sizes
+
+    return tier_sizes(inputs.facts, inputs.facts.n_expert_used, parse_bytes(host_ram))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from test_simulator import BPE, CHUNK, PROFILE, trace  # the simulator's hand-made traces
 
@@ -151,3 +152,60 @@ def test_disk_prefetch_skips_what_is_resident_or_on_the_gpu():
     clock.advance(1.0)
     assert host.prefetch(0, [1, 2, 3, 4], skip=[3]) == 2  # 1 resident, 3 on the GPU
     assert host.counts.prefetch_reads == 2 and host.resident(0, 2) and host.resident(0, 4)
+
+
+TINY = "ggmoe/models/tiny-moe.gguf"  # 8 MoE layers of 32 experts, top-4, 52,224 B per expert
+TINY_SLOT = 8 * 52_224  # one host slot in every layer
+
+
+def _tiny_trace(tmp_path) -> str:
+    """An imported routing log of the tiny model's shape: 48 tokens, a skewed choice of experts (fixed seed)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ggmoe.cli import main
+
+    rng = np.random.default_rng(7)
+    p = np.arange(32, 0, -1, dtype=float) ** 2
+    recs = [{"seq": "a", "token": t, "layer": il, "topk_ids": rng.choice(32, 4, replace=False, p=p / p.sum()).tolist()}
+            for t in range(48) for il in range(8)]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "t"
+    r = CliRunner().invoke(main, ["trace", "import", str(log), "-o", str(out), "--n-expert", "32", "--top-k", "4"])
+    assert r.exit_code == 0, r.output
+    return str(out)
+
+
+@pytest.mark.parametrize("host_ram,host_slots", [(16 * TINY_SLOT, 16), (100 << 20, None)])
+def test_simulate_host_ram_reports_each_tier(tmp_path, host_ram, host_slots):
+    import json
+
+    from click.testing import CliRunner
+
+    from ggmoe.cli import main
+
+    args = ["simulate", _tiny_trace(tmp_path), "--model", TINY, "--cache-slots", "8", "--host-ram", str(host_ram),
+            "--hw", "rtx4090/pcie4x16/ddr5-5600x2/nvme3", "--jobs", "1"]
+    r = CliRunner().invoke(main, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    tiers = json.loads(r.output[r.output.index("{"):])["results"][0]["tiers"]
+    table = CliRunner().invoke(main, args)
+    assert table.exit_code == 0, table.output
+    if host_slots is None:
+        assert tiers == {} and "none: every expert fits the host tier" in table.output
+        return
+    assert tiers["host"]["slots"] == host_slots and tiers["disk"]["bytes"] == tiers["disk"]["reads"] * 52_224 > 0
+    assert "host hits" in table.output and "disk MiB/tok" in table.output
+    assert f"host    {host_slots}/32 slots/layer" in table.output
+
+
+def test_simulate_refuses_a_host_tier_below_top_k(tmp_path):
+    from click.testing import CliRunner
+
+    from ggmoe.cli import main
+
+    r = CliRunner().invoke(main, ["simulate", _tiny_trace(tmp_path), "--model", TINY, "--cache-slots", "8",
+                                  "--host-ram", str(2 * TINY_SLOT)])
+    assert r.exit_code == 2 and "needs at least n_expert_used = 4" in r.output
