@@ -17,6 +17,10 @@ class EngineError(GgmoeError):
     """llama.cpp failed to load, decode or tokenize."""
 
 
+class DiskTierError(EngineError):
+    """The model file under a disk tier failed a read, was cut short or changed while the engine ran."""
+
+
 class EngineNotPatchedError(EngineError):
     """The installed llama-cpp-python lacks ggmoe's patched symbols."""
 

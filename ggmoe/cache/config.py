@@ -47,6 +47,10 @@ class CacheConfig:
     # saved routing statistics' counts (il -> [n_expert] tokens that chose each expert; --stats-in): auto's
     # weighing of the decode modes takes each layer's misses from them instead of uniform routing
     routing_counts: Mapping[int, Any] | None = None
+    # the host tier's budget in bytes (--host-ram; ggmoe.cache.tiers): when it holds fewer than every expert, the
+    # experts stay in the model file (the disk tier) and the host tier reads them from there; None: what the
+    # machine can pin, less a margin (a model that fits keeps every expert in host memory, as without a tier)
+    host_ram: int | None = None
 
     def __post_init__(self) -> None:
         """The policy's options checked against what it declares (ggmoe.base.params), before anything is built;
@@ -113,7 +117,7 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
                        facts: ModelFacts | None = None,
                        miss_policy: str | None = None, prefetch: object | None = None,
                        hw: str | None = None, decode_mode: str | None = None,
-                       planner: object | None = None) -> CacheConfig | None:
+                       planner: object | None = None, host_ram: int | str | None = None) -> CacheConfig | None:
     """A CacheConfig from the command line's (or ``ggmoe.load()``'s) options; None when no cache size is given.
 
     --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of
@@ -124,7 +128,8 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
             flag = "--predictor" if prefetch is not None else "--plan-predictor"
             raise UsageError(f"{flag} needs a cache size: --cache-slots N or --vram BYTES")
         given = next((n for n, v in (("--policy", policy), ("--miss-policy", miss_policy),
-                                     ("--decode-mode", decode_mode)) if v is not None), None)
+                                     ("--decode-mode", decode_mode), ("--host-ram", host_ram)) if v is not None),
+                     None)
         if given is not None:
             raise UsageError(f"{given} needs a cache size: --cache-slots N or --vram BYTES")
         return None
@@ -145,12 +150,17 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
     if vram is not None and facts is not None:  # a budget too small fails now, before the model loads
         slots_for_budget(_bytes(vram), {layer.il: layer.bytes_per_expert for layer in facts.layers},
                          facts.n_expert, facts.n_expert_used)
+    if host_ram is not None and facts is not None:  # a host tier too small for a token fails now
+        from ggmoe.cache.tiers import tier_sizes
+
+        tier_sizes(facts, 0, _bytes(host_ram))
     from ggmoe.cache.decode_mode import check_decode_mode
 
     mode = check_decode_mode(decode_mode or "auto")
     return CacheConfig(n_slots=cache_slots, vram_bytes=_bytes(vram) if vram is not None else None,
                        policy=policy, miss_policy=miss, prefetch=prefetch, hw_profile=hw,
-                       decode_mode=mode, planner=planner)
+                       decode_mode=mode, planner=planner,
+                       host_ram=_bytes(host_ram) if host_ram is not None else None)
 
 
 def _bytes(size: int | str) -> int:

@@ -121,13 +121,14 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
 def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: ModelFacts | None = None,
                  miss_policy: str | None = None, prefetch: PrefetchConfig | None = None, hw: str | None = None,
                  config: str | None = None, decode_mode: str | None = None,
-                 planner: PlanConfig | None = None) -> CacheConfig | None:
+                 planner: PlanConfig | None = None, host_ram: str | None = None) -> CacheConfig | None:
     """A CacheConfig from the flags or from a plan file (--config), or None when neither was given;
-    --decode-mode and --plan-predictor apply to both."""
+    --decode-mode, --plan-predictor and --host-ram apply to both."""
     from ggmoe.cache.config import build_cache_config
 
     if config is None:
-        return build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode, planner)
+        return build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode, planner,
+                                  host_ram)
     given = [f for f, v in (("--cache-slots", cache_slots), ("--vram", vram), ("--policy", policy),
                             ("--miss-policy", miss_policy), ("--predictor", prefetch), ("--hw", hw)) if v is not None]
     if given:
@@ -145,6 +146,13 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
         cfg = dataclasses.replace(cfg, decode_mode=decode_mode)
     if planner is not None:
         cfg = dataclasses.replace(cfg, planner=planner)
+    if host_ram is not None:
+        from ggmoe.base.units import parse_bytes
+        from ggmoe.cache.tiers import tier_sizes
+
+        cfg = dataclasses.replace(cfg, host_ram=parse_bytes(host_ram))
+        if facts is not None:
+            tier_sizes(facts, 0, cfg.host_ram)
     return cfg
 
 
@@ -218,6 +226,10 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                            "path and prefetching); auto (default): async unless something needs sync or, on a GPU, "
                            "the cost model estimates sync faster (async's graph copies each miss into a free slot "
                            "and reads it there: one crossing of the link).")(fn)
+    fn = click.option("--host-ram",
+                      help="Host tier budget, e.g. 16GiB: a model whose experts do not fit it keeps them in the "
+                           "GGUF file and reads them from disk into this many bytes of pinned RAM (default: what "
+                           "the machine can pin, less a margin; `ggmoe inspect --host-ram` shows the tiers).")(fn)
     fn = click.option("--stats-json", type=click.Path(),
                       help="Write cache statistics (hit rate per layer, bytes copied, copy waits) here.")(fn)
     fn = click.option("--policy", help="Cache eviction policy (default lru; see `ggmoe policies`).")(fn)
@@ -248,9 +260,22 @@ def stats_summary(eng: Engine) -> str | None:
              "prefetched)" if t.top_hits or t.bottom_prefetches else "")
     return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.top_hits + t.misses} expert uses){split}, "
             f"{format_bytes(t.bytes_copied)} copied{host}{reads}{pre}, {t.native_calls} native calls"
-            + (f"; {note}" if note else "")
+            + (f"; {note}" if note else "") + _host_tier_line(eng)
             + (f"\ndecode mode: {mode['decode_mode_in_effect']} ({mode['decode_mode_reason']}); copy stream: "
                f"{mode['copy_stream']}" if mode else ""))
+
+
+def _host_tier_line(eng: Engine) -> str:
+    """Under a disk tier: one more line with the host tier's hits and the disk's reads (else empty)."""
+    tier = eng.report().get("host_tier")
+    if not tier:
+        return ""
+    from ggmoe.base.units import format_bytes
+
+    reads = tier["reads"]
+    predicted = f", {tier['predicted_reads'] / reads:.0%} started by a prediction" if reads else ""
+    return (f"\nhost tier: {tier['host_slots_per_layer']} slots/layer, {tier['hits']} hits; disk: {reads} experts "
+            f"read ({format_bytes(tier['bytes_read'])}){predicted}, {tier['in_place']} read in place")
 
 
 def write_stats(eng: Engine, path: str | None, extra: dict) -> None:

@@ -96,7 +96,8 @@ def cache_from_flags(path: Path, facts: ModelFacts, flags: Mapping[str, Any]
     prefetch = prefetch_config(f["predictor"], f["stride"], f["n_prefetch"], f["prefetch_threshold"],
                                f["predictor_train"], f["predict_background"], f["plan_predictor"])
     cache = cache_config(f["cache_slots"], f["vram"], f["policy"], facts, f["miss_policy"], prefetch, f["hw"],
-                         f["config"], f["decode_mode"], plan_config(f["plan_predictor"], f["predictor_train"]))
+                         f["config"], f["decode_mode"], plan_config(f["plan_predictor"], f["predictor_train"]),
+                         f["host_ram"])
     warm = read_stats_in(f["stats_in"], facts, path)
     cache = warm_start(cache, warm)
     out = stats_out(f["stats_out_path"], warm, facts, path)

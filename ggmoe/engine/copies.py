@@ -58,16 +58,20 @@ class GgmlCopyBackend:
         # stream right after it (stream order: a kernel that reads the entry then finds the copy landed); None
         # for no such write (split layers, or not the async decode)
         self.flip: Callable[[int, int, int, int], tuple[int, int, int] | None] | None = None
+        # where a copy reads expert ``expert`` of kind ``kind`` (index in the layer's pairs) of layer ``il``: its
+        # host tier slot under a disk tier (``CacheRuntime``), asked when the copy is issued; None: the model's
+        # own expert tensor in host memory
+        self.source: Callable[[int, int, int], int] | None = None
 
     @property
     def backend(self) -> int | None:
         """The GPU backend the copies are issued on (None on a CPU-only build)."""
         return self.stream.handle
 
-    def _write(self, p: SlotPair, expert: int, slot: int, stream: int | None) -> None:
+    def _write(self, p: SlotPair, expert: int, slot: int, stream: int | None, src: int) -> None:
         """One expert tensor kind of ``expert`` into ``slot`` (a whole expert, a split layer's top, or for a
-        negative slot its bottom into a bottom buffer): on ``stream`` (async) or at once."""
-        src = p.host_data + expert * p.nb2
+        negative slot its bottom into a bottom buffer), read from address ``src``: on ``stream`` (async) or at
+        once."""
         for tensor, at, r in _writes(p, expert, slot):
             if r.size == 0 or r.n == 0:
                 continue  # θ = 0: an empty top
@@ -90,11 +94,13 @@ class GgmlCopyBackend:
         link's thread, its link done with the copy): the stream's ``put_on_engine`` where it has one."""
         pairs = self.pairs[il]
         kinds = [i for i in (chunks if chunks is not None else range(len(pairs))) if i < len(pairs)]
-        flip = self.flip
+        flip, source = self.flip, self.source
+        srcs = [source(il, i, expert) if source is not None else pairs[i].host_data + expert * pairs[i].nb2
+                for i in kinds]  # asked now: a deferred stream runs ``work`` later
 
         def work(stream: int | None) -> None:
-            for i in kinds:
-                self._write(pairs[i], expert, slot, stream)
+            for i, src in zip(kinds, srcs, strict=True):
+                self._write(pairs[i], expert, slot, stream, src)
                 if flip is not None:  # a slot's entry, or a split layer's bottom row (entry_flip)
                     self._flip(flip(il, i, expert, slot), stream)
 

@@ -34,7 +34,14 @@ from ggmoe.cache import CacheConfig, CacheStats
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.hooks import CbEvalHook, Observers, RouteOpHook
-from ggmoe.engine.loader import LoadedModel, expert_placement, gpu_device_name, load_model, new_context
+from ggmoe.engine.loader import (
+    LoadedModel,
+    expert_placement,
+    gpu_device_name,
+    load_model,
+    new_context,
+    resolve_tiers,
+)
 from ggmoe.engine.log import llama_log
 from ggmoe.engine.pipeline import CachePipeline
 from ggmoe.engine.runtime import CacheRuntime
@@ -181,7 +188,9 @@ class Engine:
             if config.host_expert_layers is not None and config.cache is not None:
                 raise UsageError("the expert cache needs every layer's experts in host memory "
                                  "(host_expert_layers=None)")
-            self._model = load_model(path, config.n_gpu_layers, config.experts_on_host, config.host_expert_layers)
+            cache, on_disk = resolve_tiers(config.cache, self.facts)
+            self._model = load_model(path, config.n_gpu_layers, config.experts_on_host, config.host_expert_layers,
+                                     on_disk)
             self.n_ctx_train = int(self._model.model.n_ctx_train())  # tokens the model was trained on
             n_ctx = config.n_ctx or self.n_ctx_train
             # llama.cpp takes at most min(n_ctx, n_batch) tokens per llama_decode: the engine feeds that many
@@ -189,7 +198,7 @@ class Engine:
             self._ctx = new_context(self._model, n_ctx, self.n_batch, min(config.n_ubatch, self.n_batch),
                                     config.n_threads, self._hook.c_callback if kind == "cb_eval" else None)
             if kind == "route":
-                self.pipeline = CachePipeline(self._model.ptr, self._ctx.ctx, self.facts, path, config.cache,
+                self.pipeline = CachePipeline(self._model.ptr, self._ctx.ctx, self.facts, path, cache,
                                               self.observers, config.n_threads, self.n_batch,
                                               min(config.n_ubatch, self.n_batch))
                 self._hook = self.pipeline.hook
@@ -239,7 +248,9 @@ class Engine:
         host = self.config.host_expert_layers
         checked = {n: b for n, b in self.expert_buffers.items()
                    if host is None or int(n.split(".")[1]) in host}  # "blk.{il}.ffn_*_exps.weight"
-        misplaced = [n for n, b in checked.items() if b != wanted]
+        # on disk the experts are llama.cpp's mapping of the file: the CPU buffer type's mapped buffers
+        ok = {wanted, f"{wanted}_Mapped"} if self._model.override.on_disk else {wanted}
+        misplaced = [n for n, b in checked.items() if b not in ok]
         if misplaced:
             raise EngineError(f"{len(misplaced)} expert tensors are not in {wanted} (e.g. {misplaced[0]} in "
                               f"{self.expert_buffers[misplaced[0]]})")

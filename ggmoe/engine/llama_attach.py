@@ -15,11 +15,11 @@ context that llama-cpp-python created:
 from __future__ import annotations
 
 from ggmoe.engine import ggml as B
-from ggmoe.engine.loader import HostExpertOverride
+from ggmoe.engine.loader import HostExpertOverride, no_read_ahead, resolve_tiers
 from ggmoe.engine.pipeline import CachePipeline
 
 __all__ = ["CachePipeline", "HostExpertOverride", "LlamaAttachment", "fim_tokens", "grammar_parses", "is_eog",
-           "n_ctx_seq", "set_embeddings"]
+           "n_ctx_seq", "no_read_ahead", "resolve_tiers", "set_embeddings"]
 
 
 def n_ctx_seq(ctx_ptr: int) -> int:

@@ -9,13 +9,17 @@ of where the expert tensors really landed, read from their buffers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from llama_cpp import _internals
 
 from ggmoe.base.errors import EngineError, ModelFileError
+from ggmoe.cache.config import CacheConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.log import llama_log
@@ -55,9 +59,13 @@ class HostExpertOverride:
     it points to) during ``llama_model_load_from_file``.
     """
 
-    def __init__(self, layers: tuple[int, ...] | None = None) -> None:
-        """``layers``: only these layers' experts go to host memory (llama.cpp's --n-cpu-moe); None: all."""
-        self.buft = host_expert_buft()  # the buffer type asked for the expert tensors
+    def __init__(self, layers: tuple[int, ...] | None = None, on_disk: bool = False) -> None:
+        """``layers``: only these layers' experts go to host memory (llama.cpp's --n-cpu-moe); None: all.
+        ``on_disk``: the experts stay in the file (a disk tier): the CPU buffer type over llama.cpp's mmap of
+        the GGUF, read ahead by nobody (patch 0014); the host tier's pinned slots hold the ones in use."""
+        self.on_disk = on_disk
+        # the buffer type asked for the expert tensors
+        self.buft = B.libggml_cpu.ggml_backend_cpu_buffer_type() if on_disk else host_expert_buft()
         self._pattern = (EXPERT_TENSOR_PATTERN if layers is None else expert_pattern(layers)).encode()
         # struct llama_model_tensor_buft_override[2]: the pattern, then the NULL terminator
         self._overrides = (B.llama_model_tensor_buft_override * 2)()
@@ -73,8 +81,9 @@ class HostExpertOverride:
         off so every weight keeps the GGUF's layout (dense matmuls lose the repacked kernels' speed).
         """
         params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
-        # llama.cpp copies overridden tensors anyway, so mmap would only double the page cache
-        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        # llama.cpp copies overridden tensors anyway, so mmap would only double the page cache; on disk, the
+        # experts are the mapping itself (CPU tensors from a mapping are not copied)
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP if self.on_disk else llama_cpp.LLAMA_LOAD_MODE_NONE
         if self.buft == B.libggml_cpu.ggml_backend_cpu_buffer_type():
             params.use_extra_bufts = False
 
@@ -100,22 +109,52 @@ class LoadedModel:
 
 
 def load_model(path: Path, n_gpu_layers: int, experts_on_host: bool,
-               host_layers: tuple[int, ...] | None = None) -> LoadedModel:
-    """Load the GGUF with the experts (of ``host_layers``, None: all) in host memory; ModelFileError with
-    llama.cpp's reason on failure."""
+               host_layers: tuple[int, ...] | None = None, on_disk: bool = False) -> LoadedModel:
+    """Load the GGUF with the experts (of ``host_layers``, None: all) in host memory, or left in the file
+    (``on_disk``: the disk tier); ModelFileError with llama.cpp's reason on failure."""
     log = llama_log()
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
-    override = HostExpertOverride(host_layers) if experts_on_host else None
+    override = HostExpertOverride(host_layers, on_disk) if experts_on_host else None
     if override is not None:
         override.apply(params)
     mark = log.count
     try:
-        model = _internals.LlamaModel(path_model=str(path), params=params, verbose=log.verbose)
+        with no_read_ahead(on_disk):
+            model = _internals.LlamaModel(path_model=str(path), params=params, verbose=log.verbose)
     except ValueError:
         detail = log.error_since(mark)
         raise ModelFileError(f"llama.cpp could not load {path}" + (f": {detail}" if detail else "")) from None
     return LoadedModel(model, override)
+
+
+@contextlib.contextmanager
+def no_read_ahead(on: bool) -> Iterator[None]:
+    """While ``on``: a model loaded with mmap is not read ahead (patch 0014), so a model larger than RAM loads
+    without reading its whole file into the page cache."""
+    if not on:
+        yield
+        return
+    was = _patched.load().llama_ggmoe_set_mmap_prefetch(False)
+    try:
+        yield
+    finally:
+        _patched.load().llama_ggmoe_set_mmap_prefetch(was)
+
+
+def resolve_tiers(cache: CacheConfig | None, facts: ModelFacts) -> tuple[CacheConfig | None, bool]:
+    """(the cache with its host budget resolved, whether the experts stay on disk), before the model loads.
+
+    The auto budget (``host_ram`` None) is read once, here, from the memory available now: a disk tier keeps
+    it (the runtime sizes the host tier from it); a model that fits keeps None (no host tier)."""
+    if cache is None:
+        return None, False
+    from ggmoe.cache.tiers import tier_sizes
+
+    tiers = tier_sizes(facts, 0, cache.host_ram)
+    if not tiers.disk:
+        return cache, False
+    return dataclasses.replace(cache, host_ram=tiers.host_ram), True
 
 
 def new_context(model: LoadedModel, n_ctx: int, n_batch: int, n_ubatch: int, n_threads: int,

@@ -114,6 +114,8 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
                                  ctypes.c_int32, ctypes.c_int64], ctypes.c_int32),
     # int32_t llama_ggmoe_set_layer_fill(struct llama_context * ctx, int32_t il, struct ggml_tensor * fill);
     ("llama_ggmoe_set_layer_fill", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p], ctypes.c_int32),
+    # bool llama_ggmoe_set_mmap_prefetch(bool prefetch);
+    ("llama_ggmoe_set_mmap_prefetch", [ctypes.c_bool], ctypes.c_bool),
 )
 
 SYMBOLS: tuple[str, ...] = tuple(name for name, _, _ in _SIGNATURES)
@@ -135,6 +137,7 @@ class PatchedLib:
     llama_ggmoe_set_forced_routing: Any
     llama_ggmoe_set_mailbox: Any
     llama_ggmoe_set_layer_fill: Any
+    llama_ggmoe_set_mmap_prefetch: Any
     route_cb: Any = route_cb
 
 

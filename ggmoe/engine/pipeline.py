@@ -125,7 +125,7 @@ class CachePipeline:
         miss, why = auto_without_host_path(cache.miss_policy, bool(model_split(facts, cache.layer_theta)),
                                            cache.decode_mode)
         self.runtime = CacheRuntime.for_model(self._model_ptr, ctx_ptr, replace(cache, miss_policy=miss), facts,
-                                              self._n_threads)
+                                              self._n_threads, model_path)
         if why is not None:
             self.runtime.miss_policy_note = why
         self.cache_config = cache
@@ -146,6 +146,9 @@ class CachePipeline:
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
         reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note)
+        if self.runtime.disk is not None and on_gpu:
+            reasons.append("a disk tier: the GPU's kernels cannot read an expert that is only in the model file "
+                           "(the async decode reads misses in place over the link)")
         idle = self._prefetch_idle_note()  # the async decode's stride prefetch would never find a free slot
         if idle is not None and cache.decode_mode == "auto":
             reasons.append(idle)  # auto takes the sync decode, where the predictor runs
@@ -396,6 +399,7 @@ class CachePipeline:
         if self.planner is not None:
             self.planner.begin_step(tokens)
         tables = self.tables
+        self._tier_step()
         if self.controller is not None and tables.enabled:
             self.runtime.cache.land_ready()  # copies landed since the last token: readable for this one
         n = last_ubatch(len(tokens), self.n_ubatch)
@@ -420,6 +424,25 @@ class CachePipeline:
                 self._reading = True
             elif self.stride is not None:  # a table-mode decode of several tokens: nobody reads it
                 self.stride.mailbox.release_all()
+
+    def _tier_step(self) -> None:
+        """Between decodes, under a disk tier: the model file checked (before a graph reads it in place), the
+        host tier's landed reads made readable, its clock advanced, and every expert that entered or left it
+        pointed at its new host address in the tables."""
+        rt = self.runtime
+        tier = rt.tier if rt is not None else None
+        if tier is None:
+            return
+        tier.reader.check()
+        tier.land()
+        tier.next_token()
+        moves = tier.take_moves()
+        if self.tables is not None:
+            n_kinds = {il: len(t.views) for il, t in self.tables.layers.items()}
+            for m in moves:
+                if m.il in n_kinds:
+                    self.tables.layers[m.il].host_moved(m.expert, [rt.source(m.il, k, m.expert)
+                                                                   for k in range(n_kinds[m.il])])
 
     def _plan_fills(self, n_tokens: int) -> None:
         """The fill slots of a one-token table-mode decode (``n_tokens`` 1; 0: not one), on the device with a new
@@ -530,7 +553,20 @@ class CachePipeline:
         return {"policy": cfg.policy, "miss_policy": cfg.miss_policy, "miss_policy_in_effect": rt.miss_policy,
                 "miss_policy_note": rt.miss_policy_note, **self.describe(),
                 "slots_per_layer": {str(k): v for k, v in self.n_slots.items()},
-                "occupancy": {str(k): v for k, v in self.occupancy().items()}, **rt.cache.stats.to_dict()}
+                "occupancy": {str(k): v for k, v in self.occupancy().items()}, **self._host_tier_report(),
+                **rt.cache.stats.to_dict()}
+
+    def _host_tier_report(self) -> dict[str, object]:
+        """Under a disk tier: the host tier's size and counters, totals and per layer (else nothing)."""
+        rt = self.runtime
+        tier = rt.tier if rt is not None else None
+        if tier is None:
+            return {}
+        reader = tier.reader
+        return {"host_tier": {"host_slots_per_layer": tier.n_slots, "host_ram": self.cache_config.host_ram,
+                              "direct_io": all(f.direct for f in reader.files.values()),
+                              "disk_bytes_read": reader.bytes_read, **tier.totals(),
+                              "layers": {str(il): st.to_dict() for il, st in tier.stats.items()}}}
 
     def describe(self) -> dict[str, object]:
         """The decode mode and the miss policy, as the stats and /metrics report them."""

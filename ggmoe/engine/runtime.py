@@ -13,23 +13,37 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
-from ggmoe.base.errors import EngineError
+from ggmoe.base.errors import EngineError, UsageError
 from ggmoe.cache import CacheConfig, MonotonicClock, ThreadedCopyBackend
 from ggmoe.cache.copy import LinkStreamCopyBackend, StreamCopyBackend
 from ggmoe.cache.decode_mode import ModeEstimate, weigh_modes
+from ggmoe.cache.host_tier import HostTier
 from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy, without_host_path_when_full
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.split import LayerSplit, model_split
+from ggmoe.cache.tier_copy import TieredCopyBackend
+from ggmoe.cache.tiers import tier_sizes
 from ggmoe.control.assemble import CacheParts, assemble_cache
 from ggmoe.control.prefetch import default_n_prefetch
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.copies import GgmlCopyBackend, measure_costs
+from ggmoe.engine.disk import FileDiskReader, HostSlots, expert_extents
 from ggmoe.engine.slot_tensors import SlotTensors
 from ggmoe.engine.streams import open_stream
 from ggmoe.inspect.facts import ModelFacts
 from ggmoe.inspect.names import CACHED_KINDS
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """The experts stay in ``path``; every cached layer has ``host_slots`` pinned host slots above it."""
+
+    path: Path
+    host_slots: int
 
 
 def _device_bufts() -> tuple[int, int | None, int | None]:
@@ -57,9 +71,21 @@ class CacheRuntime:
 
     def __init__(self, model_ptr: int, ctx_ptr: int, config: CacheConfig, moe_layers: tuple[int, ...],
                  n_expert: int, n_expert_used: int, bytes_per_expert: dict[int, int],
-                 n_threads: int | None = None, split: dict[int, LayerSplit] | None = None) -> None:
-        """``split``: the layers whose slots hold top segments (MoEpic, from the config's top shares)."""
+                 n_threads: int | None = None, split: dict[int, LayerSplit] | None = None,
+                 disk: DiskTier | None = None) -> None:
+        """``split``: the layers whose slots hold top segments (MoEpic, from the config's top shares).
+        ``disk``: the experts stay in the model file; the copies read them through a host tier."""
         self.split = split or {}
+        self.host_slots: HostSlots | None = None
+        self.tier: HostTier | None = None
+        self.disk = disk
+        self.source = None  # (il, kind index, expert) -> the address a copy or a table reads it from (disk tier)
+        if disk is not None and self.split:
+            raise UsageError("split experts (top share θ < 1) read their bottoms from host memory: they need "
+                             "every expert in RAM (a larger --host-ram, or no --layer-theta)")
+        if disk is not None and config.miss_policy == "cpu":
+            raise UsageError("--miss-policy cpu computes misses from host memory, and with a disk tier (--host-ram "
+                             "below the experts' size) most experts are not there: use --miss-policy wait")
         slot_bytes = {il: self.split[il].top_bytes if il in self.split else bytes_per_expert[il] for il in moe_layers}
         n_slots = config.slots(slot_bytes, n_expert, n_expert_used)
         # bottom buffers of a split layer: as many as the prefetcher queues per layer (MoEpic's y)
@@ -72,6 +98,9 @@ class CacheRuntime:
         self.slots: SlotTensors | None = None
         asked = check_miss_policy(config.miss_policy)
         asked, full_note = without_host_path_when_full(asked, n_slots, n_expert)
+        if disk is not None and asked == "auto":
+            asked, full_note = "wait", ("auto runs as wait: under a disk tier most experts are not in host memory "
+                                        "for the CPU to compute")
         if self.split and asked != "wait":
             raise EngineError("split experts read what is not cached from host memory through the expert "
                               f"table: --miss-policy {asked} (the host path) cannot serve them; use wait")
@@ -88,6 +117,8 @@ class CacheRuntime:
                 self._allocate(model_ptr, n_slots, config, zero_slot=True)
             if use_copy_queue(self._ggml, config, self.miss_policy):
                 self.copies = StreamCopyBackend(self._ggml)
+            if disk is not None:
+                self._attach_disk(model_ptr, moe_layers, n_expert, bytes_per_expert, disk)
         except BaseException:
             self.close()
             raise
@@ -102,6 +133,29 @@ class CacheRuntime:
             self.unregister(ctx_ptr, n_slots)
             self.close()
             raise
+
+    def _attach_disk(self, model_ptr: int, layers: tuple[int, ...], n_expert: int, bytes_per_expert: dict[int, int],
+                     disk: DiskTier) -> None:
+        """The host tier's pinned slots, the file's reader and the host tier, and the copies through them: a
+        copy reads its expert from the host tier (read from disk first when it is not there)."""
+        from ggmoe.engine.loader import host_expert_buft
+
+        self.host_slots = HostSlots(model_ptr, layers, disk.host_slots, host_expert_buft())
+        extents = expert_extents(disk.path, self.host_slots)
+        self.tier = HostTier(layers, n_expert, disk.host_slots, bytes_per_expert, FileDiskReader(extents))
+        tier = self.tier
+        ggml_pairs = self._ggml.pairs
+
+        def source(il: int, kind: int, expert: int) -> int:
+            slot = tier.readable(il, expert)
+            if slot >= 0:
+                ext = extents[il][kind]
+                return ext.host + slot * ext.nb2
+            p = ggml_pairs[il][kind]
+            return p.host_data + expert * p.nb2  # the file in place (llama.cpp's mapping)
+
+        self._ggml.source = self.source = source
+        self.copies = TieredCopyBackend(self.copies, self.tier)
 
     def _register(self, ctx_ptr: int, n_slots: dict[int, int], host_path: bool) -> None:
         """Hand every layer's slot tensors (and the host path) to the context; raises on a refusal."""
@@ -191,19 +245,27 @@ class CacheRuntime:
 
     @classmethod
     def for_model(cls, model_ptr: int, ctx_ptr: int, config: CacheConfig, facts: ModelFacts,
-                  n_threads: int | None = None) -> CacheRuntime:
+                  n_threads: int | None = None, model_path: Path | None = None) -> CacheRuntime:
         """The runtime for a loaded model, its layers and bytes per expert from the GGUF's facts; ``n_threads``:
         the CPU threads llama.cpp computes with (the auto policy's CPU cost; None: every core)."""
         bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
+        disk = None
+        if config.host_ram is not None and model_path is not None:
+            tiers = tier_sizes(facts, 0, config.host_ram)
+            disk = DiskTier(model_path, tiers.host_slots) if tiers.disk else None
         return cls(model_ptr, ctx_ptr, config, facts.moe_layers, facts.n_expert, facts.n_expert_used, bpe,
-                   n_threads, split=model_split(facts, config.layer_theta))
+                   n_threads, split=model_split(facts, config.layer_theta), disk=disk)
 
     def quiesce(self) -> None:
         """Land every copy in flight and stop the copy queue's worker, keeping the slot tensors: before the model
         is freed, whose host experts the copies read (a copy landing later read freed memory: the deferred
         stream crashed ``ggmoe.load``'s README example at exit; a GPU's copy engine would read it too)."""
-        if self.copies is not None and self.copies is not self._ggml:  # a queue's worker; the stream stays
-            self.copies.close()
+        copies = self.copies
+        if isinstance(copies, TieredCopyBackend):  # the disk reads land first, then the copies under them
+            copies.tier.close()
+            copies = copies.inner
+        if copies is not None and copies is not self._ggml:  # a queue's worker; the stream stays
+            copies.close()
         if self._ggml is not None:  # open until close(): closing it here freed a GPU's copy backend, and this
             self._ggml.stream.synchronize()  # synchronize then asserted on NULL (the fourth loan, every cached run)
 
@@ -217,3 +279,6 @@ class CacheRuntime:
         if self.slots is not None:
             self.slots.close()
             self.slots = None
+        if self.host_slots is not None:  # after the copies and reads that use it
+            self.host_slots.close()
+            self.host_slots = None

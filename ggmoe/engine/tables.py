@@ -125,6 +125,15 @@ class _LayerTable:
             if self.is_split:
                 self._write(k, 2, expert, -1)
 
+    def host_moved(self, expert: int, addresses: Sequence[int]) -> None:
+        """The expert's host address of each kind is now ``addresses`` (a disk tier's host slot, or the file in
+        place): an entry reading host memory follows at once (whole experts only)."""
+        for k, a in enumerate(addresses):
+            old = int(self.host[k][expert])
+            self.host[k][expert] = a
+            if int(self.views[k][0, expert]) == old:
+                self._write(k, 0, expert, a)
+
     def bottom_mapped(self, expert: int, buffer: int) -> None:
         if self.views[0][2, expert] >= 0:  # the top is mapped: read the bottom from the buffer now
             for k in range(len(self.views)):

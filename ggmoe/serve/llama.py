@@ -113,7 +113,8 @@ class GgmoeLlama(llama_cpp.Llama):
     def __init__(self, model_path: str, *, cache: CacheConfig | None = None, experts_on_host: bool = True,
                  observers: Sequence[RouteObserver] = (), n_seq_max: int = 1, kv_unified: bool = True,
                  chat_template: str | None = None, **kwargs: Any) -> None:
-        from ggmoe.engine.llama_attach import HostExpertOverride
+        from ggmoe.engine.llama_attach import HostExpertOverride, no_read_ahead, resolve_tiers
+        from ggmoe.inspect import inspect_model
 
         if cache is not None and not experts_on_host:
             raise UsageError("the expert cache needs the experts in host memory (experts_on_host=True)")
@@ -126,13 +127,17 @@ class GgmoeLlama(llama_cpp.Llama):
         self._n_seq_max = n_seq_max  # read by the context_params setter, before the context is made
         self._kv_unified = kv_unified
         self._ggmoe = None  # LlamaAttachment, once the context exists
-        self._placement = HostExpertOverride() if experts_on_host else None
+        facts = inspect_model(Path(model_path)) if cache is not None or observers else None
+        cache, on_disk = resolve_tiers(cache, facts) if facts is not None else (cache, False)
+        self._placement = HostExpertOverride(on_disk=on_disk) if experts_on_host else None
         self.watch: GenerationWatch | None = None
         if experts_on_host:
-            # llama.cpp recommends no mmap for overridden tensors: they are copied anyway.
-            kwargs.setdefault("use_mmap", False)
+            # llama.cpp recommends no mmap for overridden tensors: they are copied anyway (on disk: the mapping
+            # is where the experts stay)
+            kwargs["use_mmap"] = on_disk if on_disk else kwargs.get("use_mmap", False)
         kwargs["n_ctx"] = context_tokens(kwargs.get("n_ctx", 512))  # Llama's buffers as llama.cpp's context
-        super().__init__(model_path, **kwargs)
+        with no_read_ahead(on_disk):
+            super().__init__(model_path, **kwargs)
         self._placement = None  # llama.cpp has read the override list
         self.cache_config = cache
         if chat_template is not None or (not self.metadata.get("tokenizer.chat_template")
@@ -141,9 +146,8 @@ class GgmoeLlama(llama_cpp.Llama):
         try:
             if cache is not None or observers:
                 from ggmoe.engine.llama_attach import LlamaAttachment
-                from ggmoe.inspect import inspect_model
 
-                self._ggmoe = LlamaAttachment(self._model.model, self._ctx.ctx, inspect_model(Path(model_path)),
+                self._ggmoe = LlamaAttachment(self._model.model, self._ctx.ctx, facts,
                                               Path(model_path), cache, observers, n_threads=self.context_params.n_threads,
                                               n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch)
         except BaseException:
@@ -409,7 +413,7 @@ def load(path: str | os.PathLike | None = None, *, model_path: str | os.PathLike
          stride: int = 2, n_prefetch: int | None = None, prefetch_threshold: float | None = None,
          predictor_train: Sequence[str] = (), miss_policy: str | None = None, hw: str | None = None,
          decode_mode: str | None = None, cache: CacheConfig | None = None, config: str | os.PathLike | None = None,
-         plan_predictor: str | None = None, **llama_kwargs: Any) -> GgmoeLlama:
+         plan_predictor: str | None = None, host_ram: int | str | None = None, **llama_kwargs: Any) -> GgmoeLlama:
     """Load a GGUF MoE model as a ``llama_cpp.Llama`` with its experts in host RAM.
 
     ``path`` (or ``model_path``, ``llama_cpp.Llama``'s name for it) defaults to the embedded model. ``cache_slots`` (slots per MoE layer) or ``vram`` (bytes, or
@@ -421,7 +425,9 @@ def load(path: str | os.PathLike | None = None, *, model_path: str | os.PathLike
     ``config``: a plan file from ``ggmoe plan`` (slots and, with ``--moepic``, MoEpic's top shares per layer;
     ``decode_mode`` still applies). ``plan_predictor`` (reuse, eam, expert-map, or a PRED.npz trained with
     ``--mode token``) plans the next token between tokens: its predicted experts are admitted first and not
-    evicted (``ggmoe.control.planner``).
+    evicted (``ggmoe.control.planner``). ``host_ram`` (bytes or a size) is the host tier's budget: a model whose
+    experts do not fit it keeps them in the file and reads them from disk into the host tier (default: what
+    the machine can pin, less a margin).
     Other keyword arguments go to ``llama_cpp.Llama`` (``n_ctx``, ``seed``, ``logits_all``,
     ``chat_format``...); ggmoe's defaults differ in two: ``verbose=False`` and ``n_gpu_layers=-1``
     (every dense layer on the GPU when there is one).
@@ -453,9 +459,9 @@ def load(path: str | os.PathLike | None = None, *, model_path: str | os.PathLike
                                          tuple(predictor_train) if predictor is not None or plan_predictor is None
                                          else ())
         cache = build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode,
-                                   _plan_config(plan_predictor, predictor_train))
+                                   _plan_config(plan_predictor, predictor_train), host_ram)
     elif any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw, decode_mode,
-                                     plan_predictor)):
+                                     plan_predictor, host_ram)):
         raise UsageError("give the cache either as cache=CacheConfig(...) or as its options, not both")
     llama_kwargs.setdefault("verbose", False)
     llama_kwargs.setdefault("n_gpu_layers", -1)

@@ -38,6 +38,24 @@ class CacheCollector(Collector):
             _add_layer(families, il, s, cache)
         yield from families.values()
         yield from _mode_families(cache)
+        yield from _host_tier_families(cache.get("host_tier"))
+
+
+def _host_tier_families(tier: dict[str, Any] | None) -> Iterator[Any]:
+    """The host tier's counters per MoE layer, under a disk tier (nothing otherwise)."""
+    if not tier:
+        return
+    for key, name, doc in (
+            ("hits", "hits", "Experts found in the host tier (or their read in flight) by a copy to the GPU tier"),
+            ("reads", "disk_reads", "Experts read from the model file into the host tier"),
+            ("predicted_reads", "disk_reads_predicted", "Disk reads started by a prediction (a prefetch)"),
+            ("predicted_used", "disk_reads_predicted_used", "Predicted disk reads later asked for"),
+            ("in_place", "in_place", "Experts read from the model file in place (no host slot)"),
+            ("bytes_read", "disk_read_bytes", "Bytes of experts read from the model file into the host tier")):
+        fam = CounterMetricFamily(f"ggmoe_host_tier_{name}", f"{doc}, per MoE layer", labels=["il"])
+        for il, s in tier["layers"].items():
+            fam.add_metric([il], s[key])
+        yield fam
 
 
 def _layer_families() -> dict[str, Any]:

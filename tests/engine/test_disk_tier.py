@@ -1,0 +1,114 @@
+"""The disk tier on the CPU build: experts left in the GGUF, a host tier read from it, the GPU tier above.
+
+Every fixture family, both decode modes and both CPU copy streams (the conftest's ``copy_stream``), with the
+experts 4x the host budget: stock's logits, disk reads counted, and no expert read from disk while it sits in
+the host tier. A file cut short or rewritten under a running engine stops the next decode with one clear
+error, before any graph reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from test_cache_engine import EXACT, run_sequences
+
+from ggmoe.base.errors import DiskTierError, UsageError
+from ggmoe.cache import CacheConfig
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.inspect import inspect_model
+
+pytestmark = pytest.mark.engine
+
+
+def _engine(path, mode: str, host_slots: int, gpu_slots: int | None = None) -> Engine:
+    facts = inspect_model(path)
+    gpu = gpu_slots or facts.n_expert_used
+    cache = CacheConfig(n_slots=gpu, decode_mode=mode, host_ram=host_slots * facts.expert_bytes_per_slot)
+    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cache))
+
+
+def _watch_reads(eng: Engine) -> list[tuple[int, int]]:
+    """Record every disk read; one of an expert the host tier holds (readable, or read in flight) is a
+    violation, recorded as (-1, -1)."""
+    tier = eng._runtime.tier
+    submit, log = tier.reader.submit, []
+
+    def checked(il: int, expert: int, slot: int):
+        held = tier.readable(il, expert) >= 0 or expert in tier.layers[il].pending
+        log.append((-1, -1) if held else (il, expert))
+        return submit(il, expert, slot)
+
+    tier.reader.submit = checked
+    return log
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_experts_four_times_the_host_ram_give_stock_logits(arch_model, stock_logits, mode):
+    arch, path = arch_model
+    facts = inspect_model(path)
+    host = max(facts.n_expert // 4, facts.n_expert_used)
+    with _engine(path, mode, host) as eng:
+        assert eng._runtime.tier is not None, arch
+        assert eng.decode_mode["decode_mode_in_effect"] == mode
+        reads = _watch_reads(eng)
+        got = run_sequences(eng)
+        report = eng.report()["host_tier"]
+    for a, b in zip(got, stock_logits(path), strict=True):
+        assert np.abs(a - b).max() <= EXACT, (arch, mode)
+    assert (-1, -1) not in reads, (arch, mode)
+    assert report["host_slots_per_layer"] == host
+    if mode == "sync":  # every miss of the GPU tier goes through the host tier
+        assert report["reads"] > 0 and report["bytes_read"] == report["reads"] * facts.bytes_per_expert(
+            facts.moe_layers[0]), (arch, report)
+
+
+def test_a_host_tier_above_the_gpu_tier_hits(qwen3moe_model):
+    """With more host slots than GPU slots, an expert evicted from the GPU tier comes back from RAM."""
+    facts = inspect_model(qwen3moe_model)
+    with _engine(qwen3moe_model, "sync", facts.n_expert // 2, facts.n_expert_used) as eng:
+        run_sequences(eng)
+        t = eng.report()["host_tier"]
+    assert t["hits"] > 0 and t["reads"] > 0, t
+    assert t["reads"] <= facts.n_expert * len(facts.moe_layers) + t["hits"], t
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "model.gguf"
+    shutil.copyfile(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("fault", ["truncate", "rewrite", "remove"])
+def test_a_file_changed_under_the_engine_stops_the_next_decode(qwen3moe_model, tmp_path, fault):
+    path = _copy(qwen3moe_model, tmp_path)
+    facts = inspect_model(path)
+    with _engine(path, "sync", facts.n_expert_used) as eng:
+        ids = eng.tokenize("The quick brown fox")
+        eng.decode(ids)
+        if fault == "truncate":
+            os.truncate(path, os.path.getsize(path) // 2)
+        elif fault == "rewrite":
+            data = path.read_bytes()
+            path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+            os.utime(path, ns=(1, 1))
+        else:
+            path.unlink()
+        with pytest.raises(DiskTierError, match="model file"):
+            eng.decode([ids[-1]])
+
+
+def test_a_host_ram_below_one_token_is_refused_before_loading(qwen3moe_model):
+    facts = inspect_model(qwen3moe_model)
+    with pytest.raises(UsageError, match="host slots per layer"):
+        _engine(qwen3moe_model, "sync", facts.n_expert_used - 1)
+
+
+def test_the_host_path_is_refused_under_a_disk_tier(qwen3moe_model):
+    facts = inspect_model(qwen3moe_model)
+    cache = CacheConfig(n_slots=facts.n_expert_used, miss_policy="cpu", decode_mode="sync",
+                        host_ram=facts.n_expert_used * facts.expert_bytes_per_slot)
+    with pytest.raises(UsageError, match="--miss-policy cpu"):
+        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, cache=cache))
