@@ -193,11 +193,16 @@ class HostTier:
         if self.pins[key] <= 0:
             del self.pins[key]
 
-    def prefetch(self, il: int, experts: Iterable[int]) -> int:
-        """Start predicted reads of ``experts`` not in the host tier (throttled); returns how many started."""
-        lay = self.layers[il]
+    def prefetch(self, il: int, experts: Sequence[int]) -> int:
+        """Start predicted reads of ``experts`` (likeliest first) not in the host tier; returns how many started.
+
+        Judged by bytes: of ``len(experts)`` it reads the share its layer's predicted reads were used so far
+        (Laplace's estimate, (used + 1) / (read + 2)), at least one, at most ``max_predicted`` in flight."""
+        lay, st = self.layers[il], self.stats[il]
+        share = (st.predicted_used + 1) / (st.predicted_reads + 2)
+        budget = max(1, round(len(experts) * share))
         started = 0
-        for e in experts:
+        for e in experts[:budget]:
             if lay.slot_of[e] < 0 and e not in lay.pending and self.ensure(il, e, predicted=True) is not None:
                 started += 1
         return started
