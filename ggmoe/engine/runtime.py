@@ -80,12 +80,8 @@ class CacheRuntime:
         self.tier: HostTier | None = None
         self.disk = disk
         self.source = None  # (il, kind index, expert) -> the address a copy or a table reads it from (disk tier)
-        if disk is not None and self.split:
-            raise UsageError("split experts (top share θ < 1) read their bottoms from host memory: they need "
-                             "every expert in RAM (a larger --host-ram, or no --layer-theta)")
-        if disk is not None and config.miss_policy == "cpu":
-            raise UsageError("--miss-policy cpu computes misses from host memory, and with a disk tier (--host-ram "
-                             "below the experts' size) most experts are not there: use --miss-policy wait")
+        if disk is not None:
+            self._check_disk(config)
         slot_bytes = {il: self.split[il].top_bytes if il in self.split else bytes_per_expert[il] for il in moe_layers}
         n_slots = config.slots(slot_bytes, n_expert, n_expert_used)
         # bottom buffers of a split layer: as many as the prefetcher queues per layer (MoEpic's y)
@@ -133,6 +129,15 @@ class CacheRuntime:
             self.unregister(ctx_ptr, n_slots)
             self.close()
             raise
+
+    def _check_disk(self, config: CacheConfig) -> None:
+        """What a disk tier cannot serve, refused before anything is allocated."""
+        if self.split:
+            raise UsageError("split experts (top share θ < 1) read their bottoms from host memory: they need "
+                             "every expert in RAM (a larger --host-ram, or no --layer-theta)")
+        if config.miss_policy == "cpu":
+            raise UsageError("--miss-policy cpu computes misses from host memory, and with a disk tier (--host-ram "
+                             "below the experts' size) most experts are not there: use --miss-policy wait")
 
     def _attach_disk(self, model_ptr: int, layers: tuple[int, ...], n_expert: int, bytes_per_expert: dict[int, int],
                      disk: DiskTier) -> None:

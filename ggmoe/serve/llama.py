@@ -425,12 +425,10 @@ def load(path: str | os.PathLike | None = None, *, model_path: str | os.PathLike
     ``config``: a plan file from ``ggmoe plan`` (slots and, with ``--moepic``, MoEpic's top shares per layer;
     ``decode_mode`` still applies). ``plan_predictor`` (reuse, eam, expert-map, or a PRED.npz trained with
     ``--mode token``) plans the next token between tokens: its predicted experts are admitted first and not
-    evicted (``ggmoe.control.planner``). ``host_ram`` (bytes or a size) is the host tier's budget: a model whose
-    experts do not fit it keeps them in the file and reads them from disk into the host tier (default: what
-    the machine can pin, less a margin).
-    Other keyword arguments go to ``llama_cpp.Llama`` (``n_ctx``, ``seed``, ``logits_all``,
-    ``chat_format``...); ggmoe's defaults differ in two: ``verbose=False`` and ``n_gpu_layers=-1``
-    (every dense layer on the GPU when there is one).
+    evicted (``ggmoe.control.planner``). ``host_ram`` (bytes or a size; default: what the machine can pin, less
+    a margin): experts beyond it stay in the file and are read from disk into the host tier.
+    Other keyword arguments go to ``llama_cpp.Llama`` (``n_ctx``, ``seed``, ``chat_format``...); ggmoe's
+    defaults differ in two: ``verbose=False`` and ``n_gpu_layers=-1`` (every dense layer on the GPU).
     """
     from ggmoe.cache.config import build_cache_config
     from ggmoe.control.prefetch import build_prefetch_config
