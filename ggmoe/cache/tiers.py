@@ -121,8 +121,15 @@ def auto_host_ram(meminfo: str | None = None) -> int:
     for both the total and the available memory.
     """
     total, available = _memory(meminfo)
-    margin = max(HOST_MARGIN_BYTES, int(HOST_MARGIN_SHARE * total))
-    return max(0, available - margin)
+    return host_ram_for(total, available)
+
+
+def host_ram_for(ram: int, available: int | None = None) -> int:
+    """The host tier a machine with ``ram`` bytes of memory (``available`` of them free; None: all) gives the
+    experts: the available memory less max(HOST_MARGIN_BYTES, HOST_MARGIN_SHARE of ``ram``). ``plan --ram``
+    sizes the host tier of a machine it has not seen with it."""
+    margin = max(HOST_MARGIN_BYTES, int(HOST_MARGIN_SHARE * ram))
+    return max(0, (ram if available is None else available) - margin)
 
 
 def _memory(meminfo: str | None) -> tuple[int, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
@@ -15,23 +16,55 @@ from ggmoe.cli.options import (
     verbose_opt,
 )
 
+if TYPE_CHECKING:
+    from ggmoe.cache.tiers import TierSizes
+    from ggmoe.inspect import ModelFacts
+
 
 @click.command()
 @model_arg
+@click.option("--vram", help="With --host-ram or alone: the cache budget over all layers, e.g. 8GiB, for the three "
+                             "tiers (GPU slots, host tier, disk).")
+@click.option("--host-ram", "host_ram", help="The host tier for experts, e.g. 24GiB (default with --vram: what this "
+                                             "machine can pin, leaving the OS a margin); experts beyond it stay on disk.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @edge
-def inspect(model: str | None, as_json: bool) -> None:
+def inspect(model: str | None, vram: str | None, host_ram: str | None, as_json: bool) -> None:
     """Show a GGUF model's MoE facts without loading its weights (default: the embedded model).
 
     \b
     Examples:
       ggmoe inspect
       ggmoe inspect --json | python3 -c "import json,sys; print(json.load(sys.stdin)['expert_bytes_per_slot'])"
+      ggmoe inspect Qwen3-235B-A22B-Q4_K_M.gguf --vram 16GiB --host-ram 48GiB
     """
     from ggmoe.inspect import inspect_model
 
     facts = inspect_model(model_path(model))
-    click.echo(json.dumps(facts.to_dict(), indent=2) if as_json else facts.render_text())
+    tiers = _tiers(facts, vram, host_ram) if vram is not None or host_ram is not None else None
+    if as_json:
+        out = facts.to_dict()
+        if tiers is not None:
+            out["tiers"] = tiers.to_dict()
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo(facts.render_text())
+    if tiers is not None:
+        click.echo("\nthree tiers (GPU slots from --vram, host tier from --host-ram, the rest in the file):")
+        click.echo("\n".join(tiers.render_lines()))
+
+
+def _tiers(facts: ModelFacts, vram: str | None, host_ram: str | None) -> TierSizes:
+    """The tiers of --vram (0 GPU slots without it) and --host-ram (None: this machine's auto budget)."""
+    from ggmoe.base.units import parse_bytes
+    from ggmoe.cache.config import slots_for_budget
+    from ggmoe.cache.tiers import tier_sizes
+
+    gpu = 0
+    if vram is not None:
+        bpe = {layer.il: layer.bytes_per_expert for layer in facts.layers}
+        gpu = next(iter(slots_for_budget(parse_bytes(vram), bpe, facts.n_expert, facts.n_expert_used).values()))
+    return tier_sizes(facts, gpu, parse_bytes(host_ram) if host_ram is not None else None)
 
 
 @click.command()

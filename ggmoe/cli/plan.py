@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 @model_arg
 @click.option("--gpu", help="What to run on this GPU (rtx3090, rtx4090, rtx5090, rtx4060ti16, rtx5060ti16, a6000, "
                             "l40s, h100): from the GGUF header alone, estimated beside llama.cpp's ways.")
-@click.option("--ram", help="With --gpu: the host's RAM, e.g. 64GiB (checked against the weights).")
+@click.option("--ram", help="With --gpu: the host's RAM, e.g. 64GiB: a model larger than it plans three tiers "
+                            "(GPU, host RAM less the OS's margin, disk).")
+@click.option("--host-ram", "host_ram", help="The host tier for experts, e.g. 24GiB: experts beyond it stay on "
+                                             "disk (the three tiers are shown; with --gpu, estimated).")
+@click.option("--disk", help="With --gpu: the disk under the host tier (nvme5, nvme4, nvme3, sata; default nvme4).")
 @click.option("--link", help="With --gpu: the slot, e.g. pcie4x16, pcie3x4, tb4 (default: the card's own).")
 @click.option("--host", default="ddr5-5600x2", show_default=True,
               help="With --gpu: the host memory (ddr4-3200x2, ddr5-5600x2, ddr5-6000x2, epyc7742).")
@@ -45,9 +49,9 @@ if TYPE_CHECKING:
                    "simulated beside the even LRU split. Needs --traces.")
 @click.option("--json", "as_json", is_flag=True, help="Print the choice and every candidate as JSON.")
 @edge
-def plan(model: str | None, gpu: str | None, ram: str | None, link: str | None, host: str, vram: str | None,
-         hw: str, traces: tuple[str, ...], stats_path: str | None, out: str | None, predictor_s: float | None,
-         moepic: bool, as_json: bool) -> None:
+def plan(model: str | None, gpu: str | None, ram: str | None, host_ram: str | None, disk: str | None,
+         link: str | None, host: str, vram: str | None, hw: str, traces: tuple[str, ...], stats_path: str | None,
+         out: str | None, predictor_s: float | None, moepic: bool, as_json: bool) -> None:
     """Choose slots per layer, policy, predictor and miss policy for a VRAM budget, by simulation.
 
     The plan is written as TOML that run, trace, serve and chat take with --config FILE; the estimated
@@ -62,13 +66,14 @@ def plan(model: str | None, gpu: str | None, ram: str | None, link: str | None, 
       ggmoe plan model.gguf --vram 8GiB --hw egpu --stats routing.npz -o plan.toml
       ggmoe plan Qwen3-30B-A3B-Q4_K_M.gguf --gpu rtx4090 --ram 64GiB --link pcie4x16
       ggmoe plan Qwen3-30B-A3B-Q4_K_M.gguf --gpu rtx5060ti16 --link tb4 --json
+      ggmoe plan Qwen3-235B-A22B-Q4_K_M.gguf --gpu rtx4090 --ram 64GiB --disk nvme4
     """
     from ggmoe.base.units import parse_bytes
     from ggmoe.cache.hardware import load_profile
     from ggmoe.inspect import inspect_model
 
-    if _gpu_mode(gpu, ram, link, vram, out, bool(traces or stats_path or moepic)):
-        _advise(model, gpu, vram, ram, link, host, as_json)
+    if _gpu_mode(gpu, ram, link, disk, vram, out, bool(traces or stats_path or moepic)):
+        _advise(model, gpu, vram, ram, link, host, as_json, host_ram, disk)
         return
     check_output(out, "-o", suffixes=(".toml",))
     if bool(traces) == (stats_path is not None):
@@ -79,6 +84,8 @@ def plan(model: str | None, gpu: str | None, ram: str | None, link: str | None, 
     facts = inspect_model(path)
     profile = load_profile(hw)
     budget = parse_bytes(vram)
+    if host_ram is not None and not as_json:
+        _echo_tiers(facts, budget, parse_bytes(host_ram))
     trace = _model_traces(traces, path) if traces else None
     if moepic:
         _write_moepic(trace, facts, path, budget, profile, predictor_s, out, f"--vram {vram}, --hw {hw}", as_json)
@@ -166,14 +173,24 @@ def _echo_chosen(p: Plan, out: str) -> None:
     click.echo(f"wrote {out}; use it with: ggmoe run --config {out} -p ...")
 
 
-def _gpu_mode(gpu: str | None, ram: str | None, link: str | None, vram: str | None, out: str | None,
-              routing: bool) -> bool:
+def _echo_tiers(facts: ModelFacts, budget: int, host_ram: int) -> None:
+    """The three tiers of --vram and --host-ram (the plan itself sizes the GPU's slots per layer)."""
+    from ggmoe.cache.config import slots_for_budget
+    from ggmoe.cache.tiers import tier_sizes
+
+    bpe = {layer.il: layer.bytes_per_expert for layer in facts.layers}
+    gpu = next(iter(slots_for_budget(budget, bpe, facts.n_expert, facts.n_expert_used).values()))
+    click.echo("tiers (--vram spread evenly):\n" + "\n".join(tier_sizes(facts, gpu, host_ram).render_lines()))
+
+
+def _gpu_mode(gpu: str | None, ram: str | None, link: str | None, disk: str | None, vram: str | None,
+              out: str | None, routing: bool) -> bool:
     """Whether this is ``plan --gpu`` (what to run on a GPU); UsageError for flags of the other mode."""
     if gpu is not None:
         if routing or out:
             raise UsageError("--gpu answers from the GGUF header alone: leave out --traces, --stats, --moepic and -o")
         return True
-    for flag, value in (("--ram", ram), ("--link", link)):
+    for flag, value in (("--ram", ram), ("--link", link), ("--disk", disk)):
         if value is not None:
             raise UsageError(f"{flag} goes with --gpu")
     if vram is None or out is None:
@@ -182,23 +199,28 @@ def _gpu_mode(gpu: str | None, ram: str | None, link: str | None, vram: str | No
 
 
 def _advise(model: str | None, gpu: str, vram: str | None, ram: str | None, link: str | None, host: str,
-            as_json: bool) -> None:
+            as_json: bool, host_ram: str | None = None, disk: str | None = None) -> None:
     """``plan --gpu``: the ways to run the model on the GPU, estimated (ggmoe.simulate.advise)."""
     import dataclasses
 
     from ggmoe.base.units import parse_bytes
+    from ggmoe.cache.parts import DEFAULT_DISK
     from ggmoe.inspect import inspect_model
     from ggmoe.simulate.advise import advise
 
     facts = inspect_model(model_path(model))
-    a = advise(facts, gpu, parse_bytes(vram) if vram else None, parse_bytes(ram) if ram else None, link, host)
+    a = advise(facts, gpu, parse_bytes(vram) if vram else None, parse_bytes(ram) if ram else None, link, host,
+               host_ram=parse_bytes(host_ram) if host_ram else None, disk=disk or DEFAULT_DISK)
     if as_json:
         d = dataclasses.asdict(a)
+        d["tiers"] = a.tiers.to_dict() if a.tiers is not None else None
         d["estimates"] = "decode_tok_s and prefill_tok_s are simulator estimates (docs/simulator.md)"
         click.echo(json.dumps(d, indent=2))
         return
     click.echo(f"{Path(a.model).name} on {a.profile} (link {a.link}), {a.vram_bytes / 2**30:.1f} GiB VRAM: "
                f"{a.expert_budget_bytes / 2**30:.1f} GiB for experts")
+    if a.tiers is not None:
+        click.echo("tiers:\n" + "\n".join(a.tiers.render_lines()))
     click.echo(f"routing replayed: {a.routing}")
     click.echo("estimates (simulator; not measured):")
     for w in a.ways:

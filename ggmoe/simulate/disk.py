@@ -18,9 +18,12 @@ disk's queue longer than its own reads would take adds none (they would delay th
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.copy import CopyHandle, Priority
@@ -257,3 +260,35 @@ class DiskLinkCopyBackend(LinkCopyBackend):
         if out is not None and job is not None and not job.started:  # its disk read lands first
             out = max(out, job.submitted - self.clock.now() + job.chunks_left * job.chunk_s)
         return out
+
+
+# Stock llama.cpp with mmap on a model larger than RAM: the OS's page cache stands in for the host tier, and a
+# page fault reads the kernel's readahead window synchronously (one read at QD1: nothing else in flight).
+FAULT_READ_BYTES = 128 << 10  # Linux's default read_ahead_kb (the block layer's queue/read_ahead_kb sysfs file)
+
+
+def fault_bytes_per_s(profile: HardwareProfile) -> float:
+    """What page faults read per second: one readahead window at a time, each paying the disk's latency."""
+    return FAULT_READ_BYTES / (FAULT_READ_BYTES / profile.disk_bytes_per_s + (profile.disk_latency_s or 0.0))
+
+
+def page_cache_reads(ids: np.ndarray, host_slots: int, columns: Iterable[int]) -> np.ndarray:
+    """Per token, the experts an LRU page cache of ``host_slots`` experts per layer reads from disk, over the
+    trace's ``ids`` [n_tokens, n_layers, k] in the given layer ``columns`` (the layers whose experts the CPU reads
+    through mmap); an estimate of stock llama.cpp's faults (the OS evicts by recency, whole experts here)."""
+    cols = list(columns)
+    lru: list[collections.OrderedDict[int, None]] = [collections.OrderedDict() for _ in cols]
+    out = np.zeros(ids.shape[0], dtype=np.int64)
+    for t in range(ids.shape[0]):
+        n = 0
+        for cache, j in zip(lru, cols, strict=True):
+            for e in set(ids[t, j].tolist()):
+                if e in cache:
+                    cache.move_to_end(e)
+                    continue
+                n += 1
+                cache[e] = None
+                if len(cache) > host_slots:
+                    cache.popitem(last=False)
+        out[t] = n
+    return out

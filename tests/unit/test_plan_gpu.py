@@ -50,10 +50,12 @@ def test_the_cli_prints_estimates_and_the_command_to_run(toy):
     r = CliRunner().invoke(main, ["plan", str(toy), "--gpu", "rtx4060ti16", "--vram", "1550MiB"])
     assert r.exit_code == 0, r.output
     assert "estimates (simulator; not measured)" in r.output and "ggmoe serve" in r.output
-    r = CliRunner().invoke(main, ["plan", str(toy), "--gpu", "rtx4060ti16", "--vram", "1550MiB", "--ram", "16MiB",
-                                  "--json"])
+    # a host tier of 16 of the 32 experts per layer: the rest on disk, planned on three tiers
+    r = CliRunner().invoke(main, ["plan", str(toy), "--gpu", "rtx4060ti16", "--vram", "1550MiB", "--host-ram",
+                                  str(16 * 884_736), "--json"])
     d = json.loads(r.output)
     assert "estimates" in d and d["choice"]["decode_tok_s"] > 0 and "do not fit" in d["notes"][0]
+    assert d["tiers"]["host_slots"] == 16 and d["tiers"]["disk"] is True
 
 
 @pytest.mark.parametrize("args,match", [
@@ -63,6 +65,9 @@ def test_the_cli_prints_estimates_and_the_command_to_run(toy):
     (["--gpu", "rtx4090", "-o", "p.toml"], "--gpu answers from the GGUF header alone"),
     (["--gpu", "rtx4090", "--vram", "100MiB"], "cannot run on rtx4090"),
     (["--link", "pcie4x16", "--vram", "1GiB", "-o", "p.toml"], "--link goes with --gpu"),
+    (["--disk", "nvme4", "--vram", "1GiB", "-o", "p.toml"], "--disk goes with --gpu"),
+    (["--gpu", "rtx4090", "--disk", "floppy"], "unknown disk 'floppy'"),
+    (["--gpu", "rtx4090", "--ram", "16MiB"], "--ram 16.0 MiB leaves 0 B for the host tier after the OS's margin"),
 ])
 def test_bad_input_is_one_error_line(toy, args, match):
     r = CliRunner().invoke(main, ["plan", str(toy), *args])

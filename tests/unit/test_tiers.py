@@ -6,7 +6,7 @@ import pytest
 
 from ggmoe.base.errors import UsageError
 from ggmoe.cache import tiers
-from ggmoe.cache.tiers import HOST_MARGIN_BYTES, auto_host_ram, tier_sizes
+from ggmoe.cache.tiers import HOST_MARGIN_BYTES, auto_host_ram, host_ram_for, tier_sizes
 from ggmoe.inspect.facts import ExpertTensor, ModelFacts, MoeLayer
 from ggmoe.inspect.gating import Gating
 
@@ -75,3 +75,8 @@ def test_none_is_auto(tmp_path, monkeypatch):
     meminfo.write_text(f"MemTotal: {64 * 1024 * 1024} kB\nMemAvailable: {32 * 1024 * 1024} kB\n")
     monkeypatch.setattr(tiers, "MEMINFO", meminfo)
     assert tier_sizes(fake_facts(), 2, None).host_ram == 32 * GIB - int(0.1 * 64 * GIB)
+
+
+@pytest.mark.parametrize("ram_gib,want", [(64, 64 * GIB - int(0.1 * 64 * GIB)), (24, 20 * GIB), (2, 0)])
+def test_host_ram_for_a_machine(ram_gib, want):
+    assert host_ram_for(ram_gib * GIB) == want
