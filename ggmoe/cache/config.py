@@ -123,6 +123,8 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
     --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of
     ``ModelFacts.cache_bytes``, the figures ``ggmoe inspect`` prints.
     """
+    if cache_slots is None and vram is None and _larger_than_ram(facts, host_ram):
+        cache_slots = facts.n_expert_used  # the smallest GPU tier: the host tier above the disk does the work
     if cache_slots is None and vram is None:
         if prefetch is not None or planner is not None:
             flag = "--predictor" if prefetch is not None else "--plan-predictor"
@@ -161,6 +163,16 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
                        policy=policy, miss_policy=miss, prefetch=prefetch, hw_profile=hw,
                        decode_mode=mode, planner=planner,
                        host_ram=_bytes(host_ram) if host_ram is not None else None)
+
+
+def _larger_than_ram(facts: ModelFacts | None, host_ram: int | str | None) -> bool:
+    """Whether the model's experts exceed the host budget (given, or what the machine can pin): it then runs
+    with a disk tier even when no cache size was given (loading every expert would exhaust RAM)."""
+    if facts is None:
+        return False
+    from ggmoe.cache.tiers import tier_sizes
+
+    return tier_sizes(facts, 0, None if host_ram is None else _bytes(host_ram)).disk
 
 
 def _bytes(size: int | str) -> int:

@@ -358,6 +358,13 @@ def _announce_cache(cache: dict[str, Any] | None) -> None:
     click.echo(f"cache: {cache.get('decode_mode_in_effect')} decode ({cache.get('decode_mode_reason')}); "
                f"misses: {cache.get('miss_policy_in_effect')}"
                + (f" ({cache['miss_policy_note']})" if cache.get("miss_policy_note") else ""))
+    tier = cache.get("host_tier")
+    if tier:
+        from ggmoe.base.units import format_bytes
+
+        click.echo(f"disk tier: the experts do not fit --host-ram {format_bytes(tier['host_ram'])}: "
+                   f"{tier['host_slots_per_layer']} host slots per layer hold the hot ones, the rest are read "
+                   f"from the model file ({'O_DIRECT' if tier['direct_io'] else 'page cache, dropped after use'})")
     pf = cache.get("prefetch")
     if pf:
         click.echo(f"prefetch: {pf['predictor']}, stride {pf['stride']}, on the {pf['runs_on']}, "

@@ -149,6 +149,9 @@ class CachePipeline:
         if self.runtime.disk is not None and on_gpu:
             reasons.append("a disk tier: the GPU's kernels cannot read an expert that is only in the model file "
                            "(the async decode reads misses in place over the link)")
+        elif self.runtime.disk is not None and cache.decode_mode == "auto":  # the CPU build: async runs if asked
+            reasons.append("a disk tier: the sync decode reads each miss into the host tier (O_DIRECT, several "
+                           "in flight), where the async decode reads it in place from the file's mapping")
         idle = self._prefetch_idle_note()  # the async decode's stride prefetch would never find a free slot
         if idle is not None and cache.decode_mode == "auto":
             reasons.append(idle)  # auto takes the sync decode, where the predictor runs
