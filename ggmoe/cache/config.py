@@ -129,6 +129,10 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
         if prefetch is not None or planner is not None:
             flag = "--predictor" if prefetch is not None else "--plan-predictor"
             raise UsageError(f"{flag} needs a cache size: --cache-slots N or --vram BYTES")
+        if host_ram is not None and facts is not None:
+            raise UsageError(f"--host-ram {host_ram} holds every expert of this model, so there is no disk tier; "
+                             "it sizes the host tier under an expert cache (--cache-slots N or --vram BYTES), "
+                             "or drop it")
         given = next((n for n, v in (("--policy", policy), ("--miss-policy", miss_policy),
                                      ("--decode-mode", decode_mode), ("--host-ram", host_ram)) if v is not None),
                      None)

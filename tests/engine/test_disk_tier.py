@@ -112,3 +112,33 @@ def test_the_host_path_is_refused_under_a_disk_tier(qwen3moe_model):
                         host_ram=facts.n_expert_used * facts.expert_bytes_per_slot)
     with pytest.raises(UsageError, match="--miss-policy cpu"):
         Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, cache=cache))
+
+
+def test_run_on_a_model_larger_than_the_host_ram_needs_no_cache_size(qwen3moe_model, tmp_path):
+    """`ggmoe run MODEL --host-ram SIZE` below the experts' size: the disk tier with the smallest GPU tier, the
+    sync decode under it (auto), and the counters in --stats-json."""
+    from click.testing import CliRunner
+
+    from ggmoe.cli.main import main
+
+    facts = inspect_model(qwen3moe_model)
+    stats = tmp_path / "stats.json"
+    host = facts.n_expert_used * facts.expert_bytes_per_slot
+    res = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox", "-n", "8",
+                                    "--temp", "0", "--host-ram", str(host), "--stats-json", str(stats)])
+    assert res.exit_code == 0, res.output
+    assert "host tier:" in res.output and "decode mode: sync (a disk tier" in res.output
+    import json
+
+    report = json.loads(stats.read_text())
+    assert report["slots_per_layer"][str(facts.moe_layers[0])] == facts.n_expert_used
+    assert report["host_tier"]["reads"] > 0
+
+
+def test_a_host_ram_that_holds_every_expert_says_it_does_nothing(qwen3moe_model):
+    from click.testing import CliRunner
+
+    from ggmoe.cli.main import main
+
+    res = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "hi", "-n", "2", "--host-ram", "1GiB"])
+    assert res.exit_code != 0 and "holds every expert of this model" in res.output, res.output
