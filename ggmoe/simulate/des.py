@@ -475,6 +475,8 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
             slots = cache.route_flat(il, flat, next_use=future[fi])
             fi += 1
         n_host = len({e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST}) if SLOT_HOST in slots else 0
+        if host is not None:
+            host.touch(il, flat)
         for obs in observers:
             _observe(st, obs, trace, rows, sel_all, j, il)
         if in_split:  # what it read in place holds the link; whole misses are bound by it
@@ -534,6 +536,8 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
     for il in layers:
         clock.advance(layer_s)
         need = set(flats[il])
+        if host is not None:
+            host.touch(il, need)
         if read:
             layer_ids = sel[:, pos[il], :]
             cache.seen_start(il, layer_ids.ravel().tolist())

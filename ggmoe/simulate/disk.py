@@ -126,6 +126,16 @@ class HostTier:
         self.policy.on_access(il, [expert], self._tick)
         return t
 
+    def touch(self, il: int, experts: Iterable[int]) -> None:
+        """A layer's routing, GPU hits included: the policy ranks the host tier by every use of its experts, as
+        the page cache sees every read, not by the GPU's misses alone (those are what the GPU's slots do not
+        keep, so a policy fed only them evicts the experts the GPU uses most, and re-reads them from disk)."""
+        landed = self.landed[il]
+        used = sorted({e for e in experts if e in landed})
+        if used:
+            self._tick += 1
+            self.policy.on_access(il, used, self._tick)
+
     def resident(self, il: int, expert: int) -> bool:
         return expert in self.landed[il]
 
@@ -190,16 +200,16 @@ class HostTier:
             self.counts.prefetch_wasted_bytes += self.bpe[il]
 
     def stream_s(self, il: int, n_expert: int) -> float:
-        """Seconds from now until the disk has read every expert of ``il`` not in the host tier, streamed through
-        without taking host slots (a micro-batch too wide for the slots uploads the layer's whole tensors)."""
-        n = n_expert - len(self.landed[il])
-        if n <= 0:
-            return 0.0
-        c = self.counts
-        c.disk_reads += n
-        c.streamed_reads += n
-        c.disk_bytes += n * self.bpe[il]
-        return max(0.0, self.disk.read(n * self.bpe[il]) - self.disk.clock.t)
+        """Seconds from now until the disk has read every expert of ``il`` not in the host tier (a micro-batch too
+        wide for the slots uploads the layer's whole tensors). Each read lands in a host slot on its way, so the
+        host tier keeps the last ``host_slots`` of them, as it would any read."""
+        landed, last = self.landed[il], self.disk.clock.t
+        for e in range(n_expert):
+            if e not in landed:
+                self._tick += 1
+                self.counts.streamed_reads += 1
+                last = self._read(il, e, predicted=False)
+        return max(0.0, last - self.disk.clock.t)
 
     def wait_s(self, il: int, experts: Iterable[int]) -> float:
         """Seconds from now until every one of ``experts`` of ``il`` sits in the host tier (each one accessed)."""
