@@ -1,4 +1,4 @@
-"""ggmoe's model inside the libraries people embed llama.cpp with (issue 43).
+"""ggmoe's model inside the libraries people embed llama.cpp with.
 
 ``ggmoe.integrations.langchain`` and ``ggmoe.integrations.llama_index`` hold subclasses of those libraries'
 llama.cpp classes that run on a ``ggmoe.load()`` model instead of loading a second, plain ``Llama``.

@@ -22,7 +22,7 @@ from ggmoe.base.params import Param
 from ggmoe.predict.base import PREDICTORS, FoldedNet, ModelShape, Predictor
 from ggmoe.predict.mlp_file import MODES, Net, PredictorNeed, file_strides, load_mlp_file, read_predictor_file
 
-__all__ = ["MLP", "load_mlp_file"]  # load_mlp_file: the reader's name from when the format lived here
+__all__ = ["MLP", "load_mlp_file"]  # load_mlp_file: the file reader, re-exported under this predictor's name
 
 
 @PREDICTORS.register("mlp")

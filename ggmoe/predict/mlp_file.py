@@ -130,7 +130,7 @@ class PredictorNeed:
     stride: int | None = 1  # None: any stride the file has
 
 
-MLPFile = PredictorFile  # the name used before the linear kind existed
+MLPFile = PredictorFile  # the same record under the mlp predictor's name (public API)
 
 
 def _fail(label: object, msg: str) -> PredictorFileError:
@@ -340,7 +340,7 @@ def read_predictor_file(path: str | Path, need: ModelShape | PredictorNeed) -> P
     return _read(path, need, path)
 
 
-load_mlp_file = read_predictor_file  # the name the mlp predictor used before the format had its own module
+load_mlp_file = read_predictor_file  # the same reader under the mlp predictor's name (public API)
 
 
 # --- writing ----------------------------------------------------------------------------------

@@ -7,10 +7,9 @@ P(e' at j + s | e at j), summed; plus a small share of the target layer's overal
 stand alone where the source layer has not routed yet.
 
 It reads expert ids only (no hidden states, router probabilities or token ids), so it runs on imported
-public routing logs. On DeepSeek-V2-Lite's real routing (docs/policies.md) adjacent layers' choices are
-strongly tied: the transition's top-6 hit 55 % of layer l + 1's experts, the previous token's (``reuse``)
-28 %, the layer's most frequent 20 %. A learnt-routing counterpart of ProMoE's and fMoE's cross-layer
-prediction, with a table instead of a network or a search.
+public routing logs. On real routing adjacent layers' choices are strongly tied, more than a token's
+choices are to the previous token's (docs/policies.md, "Real routing", has the counts). A learnt-routing
+counterpart of ProMoE's and fMoE's cross-layer prediction, with a table instead of a network or a search.
 """
 
 from __future__ import annotations

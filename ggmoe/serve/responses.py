@@ -1,4 +1,4 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, text in and text out (issue 43).
+"""OpenAI's Responses API: ``POST /v1/responses``, text in and text out.
 
 A request (``input`` as a string or a list of messages, ``instructions``, ``max_output_tokens``,
 ``temperature``, ``top_p``, ``text.format``) is turned into the OpenAI chat request the rest of the server runs
