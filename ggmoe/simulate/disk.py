@@ -3,7 +3,8 @@
 A model larger than ``--host-ram`` keeps its experts in the GGUF file (``ggmoe.cache.tiers``). The host tier
 holds ``host_slots`` experts per layer under the cache's own policies (LRU by default); every access to it is
 a GPU-tier miss on its way up: a link copy (demand, admission, prefetch), an in-place read of the async
-decode, or an expert the CPU computes. An expert that is not in the host tier is read from disk into a host
+decode, or an expert the CPU computes. Its policy ranks by every use of a layer's experts, GPU hits too
+(``HostTier.touch``), as the page cache sees every read. An expert that is not in the host tier is read from disk into a host
 slot first, and only then may the link copy it (``DiskLinkCopyBackend``: the copy's job becomes ready when
 the read lands). The disk serves reads in order; several in flight hide each read's latency behind the
 transfer before it, so a read pays ``disk_latency_s`` only on an idle disk (``DiskQueue``).

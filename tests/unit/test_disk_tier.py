@@ -209,3 +209,16 @@ def test_simulate_refuses_a_host_tier_below_top_k(tmp_path):
     r = CliRunner().invoke(main, ["simulate", _tiny_trace(tmp_path), "--model", TINY, "--cache-slots", "8",
                                   "--host-ram", str(2 * TINY_SLOT)])
     assert r.exit_code == 2 and "needs at least n_expert_used = 4" in r.output
+
+
+@pytest.mark.parametrize("touch,evicted", [(False, 0), (True, 1)])
+def test_the_host_policy_ranks_by_every_use_gpu_hits_too(touch, evicted):
+    # 2 host slots hold 0 and 1; the GPU then uses 0 again (a GPU hit: no host access); 2 misses both tiers
+    clock, host = host_tier(2)
+    for e in (0, 1):
+        host.fetch(0, e)
+        clock.advance(1.0)
+    if touch:
+        host.touch(0, [0, 5])  # the layer's routing: 0 used again (5 is not in the host tier: ignored)
+    host.fetch(0, 2)
+    assert not host.resident(0, evicted) and host.resident(0, 1 - evicted) and host.resident(0, 2)
