@@ -201,14 +201,19 @@ def test_simulate_host_ram_reports_each_tier(tmp_path, host_ram, host_slots):
     assert f"host    {host_slots}/32 slots/layer" in table.output
 
 
-def test_simulate_refuses_a_host_tier_below_top_k(tmp_path):
+@pytest.mark.parametrize("args,match", [
+    (["--model", TINY, "--host-ram", str(2 * TINY_SLOT)], "needs at least n_expert_used = 4"),
+    (["--model", TINY, "--host-ram", "abc"], "bad size 'abc'"),
+    (["--hw", "none", "--host-ram", "1GiB"], "--host-ram needs the model's bytes per expert: give --model"),
+])
+def test_simulate_refuses_bad_host_ram_in_one_line(tmp_path, args, match):
     from click.testing import CliRunner
 
     from ggmoe.cli import main
 
-    r = CliRunner().invoke(main, ["simulate", _tiny_trace(tmp_path), "--model", TINY, "--cache-slots", "8",
-                                  "--host-ram", str(2 * TINY_SLOT)])
-    assert r.exit_code == 2 and "needs at least n_expert_used = 4" in r.output
+    r = CliRunner().invoke(main, ["simulate", _tiny_trace(tmp_path), "--cache-slots", "8", *args])
+    err = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(err) == 1 and match in err[0], r.output
 
 
 @pytest.mark.parametrize("touch,evicted", [(False, 0), (True, 1)])

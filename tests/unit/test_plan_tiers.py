@@ -87,3 +87,17 @@ def test_page_cache_reads_by_hand():
 def test_a_fault_reads_one_readahead_window_at_a_time():
     p = dataclasses.replace(load_profile("pcie4"), disk_bytes_per_s=1e9, disk_latency_s=1e-4)
     assert fault_bytes_per_s(p) == pytest.approx(FAULT_READ_BYTES / (FAULT_READ_BYTES / 1e9 + 1e-4))
+
+
+@pytest.mark.parametrize("args,match", [
+    (["inspect", "--host-ram", "abc"], "bad size 'abc'"),
+    (["inspect", "--vram", "1KB", "--host-ram", "7MiB"], "gives 0 slots per layer"),
+    (["inspect", "--host-ram", "400KiB"], "gives 0 host slots per layer; a model on disk needs at least"),
+    (["plan", "--gpu", "rtx4090", "--vram", "1542MiB", "--host-ram", "1MiB"], "gives 2 host slots per layer"),
+    (["plan", "--gpu", "rtx4090", "--host-ram", "-5"], "bad size '-5'"),
+])
+def test_bad_tier_flags_are_one_error_line(args, match):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output
+    err = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and match in err[0], r.output
