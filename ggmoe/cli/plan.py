@@ -84,18 +84,20 @@ def plan(model: str | None, gpu: str | None, ram: str | None, host_ram: str | No
     facts = inspect_model(path)
     profile = load_profile(hw)
     budget = parse_bytes(vram)
-    if host_ram is not None and not as_json:
-        _echo_tiers(facts, budget, parse_bytes(host_ram))
+    host_slots = _host_slots(facts, budget, host_ram, as_json, bool(traces) and not moepic)
     trace = _model_traces(traces, path) if traces else None
     if moepic:
         _write_moepic(trace, facts, path, budget, profile, predictor_s, out, f"--vram {vram}, --hw {hw}", as_json)
         return
-    p = _choose(trace, stats_path, facts, path, budget, profile, predictor_s)
-    _write_chosen(p, out, f"{Path(path).name}, --vram {vram}, --hw {hw}", hw, stats_path)
+    p = _choose(trace, stats_path, facts, path, budget, profile, predictor_s, host_slots)
+    disk = f", --host-ram {host_ram} (a disk tier)" if host_slots is not None else ""
+    _write_chosen(p, out, f"{Path(path).name}, --vram {vram}, --hw {hw}{disk}", hw, stats_path)
     if as_json:
-        click.echo(json.dumps(_chosen_json(p, out), indent=2))
-    else:
-        _echo_chosen(p, out)
+        click.echo(json.dumps({**_chosen_json(p, out), "host_slots": host_slots}, indent=2))
+        return
+    _echo_chosen(p, out)
+    if host_slots is not None:
+        click.echo(f"simulated with {host_slots} host slots per layer over the disk: run it with --host-ram {host_ram}")
 
 
 def _model_traces(traces: tuple[str, ...], path: str) -> Trace:
@@ -110,7 +112,7 @@ def _model_traces(traces: tuple[str, ...], path: str) -> Trace:
 
 
 def _choose(trace: Trace | None, stats_path: str | None, facts: ModelFacts, path: str, budget: int,
-            profile: HardwareProfile, predictor_s: float | None) -> Plan:
+            profile: HardwareProfile, predictor_s: float | None, host_slots: int | None = None) -> Plan:
     """The plan for the budget: candidates simulated on the traces, or estimated analytically from the
     statistics when there are no traces."""
     from ggmoe.cli.warm import read_stats_in
@@ -119,7 +121,7 @@ def _choose(trace: Trace | None, stats_path: str | None, facts: ModelFacts, path
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
     if trace is not None:
         click.echo(f"simulating candidates on {trace.n_tokens} tokens...", err=True)
-        return plan_from_traces(trace, bpe, budget, profile, predictor_s)
+        return plan_from_traces(trace, bpe, budget, profile, predictor_s, host_slots)
     stats = read_stats_in(stats_path, facts, Path(path))
     return plan_from_stats(stats.frequencies(), tuple(stats.layers), facts.n_expert, facts.n_expert_used, bpe,
                            budget, profile)
@@ -173,14 +175,24 @@ def _echo_chosen(p: Plan, out: str) -> None:
     click.echo(f"wrote {out}; use it with: ggmoe run --config {out} -p ...")
 
 
-def _echo_tiers(facts: ModelFacts, budget: int, host_ram: int) -> None:
-    """The three tiers of --vram and --host-ram (the plan itself sizes the GPU's slots per layer)."""
+def _host_slots(facts: ModelFacts, budget: int, host_ram: str | None, as_json: bool, simulated: bool) -> int | None:
+    """The host tier's slots per layer when --host-ram leaves experts on disk (None: no disk tier), its three
+    tiers printed; a disk tier is planned on traces by simulation only."""
+    if host_ram is None:
+        return None
+    from ggmoe.base.units import parse_bytes
     from ggmoe.cache.config import slots_for_budget
     from ggmoe.cache.tiers import tier_sizes
 
     bpe = {layer.il: layer.bytes_per_expert for layer in facts.layers}
     gpu = next(iter(slots_for_budget(budget, bpe, facts.n_expert, facts.n_expert_used).values()))
-    click.echo("tiers (--vram spread evenly):\n" + "\n".join(tier_sizes(facts, gpu, host_ram).render_lines()))
+    tiers = tier_sizes(facts, gpu, parse_bytes(host_ram))
+    if tiers.disk and not simulated:
+        raise UsageError(f"--host-ram {host_ram} leaves {tiers.disk_experts} experts per layer on disk: the disk tier "
+                         "is planned by simulating traces (--traces, without --moepic)")
+    if not as_json:
+        click.echo("tiers (--vram spread evenly):\n" + "\n".join(tiers.render_lines()))
+    return tiers.host_slots if tiers.disk else None
 
 
 def _gpu_mode(gpu: str | None, ram: str | None, link: str | None, disk: str | None, vram: str | None,

@@ -113,14 +113,16 @@ def _search(run: Callable[[SimConfig], SimResult], even: dict[int, int], uneven:
 
 
 def plan_from_traces(trace: Trace, bpe: Mapping[int, int], budget: int, profile: HardwareProfile,
-                     predictor_s: float | None = None) -> Plan:
+                     predictor_s: float | None = None, host_slots: int | None = None) -> Plan:
+    """The search over candidates, each simulated on ``trace``; ``host_slots``: every candidate (the baseline
+    too) over a host tier of that many slots per layer and the disk (``ggmoe.simulate.disk``)."""
     m = trace.meta
     even = slots_for_budget(budget, dict(bpe), m.n_expert, m.n_expert_used)
     curves = hit_curves(trace, range(m.n_expert_used, m.n_expert + 1))
     uneven = allocate(budget, bpe, curves, m.n_expert_used, m.n_expert)
 
     def run(c: SimConfig) -> SimResult:
-        return simulate(trace, replace(c, predictor_s=predictor_s), bpe, profile)
+        return simulate(trace, replace(c, predictor_s=predictor_s, host_slots=host_slots), bpe, profile)
 
     baseline = run(SimConfig(n_slots=even))
     cfg, res, tried, allocation = _search(run, even, uneven)

@@ -227,3 +227,48 @@ def test_the_host_policy_ranks_by_every_use_gpu_hits_too(touch, evicted):
         host.touch(0, [0, 5])  # the layer's routing: 0 used again (5 is not in the host tier: ignored)
     host.fetch(0, 2)
     assert not host.resident(0, evicted) and host.resident(0, 1 - evicted) and host.resident(0, 2)
+
+
+def _tiny_recorded(tmp_path) -> str:
+    """A hand-made trace of the tiny model, its fingerprint the model's (what plan --traces checks)."""
+    from ggmoe.inspect.fingerprint import model_fingerprint
+    from ggmoe.trace.format import write_trace
+
+    rng = np.random.default_rng(3)
+    p = np.arange(32, 0, -1, dtype=float) ** 2
+    ids = [[rng.choice(32, 4, replace=False, p=p / p.sum()).tolist() for _ in range(8)] for _ in range(40)]
+    tr = trace(ids, n_prefill=8, n_expert=32)
+    tr = dataclasses.replace(tr, meta=dataclasses.replace(tr.meta, model_fingerprint=model_fingerprint(TINY)))
+    return str(write_trace(tr, tmp_path / "trace.npz"))
+
+
+def test_plan_traces_simulates_every_candidate_over_the_disk(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from ggmoe.cli import main
+
+    args = ["plan", TINY, "--vram", str(8 * TINY_SLOT), "--traces", _tiny_recorded(tmp_path), "-o",
+            str(tmp_path / "p.toml"), "--hw", "rtx4090/pcie4x16/ddr5-5600x2/sata"]
+    plans = {}
+    for host_ram in (16 * TINY_SLOT, 100 << 20):  # half the experts on a SATA disk; every expert in RAM
+        r = CliRunner().invoke(main, [*args, "--host-ram", str(host_ram), "--json"])
+        assert r.exit_code == 0, r.output
+        plans[host_ram] = json.loads(r.output[r.output.index("{"):])
+    disk, ram = plans[16 * TINY_SLOT], plans[100 << 20]
+    assert (disk["host_slots"], ram["host_slots"]) == (16, None)
+    assert disk["baseline_tpot_s_estimate"] > ram["baseline_tpot_s_estimate"]
+    assert disk["tpot_s_estimate"] > ram["tpot_s_estimate"]
+    text = CliRunner().invoke(main, [*args, "--host-ram", str(16 * TINY_SLOT)]).output
+    assert "tiers (--vram spread evenly)" in text and "run it with --host-ram" in text
+
+
+def test_plan_stats_refuses_a_disk_tier(tmp_path):
+    from click.testing import CliRunner
+
+    from ggmoe.cli import main
+
+    r = CliRunner().invoke(main, ["plan", TINY, "--vram", str(8 * TINY_SLOT), "--stats", str(tmp_path / "s.npz"),
+                                  "-o", str(tmp_path / "p.toml"), "--host-ram", str(16 * TINY_SLOT)])
+    assert r.exit_code == 2 and "the disk tier is planned by simulating traces" in r.output, r.output
