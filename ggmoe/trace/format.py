@@ -28,8 +28,8 @@ Every processed token has one row: the prompt tokens of a prefill and each token
 fed in a decode step. The last sampled token of a prompt is never fed, so it has
 no row. A reader validates every dtype, shape and id range.
 
-Version 1 (before ggmoe knew the gating) stored what the graph hands on under ``probs``: the
-probabilities for every architecture but gpt-oss, whose ``probs`` were its logits. A version 1 trace
+Version 1 has no gating and stores what the graph hands on under ``probs``: the probabilities for
+every architecture but gpt-oss, whose ``probs`` are its logits. A version 1 trace
 is read as version 2: a gpt-oss one's ``probs`` become ``logits`` and their softmax the ``probs``.
 """
 
@@ -247,7 +247,7 @@ def _meta(raw: np.ndarray) -> TraceMeta:
     d["lacks"] = tuple(lacks)
     if d.get("gating", "softmax") not in GATING_FUNCS.values():
         raise TraceFormatError(f"bad trace metadata: unknown gating {str(d['gating'])[:40]!r}")
-    if d["version"] == 1:  # before the gating was recorded: the architecture's, as this ggmoe reads it
+    if d["version"] == 1:  # no gating recorded: the architecture's, as this ggmoe reads it
         d["gating"] = gating_from_kv(d["arch"], {}).func
     return TraceMeta(**d)
 

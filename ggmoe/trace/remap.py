@@ -7,10 +7,10 @@ reuses from token to token, and how skewed a layer's choices are.
 - layers: model MoE layer j replays trace layer ``j * L_trace // L_model`` (spread, not tiled: the trace's
   first and last layers stay at the model's ends);
 - experts: trace expert e of E_t stands for the model experts ``(e * E) // E_t + r`` (r = 0, 1, ... mod E),
-  a block of ``E / E_t`` experts when the model has more, a shared one when it has fewer; a token's model
-  experts are taken in the trace's weight order (router order where it has no weights), block offset r = 0
-  first, then r = 1, ..., the first k distinct: with more model experts, a token's strongest trace experts
-  give the extra ones, so reuse and skew follow the trace.
+  a block of ``E / E_t`` experts when the model has more, a shared one when it has fewer;
+- top-k: a token's model experts are taken in the trace's weight order (router order where it has no
+  weights), block offset r = 0 first, then r = 1, ..., the first k distinct. With more model experts, a
+  token's strongest trace experts give the extra ones, so reuse and skew follow the trace.
 
 The mapped trace names its source (``TraceMeta.source``: ``mapped from ...``) and keeps the original's
 ``lacks`` (router probabilities are not mapped: ``probs`` is added).
