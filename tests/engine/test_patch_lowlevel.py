@@ -517,4 +517,13 @@ def test_unpatched_library_raises_engine_not_patched(P):
         "llama_ggmoe_set_layer_cache", "llama_ggmoe_set_host_path", "llama_ggmoe_set_route_inputs",
         "llama_ggmoe_set_predictor", "llama_ggmoe_set_layer_table", "llama_ggmoe_set_table_mode",
         "llama_ggmoe_set_forced_routing", "llama_ggmoe_set_mailbox", "llama_ggmoe_set_layer_fill",
+        "llama_ggmoe_set_mmap_prefetch",
     }
+
+
+def test_mmap_prefetch_switch_returns_the_previous_setting(P):
+    assert P.llama_ggmoe_set_mmap_prefetch(False) is True  # llama.cpp's default: read the file ahead
+    try:
+        assert P.llama_ggmoe_set_mmap_prefetch(False) is False
+    finally:
+        assert P.llama_ggmoe_set_mmap_prefetch(True) is False
