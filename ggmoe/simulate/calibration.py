@@ -71,6 +71,7 @@ def profile_from(cal: Measured, base: HardwareProfile, name: str, zero_copy: tup
     values["hook_s"] = cal.hook_s
     src["hook_s"] = "measured: median seconds of the route callback with every expert cached"
     src["zero_copy_bytes_per_s"] = f"from the base profile {base.name!r} (not measured here)"
+    src["disk_bytes_per_s"] = src["disk_latency_s"] = f"from the base profile {base.name!r} (not measured here)"
     if zero_copy is not None:
         values["zero_copy_bytes_per_s"], src["zero_copy_bytes_per_s"] = zero_copy
     profile = dataclasses.replace(base, name=name, description=f"measured by ggmoe calibrate on {machine}",

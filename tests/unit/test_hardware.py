@@ -128,6 +128,9 @@ def test_a_calibrated_profile_takes_the_probes_zero_copy_rate(zero_copy, tmp_pat
     out.write_text(render(cal, base, "matrix", zero_copy))
     assert load_profile(out).zero_copy_bytes_per_s == pytest.approx(want)
     assert f"# {src['zero_copy_bytes_per_s']}" in out.read_text()
+    # the disk is not measured: the base profile's, said so, and read back
+    assert load_profile(out).disk_bytes_per_s == pytest.approx(base.disk_bytes_per_s)
+    assert "# from the base profile 'h100' (not measured here)\nbytes_per_s" in out.read_text()
 
 
 def test_the_calibration_seam_names_only_fields_of_a_calibration():
