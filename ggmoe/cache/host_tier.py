@@ -183,6 +183,13 @@ class HostTier:
         self.policy.on_insert(il, expert, self.clock)
         self.moves.append(HostMove(il, expert, slot))
 
+    def touch(self, il: int, experts: Iterable[int]) -> None:
+        """Experts the layer used (GPU hits included): the policy ages by every use, so the host tier keeps
+        what the model uses most, not what the GPU tier happened to miss last."""
+        es = [int(e) for e in experts]
+        self.policy.on_access(il, es, self.clock)
+        self._used[il].update(es)
+
     def pin(self, il: int, expert: int) -> None:
         """A copy reads ``expert``'s host slot from now until ``unpin``: the slot is not reused meanwhile."""
         self.pins[(il, expert)] += 1

@@ -36,6 +36,8 @@ from ggmoe.cache.decode_mode import (
     sync_reasons,
     table_type_note,
 )
+from ggmoe.cache.fill import Fill
+from ggmoe.cache.host_tier import HostTier
 from ggmoe.cache.miss import auto_without_host_path
 from ggmoe.cache.split import model_split
 from ggmoe.control import TokenController
@@ -47,7 +49,7 @@ from ggmoe.engine.mailbox import Mailbox, lockstep_from_env
 from ggmoe.engine.runtime import CacheRuntime
 from ggmoe.engine.stride import StrideReader
 from ggmoe.engine.tables import ExpertTables
-from ggmoe.hook import HookRequest, RouteObserver
+from ggmoe.hook import HookRequest, RouteEvent, RouteObserver
 from ggmoe.inspect.facts import ModelFacts
 
 # architectures whose expert matmuls read a weighted input (llama.cpp's weight_before_ffn): patch 0010 hands
@@ -77,6 +79,18 @@ def backend_note(facts: ModelFacts, on_gpu: bool) -> str | None:
     dev = B.libggml.ggml_backend_dev_by_type(B.GGML_BACKEND_DEVICE_TYPE_GPU)
     name = B.libggml.ggml_backend_dev_name(dev).decode() if dev else "GPU"
     return table_type_note(name, [(t.name, t.ggml_type) for layer in facts.layers for t in layer.cached])
+
+
+class HostTierUses:
+    """Every layer's routed experts to the host tier's policy (ids only): it ages experts by every use."""
+
+    request = HookRequest(probs=False, hidden=False)
+
+    def __init__(self, tier: HostTier) -> None:
+        self.tier = tier
+
+    def on_route(self, event: RouteEvent) -> None:
+        self.tier.touch(event.il, np.unique(event.ids))
 
 
 class CachePipeline:
@@ -146,12 +160,7 @@ class CachePipeline:
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
         reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note)
-        if self.runtime.disk is not None and on_gpu:
-            reasons.append("a disk tier: the GPU's kernels cannot read an expert that is only in the model file "
-                           "(the async decode reads misses in place over the link)")
-        elif self.runtime.disk is not None and cache.decode_mode == "auto":  # the CPU build: async runs if asked
-            reasons.append("a disk tier: the sync decode reads each miss into the host tier (O_DIRECT, several "
-                           "in flight), where the async decode reads it in place from the file's mapping")
+        reasons += self._disk_reasons(on_gpu, cache.decode_mode)
         idle = self._prefetch_idle_note()  # the async decode's stride prefetch would never find a free slot
         if idle is not None and cache.decode_mode == "auto":
             reasons.append(idle)  # auto takes the sync decode, where the predictor runs
@@ -178,6 +187,20 @@ class CachePipeline:
             self._start_async(max_tokens, route_inputs)
         if self.planner is not None:  # the sync decode's route events; in async, while table mode is off
             self.observers.add(self.planner)
+        if self.runtime.tier is not None:
+            self.observers.add(HostTierUses(self.runtime.tier))
+
+    def _disk_reasons(self, on_gpu: bool, asked: str) -> list[str]:
+        """Why a disk tier takes the sync decode: always on a GPU, for ``auto`` on the CPU build."""
+        if self.runtime.disk is None:
+            return []
+        if on_gpu:
+            return ["a disk tier: the GPU's kernels cannot read an expert that is only in the model file (the "
+                    "async decode reads misses in place over the link)"]
+        if asked == "auto":  # the CPU build: async runs when asked for
+            return ["a disk tier: the sync decode reads each miss into the host tier (O_DIRECT, several in "
+                    "flight), where the async decode reads it in place from the file's mapping"]
+        return []
 
     def _start_async(self, max_tokens: int, route_inputs: Callable[[HookRequest], None]) -> None:
         """The async decode's controller, predictors and table mode; a cache with a slot for every expert is
@@ -451,6 +474,14 @@ class CachePipeline:
                     self.tables.layers[m.il].host_moved(m.expert, [rt.source(m.il, k, m.expert)
                                                                    for k in range(n_kinds[m.il])])
 
+    def _fills_in_place(self, fills: Sequence[Fill]) -> None:
+        """Under a disk tier, the fills the graph copied from the file's mapping (not from a host slot): read in
+        place, counted by the host tier."""
+        tier = self.runtime.tier
+        if tier is not None:
+            for f in fills:
+                tier.note_in_place(f.il, (f.expert,))
+
     def _plan_fills(self, n_tokens: int) -> None:
         """The fill slots of a one-token table-mode decode (``n_tokens`` 1; 0: not one), on the device with a new
         stamp. Fills of a decode that was never settled (it failed after its graph ran) are read back and
@@ -481,7 +512,9 @@ class CachePipeline:
         B.llama_cpp.llama_synchronize(self._ctx_ptr)  # no-op after the logits read; the routing is complete
         try:
             if tables.fills is not None:  # what the graph filled: placed by the controller's step, not admitted
-                self.runtime.cache.take_fills(tables.fills.read())
+                fills = tables.fills.read()
+                self._fills_in_place(fills)
+                self.runtime.cache.take_fills(fills)
             hidden = self._mailbox_rows() if self.controller.wants_hidden(n) else None  # the planner's input rows
             tables.apply(self.controller.on_routing(self.facts.moe_layers, tables.read_routing(n), self.observers.items,
                                                     hidden))
