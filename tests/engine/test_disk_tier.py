@@ -144,3 +144,18 @@ def test_a_host_ram_that_holds_every_expert_says_it_does_nothing(qwen3moe_model)
 
     res = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "hi", "-n", "2", "--host-ram", "1GiB"])
     assert res.exit_code != 0 and "holds every expert of this model" in res.output, res.output
+
+
+def test_load_on_a_model_larger_than_the_host_ram(qwen3moe_model):
+    """``ggmoe.load(host_ram=...)``: the ``llama_cpp.Llama`` path gives stock's greedy text over the disk tier."""
+    import ggmoe
+
+    facts = inspect_model(qwen3moe_model)
+    kw = {"n_ctx": 256, "seed": 1}
+    with ggmoe.load(qwen3moe_model, **kw) as llm:
+        want = llm.create_completion("The quick brown fox", max_tokens=12, temperature=0)["choices"][0]["text"]
+    with ggmoe.load(qwen3moe_model, host_ram=facts.n_expert_used * facts.expert_bytes_per_slot, **kw) as llm:
+        got = llm.create_completion("The quick brown fox", max_tokens=12, temperature=0)["choices"][0]["text"]
+        tier = llm.stats()["cache"]["host_tier"]
+    assert got == want
+    assert tier["reads"] > 0
