@@ -27,6 +27,7 @@ import numpy as np
 from ggmoe.base.context import check_prompt, decode_batch
 from ggmoe.cache import CacheConfig
 from ggmoe.engine import ggml as B
+from ggmoe.engine.disk import disk_points
 from ggmoe.engine.engine import Engine, EngineConfig
 from ggmoe.engine.loader import gpu_device_name
 
@@ -53,10 +54,14 @@ class Calibration:
     gpu_bytes_per_s: float | None  # weights the GPU reads per second at batch 1 (None: no GPU)
     hook_s: float  # s per route callback, median
     notes: tuple[str, ...] = field(default=())  # what was not measured, and why
+    disk_points: tuple[tuple[int, float], ...] = ()  # (bytes, seconds) per timed read of the model file
+    disk_bytes_per_s: float | None = None  # bytes/s of the line through disk_points (None: not measured)
+    disk_latency_s: float | None = None  # s, its intercept
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
         d["copy_points"] = [list(p) for p in self.copy_points]
+        d["disk_points"] = [list(p) for p in self.disk_points]
         d["notes"] = list(self.notes)
         return d
 
@@ -167,8 +172,13 @@ def calibrate(model: Path, n_threads: int, n_tokens: int = 32, repeat: int = 5) 
         else:
             notes.append("CPU-only build: no GPU figures; the CPU rate is the weights a token reads over its "
                          "decode time (every weight is streamed from the same memory)")
+    disk, direct = disk_points(model, repeat)
+    disk_bps, disk_lat = _fit(disk)
+    if not direct:
+        notes.append("the model's filesystem refuses O_DIRECT: the disk reads dropped their pages first")
     return Calibration(gpu=gpu, cpu=cpu_name(), copy_points=tuple(points), copy_bytes_per_s=copy_bps,
                        copy_latency_s=copy_lat, token_host_s=token_host_s, token_device_s=token_cached_s,
                        bytes_per_token=dense_bytes + expert_bytes, expert_bytes_per_token=expert_bytes,
                        n_moe_layers=n_moe, n_expert_used=k, bytes_per_expert=bpe, cpu_bytes_per_s=cpu_bps,
-                       gpu_bytes_per_s=gpu_bps, hook_s=hook_s, notes=tuple(notes))
+                       gpu_bytes_per_s=gpu_bps, hook_s=hook_s, notes=tuple(notes), disk_points=tuple(disk),
+                       disk_bytes_per_s=disk_bps, disk_latency_s=disk_lat)

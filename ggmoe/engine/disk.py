@@ -15,7 +15,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import random
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,3 +188,27 @@ class FileDiskReader:
         self._pool.shutdown(wait=True)
         for f in self.files.values():
             f.close()
+
+
+def disk_points(path: Path, repeat: int, seed: int = 0) -> tuple[list[tuple[int, float]], bool]:
+    """Timed reads of ``path`` as the disk tier reads it (``O_DIRECT``, page-aligned, at random offsets):
+    ``repeat`` reads of each size from 64 KiB to 16 MiB that the file holds, as (bytes, seconds), and whether
+    they bypassed the page cache (else each read's pages are dropped first)."""
+    f = _File(str(path))
+    rng = random.Random(seed)
+    buf = mmap.mmap(-1, 16 << 20)
+    points: list[tuple[int, float]] = []
+    try:
+        sizes = [s for s in (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20) if s <= f.size - f.size % ALIGN]
+        for size in sizes or [ALIGN]:
+            for _ in range(repeat):
+                at = rng.randrange(0, max(f.size - size, 0) // ALIGN + 1) * ALIGN
+                if not f.direct:
+                    os.posix_fadvise(f.fd, at, size, os.POSIX_FADV_DONTNEED)
+                t0 = time.perf_counter()
+                got = os.preadv(f.fd, [memoryview(buf)[:size]], at)
+                points.append((got, time.perf_counter() - t0))
+    finally:
+        f.close()
+        buf.close()
+    return points, f.direct

@@ -33,6 +33,12 @@ class Measured(Protocol):
     def hook_s(self) -> float: ...
     @property
     def notes(self) -> tuple[str, ...]: ...
+    @property
+    def disk_points(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def disk_bytes_per_s(self) -> float | None: ...
+    @property
+    def disk_latency_s(self) -> float | None: ...
 
 
 def profile_from(cal: Measured, base: HardwareProfile, name: str, zero_copy: tuple[float, str] | None = None
@@ -72,6 +78,10 @@ def profile_from(cal: Measured, base: HardwareProfile, name: str, zero_copy: tup
     src["hook_s"] = "measured: median seconds of the route callback with every expert cached"
     src["zero_copy_bytes_per_s"] = f"from the base profile {base.name!r} (not measured here)"
     src["disk_bytes_per_s"] = src["disk_latency_s"] = f"from the base profile {base.name!r} (not measured here)"
+    if cal.disk_bytes_per_s is not None:
+        values["disk_bytes_per_s"], values["disk_latency_s"] = cal.disk_bytes_per_s, cal.disk_latency_s
+        src["disk_bytes_per_s"] = src["disk_latency_s"] = (
+            f"measured: least-squares line through {len(cal.disk_points)} O_DIRECT reads of the model file")
     if zero_copy is not None:
         values["zero_copy_bytes_per_s"], src["zero_copy_bytes_per_s"] = zero_copy
     profile = dataclasses.replace(base, name=name, description=f"measured by ggmoe calibrate on {machine}",
