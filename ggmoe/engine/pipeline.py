@@ -52,10 +52,6 @@ from ggmoe.engine.tables import ExpertTables
 from ggmoe.hook import HookRequest, RouteEvent, RouteObserver
 from ggmoe.inspect.facts import ModelFacts
 
-# architectures whose expert matmuls read a weighted input (llama.cpp's weight_before_ffn): patch 0010 hands
-# the host their ids only
-MAILBOX_IDS_ONLY = frozenset({"llama4"})
-
 
 def table_max_tokens(n_batch: int, n_ubatch: int) -> int:
     """The largest micro-batch that reads through the tables (0: none), such that it is always the last
@@ -235,7 +231,7 @@ class CachePipeline:
             if pred is not None and pred.needs_probs:
                 return (f"{who} {pred.name!r} reads router probabilities, which the async decode's mailbox does "
                         "not carry (ids and the MoE input only)")
-            if pred is not None and pred.needs_hidden and self.facts.arch in MAILBOX_IDS_ONLY:
+            if pred is not None and pred.needs_hidden and self.facts.gating.weight_before_ffn:
                 return (f"{who} {pred.name!r} reads the MoE input, which {self.facts.arch} weights before its "
                         "experts: the async decode's mailbox carries its ids only")
         return None

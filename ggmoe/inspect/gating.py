@@ -40,6 +40,9 @@ class Gating:
     n_expert_groups: int  # > 1: group-limited selection over this many equal groups of experts
     n_group_used: int  # groups a token may select from (with n_expert_groups > 1)
     select_on_logits: bool = False  # llama4: top-k over the raw logits, not the gated probabilities
+    # llama4 (llama.cpp's weight_before_ffn): the routing weight scales the MoE input before the expert matmuls,
+    # so the input a matmul reads differs per expert and the mailbox (patch 0010) hands the host ids only
+    weight_before_ffn: bool = False
 
     @property
     def hook_gives_logits(self) -> bool:
@@ -73,6 +76,7 @@ class _ArchRule:
     norm_w: bool | None  # fixed, or None: expert_weights_norm (default false)
     reads_scale: bool  # whether the loader reads expert_weights_scale (else 0: not scaled)
     select_on_logits: bool = False
+    weight_before_ffn: bool = False
 
 
 def _fixed(func: str, norm_w: bool, reads_scale: bool = False, **kw: bool) -> _ArchRule:
@@ -94,7 +98,7 @@ ARCH_RULES: dict[str, _ArchRule] = {
     "hunyuan-moe": _fixed("softmax", True),
     "deepseek": _fixed("softmax", False, reads_scale=True),
     "gpt-oss": _fixed("softmax_weight", False),  # openai-moe.cpp: LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT
-    "llama4": _fixed("sigmoid", False, select_on_logits=True),  # llama4.cpp, llama-graph.cpp
+    "llama4": _fixed("sigmoid", False, select_on_logits=True, weight_before_ffn=True),  # llama4.cpp, llama-graph.cpp
     "deepseek2": _KEYS,  # default softmax (DeepSeek V2/V2.5 files without the key)
     "glm4moe": _ArchRule(None, "sigmoid", None, True),  # glm4-moe.cpp: GLM-4.5 defaults to sigmoid
     "dots1": _KEYS,
@@ -122,7 +126,7 @@ def gating_from_kv(arch: str, kv: dict[str, Any]) -> Gating:
     return Gating(func=func, norm_w=norm_w, w_scale=float(scale) if isinstance(scale, (int, float)) else 0.0,
                   n_expert_groups=groups,
                   n_group_used=_int(kv, Keys.LLM.EXPERT_GROUP_USED_COUNT.format(arch=arch), 0) if groups > 1 else 0,
-                  select_on_logits=rule.select_on_logits)
+                  select_on_logits=rule.select_on_logits, weight_before_ffn=rule.weight_before_ffn)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

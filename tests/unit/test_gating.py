@@ -33,6 +33,7 @@ def test_gating_from_arch_and_keys(arch, keys, want):
     g = gating_from_kv(arch, _kv(arch, **keys))
     assert (g.func, g.norm_w, g.w_scale) == want
     assert g.select_on_logits == (arch == "llama4")
+    assert g.weight_before_ffn == (arch == "llama4")  # the mailbox hands the host its ids only
     assert g.hook_gives_logits == (want[0] == "softmax_weight")
 
 
