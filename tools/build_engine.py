@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """``make engine``: the patched engine build from a clone, before ggmoe is installed.
 
-The build itself is ``ggmoe/engine/build.py`` (standard library only, shipped in
+The build itself is ``ggmoe/base/engine_build.py`` (standard library only, shipped in
 the package as ``ggmoe engine build``); this script runs that file without
 importing the ``ggmoe`` package, and as a module (``import build_engine``) is
 that file's module.
@@ -16,7 +16,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-_FILE = Path(__file__).resolve().parent.parent / "ggmoe" / "engine" / "build.py"
+_FILE = Path(__file__).resolve().parent.parent / "ggmoe" / "base" / "engine_build.py"
 _spec = importlib.util.spec_from_file_location("build_engine", _FILE)
 _module = importlib.util.module_from_spec(_spec)
 sys.modules["build_engine"] = _module  # `import build_engine` gets the build module itself

@@ -43,7 +43,7 @@ def build(install_it: bool, cuda: bool, rebuild: bool, check_patches: bool) -> N
       ggmoe engine build --install
       ggmoe engine build --cuda --install
     """
-    from ggmoe.engine import build as eb
+    from ggmoe.base import engine_build as eb
 
     if check_patches:  # a failed step is eb.BuildError, an EngineError: the edge prints it
         click.echo(f"all {eb.check_patches()} patches apply")
@@ -71,7 +71,7 @@ def status(as_json: bool) -> None:
       ggmoe engine status
       ggmoe engine status --json
     """
-    from ggmoe.engine import build as eb
+    from ggmoe.base import engine_build as eb
 
     info = eb.status()
     if as_json:

@@ -1,8 +1,8 @@
 """The engine: llama.cpp through llama-cpp-python with the experts in host memory and the gate hook.
 
 The only subpackage that touches ctypes. Importing the package is light: ``Engine`` and its records load
-llama-cpp-python on first use (``from ggmoe.engine import Engine``), so ``ggmoe.engine.build`` (which must
-not load the engine it is about to replace) and the other light modules import without it.
+llama-cpp-python on first use (``from ggmoe.engine import Engine``), so its light modules import without
+it. The engine's build (``ggmoe.base.engine_build``) lives outside: it must not load what it replaces.
 """
 
 from __future__ import annotations

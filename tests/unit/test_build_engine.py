@@ -66,7 +66,7 @@ def test_cmake_args_from_the_environment_come_last_and_change_the_key(monkeypatc
 def test_the_patch_series_is_found_in_a_clone_and_named_when_missing(monkeypatch, tmp_path):
     from pathlib import Path
 
-    clone = Path(be.__file__).resolve().parents[2] / "patches"  # ggmoe/engine/build.py -> the clone
+    clone = Path(be.__file__).resolve().parents[2] / "patches"  # ggmoe/base/engine_build.py -> the clone
     assert be.find_patch_dir() == clone and be.patch_files()[0].name.startswith("0001-")
     monkeypatch.setattr(be, "PATCH_DIR", tmp_path)
     with pytest.raises(be.BuildError, match="no patch series found"):
@@ -81,7 +81,7 @@ def test_a_failed_build_step_is_one_error_line_at_the_cli(monkeypatch, tmp_path)
 
     from ggmoe.base.errors import EngineError
     from ggmoe.cli import main
-    from ggmoe.engine import build
+    from ggmoe.base import engine_build as build
 
     assert issubclass(build.BuildError, EngineError)
     monkeypatch.setattr(build, "PATCH_DIR", tmp_path)
@@ -91,14 +91,14 @@ def test_a_failed_build_step_is_one_error_line_at_the_cli(monkeypatch, tmp_path)
 
 
 def test_the_build_in_the_package_loads_no_engine():
-    """``ggmoe.engine.build`` replaces llama-cpp-python, so importing it (through the lazy ``ggmoe.engine``)
+    """``ggmoe.base.engine_build`` replaces llama-cpp-python, so importing it (and the lazy ``ggmoe.engine``)
     loads nothing of the engine beyond what ``import ggmoe`` itself does (on a CUDA build it maps libllama
     first: ggmoe/__init__.py); ``Engine`` still comes from the package on first use."""
     import subprocess
     import sys
 
     heavy = "sorted(m for m in ('llama_cpp', 'numpy', 'ggmoe.engine.engine') if m in sys.modules)"
-    code = (f"import sys, ggmoe; print({heavy}); import ggmoe.engine.build, ggmoe.engine; print({heavy}); "
+    code = (f"import sys, ggmoe; print({heavy}); import ggmoe.base.engine_build, ggmoe.engine; print({heavy}); "
             "from ggmoe.engine import Engine; print(Engine.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     before, after, module = out.stdout.splitlines()

@@ -45,7 +45,7 @@ COMMAND = "ggmoe engine build --install"  # what every "engine not patched" mess
 
 def find_patch_dir() -> Path:
     """The patch series: a clone's ``patches/`` beside the package, else the copy packaged in the wheel."""
-    package = Path(__file__).resolve().parents[1]  # ggmoe/ (this file is ggmoe/engine/build.py)
+    package = Path(__file__).resolve().parents[1]  # ggmoe/ (this file is ggmoe/base/engine_build.py)
     clone = package.parent / "patches"
     if (clone / "README.md").is_file() and any(clone.glob("*.patch")):
         return clone
@@ -67,7 +67,7 @@ BASE_CMAKE_ARGS = [
 ]
 
 
-if __package__ == "ggmoe.engine":  # in the package (``ggmoe engine build``): one of ggmoe's own errors
+if __package__ == "ggmoe.base":  # in the package (``ggmoe engine build``): one of ggmoe's own errors
     from ggmoe.base.errors import EngineError as _BuildFailure
 else:  # run as a file (tools/build_engine.py, before ggmoe is installed): the standard library only
     _BuildFailure = Exception  # type: ignore[misc,assignment]
