@@ -1,5 +1,5 @@
 """The app: FastAPI over llama-cpp-python's request types and ``Llama`` calls, speaking OpenAI's API,
-llama-server's own routes (``ggmoe.serve.server_routes``, ``native``, ``slots``) and Anthropic's Messages API
+llama-server's own routes (``ggmoe.serve.compat_routes``, ``native``, ``slots``) and Anthropic's Messages API
 (``ggmoe.serve.anthropic``).
 
 llama-cpp-python's own ``create_app`` keeps its model in module globals and
@@ -13,7 +13,7 @@ metrics.
 
 Routes here: POST /v1/chat/completions (and /chat/completions), POST /v1/completions, POST /v1/embeddings,
 GET /v1/models (and /models), GET /health (never needs a key), GET /metrics. Every generation, whatever its
-route, goes through ``Server.execute``: the gate, the slot's state, the client watched, the stream framed as
+route, goes through ``Server.execute``: the request queue, the slot's state, the client watched, the stream framed as
 its route frames it (``Sse``).
 """
 
@@ -42,13 +42,14 @@ from ggmoe.base.errors import UsageError
 from ggmoe.serve import anthropic, errors, responses
 from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.asgi import BodyLimit, JsonBodies, LoopbackHostOnly, RequestCounter, SameOriginOnly
+from ggmoe.serve.compat_routes import add_anthropic_routes, add_llama_server_routes, add_responses_routes
 from ggmoe.serve.errors import APIError
-from ggmoe.serve.gate import Gate
 from ggmoe.serve.generation import Run, Watch, api_error, check_request, plan_chat, plan_completion
 from ggmoe.serve.llama import GgmoeLlama
 from ggmoe.serve.metrics import Metrics
 from ggmoe.serve.native import NativeRun, infill_tokens, processors, prompt_tokens
 from ggmoe.serve.parallel import Pump, SlotPool
+from ggmoe.serve.request_queue import RequestQueue
 from ggmoe.serve.responses import ResponsesRequest
 from ggmoe.serve.schema import (
     ChatRequest,
@@ -59,7 +60,6 @@ from ggmoe.serve.schema import (
     NativeEmbeddingRequest,
     Tool,
 )
-from ggmoe.serve.server_routes import add_anthropic_routes, add_llama_server_routes, add_responses_routes
 from ggmoe.serve.slots import SlotState
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
@@ -95,21 +95,21 @@ log = logging.getLogger("ggmoe.serve")
 
 
 class Server:
-    """The model, its gate and metrics; the route handlers' shared state."""
+    """The model, its request queue and metrics; the route handlers' shared state."""
 
     def __init__(self, llama: GgmoeLlama, settings: ServeSettings) -> None:
         self.llama = llama
         self.settings = settings
         n_slots = settings.parallel
         self.pool = SlotPool(llama, n_slots) if n_slots > 1 else None  # the slots' views and their batcher
-        self.gate = Gate(settings.max_queue, n_slots)
+        self.queue = RequestQueue(settings.max_queue, n_slots)
         self.n_ctx = self.pool.n_ctx if self.pool is not None else llama.n_ctx()  # tokens per slot
         self.n_vocab = llama.n_vocab()
         self.slots = [SlotState(i, self.n_ctx) for i in range(n_slots)]  # llama-server's slots, as /slots shows
         self._busy: set[int] = set()  # slots held by a request
         self._live: set[Watch] = set()  # the generations running now (stopped together at shutdown)
         self.stopping = False  # set by stop_generations: the server is shutting down
-        self.metrics = Metrics(llama.stats, lambda: self.gate.waiting, lambda: self.gate.running, self.slots,
+        self.metrics = Metrics(llama.stats, lambda: self.queue.waiting, lambda: self.queue.running, self.slots,
                                self.pool.batcher.stats if self.pool is not None else None)
         self._tasks = itertools.count()  # task ids, as /slots shows them
         self.version = _version()
@@ -135,7 +135,7 @@ class Server:
         (every ``reconfigure_every`` tokens); a proposal that pays replaces the cache. A failure is logged and
         leaves the server without a cache rather than failing a request."""
         r = self.reconfigurer
-        if r is None or not r.due() or self.gate.waiting:
+        if r is None or not r.due() or self.queue.waiting:
             return
         cache = self.llama.cache_config
         stats = self.llama.stats()["cache"]
@@ -280,13 +280,13 @@ class Server:
         forgotten: the model's own ``Llama`` runs on the context)."""
         pool = self.pool
         if pool is None or whole:
-            n = self.gate.n_slots
-            ticket = await (self.gate.enter_all() if pool is not None else self.gate.enter())
+            n = self.queue.n_slots
+            ticket = await (self.queue.enter_all() if pool is not None else self.queue.enter())
             if pool is not None:
                 pool.forget_all()
             self._busy.update(range(n))
             return _Lease(self, ticket, 0, self.llama, n)
-        ticket = await self.gate.enter()
+        ticket = await self.queue.enter()
         free = [i for i in range(len(self.slots)) if i not in self._busy]
         slot = pool.pick(free, prompt, id_slot)
         self._busy.add(slot)
@@ -328,9 +328,9 @@ class Server:
         if self.pool is None:
             lease = await self._lease()
         else:
-            ticket = await self.gate.enter_all()
-            self._busy.update(range(self.gate.n_slots))
-            lease = _Lease(self, ticket, id_slot, self.pool.slots[id_slot], self.gate.n_slots)
+            ticket = await self.queue.enter_all()
+            self._busy.update(range(self.queue.n_slots))
+            lease = _Lease(self, ticket, id_slot, self.pool.slots[id_slot], self.queue.n_slots)
         try:
             return await anyio.to_thread.run_sync(fn, lease.llama)
         finally:
@@ -505,7 +505,7 @@ def _start(chunks_of: Callable[[], Iterator[dict[str, Any]]], cancel: threading.
 
 class _Lease:
     """A slot (or, with ``n`` = every slot, the whole model) held by one request; ``release`` (idempotent)
-    closes its stream and frees the gate."""
+    closes its stream and frees its slots in the request queue."""
 
     def __init__(self, server: Server, ticket: int, slot: int, llama: GgmoeLlama, n: int) -> None:
         self.server = server
@@ -527,8 +527,8 @@ class _Lease:
         server.slots[self.slot].end()
         if server.reconfigurer is not None:
             await anyio.to_thread.run_sync(server.maybe_reconfigure)  # still holding the model
-        server._busy.difference_update(range(server.gate.n_slots) if self.n > 1 else (self.slot,))
-        server.gate.leave(self.ticket, self.n)
+        server._busy.difference_update(range(server.queue.n_slots) if self.n > 1 else (self.slot,))
+        server.queue.leave(self.ticket, self.n)
 
 
 class _Authenticate:
@@ -579,8 +579,8 @@ def create_app(llama: GgmoeLlama, settings: ServeSettings) -> FastAPI:
     @app.get("/v1/health", include_in_schema=False)
     @app.get("/healthz", include_in_schema=False)
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": settings.model_id, "queue_length": server.gate.waiting,
-                "running": server.gate.running}
+        return {"status": "ok", "model": settings.model_id, "queue_length": server.queue.waiting,
+                "running": server.queue.running}
 
     @app.get("/v1/models", dependencies=auth)
     @app.get("/models", dependencies=auth, include_in_schema=False)

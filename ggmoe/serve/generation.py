@@ -42,8 +42,8 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 def fingerprint() -> str:
     """``system_fingerprint``: the build that answers, as llama-server names its own: ggmoe's version,
     llama-cpp-python's and the installed engine build's key (``ggmoe engine status``)."""
-    from ggmoe.base.version import __version__
     from ggmoe.base.engine_build import KEY_FILE
+    from ggmoe.base.version import __version__
 
     key_file = Path(llama_cpp.__file__).with_name(KEY_FILE)
     key = key_file.read_text().strip()[:12] if key_file.is_file() else "unpatched"

@@ -361,12 +361,12 @@ def test_code_completion_limits(server, limit):
 
 
 def test_a_running_server_has_every_field_the_routes_seam_names():
-    """``server_routes.RouteServer``'s fields on a real server object (its methods: tests/unit/test_route_seam.py)."""
+    """``compat_routes.RouteServer``'s fields on a real server object (its methods: tests/unit/test_route_seam.py)."""
     from fastapi.testclient import TestClient
 
     import ggmoe
     from ggmoe.serve.app import ServeSettings, create_app
-    from ggmoe.serve.server_routes import RouteServer, RouteSettings
+    from ggmoe.serve.compat_routes import RouteServer, RouteSettings
 
     with ggmoe.load(n_ctx=N_CTX) as llama:
         app = create_app(llama, ServeSettings(model_id="m", loopback_only=False))

@@ -19,7 +19,9 @@ import anyio
 from ggmoe.serve.errors import APIError
 
 
-class Gate:
+class RequestQueue:
+    """The slots and the bounded wait for them (429 beyond ``max_queue``)."""
+
     def __init__(self, max_queue: int, n_slots: int = 1) -> None:
         self.max_queue = max_queue  # requests that may wait while every slot is busy
         self.n_slots = n_slots

@@ -1,5 +1,5 @@
-"""The serve gate with several slots: N requests hold a slot at once, at most max_queue wait, one more gets 429;
-a whole-model holder waits for every slot (no model: the gate alone)."""
+"""The serve request queue with several slots: N requests hold a slot at once, at most max_queue wait, one more gets 429;
+a whole-model holder waits for every slot (no model: the queue alone)."""
 
 from __future__ import annotations
 
@@ -7,39 +7,39 @@ import anyio
 import pytest
 
 from ggmoe.serve.errors import APIError
-from ggmoe.serve.gate import Gate
+from ggmoe.serve.request_queue import RequestQueue
 
 
-async def _fill(gate: Gate, n: int) -> list[int]:
-    return [await gate.enter() for _ in range(n)]
+async def _fill(queue: RequestQueue, n: int) -> list[int]:
+    return [await queue.enter() for _ in range(n)]
 
 
 @pytest.mark.parametrize("n_slots,max_queue", [(1, 0), (1, 2), (2, 0), (4, 1), (4, 3)])
 def test_n_run_queue_waits_then_429(n_slots, max_queue):
     async def main() -> None:
-        gate = Gate(max_queue, n_slots)
-        tickets = await _fill(gate, n_slots)  # every slot held: none of these waited
-        assert gate.running == n_slots and gate.waiting == 0
+        queue = RequestQueue(max_queue, n_slots)
+        tickets = await _fill(queue, n_slots)  # every slot held: none of these waited
+        assert queue.running == n_slots and queue.waiting == 0
         entered: list[int] = []
         async with anyio.create_task_group() as tg:
             for _ in range(max_queue):
-                tg.start_soon(lambda: _enter_into(gate, entered))
-            await _until(lambda: gate.waiting == max_queue)
+                tg.start_soon(lambda: _enter_into(queue, entered))
+            await _until(lambda: queue.waiting == max_queue)
             with pytest.raises(APIError) as e:
-                await gate.enter()
+                await queue.enter()
             assert e.value.status == 429 and int(e.value.headers["Retry-After"]) >= 1
             for t in tickets:
-                gate.leave(t)
-        assert len(entered) == max_queue and gate.running == 0 and gate.waiting == 0
+                queue.leave(t)
+        assert len(entered) == max_queue and queue.running == 0 and queue.waiting == 0
 
     anyio.run(main)
 
 
-async def _enter_into(gate: Gate, out: list[int]) -> None:
-    t = await gate.enter()
+async def _enter_into(queue: RequestQueue, out: list[int]) -> None:
+    t = await queue.enter()
     out.append(t)
     await anyio.sleep(0)
-    gate.leave(t)
+    queue.leave(t)
 
 
 async def _until(cond) -> None:
@@ -50,48 +50,48 @@ async def _until(cond) -> None:
 
 def test_whole_model_waits_for_every_slot_and_blocks_new_ones():
     async def main() -> None:
-        gate = Gate(8, 3)
-        a, b = await gate.enter(), await gate.enter()
+        queue = RequestQueue(8, 3)
+        a, b = await queue.enter(), await queue.enter()
         order: list[str] = []
 
         async def whole() -> None:
-            t = await gate.enter_all()
+            t = await queue.enter_all()
             order.append("whole")
-            gate.leave(t, 3)
+            queue.leave(t, 3)
 
         async def single() -> None:
-            t = await gate.enter()
+            t = await queue.enter()
             order.append("single")
-            gate.leave(t)
+            queue.leave(t)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(whole)
-            await _until(lambda: gate.waiting == 1)
+            await _until(lambda: queue.waiting == 1)
             assert order == []  # one slot is free, but the whole model needs all three
             tg.start_soon(single)  # arrives after: waits behind the whole-model holder
-            await _until(lambda: gate.waiting == 2)
-            gate.leave(a)
-            gate.leave(b)
-        assert order == ["whole", "single"] and gate.running == 0
+            await _until(lambda: queue.waiting == 2)
+            queue.leave(a)
+            queue.leave(b)
+        assert order == ["whole", "single"] and queue.running == 0
 
     anyio.run(main)
 
 
 def test_two_whole_model_holders_do_not_deadlock():
     async def main() -> None:
-        gate = Gate(4, 2)
+        queue = RequestQueue(4, 2)
         done: list[int] = []
 
         async def whole(i: int) -> None:
-            t = await gate.enter_all()
+            t = await queue.enter_all()
             await anyio.sleep(0)
             done.append(i)
-            gate.leave(t, 2)
+            queue.leave(t, 2)
 
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
                 for i in range(3):
                     tg.start_soon(whole, i)
-        assert sorted(done) == [0, 1, 2] and gate.running == 0
+        assert sorted(done) == [0, 1, 2] and queue.running == 0
 
     anyio.run(main)
