@@ -51,6 +51,9 @@ class CacheConfig:
     # experts stay in the model file (the disk tier) and the host tier reads them from there; None: what the
     # machine can pin, less a margin (a model that fits keeps every expert in host memory, as without a tier)
     host_ram: int | None = None
+    # no cache size was given and the experts exceed the host budget: the engine splits that budget between the
+    # GPU tier and the host tier for the machine it runs on (``ggmoe.engine.loader.resolve_tiers``)
+    auto_tiers: bool = False
 
     def __post_init__(self) -> None:
         """The policy's options checked against what it declares (ggmoe.base.params), before anything is built;
@@ -123,8 +126,9 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
     --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of
     ``ModelFacts.cache_bytes``, the figures ``ggmoe inspect`` prints.
     """
-    if cache_slots is None and vram is None and _larger_than_ram(facts, host_ram):
-        cache_slots = facts.n_expert_used  # the smallest GPU tier: the host tier above the disk does the work
+    auto_tiers = cache_slots is None and vram is None and _larger_than_ram(facts, host_ram)
+    if auto_tiers:
+        cache_slots = facts.n_expert_used  # the smallest GPU tier until the engine sizes the tiers
     if cache_slots is None and vram is None:
         if prefetch is not None or planner is not None:
             flag = "--predictor" if prefetch is not None else "--plan-predictor"
@@ -166,7 +170,7 @@ def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: 
     return CacheConfig(n_slots=cache_slots, vram_bytes=_bytes(vram) if vram is not None else None,
                        policy=policy, miss_policy=miss, prefetch=prefetch, hw_profile=hw,
                        decode_mode=mode, planner=planner,
-                       host_ram=_bytes(host_ram) if host_ram is not None else None)
+                       host_ram=_bytes(host_ram) if host_ram is not None else None, auto_tiers=auto_tiers)
 
 
 def _larger_than_ram(facts: ModelFacts | None, host_ram: int | str | None) -> bool:

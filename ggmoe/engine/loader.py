@@ -154,7 +154,24 @@ def resolve_tiers(cache: CacheConfig | None, facts: ModelFacts) -> tuple[CacheCo
     tiers = tier_sizes(facts, 0, cache.host_ram)
     if not tiers.disk:
         return cache, False
+    if cache.auto_tiers and gpu_device() is None:
+        return _cpu_tiers(cache, facts, tiers.host_ram), True
     return dataclasses.replace(cache, host_ram=tiers.host_ram), True
+
+
+def _cpu_tiers(cache: CacheConfig, facts: ModelFacts, budget: int) -> CacheConfig:
+    """No cache size given, on a CPU-only build: the GPU tier's slots are host memory too, so the budget goes to
+    them (every miss computed from a slot without a second copy) and the host tier keeps n_expert_used slots,
+    the least a token's reads pass through."""
+    from ggmoe.base.errors import UsageError
+
+    slot = facts.expert_bytes_per_slot
+    k = facts.n_expert_used
+    gpu = min(budget // slot - k, facts.n_expert - 1) if slot else k
+    if gpu < k:
+        raise UsageError(f"the host budget of {budget} bytes gives {budget // slot} slots per layer: a model on "
+                         f"disk needs at least 2 x n_expert_used = {2 * k} on a CPU-only build")
+    return dataclasses.replace(cache, n_slots=int(gpu), host_ram=k * slot)
 
 
 def new_context(model: LoadedModel, n_ctx: int, n_batch: int, n_ubatch: int, n_threads: int,

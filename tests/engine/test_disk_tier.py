@@ -117,15 +117,17 @@ def test_the_host_path_is_refused_under_a_disk_tier(qwen3moe_model):
 
 
 def test_run_on_a_model_larger_than_the_host_ram_needs_no_cache_size(qwen3moe_model, tmp_path):
-    """`ggmoe run MODEL --host-ram SIZE` below the experts' size: the disk tier with the smallest GPU tier, the
-    sync decode under it (auto), and the counters in --stats-json."""
+    """`ggmoe run MODEL --host-ram SIZE` below the experts' size: the disk tier, the sync decode under it (auto),
+    the counters in --stats-json. On a CPU-only build the budget goes to the GPU tier's slots (host memory here)
+    but n_expert_used host slots."""
     from click.testing import CliRunner
 
     from ggmoe.cli.main import main
 
     facts = inspect_model(qwen3moe_model)
     stats = tmp_path / "stats.json"
-    host = facts.n_expert_used * facts.expert_bytes_per_slot
+    k = facts.n_expert_used
+    host = (facts.n_expert - 2) * facts.expert_bytes_per_slot
     res = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox", "-n", "8",
                                     "--temp", "0", "--host-ram", str(host), "--stats-json", str(stats)])
     assert res.exit_code == 0, res.output
@@ -133,8 +135,20 @@ def test_run_on_a_model_larger_than_the_host_ram_needs_no_cache_size(qwen3moe_mo
     import json
 
     report = json.loads(stats.read_text())
-    assert report["slots_per_layer"][str(facts.moe_layers[0])] == facts.n_expert_used
+    assert report["slots_per_layer"][str(facts.moe_layers[0])] == facts.n_expert - 2 - k
+    assert report["host_tier"]["host_slots_per_layer"] == k
     assert report["host_tier"]["reads"] > 0
+
+
+def test_a_cpu_budget_below_two_tokens_of_slots_is_refused(qwen3moe_model):
+    from click.testing import CliRunner
+
+    from ggmoe.cli.main import main
+
+    facts = inspect_model(qwen3moe_model)
+    host = (2 * facts.n_expert_used - 1) * facts.expert_bytes_per_slot
+    res = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "hi", "-n", "2", "--host-ram", str(host)])
+    assert res.exit_code != 0 and "2 x n_expert_used" in res.output and "Traceback" not in res.output
 
 
 def test_a_host_ram_that_holds_every_expert_says_it_does_nothing(qwen3moe_model):
@@ -154,7 +168,7 @@ def test_load_on_a_model_larger_than_the_host_ram(qwen3moe_model):
     kw = {"n_ctx": 256, "seed": 1}
     with ggmoe.load(qwen3moe_model, **kw) as llm:
         want = llm.create_completion("The quick brown fox", max_tokens=12, temperature=0)["choices"][0]["text"]
-    with ggmoe.load(qwen3moe_model, host_ram=facts.n_expert_used * facts.expert_bytes_per_slot, **kw) as llm:
+    with ggmoe.load(qwen3moe_model, host_ram=(facts.n_expert - 2) * facts.expert_bytes_per_slot, **kw) as llm:
         got = llm.create_completion("The quick brown fox", max_tokens=12, temperature=0)["choices"][0]["text"]
         tier = llm.stats()["cache"]["host_tier"]
     assert got == want
