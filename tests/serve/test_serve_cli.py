@@ -198,3 +198,25 @@ def test_fit_without_a_gpu_says_so_in_one_line_and_serves(tmp_path):
         assert stop_server(s) == 0
     log = open(s.log).read()
     assert log.count("ggmoe serve --fit: no GPU on this machine (CPU build)") == 1, log
+
+
+def test_serve_on_a_model_larger_than_the_host_ram_says_so_and_counts_disk_reads(tmp_path):
+    """`ggmoe serve --host-ram` below the experts' size starts, says it runs a disk tier, answers an OpenAI client,
+    and /metrics counts the host tier's disk reads per layer."""
+    from openai import OpenAI
+
+    from ggmoe.inspect import inspect_model
+
+    facts = inspect_model(default_model_path())
+    host = (facts.n_expert // 2) * facts.expert_bytes_per_slot
+    s = start_server(tmp_path, "--n-ctx", "128", "--host-ram", str(host))
+    try:
+        client = OpenAI(base_url=s.url + "/v1", api_key="unused")
+        reply = client.completions.create(model="m", prompt="The quick brown fox", max_tokens=8, temperature=0)
+        assert reply.choices[0].text
+        metrics = httpx.get(s.url + "/metrics").text
+    finally:
+        assert stop_server(s) == 0
+    assert "disk tier: the experts do not fit --host-ram" in open(s.log).read()
+    reads = [line for line in metrics.splitlines() if line.startswith("ggmoe_host_tier_disk_reads_total{")]
+    assert reads and sum(float(line.rsplit(" ", 1)[1]) for line in reads) > 0, metrics[-2000:]
