@@ -5,12 +5,47 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ggmoe.base.errors import UsageError
 
 if TYPE_CHECKING:
     from ggmoe.inspect.facts import ModelFacts
+
+
+class PrefetchSettings(Protocol):
+    """What a cache's configuration holds of its stride prefetch (``ggmoe.control.prefetch.PrefetchConfig``,
+    which lives above ``cache/``): read-only."""
+
+    @property
+    def predictor(self) -> str: ...  # a registered predictor name or a PRED.npz file
+    @property
+    def stride(self) -> int: ...  # MoE layers ahead
+    @property
+    def n_prefetch(self) -> int | None: ...  # experts prefetched per target layer (None: the default)
+    @property
+    def threshold(self) -> float | None: ...  # prefetch only experts whose score reaches this
+    @property
+    def train(self) -> tuple[str, ...]: ...  # training traces of a predictor that learns
+    @property
+    def background(self) -> bool: ...  # predict on a worker thread
+    @property
+    def state(self) -> Mapping[str, Any] | None: ...  # what a data-driven predictor learnt before
+    @property
+    def in_graph(self) -> bool: ...  # the predictor's nets in the decode graph when it has them
+
+
+class PlannerSettings(Protocol):
+    """What a cache's configuration holds of its planner between tokens (``ggmoe.control.planner.PlanConfig``)."""
+
+    @property
+    def predictor(self) -> str: ...  # a cross-token predictor name or a PRED.npz file
+    @property
+    def n_protect(self) -> int | None: ...  # experts planned per layer (None: the default)
+    @property
+    def train(self) -> tuple[str, ...]: ...
+    @property
+    def state(self) -> Mapping[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -30,9 +65,9 @@ class CacheConfig:
     # the auto miss policy's cost model: a hardware profile name or TOML file; None: measured at startup
     hw_profile: str | None = None
     # stride prefetching from a predictor (ggmoe.control.prefetch.PrefetchConfig), or None
-    prefetch: object | None = None
+    prefetch: PrefetchSettings | None = None
     # the planner between tokens: a cross-token predictor (ggmoe.control.planner.PlanConfig), or None
-    planner: object | None = None
+    planner: PlannerSettings | None = None
     # the policy's keyword arguments (e.g. static's per-layer counts from saved routing statistics)
     policy_options: Mapping[str, Any] | None = None
     # sync (the route op per MoE layer), async (the expert table, no sync on the decode path) or auto
@@ -58,7 +93,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         """The policy's options checked against what it declares (ggmoe.base.params), before anything is built;
         a prefetch threshold that is not a finite number refused (nan would silently prefetch nothing)."""
-        threshold = getattr(self.prefetch, "threshold", None)
+        threshold = self.prefetch.threshold if self.prefetch is not None else None
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)
                                       or not math.isfinite(threshold)):
             raise UsageError(f"prefetch threshold {threshold!r} is not a finite number")
@@ -118,9 +153,9 @@ def slots_for_budget(budget: int, bytes_per_expert: dict[int, int], n_expert: in
 
 def build_cache_config(cache_slots: int | None, vram: int | str | None, policy: str | None,
                        facts: ModelFacts | None = None,
-                       miss_policy: str | None = None, prefetch: object | None = None,
+                       miss_policy: str | None = None, prefetch: PrefetchSettings | None = None,
                        hw: str | None = None, decode_mode: str | None = None,
-                       planner: object | None = None, host_ram: int | str | None = None) -> CacheConfig | None:
+                       planner: PlannerSettings | None = None, host_ram: int | str | None = None) -> CacheConfig | None:
     """A CacheConfig from the command line's (or ``ggmoe.load()``'s) options; None when no cache size is given.
 
     --vram becomes slots per layer in the engine through ``ggmoe.cache.slots_for_budget``: the inverse of

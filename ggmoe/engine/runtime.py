@@ -86,7 +86,7 @@ class CacheRuntime:
         n_slots = config.slots(slot_bytes, n_expert, n_expert_used)
         # bottom buffers of a split layer: as many as the prefetcher queues per layer (MoEpic's y)
         pre = config.prefetch
-        self.n_bottom = (getattr(pre, "n_prefetch", None) or default_n_prefetch(n_expert_used, n_expert)) \
+        self.n_bottom = (pre.n_prefetch or default_n_prefetch(n_expert_used, n_expert)) \
             if self.split and pre is not None else 0
         policy = POLICIES.get(config.policy)(n_expert, list(moe_layers), **dict(config.policy_options or {}))
         self.copies: GgmlCopyBackend | ThreadedCopyBackend | None = None
