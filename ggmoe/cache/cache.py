@@ -26,7 +26,14 @@ from ggmoe.base.errors import UsageError
 from ggmoe.cache.clock import Clock, MonotonicClock
 from ggmoe.cache.copy import CopyBackend, CopyHandle, NullCopyBackend, Priority
 from ggmoe.cache.fill import SCORE_SCALE, Fill, FillPlan
-from ggmoe.cache.miss import HOST_MAX_TOKENS, SLOT_HOST, MissCosts, check_miss_policy, prefer_host
+from ggmoe.cache.miss import (
+    HOST_MAX_TOKENS,
+    SLOT_HOST,
+    MissCosts,
+    check_miss_policy,
+    prefer_host,
+    split_misses,
+)
 from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.slots import BottomTable, SlotTable
 from ggmoe.cache.split import LayerSplit
@@ -75,6 +82,10 @@ class ExpertCache:
         self._bind_hooks()
         self.miss_policy = check_miss_policy(miss_policy)
         self.costs = costs  # for "auto"
+        # the CPU computes a layer's host misses while the link copies its others (the simulator's hybrid
+        # decode): ``auto`` then splits new misses between the two (``miss.split_misses``); False (the engine's
+        # sync decode, which waits for copies before the graph's CPU part): each miss to its sooner server
+        self.cpu_beside_link = False
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
         self.log: StepLog | None = None  # the flips and copies the expert tables follow (``follow_tables``)
         self.lock = threading.Lock()
@@ -694,7 +705,7 @@ class WholeLayer:
             c.count_prefetch_hits(il, table, need)
         host: set[int] = set()
         if c.miss_policy != "wait" and len(flat) <= HOST_MAX_TOKENS * c.n_expert_used:
-            host, pending, missing = self._to_host(pending, missing)
+            host, pending, missing = self._to_host(pending, missing, len(need))
         if missing and not pending and not host and c._demand_now is not None and table.log is None:
             self._load_now(st, need, missing)
         elif missing:
@@ -752,9 +763,10 @@ class WholeLayer:
         if admit:  # low priority: a later token finds them; the current call computes them on the CPU
             st.admission_copies += len(c._load(self.il, table, need, admit, Priority.ADMISSION))
 
-    def _to_host(self, pending: list[CopyHandle], missing: list[int]
+    def _to_host(self, pending: list[CopyHandle], missing: list[int], n_need: int
                  ) -> tuple[set[int], list[CopyHandle], list[int]]:
-        """Split misses and copies in flight between the CPU and waiting, as the miss policy says."""
+        """Split misses and copies in flight between the CPU and waiting, as the miss policy says (``n_need``:
+        the call's distinct experts)."""
         c = self.cache
         nbytes = self.slot_bytes
         host: set[int] = set()
@@ -772,10 +784,36 @@ class WholeLayer:
                 host.add(h.expert)  # its slot stays LOADING; a later call reads it once landed
             else:
                 keep.append(h)
+        if c.cpu_beside_link and c.miss_policy == "auto" and c.costs is not None and missing:
+            return self._split_beside(host, keep, missing, now, n_need)
         if prefer_host(c.miss_policy, c.costs, nbytes, None):  # a miss not yet copying: the same answer for each
             host.update(missing)
             return host, keep, []
         return host, keep, missing
+
+    def _split_beside(self, host: set[int], keep: list[CopyHandle], missing: list[int], now: float, n_need: int
+                      ) -> tuple[set[int], list[CopyHandle], list[int]]:
+        """``auto`` with the CPU beside the link: the new misses split so that the GPU's side (the copies this call
+        waits for, the new ones, then every expert not on the CPU computed on the GPU) and the CPU (the copies in
+        flight it took over, then its share) finish together. The highest ids go to the CPU: any k of them cost
+        the same, and a fixed choice keeps replays reproducible."""
+        c = self.cache
+        costs, nbytes, remaining = c.costs, self.slot_bytes, c._remaining
+        link_busy = 0.0  # s until the last copy this call waits for lands (the new misses queue behind them)
+        for h in keep:
+            if c.copies.done(h):
+                continue
+            left = remaining(h) if remaining is not None else None
+            if left is None:
+                left = max(0.0, costs.copy_s(nbytes) - (now - c._submitted.get(h.id, now)))
+            link_busy = max(link_busy, left)
+        gpu_s = costs.gpu_s(nbytes)
+        others = n_need - len(host) - len(missing)  # the GPU computes these whatever the split
+        k = split_misses(len(missing), costs.copy_s(nbytes) + gpu_s, costs.cpu_s(nbytes), link_busy + others * gpu_s,
+                         len(host) * costs.cpu_s(nbytes), costs.host_split_s)
+        if k:
+            host.update(missing[len(missing) - k:])
+        return host, keep, missing[:len(missing) - k]
 
     def after_token(self, flat: list[int]) -> None:
         """The async decode's step for this layer (``ExpertCache.after_token``, under the cache's lock)."""

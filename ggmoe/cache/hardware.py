@@ -8,7 +8,9 @@ its cost model from one (``MissCosts``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,23 @@ class HardwareProfile:
     # compose_profile give the default disk, ggmoe.cache.parts.DEFAULT_DISK)
     disk_bytes_per_s: float | None = None
     disk_latency_s: float | None = None
+    # expert bytes a CPU matvec reads per second for one ggml type, where that type was measured ((type,
+    # bytes/s) pairs, the profile's [cpu.types]); a type without one takes cpu_bytes_per_s
+    cpu_type_bytes_per_s: tuple[tuple[str, float], ...] = ()
+
+    def cpu_rate(self, ggml_type: str) -> float:
+        """Bytes/s a CPU matvec reads of experts of ``ggml_type`` (gguf's name, e.g. ``Q4_K``)."""
+        return dict(self.cpu_type_bytes_per_s).get(ggml_type, self.cpu_bytes_per_s)
+
+    def for_expert_types(self, bytes_by_type: Mapping[str, int]) -> HardwareProfile:
+        """The profile with the CPU's rate for experts of this mix of ggml types (bytes of one expert per type,
+        e.g. Q4_K gate and up, Q5_0 down): each type's bytes at its own rate, the types the profile has no figure
+        for at ``cpu_bytes_per_s``."""
+        total = sum(bytes_by_type.values())
+        if not self.cpu_type_bytes_per_s or total <= 0:
+            return self
+        seconds = sum(nb / self.cpu_rate(t) for t, nb in bytes_by_type.items())
+        return dataclasses.replace(self, cpu_bytes_per_s=total / seconds)
 
     def copy_s(self, nbytes: int, n_copies: int = 1) -> float:
         """Seconds to copy ``nbytes`` of one expert issued as ``n_copies`` copies (one per tensor kind)."""
@@ -65,9 +84,13 @@ class HardwareProfile:
 
     def miss_costs(self, n_copies: int = COPIES_PER_EXPERT) -> MissCosts:
         """The profile as the ``auto`` miss policy's cost model: an expert is ``n_copies`` copies (one per
-        tensor kind), each paying the per-copy latency, as the link charges them."""
+        tensor kind), each paying the per-copy latency, as the link charges them; a layer whose experts the CPU
+        computes beside the link pays one graph split with a device sync (``hook_s``); the GPU computes a copied
+        expert at its matvec rate."""
         return MissCosts(copy_bytes_per_s=self.copy_bytes_per_s, copy_latency_s=n_copies * self.copy_latency_s,
-                         cpu_bytes_per_s=self.cpu_bytes_per_s, cpu_latency_s=self.cpu_latency_s)
+                         cpu_bytes_per_s=self.cpu_bytes_per_s, cpu_latency_s=self.cpu_latency_s,
+                         host_split_s=self.hook_s, gpu_bytes_per_s=self.gpu_bytes_per_s,
+                         gpu_latency_s=self.gpu_launch_s)
 
 
 _FIELDS = {  # attribute -> (table, key, smallest allowed value)
@@ -167,7 +190,25 @@ def load_profile(spec: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
     name, desc = data.get("name", path.stem), data.get("description", "")
     if not isinstance(name, str) or not isinstance(desc, str):
         raise UsageError(f"{path}: name and description must be strings")
-    return HardwareProfile(name=name, description=desc, **values)
+    return HardwareProfile(name=name, description=desc, cpu_type_bytes_per_s=_cpu_types(path, data["cpu"]),
+                           **values)
+
+
+def _cpu_types(path: Path, cpu: dict) -> tuple[tuple[str, float], ...]:
+    """A profile file's optional [cpu.types]: bytes/s per ggml type name, each a known type and a finite rate."""
+    from gguf import GGMLQuantizationType
+
+    table = cpu.get("types", {})
+    if not isinstance(table, dict):
+        raise UsageError(f"{path}: [cpu.types] must be a table")
+    out = []
+    for name, v in sorted(table.items()):
+        if name not in GGMLQuantizationType.__members__:
+            raise UsageError(f"{path}: [cpu.types] {name!r} is not a ggml type (e.g. Q4_K, Q8_0, MXFP4)")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 1e3:
+            raise UsageError(f"{path}: [cpu.types] {name} must be a finite number >= 1000, not {v!r:.40}")
+        out.append((name, float(v)))
+    return tuple(out)
 
 
 def _disk_table(path: Path, table: object) -> tuple[float, float]:
@@ -202,6 +243,9 @@ def render_profile(profile: HardwareProfile, sources: dict[str, str]) -> str:
         if attr == "copy_latency_s" and profile.zero_copy_bytes_per_s is not None:
             lines.append(f"# {_comment(sources.get('zero_copy_bytes_per_s', 'not stated'))}")
             lines.append(f"zero_copy_bytes_per_s = {_toml_float(profile.zero_copy_bytes_per_s)}")
+    if profile.cpu_type_bytes_per_s:
+        lines += ["", "[cpu.types]", f"# {_comment(sources.get('cpu_type_bytes_per_s', 'not stated'))}"]
+        lines += [f"{t} = {_toml_float(v)}" for t, v in profile.cpu_type_bytes_per_s]
     if profile.disk_bytes_per_s is not None:
         lines += ["", "[disk]", f"# {_comment(sources.get('disk_bytes_per_s', 'not stated'))}",
                   f"bytes_per_s = {_toml_float(profile.disk_bytes_per_s)}",

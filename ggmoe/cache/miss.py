@@ -4,7 +4,15 @@
 - ``cpu``: compute it on the CPU from the host tensor (the host path) and queue an admission copy at low
   priority so that a later token finds it; a copy still in flight is not waited for either;
 - ``auto``: whichever the cost model says is sooner: the copy's remaining time (or a new copy's whole
-  time) against the CPU's time for that expert.
+  time) against the CPU's time for that expert. Where the CPU computes beside the link (the cache's
+  ``cpu_beside_link``: the simulator's ``hybrid`` decode), a layer's new misses are instead split between
+  the two servers so that both finish together (``split_misses``).
+
+Why ``auto`` splits only beside the link: the engine's sync decode waits for a layer's copies inside the
+route op, before the graph computes anything, its CPU part included, so the link and the CPU run in turn
+there. Their times then add, and each miss going to the server that is sooner for it alone (``prefer_host``)
+minimizes that sum. A split pays only where the CPU starts on its misses while the link copies the others,
+which needs the engine's CPU part to start at the route op.
 
 The host path exists only for micro-batches of at most ``HOST_MAX_TOKENS`` tokens (the patch's
 ``LLAMA_GGMOE_HOST_MAX_TOKENS``); larger ones wait, whatever the policy.
@@ -12,6 +20,7 @@ The host path exists only for micro-batches of at most ``HOST_MAX_TOKENS`` token
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -34,9 +43,19 @@ class MissCosts:
     copy_latency_s: float  # fixed cost of one expert copy (s)
     cpu_bytes_per_s: float  # bytes of expert weights the CPU multiplies per second (memory-bound matvec)
     cpu_latency_s: float = 0.0  # fixed cost of one expert on the CPU (s)
+    # fixed cost of a layer call whose experts the CPU computes any of, where the CPU runs beside the link: the
+    # graph split's device sync, the activations to the host and the results back (s)
+    host_split_s: float = 0.0
+    # what the GPU's matvec of one expert reads per second and its fixed cost, where known (a copied miss is
+    # computed after its copy lands, beside the hits): None, the GPU's time is left out
+    gpu_bytes_per_s: float | None = None
+    gpu_latency_s: float = 0.0  # s
 
     def copy_s(self, nbytes: int) -> float:
         return self.copy_latency_s + nbytes / self.copy_bytes_per_s
+
+    def gpu_s(self, nbytes: int) -> float:
+        return self.gpu_latency_s + nbytes / self.gpu_bytes_per_s if self.gpu_bytes_per_s else 0.0
 
     def cpu_s(self, nbytes: int) -> float:
         return self.cpu_latency_s + nbytes / self.cpu_bytes_per_s
@@ -50,6 +69,39 @@ def prefer_host(policy: str, costs: MissCosts | None, nbytes: int, copy_left_s: 
         return True
     wait_s = copy_left_s if copy_left_s is not None else costs.copy_s(nbytes)
     return costs.cpu_s(nbytes) < wait_s
+
+
+def split_misses(n_misses: int, copy_s: float, cpu_s: float, link_busy_s: float = 0.0,
+                 cpu_busy_s: float = 0.0, cpu_fixed_s: float = 0.0) -> int:
+    """How many of a layer's ``n_misses`` new misses go to the CPU when the link and the CPU serve them at once.
+
+    The link copies its share one after another after ``link_busy_s`` of work already on it (``copy_s`` an
+    expert); the CPU computes its share after ``cpu_busy_s`` (``cpu_s`` an expert), and pays ``cpu_fixed_s``
+    once when it has any work at all (``MissCosts.host_split_s``). The answer minimizes the later of the two
+    finishes, ``max(link_busy_s + (n - k) copy_s, cpu_busy_s + fixed + k cpu_s)``; on a tie, the fewer to the
+    CPU, since a copy also leaves the expert cached for later tokens.
+    """
+    if n_misses <= 0 or copy_s + cpu_s <= 0.0:  # nothing missed, or both free: nothing to gain from the CPU
+        return 0
+    cpu_start = cpu_busy_s + cpu_fixed_s  # when the CPU starts on new misses
+
+    def finish(k: int) -> float:
+        cpu = cpu_start + k * cpu_s if k or cpu_busy_s > 0.0 else 0.0  # an idle CPU pays no fixed cost
+        return max(link_busy_s + (n_misses - k) * copy_s, cpu)
+
+    # the two lines cross at x; the best integer is one of its neighbours (clamped to [0, n]) or none at all
+    x = (link_busy_s + n_misses * copy_s - cpu_start) / (copy_s + cpu_s)
+    lo = min(max(math.floor(x), 0), n_misses)
+    hi = min(max(math.ceil(x), 0), n_misses)
+    return min((0, lo, hi), key=lambda k: (finish(k), k))
+
+
+def host_path_pays_beside(costs: MissCosts | None, bytes_per_expert: Mapping[int, int], n_expert_used: int) -> bool:
+    """Whether ``auto`` keeps the host path where the CPU runs beside the link: for some layer, a token's worth
+    of misses (``n_expert_used``) on an idle link and CPU sends at least one to the CPU (no cost model: kept)."""
+    if costs is None:
+        return True
+    return any(split_misses(n_expert_used, costs.copy_s(nb), costs.cpu_s(nb)) > 0 for nb in bytes_per_expert.values())
 
 
 def host_path_pays(costs: MissCosts | None, bytes_per_expert: Mapping[int, int]) -> bool:
@@ -67,11 +119,15 @@ def host_path_pays(costs: MissCosts | None, bytes_per_expert: Mapping[int, int])
     return any(costs.cpu_s(nb) < costs.copy_s(nb) for nb in bytes_per_expert.values())
 
 
-def effective_miss_policy(policy: str, costs: MissCosts | None, bytes_per_expert: Mapping[int, int]
-                          ) -> tuple[str, str | None]:
-    """The miss policy the cache runs and, when ``auto`` became ``wait``, why (one line for the user)."""
+def effective_miss_policy(policy: str, costs: MissCosts | None, bytes_per_expert: Mapping[int, int],
+                          beside_k: int | None = None) -> tuple[str, str | None]:
+    """The miss policy the cache runs and, when ``auto`` became ``wait``, why (one line for the user).
+    ``beside_k``: where the CPU runs beside the link, the misses a layer call can have (``n_expert_used``): the
+    host path then pays where the split sends one of them to the CPU (``host_path_pays_beside``)."""
     policy = check_miss_policy(policy)
-    if policy != "auto" or host_path_pays(costs, bytes_per_expert):
+    pays = (host_path_pays(costs, bytes_per_expert) if beside_k is None
+            else host_path_pays_beside(costs, bytes_per_expert, beside_k))
+    if policy != "auto" or pays:
         return policy, None
     nb = max(bytes_per_expert.values(), default=0)
     return "wait", (f"auto: a copy ({costs.copy_s(nb) * 1e6:.0f} us per expert) is sooner than the CPU "

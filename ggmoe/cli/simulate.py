@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from ggmoe.trace.routing_stats import RoutingStats
 
 PLOT_SUFFIXES = (".png",)  # what every --plot writes
-SIM_MODES = ("sync", "async", "async-fill")  # --decode-mode: async-fill is async with in-graph fills
+# --decode-mode: async-fill is async with in-graph fills; hybrid is sync with the CPU beside the link (miss policy auto)
+SIM_MODES = ("sync", "async", "async-fill", "hybrid")
 
 
 def _split(values: tuple[str, ...], flag: str = "") -> list[str]:
@@ -227,7 +228,8 @@ def trace_model(trace: Trace, model: str | None, need_bytes: bool,
               help="sync, async, async-fill (repeat or comma list; default sync): async reads misses over the link "
                    "with no route hook and admits between tokens; async-fill is async with in-graph fills (each "
                    "miss copied into a fill slot inside its layer and read there: one crossing, no admission); "
-                   "their rows need miss policy wait.")
+                   "their rows need miss policy wait. hybrid is sync with each layer's misses split between the "
+                   "link and the CPU, both at once, so that both finish together; its rows need miss policy auto.")
 @click.option("--theta", multiple=True,
               help="MoEpic's split: the top share θ of every MoE layer's experts that a slot holds, in (0, 1] "
                    "(repeat or comma list; default 1, whole experts). At each size the split layers get as many "
@@ -313,7 +315,7 @@ class _Choices:
     policies: list[str]
     predictors: list[str | None]  # None: no prefetching
     misses: list[str]
-    modes: list[str]  # sync, async, async-fill
+    modes: list[str]  # sync, async, async-fill, hybrid
     thetas: list[float]  # MoEpic's top shares; 1.0: whole experts
     planners: list[str | None]  # cross-token predictors planning between tokens; None: no planner
 
@@ -387,7 +389,18 @@ def _load_inputs(traces: tuple[str, ...], model: str | None, hw: str, predictor_
         raise UsageError("--vram, --stats-in and --theta need the model's bytes per expert: give --model")
     train = load_traces(list(predictor_train)) if predictor_train else None
     warm = read_stats_in(stats_in, facts, Path(path)) if path is not None else None
+    if profile is not None and path is not None:  # the CPU's rate for the model's expert types
+        profile = profile.for_expert_types(expert_types(facts))
     return _Inputs(trace, facts, path, profile, train, warm)
+
+
+def expert_types(facts: ModelFacts) -> dict[str, int]:
+    """Bytes of the cached expert weights per ggml type, one expert of every MoE layer summed."""
+    out: dict[str, int] = {}
+    for il in facts.moe_layers:
+        for t in facts.layer(il).cached:
+            out[t.ggml_type] = out.get(t.ggml_type, 0) + t.bytes_per_expert
+    return out
 
 
 def _policy_options(policies: list[str], warm: RoutingStats | None) -> dict[str, dict]:
@@ -409,11 +422,18 @@ def _combinations(facts: ModelFacts | TraceShape, cache_slots: tuple[str, ...], 
     c = choices
     combos = [k for k in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), c.policies,
                                            c.predictors, c.misses, c.modes, c.thetas, c.planners)
-              if (k[4] == "sync" or k[3] == "wait") and (k[5] == 1.0 or k[3] == "wait")]
-    if any(m != "sync" for m in c.modes) and not any(k[4] != "sync" for k in combos):
-        raise UsageError(f"--decode-mode {','.join(m for m in c.modes if m != 'sync')} needs --miss-policy wait "
-                         "among the choices")
+              if _mode_runs(k[4], k[3]) and (k[5] == 1.0 or k[3] == "wait")]
+    for mode in c.modes:
+        if mode != "sync" and not any(k[4] == mode for k in combos):
+            need = "auto" if mode == "hybrid" else "wait"
+            raise UsageError(f"--decode-mode {mode} needs --miss-policy {need} among the choices")
     return combos
+
+
+def _mode_runs(mode: str, miss: str) -> bool:
+    """Whether a decode mode runs with a miss policy: async reads misses over the link (wait), hybrid splits them
+    between the link and the CPU (auto), sync runs every policy."""
+    return mode == "sync" or miss == ("auto" if mode == "hybrid" else "wait")
 
 
 def _check_predictors(predictors: list[str | None], planners: list[str | None], combos: list[tuple], stride: int,
@@ -443,8 +463,9 @@ def _sim_configs(combos: list[tuple], inputs: _Inputs, options: dict[str, dict],
         split, n_slots = split_at(inputs.facts, slots, th)  # the same VRAM as the whole-expert row
         configs.append(SimConfig(n_slots=n_slots, policy=pol, policy_options=options.get(pol), predictor=pred,
                                  stride=stride, n_prefetch=n_prefetch, miss_policy=miss, predictor_s=predictor_s,
-                                 predictor_state=inputs.learnt(pred), decode_mode="sync" if mode == "sync" else "async",
-                                 split=split, planner=pl, fills=mode == "async-fill"))
+                                 predictor_state=inputs.learnt(pred),
+                                 decode_mode="sync" if mode in ("sync", "hybrid") else "async", split=split,
+                                 planner=pl, fills=mode == "async-fill", hybrid=mode == "hybrid"))
     return configs
 
 

@@ -11,6 +11,15 @@ Three resources share one virtual clock (seconds):
   (``cpu_expert_s(bytes)`` each), after the router (they need its answer) and in parallel with the GPU's
   experts: the layer's expert part takes the longer of the two.
 
+The hybrid decode (``SimConfig.hybrid``, simulate's ``--decode-mode hybrid``): the sync decode with miss policy
+``auto``, the CPU computing beside the link. Each layer's new misses are split between the two by their costs
+and queues (``ggmoe.cache.miss.split_misses``, the cache's ``cpu_beside_link``); the CPU starts on its share when
+the route op has the router's answer, while the link copies the rest and the GPU then computes the hits and the
+copied misses. The layer's expert part ends when both have: ``max(wait + GPU experts, split + CPU experts)``,
+where a layer whose experts the CPU computes pays one graph split with a device sync on the CPU's side
+(``hook_s``, as ``stock-cpu``'s CPU layers do: the activations to the host and the results back), and the split
+weighs it (``MissCosts.host_split_s``).
+
 A micro-batch too wide for the slots runs natively, as the engine does: llama.cpp's op offload uploads the
 layer's whole expert tensors for it (``n_expert`` experts over the link) and the GPU computes.
 
@@ -113,10 +122,15 @@ class SimConfig:
     # the host tier's slots per MoE layer when the experts do not all fit --host-ram (ggmoe.cache.tiers): a miss in
     # both tiers reads the expert from disk first (ggmoe.simulate.disk); None: every expert in host memory
     host_slots: int | None = None
+    # the hybrid decode (sync only, miss policy auto): the CPU computes its share of a layer's misses while the
+    # link copies the rest, the share from the balanced split (ggmoe.cache.miss.split_misses)
+    hybrid: bool = False
 
     @property
     def mode(self) -> str:
-        """The decode mode as simulate's rows and the GPU matrix name it: sync, async or async-fill."""
+        """The decode mode as simulate's rows and the GPU matrix name it: sync, async, async-fill or hybrid."""
+        if self.hybrid and self.decode_mode == "sync":
+            return "hybrid"
         return "async-fill" if self.fills and self.decode_mode == "async" else self.decode_mode
 
     @property
@@ -126,7 +140,7 @@ class SimConfig:
         pred = f"{self.predictor}/s{self.stride}" if self.predictor else "-"
         if self.planner:
             pred += f", planner {self.planner}"
-        mode = f", {self.mode}" if self.decode_mode == "async" else ""
+        mode = f", {self.mode}" if self.decode_mode == "async" or self.hybrid else ""
         if self.split:
             thetas = sorted({s.n_top / s.n_ff for s in self.split.values()})
             mode += f", split θ {thetas[0]:.2g}" + (f"-{thetas[-1]:.2g}" if len(thetas) > 1 else "")
@@ -158,7 +172,7 @@ class SimResult:
     ttft_s: float | None  # estimate: mean s from a prompt to its first token; None without a profile
     link_busy_s: float  # s the simulated link copied (and, async, held by zero-copy reads)
     stats: dict = field(default_factory=dict)  # CacheStats.to_dict()
-    decode_mode: str = "sync"  # sync, async or async-fill (the async decode with in-graph fills)
+    decode_mode: str = "sync"  # sync, async, async-fill (the async decode with in-graph fills) or hybrid
     ttft_each_s: tuple[float, ...] = ()  # estimate: each prompt's time to its first token, in order
     planner: str | None = None  # the cross-token predictor that planned between tokens, or None
     plan_accuracy: float = 0.0  # its plans' top n_expert_used that the layer's next call selected
@@ -230,12 +244,14 @@ class _Costs:
         return self.p.copy_s(self.n_expert * self.bpe[il], COPIES_PER_EXPERT) if self.p else 0.0
 
 
-def _miss_policy(config: SimConfig, split: bool, costs: MissCosts | None, bytes_per_expert: Mapping[int, int]
-                 ) -> str:
+def _miss_policy(config: SimConfig, split: bool, costs: MissCosts | None, bytes_per_expert: Mapping[int, int],
+                 n_expert_used: int) -> str:
     """The miss policy the engine would run: ``auto`` without a host path that cannot serve the cache, then
-    ``auto`` as ``wait`` where the cost model never prefers the CPU."""
+    ``auto`` as ``wait`` where the cost model never prefers the CPU (in the hybrid decode: where the split never
+    sends a token's misses to the CPU)."""
     asked, _ = auto_without_host_path(config.miss_policy, split, config.decode_mode)
-    return effective_miss_policy(asked, costs, bytes_per_expert)[0]
+    beside = n_expert_used if config.hybrid else None
+    return effective_miss_policy(asked, costs, bytes_per_expert, beside)[0]
 
 
 def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
@@ -250,6 +266,8 @@ def simulate(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int
         raise UsageError(f"decode mode {config.decode_mode!r}: the simulator runs sync or async")
     if config.fills and config.decode_mode != "async":
         raise UsageError("in-graph fills are the async decode's: simulate them with decode mode async")
+    if config.hybrid and (config.decode_mode != "sync" or config.miss_policy != "auto"):
+        raise UsageError("the hybrid decode is the sync decode with miss policy auto")
     with _without_cycle_collector():  # the build's next uses are a million dicts too
         sim = _build(trace, config, bytes_per_expert, profile, train, n_chunks, model_path, layers)
         decode_s, prefill_s, ttft = _replay(sim, trace)
@@ -307,7 +325,7 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
             else DiskLinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks, split, host))
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
-    miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert)  # as the engine
+    miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert, m.n_expert_used)  # as the engine
     if config.decode_mode == "async" and miss_policy != "wait":
         raise UsageError("the async decode reads misses from host memory (miss policy wait), as the engine's")
     pred = build_predictor(config, trace, train, model_path) if config.predictor else None
@@ -322,6 +340,7 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
         _stride_prefetch(cache, prefetcher)
     if config.fills:  # as the engine's pipeline sets it where the graph fills
         cache.fill_slots = m.n_expert_used
+    cache.cpu_beside_link = config.hybrid
     if host is not None and (pred is not None or config.planner):
         _disk_prefetch(cache, host)
     ids = trace.ids.astype(np.int32)
@@ -469,6 +488,7 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
         if in_split:  # a split layer reads misses and bottoms in place
             lst = cache.stats.layers[il]
             read0, miss0 = lst.host_read_bytes, lst.misses
+        t_route = clock.now()  # the hybrid decode's CPU starts on its share here, as the link on its copies
         if future is None:
             slots = cache.route_flat(il, flat)
         else:
@@ -483,11 +503,26 @@ def _sync_step(st: _Step, trace: Trace, rows: slice, sel_all: np.ndarray, layers
             read_s = st.link.occupy(costs.zero_copy(lst.host_read_bytes - read0))
             clock.advance(max(costs.experts(il, need - n_host - (lst.misses - miss0)) + read_s, costs.cpu(il, n_host)))
         elif n_host:  # a whole-expert layer reads nothing in place on the sync path
-            wait = host.wait_s(il, {e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST}) if host else 0.0
-            clock.advance(max(costs.experts(il, need - n_host), wait + costs.cpu(il, n_host)))
+            clock.advance(_host_layer_s(st, il, flat, slots, need, n_host, clock.now() - t_route))
         else:  # the GPU computes them all (max(t + 0.0, 0.0) is t: the same time)
             clock.advance(costs.experts(il, need))
     return fi
+
+
+def _host_layer_s(st: _Step, il: int, flat: list[int], slots: list[int], need: int, n_host: int,
+                  since_route_s: float) -> float:
+    """The rest of a sync layer whose ``n_host`` experts the CPU computes: the longer of the GPU's experts and the
+    CPU's (after the disk reads of experts the host tier lacks). In the hybrid decode the CPU started when the
+    route op did, ``since_route_s`` ago (the link's copies and the predictor ran meanwhile), and the GPU waits
+    for its results through one graph split with a device sync (``hook_s``: the activations to the host, the
+    results back)."""
+    costs = st.costs
+    host = getattr(st.link, "host", None)
+    wait = host.wait_s(il, {e for e, s in zip(flat, slots, strict=True) if s == SLOT_HOST}) if host else 0.0
+    cpu_s = wait + costs.cpu(il, n_host)
+    if not st.config.hybrid:
+        return max(costs.experts(il, need - n_host), cpu_s)
+    return max(costs.experts(il, need - n_host), costs.hook() + cpu_s - since_route_s)
 
 
 def _observe(st: _Step, obs: Prefetcher | NextTokenPlanner, trace: Trace, rows: slice, sel_all: np.ndarray, j: int, il: int) -> None:

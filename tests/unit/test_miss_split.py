@@ -1,0 +1,97 @@
+"""The balanced split of a layer's misses between the link and the CPU (``miss.split_misses``), and ``auto``
+using it in the cache where the CPU runs beside the link."""
+
+from __future__ import annotations
+
+import pytest
+
+from ggmoe.cache import ExpertCache
+from ggmoe.cache.miss import SLOT_HOST, MissCosts, effective_miss_policy, host_path_pays_beside, split_misses
+from ggmoe.cache.policies import POLICIES
+
+pytestmark = pytest.mark.unit
+
+US = 1e-6
+
+
+def _finish(n: int, k: int, copy_s: float, cpu_s: float, link_busy: float, cpu_busy: float) -> float:
+    return max(link_busy + (n - k) * copy_s, cpu_busy + k * cpu_s)
+
+
+@pytest.mark.parametrize("n, copy_us, cpu_us, link_busy_us, cpu_busy_us, want", [
+    (0, 200, 100, 0, 0, 0),  # nothing missed
+    (6, 200, 200, 0, 0, 3),  # equal servers: half each
+    (6, 224, 116, 0, 0, 4),  # the rtx4090 composed profile's Q4_K expert: the CPU takes two thirds
+    (6, 100, 1000, 0, 0, 0),  # a CPU ten times slower: one expert there (1000) outlasts six copies (600)
+    (6, 1000, 100, 0, 0, 6),  # a link ten times slower: six on the CPU (600) beat one copy (1000)
+    (12, 1000, 100, 0, 0, 11),  # twelve: one copy beside eleven on the CPU
+    (1, 200, 200, 0, 0, 0),  # a tie: the copy, which also caches the expert
+    (4, 100, 100, 400, 0, 4),  # the link is busy with copies this call waits for: the CPU takes them all
+    (4, 100, 100, 0, 300, 0),  # the CPU is busy with copies it took over: the link takes them all
+    (5, 100, 100, 100, 0, 3),  # some of both
+    (6, 0.0, 100, 0, 0, 0),  # a free link
+    (6, 100, 0.0, 0, 0, 6),  # a free CPU
+    (6, 0.0, 0.0, 0, 0, 0),  # both free: no host path
+])
+def test_split_misses(n, copy_us, cpu_us, link_busy_us, cpu_busy_us, want):
+    k = split_misses(n, copy_us * US, cpu_us * US, link_busy_us * US, cpu_busy_us * US)
+    assert k == want
+    best = min(_finish(n, j, copy_us, cpu_us, link_busy_us, cpu_busy_us) for j in range(n + 1))
+    assert _finish(n, k, copy_us, cpu_us, link_busy_us, cpu_busy_us) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_split_misses_is_the_best_of_every_split(seed):
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(200):
+        n = rng.randrange(0, 12)
+        copy_s, cpu_s = rng.uniform(0, 1e-3), rng.uniform(0, 1e-3)
+        lb, cb = rng.choice([0.0, rng.uniform(0, 2e-3)]), rng.choice([0.0, rng.uniform(0, 2e-3)])
+        k = split_misses(n, copy_s, cpu_s, lb, cb)
+        assert 0 <= k <= n
+        best = min(_finish(n, j, copy_s, cpu_s, lb, cb) for j in range(n + 1))
+        assert _finish(n, k, copy_s, cpu_s, lb, cb) == pytest.approx(best, abs=1e-15)
+
+
+def _costs(copy_us: float, cpu_us: float, nbytes: int = 1000) -> MissCosts:
+    return MissCosts(copy_bytes_per_s=nbytes / (copy_us * US), copy_latency_s=0.0, cpu_bytes_per_s=nbytes / (cpu_us * US))
+
+
+@pytest.mark.parametrize("copy_us, cpu_us, k, beside, idle_link_pays", [
+    (100, 300, 4, True, False),  # a slower CPU still takes a share of four misses beside the link
+    (100, 300, 1, False, False),  # one miss: the copy alone is sooner
+    (100, 90, 1, True, True),
+])
+def test_host_path_pays_beside(copy_us, cpu_us, k, beside, idle_link_pays):
+    costs = _costs(copy_us, cpu_us)
+    assert host_path_pays_beside(costs, {0: 1000}, k) == beside
+    assert host_path_pays_beside(None, {0: 1000}, k)
+    assert effective_miss_policy("auto", costs, {0: 1000}, beside_k=k)[0] == ("auto" if beside else "wait")
+    assert effective_miss_policy("auto", costs, {0: 1000})[0] == ("auto" if idle_link_pays else "wait")
+
+
+def _cache(costs: MissCosts, beside: bool, policy: str = "auto") -> ExpertCache:
+    cache = ExpertCache(16, 4, {0: 8}, POLICIES.get("lru")(16, [0]), bytes_per_expert={0: 1000},
+                        miss_policy=policy, costs=costs)
+    cache.cpu_beside_link = beside
+    return cache
+
+
+@pytest.mark.parametrize("copy_us, cpu_us, policy, beside, n_host", [
+    (200, 200, "auto", True, 2),  # equal servers beside each other: half of four misses each
+    (200, 200, "auto", False, 0),  # in turn: the CPU is not sooner for any one miss, all wait
+    (300, 100, "auto", True, 3),  # a faster CPU: three of four
+    (300, 100, "auto", False, 4),  # in turn: each miss to the sooner CPU
+    (200, 200, "wait", True, 0),  # wait and cpu do as they say, beside the link or not
+    (200, 200, "cpu", True, 4),
+])
+def test_the_cache_splits_misses_only_beside_the_link(copy_us, cpu_us, policy, beside, n_host):
+    cache = _cache(_costs(copy_us, cpu_us), beside, policy)
+    slots = cache.route_flat(0, [3, 1, 7, 5])
+    assert sum(s == SLOT_HOST for s in slots) == n_host
+    assert cache.stats.layers[0].host_computed == n_host
+    # the highest ids go to the CPU (a fixed choice: replays reproduce it)
+    if policy == "auto" and beside:
+        assert {e for e, s in zip([3, 1, 7, 5], slots, strict=True) if s == SLOT_HOST} == set([7, 5, 3, 1][:n_host])
