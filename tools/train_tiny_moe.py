@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -147,7 +148,7 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_top_pad, 256 << 20)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("~/.cache/ggmoe/tiny-moe").expanduser())
     parser.add_argument("--seed", type=int, default=0)
@@ -167,9 +168,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     parser.add_argument("--eval-windows", type=int, default=16, help="held-out windows per domain")
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    t_start = time.time()
+
+def make_deterministic(args: argparse.Namespace) -> None:
+    """Pin threads and seeds before anything draws a random number, so a run repeats bit for bit."""
     keep_freed_memory()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -177,10 +180,21 @@ def main() -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))  # HF tokenizers' thread pool
     args.out.mkdir(parents=True, exist_ok=True)
 
+
+@dataclass
+class Corpus:
+    """The tokenized corpus: streams to draw training windows from, fixed held-out windows to score."""
+
+    tok: Tokenizer
+    train_streams: dict[str, np.ndarray]
+    heldout_eval: dict[str, torch.Tensor]
+
+
+def prepare_corpus(args: argparse.Namespace) -> Corpus:
+    """Train and save the tokenizer, then tokenize both splits (the held-out split only for scoring)."""
     print("training the tokenizer ...", flush=True)
     tok = train_tokenizer(args.vocab, args.seed)
     tok.save(str(args.out / "tokenizer.json"))
-    eos = tok.token_to_id(EOS_TOKEN)
 
     print("tokenizing the corpus ...", flush=True)
     train_streams = {d: token_stream(tok, documents("train", d)) for d in DOMAINS}
@@ -188,9 +202,13 @@ def main() -> None:
     heldout_eval = {d: eval_windows(s, args.seq, args.eval_windows) for d, s in heldout_streams.items()}
     for d in DOMAINS:
         print(f"  {d}: train {len(train_streams[d]):,} tokens, held-out {len(heldout_streams[d]):,} tokens")
+    return Corpus(tok, train_streams, heldout_eval)
 
+
+def build_model(args: argparse.Namespace, n_vocab: int) -> TinyMoe:
+    """The model, initialised from the torch seed set in make_deterministic; the context is --seq."""
     cfg = TinyMoeConfig(
-        n_vocab=tok.get_vocab_size(),
+        n_vocab=n_vocab,
         n_embd=args.n_embd,
         n_layer=args.n_layer,
         n_expert=args.n_expert,
@@ -201,81 +219,133 @@ def main() -> None:
     model = TinyMoe(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {cfg}\n  {n_params / 1e6:.2f} M parameters", flush=True)
+    return model
+
+
+def make_optimizer(model: TinyMoe, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW, decaying only the matrices: the 1-D norm weights are left undecayed, as is usual for LMs."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr,
         betas=(0.9, 0.95),
     )
 
+
+def sample_batch(rng: np.random.Generator, streams: dict[str, np.ndarray], seq: int, per_domain: int) -> torch.Tensor:
+    """per_domain random windows of seq+1 tokens from each domain, in DOMAINS order (the rng order matters)."""
+    rows = []
+    for d in DOMAINS:
+        stream = streams[d]
+        for o in rng.integers(0, len(stream) - seq - 1, size=per_domain):
+            rows.append(stream[o : o + seq + 1])
+    return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def train_step(
+    model: TinyMoe, opt: torch.optim.AdamW, batch: torch.Tensor, lr: float, aux_coef: float
+) -> tuple[float, float, float]:
+    """One AdamW step on next-token CE + aux_coef x the load-balancing loss; returns (ce, aux, grad norm)."""
+    cfg = model.cfg
+    for group in opt.param_groups:
+        group["lr"] = lr
+    logits, probs, ids = model(batch[:, :-1])
+    ce = F.cross_entropy(logits.reshape(-1, cfg.n_vocab), batch[:, 1:].reshape(-1))
+    aux = torch.stack([load_balancing_loss(p, i, cfg.n_expert) for p, i in zip(probs, ids, strict=True)]).mean()
+    loss = ce + aux_coef * aux
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    # Clip the gradient norm at 1.0, the usual guard against one outlier batch taking a huge step.
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+    opt.step()
+    return ce.item(), aux.item(), grad_norm
+
+
+def evaluate_into(record: dict[str, float | int], model: TinyMoe, corpus: Corpus, batch: int, recent: list[float]) -> None:
+    """Add the held-out loss per domain to the step's log record and print a progress line."""
+    for d in DOMAINS:
+        record[f"heldout_loss_{d}"] = eval_loss(model, corpus.heldout_eval[d], batch)
+    tqdm.write(
+        f"step {record['step']}: train loss {np.mean(recent):.3f}, aux {record['aux']:.3f}, held-out loss "
+        + ", ".join(f"{d} {record[f'heldout_loss_{d}']:.3f}" for d in DOMAINS)
+    )
+
+
+@dataclass
+class TrainResult:
+    recent: list[float]  # the last 50 training CE losses, for a smoothed final figure
+    last_record: dict[str, float | int]  # the final step's log record, held-out losses included
+    seconds: float
+
+
+def train(args: argparse.Namespace, model: TinyMoe, corpus: Corpus) -> TrainResult:
+    """The training loop: one line of train_log.jsonl per step, a held-out evaluation every --eval-every."""
+    opt = make_optimizer(model, args)
     rng = np.random.default_rng(args.seed)
     per_domain = args.batch // len(DOMAINS)
-    log_path = args.out / "train_log.jsonl"
-    log = log_path.open("w")
     recent: list[float] = []
     t_train = time.time()
-    bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
-    for step in bar:
-        rows = []
-        for d in DOMAINS:
-            stream = train_streams[d]
-            for o in rng.integers(0, len(stream) - args.seq - 1, size=per_domain):
-                rows.append(stream[o : o + args.seq + 1])
-        batch = torch.from_numpy(np.stack(rows).astype(np.int64))
-        lr = lr_at(step, args.steps, args.lr, args.warmup)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        logits, probs, ids = model(batch[:, :-1])
-        ce = F.cross_entropy(logits.reshape(-1, cfg.n_vocab), batch[:, 1:].reshape(-1))
-        aux = torch.stack([load_balancing_loss(p, i, cfg.n_expert) for p, i in zip(probs, ids, strict=True)]).mean()
-        loss = ce + args.aux_coef * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
-        opt.step()
-        recent = (recent + [ce.item()])[-50:]
-        record: dict[str, float | int] = {
-            "step": step + 1, "loss": ce.item(), "aux": aux.item(), "lr": lr, "grad_norm": grad_norm,
-            "elapsed_s": time.time() - t_train,
-        }
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            for d in DOMAINS:
-                record[f"heldout_loss_{d}"] = eval_loss(model, heldout_eval[d], args.batch)
-            tqdm.write(
-                f"step {step + 1}: train loss {np.mean(recent):.3f}, aux {aux.item():.3f}, held-out loss "
-                + ", ".join(f"{d} {record[f'heldout_loss_{d}']:.3f}" for d in DOMAINS)
-            )
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        bar.set_postfix(loss=f"{ce.item():.3f}", aux=f"{aux.item():.3f}", lr=f"{lr:.1e}")
-    log.close()
-    train_s = time.time() - t_train
+    with (args.out / "train_log.jsonl").open("w") as log:
+        bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
+        for step in bar:
+            batch = sample_batch(rng, corpus.train_streams, args.seq, per_domain)
+            lr = lr_at(step, args.steps, args.lr, args.warmup)
+            ce, aux, grad_norm = train_step(model, opt, batch, lr, args.aux_coef)
+            recent = (recent + [ce])[-50:]
+            record: dict[str, float | int] = {
+                "step": step + 1, "loss": ce, "aux": aux, "lr": lr, "grad_norm": grad_norm,
+                "elapsed_s": time.time() - t_train,
+            }
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                evaluate_into(record, model, corpus, args.batch, recent)
+            log.write(json.dumps(record) + "\n")
+            log.flush()  # a long run's log can be read while it trains
+            bar.set_postfix(loss=f"{ce:.3f}", aux=f"{aux:.3f}", lr=f"{lr:.1e}")
+    return TrainResult(recent, record, time.time() - t_train)
 
-    # Expert load over the held-out eval windows: fraction of routing slots per expert.
-    with torch.no_grad():
-        model.eval()
-        _, _, ids = model(heldout_eval["code"][:, :-1])
-        loads = [torch.bincount(i.reshape(-1), minlength=cfg.n_expert).float() / i.numel() for i in ids]
+
+@torch.no_grad()
+def expert_loads(model: TinyMoe, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, the fraction of routing slots each expert got over windows: how balanced routing ended up."""
+    model.eval()
+    _, _, ids = model(windows[:, :-1])
+    return [torch.bincount(i.reshape(-1), minlength=model.cfg.n_expert).float() / i.numel() for i in ids]
+
+
+def write_summary(args: argparse.Namespace, model: TinyMoe, corpus: Corpus, result: TrainResult, t_start: float) -> None:
+    """Save checkpoint.pt and summary.json, and print the headline figures."""
+    cfg = model.cfg
+    loads = expert_loads(model, corpus.heldout_eval["code"])
     summary = {
         "config": cfg.to_dict(),
-        "n_params": n_params,
+        "n_params": sum(p.numel() for p in model.parameters()),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "eos_token_id": eos,
+        "eos_token_id": corpus.tok.token_to_id(EOS_TOKEN),
         "torch_version": str(torch.__version__),
         "corpus_fingerprints": {f"{s}/{d}": corpus_fingerprint(s, d) for s in ("train", "heldout") for d in DOMAINS},
-        "train_tokens": {d: int(len(s)) for d, s in train_streams.items()},
+        "train_tokens": {d: int(len(s)) for d, s in corpus.train_streams.items()},
         "tokens_seen": args.steps * args.batch * args.seq,
-        "train_seconds": train_s,
+        "train_seconds": result.seconds,
         "total_seconds": time.time() - t_start,
-        "final_train_loss_mean_last_50": float(np.mean(recent)),
-        "final_heldout_loss": {d: record[f"heldout_loss_{d}"] for d in DOMAINS},
+        "final_train_loss_mean_last_50": float(np.mean(result.recent)),
+        "final_heldout_loss": {d: result.last_record[f"heldout_loss_{d}"] for d in DOMAINS},
         "max_expert_load_fraction_per_layer": [float(x.max()) for x in loads],
         "min_expert_load_fraction_per_layer": [float(x.min()) for x in loads],
     }
     torch.save({"config": cfg.to_dict(), "state_dict": model.state_dict(), "summary": summary}, args.out / "checkpoint.pt")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: summary[k] for k in ("train_seconds", "final_train_loss_mean_last_50", "final_heldout_loss")}))
+
+
+def main() -> None:
+    args = parse_args()
+    t_start = time.time()
+    make_deterministic(args)
+    corpus = prepare_corpus(args)
+    model = build_model(args, corpus.tok.get_vocab_size())
+    result = train(args, model, corpus)
+    write_summary(args, model, corpus, result, t_start)
 
 
 if __name__ == "__main__":

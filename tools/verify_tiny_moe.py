@@ -160,49 +160,49 @@ def load_checkpoint(build: Path) -> TinyMoe:
     return model.eval()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", type=Path, default=Path("~/.cache/ggmoe/tiny-moe").expanduser())
     parser.add_argument("--docs", type=int, default=64, help="held-out documents per domain")
     parser.add_argument("--max-tokens", type=int, default=512, help="tokens per document (context)")
     parser.add_argument("--gen-tokens", type=int, default=48, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    t0 = time.time()
+    return parser.parse_args()
 
-    model = load_checkpoint(args.build)
-    tok = Tokenizer.from_file(str(args.build / "tokenizer.json"))
-    levels = {level: args.build / name for level, name in GGUF_FILES.items()}
-    results: dict[str, object] = {"build": str(args.build), "docs_per_domain": args.docs, "max_tokens": args.max_tokens}
 
-    llm = open_llama(levels["F32"], args.max_tokens, args.threads)
-    results["tokenization"] = check_tokenization(llm, tok, n_docs=200, max_chars=20_000)
-    print("tokenization:", results["tokenization"], flush=True)
-    docs = eval_set(llm, args.docs, args.max_tokens)
-    results["eval_tokens"] = {d: sum(len(x) for x in docs[d]) for d in DOMAINS}
+Scores = dict[str, dict[str, float]]  # level -> domain -> perplexity
+Matches = dict[str, dict[str, dict[str, float]]]  # level -> domain -> compare_logits figures
 
+
+def score_levels(
+    args: argparse.Namespace, model: TinyMoe, levels: dict[str, Path], f32_llm, docs: dict[str, list[list[int]]]
+) -> tuple[Scores, Matches]:
+    """Perplexity of torch and of every quant level, and each level's logits against torch's.
+
+    f32_llm is the F32 file already opened for tokenization; it is reused rather than loaded twice."""
     ref = {d: [torch_logits(model, ids) for ids in docs[d]] for d in DOMAINS}
-    ppl: dict[str, dict[str, float]] = {"torch": {d: perplexity(ref[d], docs[d]) for d in DOMAINS}}
-    match: dict[str, dict[str, dict[str, float]]] = {}
+    ppl: Scores = {"torch": {d: perplexity(ref[d], docs[d]) for d in DOMAINS}}
+    match: Matches = {}
     for level, path in levels.items():
-        if level != "F32":
-            llm = open_llama(path, args.max_tokens, args.threads)
+        llm = f32_llm if level == "F32" else open_llama(path, args.max_tokens, args.threads)
         got = {d: [llama_logits(llm, ids) for ids in docs[d]] for d in DOMAINS}
         ppl[level] = {d: perplexity(got[d], docs[d]) for d in DOMAINS}
         match[level] = {d: compare_logits(ref[d], got[d]) for d in DOMAINS}
         print(f"{level}: perplexity {ppl[level]}, logit match {match[level]}", flush=True)
-        if level == "F32":
-            f32_llm = llm
-    results["perplexity"] = ppl
-    results["logit_match"] = match
+    return ppl, match
 
-    generations = {}
+
+def greedy_generations(
+    args: argparse.Namespace, model: TinyMoe, tok: Tokenizer, f32_llm, q8_path: Path
+) -> dict[str, dict[str, object]]:
+    """Greedy continuations of a code and a prose prompt: torch and F32 must agree token for token;
+    Q8_0 is shown so a reader can see what quantization does to the text."""
+    generations: dict[str, dict[str, object]] = {}
     for name, prompt_text in (("code", CODE_PROMPT), ("prose", PROSE_PROMPT)):
         prompt = tok.encode(prompt_text, add_special_tokens=False).ids
         by_torch = greedy_torch(model, prompt, args.gen_tokens)
         by_f32 = greedy_llama(f32_llm, prompt, args.gen_tokens)
-        q8 = open_llama(levels["Q8_0"], args.max_tokens, args.threads)
+        q8 = open_llama(q8_path, args.max_tokens, args.threads)
         by_q8 = greedy_llama(q8, prompt, args.gen_tokens)
         generations[name] = {
             "prompt": prompt_text,
@@ -210,15 +210,16 @@ def main() -> None:
             "f32_equals_torch": by_f32 == by_torch,
             "q8_0": tok.decode(by_q8),
         }
-    results["greedy"] = generations
-    results["seconds"] = time.time() - t0
-    (args.build / "verify.json").write_text(json.dumps(results, indent=2) + "\n")
+    return generations
 
+
+def print_report(ppl: Scores, match: Matches, generations: dict[str, dict[str, object]], seconds: float) -> None:
+    """The results as a markdown table, one row per level, then the generations (docs/tiny-model.md quotes them)."""
     print("\n| level | ppl code | ppl prose | max abs diff (code/prose) | p99 abs diff (code/prose) "
           "| top-1 agreement (code/prose) |")
     print("|---|---|---|---|---|---|")
     print(f"| torch fp32 | {ppl['torch']['code']:.3f} | {ppl['torch']['prose']:.3f} | - | - | - |")
-    for level in levels:
+    for level in GGUF_FILES:
         m = match[level]
         print(
             f"| {level} | {ppl[level]['code']:.3f} | {ppl[level]['prose']:.3f} | "
@@ -228,7 +229,32 @@ def main() -> None:
         )
     for name, g in generations.items():
         print(f"\n[{name}] prompt: {g['prompt']!r}\n  torch: {g['torch']!r}\n  F32 == torch: {g['f32_equals_torch']}\n  Q8_0:  {g['q8_0']!r}")
-    print(f"\n{results['seconds']:.0f} s")
+    print(f"\n{seconds:.0f} s")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+
+    model = load_checkpoint(args.build)
+    tok = Tokenizer.from_file(str(args.build / "tokenizer.json"))
+    levels = {level: args.build / name for level, name in GGUF_FILES.items()}
+    results: dict[str, object] = {"build": str(args.build), "docs_per_domain": args.docs, "max_tokens": args.max_tokens}
+
+    # The F32 file serves tokenization, the F32 logits and the F32 generations: open it once.
+    f32_llm = open_llama(levels["F32"], args.max_tokens, args.threads)
+    results["tokenization"] = check_tokenization(f32_llm, tok, n_docs=200, max_chars=20_000)
+    print("tokenization:", results["tokenization"], flush=True)
+    docs = eval_set(f32_llm, args.docs, args.max_tokens)
+    results["eval_tokens"] = {d: sum(len(x) for x in docs[d]) for d in DOMAINS}
+    ppl, match = score_levels(args, model, levels, f32_llm, docs)
+    results["perplexity"], results["logit_match"] = ppl, match
+    generations = greedy_generations(args, model, tok, f32_llm, levels["Q8_0"])
+    results["greedy"] = generations
+    results["seconds"] = seconds = time.time() - t0
+    (args.build / "verify.json").write_text(json.dumps(results, indent=2) + "\n")
+    print_report(ppl, match, generations, seconds)
 
 
 if __name__ == "__main__":
