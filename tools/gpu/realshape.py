@@ -39,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,10 +214,14 @@ def tensor_data(t: TensorSpec, qtype: QType, rng: np.random.Generator, payload: 
 # --------------------------------------------------------------------------- writing
 
 
-def plan_for(preset: str, seed: int = 0) -> tuple[ModelPlan, Preset]:
-    if preset not in PRESETS:
+def plan_for(preset: str | Preset, seed: int = 0, label: str | None = None) -> tuple[ModelPlan, Preset]:
+    """The model plan of a preset, by name or given whole (``label`` names a given one in general.name)."""
+    if isinstance(preset, Preset):
+        p, preset = preset, label or "custom"
+    elif preset not in PRESETS:
         raise SystemExit(f"error: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    p = PRESETS[preset]
+    else:
+        p = PRESETS[preset]
     spec = ARCH_SPECS.get(p.arch) or dataclasses.replace(ARCH_SPECS["deepseek2"], router_bias=False)
     vocab = make_vocab()
     plan = ModelPlan(spec=spec, shape=p.shape, vocab=vocab,
@@ -226,12 +231,16 @@ def plan_for(preset: str, seed: int = 0) -> tuple[ModelPlan, Preset]:
     return plan, p
 
 
-def write_model(preset: str, out: Path, seed: int = 0, header_only: bool = False) -> tuple[Path, int, float]:
-    """Write the preset to ``out`` (atomically); returns (path, bytes, seconds). ``header_only``: the header
-    and tensor infos, then a sparse hole of the data's size (zeros; for inspect, plan and simulate, which
-    read headers only; seconds instead of minutes, no disk used)."""
+def write_model(preset: str | Preset, out: Path, seed: int = 0, header_only: bool = False,
+                progress: Callable[[int, int], None] | None = None,
+                label: str | None = None) -> tuple[Path, int, float]:
+    """Write the preset (a name or a ``Preset``) to ``out`` (atomically); returns (path, bytes, seconds).
+    ``header_only``: the header and tensor infos, then a sparse hole of the data's size (zeros; for inspect,
+    plan and simulate, which read headers only; seconds instead of minutes, no disk used). ``progress(done,
+    total)`` (tensor bytes) is called after each tensor: one tensor at a time is in memory, so a model larger
+    than RAM streams to disk."""
     t0 = time.monotonic()
-    plan, p = plan_for(preset, seed)
+    plan, p = plan_for(preset, seed, label)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -255,8 +264,12 @@ def write_model(preset: str, out: Path, seed: int = 0, header_only: bool = False
         else:
             payload = Payload(rng, min(POOL_BYTES, max(1 << 20, sum(tensor_bytes(t, q)
                                                                     for t, q in zip(plan.tensors, types, strict=True)))))
+            total, done = sum(tensor_bytes(t, q) for t, q in zip(plan.tensors, types, strict=True)), 0
             for t, q in zip(plan.tensors, types, strict=True):
                 w.write_tensor_data(tensor_data(t, q, rng, payload))
+                done += tensor_bytes(t, q)
+                if progress is not None:
+                    progress(done, total)
             w.close()
         os.replace(tmp, out)
     except BaseException:
