@@ -38,7 +38,10 @@ def _decode_text(eng: Engine, n: int = 24) -> None:
             eng.decode([t])
 
 
-def test_fills_give_stock_logits_and_replace_admissions(arch_model, stock_logits):
+def test_fills_give_stock_logits_and_replace_admissions(arch_model, stock_logits, copy_stream):
+    """Stock's logits on both streams; fills happen (immediate copies: on the deferred stream an admission's copy,
+    once put, cannot be cancelled, and while it is late its slot is no fill slot, so how many fills a run gets
+    depends on the machine's speed)."""
     arch, path = arch_model
     facts = inspect_model(path)
     ref = stock_logits(path)
@@ -49,7 +52,7 @@ def test_fills_give_stock_logits_and_replace_admissions(arch_model, stock_logits
             assert eng.pipeline.tables.fills is not None, arch
         for a, b in zip(got, ref, strict=True):
             assert np.abs(a - b).max() <= EXACT, (arch, n_slots)
-        assert st.fills > 0, (arch, n_slots)
+        assert st.fills > 0 or copy_stream == "deferred", (arch, n_slots)
 
 
 def _link(st) -> tuple[float, float]:
