@@ -11,6 +11,7 @@ import click
 
 from ggmoe.base.context import check_prompt
 from ggmoe.base.errors import UsageError
+from ggmoe.cli.cache_flags import cache_from_flags, stats_options
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
     FiniteFloat,
@@ -26,7 +27,6 @@ from ggmoe.cli.options import (
     verbose_opt,
     write_stats,
 )
-from ggmoe.cli.warm import cache_from_flags, stats_options
 
 if TYPE_CHECKING:
     from ggmoe.engine.engine import Generation

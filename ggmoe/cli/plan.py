@@ -115,7 +115,7 @@ def _choose(trace: Trace | None, stats_path: str | None, facts: ModelFacts, path
             profile: HardwareProfile, predictor_s: float | None, host_slots: int | None = None) -> Plan:
     """The plan for the budget: candidates simulated on the traces, or estimated analytically from the
     statistics when there are no traces."""
-    from ggmoe.cli.warm import read_stats_in
+    from ggmoe.cli.cache_flags import read_stats_in
     from ggmoe.simulate.plan import plan_from_stats, plan_from_traces
 
     bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}

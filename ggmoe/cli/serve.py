@@ -16,6 +16,7 @@ import click
 
 from ggmoe.base.errors import ContextLengthError, UsageError
 from ggmoe.base.outputs import write_text_atomic
+from ggmoe.cli.cache_flags import StatsOut, cache_from_flags, stats_options
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
     SEED,
@@ -27,7 +28,6 @@ from ggmoe.cli.options import (
     threads_opt,
     verbose_opt,
 )
-from ggmoe.cli.warm import StatsOut, cache_from_flags, stats_options
 
 if TYPE_CHECKING:
     from ggmoe.serve import GgmoeLlama

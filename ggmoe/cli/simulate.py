@@ -379,7 +379,7 @@ def _load_inputs(traces: tuple[str, ...], model: str | None, hw: str, predictor_
                  stats_in: str | None, vram: bool, thetas: list[float]) -> _Inputs:
     """The profile, traces, model and statistics, each checked as it is read (the cheap ones first)."""
     from ggmoe.cache.hardware import load_profile
-    from ggmoe.cli.warm import read_stats_in
+    from ggmoe.cli.cache_flags import read_stats_in
     from ggmoe.trace import load_traces
 
     profile = None if hw == "none" else load_profile(hw)

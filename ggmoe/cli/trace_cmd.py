@@ -12,6 +12,7 @@ import numpy as np
 
 from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import check_output_dir
+from ggmoe.cli.cache_flags import cache_from_flags, stats_options
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
     FiniteFloat,
@@ -25,7 +26,6 @@ from ggmoe.cli.options import (
     verbose_opt,
     write_stats,
 )
-from ggmoe.cli.warm import cache_from_flags, stats_options
 
 
 @click.command("record")

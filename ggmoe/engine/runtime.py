@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ggmoe.base.errors import EngineError, UsageError
 from ggmoe.cache import CacheConfig, MonotonicClock, ThreadedCopyBackend
+from ggmoe.cache.assemble import CacheSpec, assemble_cache
 from ggmoe.cache.copy import LinkStreamCopyBackend, StreamCopyBackend
 from ggmoe.cache.decode_mode import ModeEstimate, weigh_modes
 from ggmoe.cache.host_tier import HostTier
@@ -26,7 +27,6 @@ from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.split import LayerSplit, model_split
 from ggmoe.cache.tier_copy import TieredCopyBackend
 from ggmoe.cache.tiers import tier_sizes
-from ggmoe.control.assemble import CacheParts, assemble_cache
 from ggmoe.control.prefetch import default_n_prefetch
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -119,7 +119,7 @@ class CacheRuntime:
             self.close()
             raise
         try:  # a refusal below frees the slots and the copy stream (a server retrying would leak GPU memory)
-            self.cache = assemble_cache(CacheParts(n_expert, n_expert_used, n_slots, policy, self.copies,
+            self.cache = assemble_cache(CacheSpec(n_expert, n_expert_used, n_slots, policy, self.copies,
                                                    clock=MonotonicClock(),
                                                    bytes_per_expert=self.slots.bytes_per_expert(),
                                                    miss_policy=self.miss_policy, costs=costs, split=self.split,

@@ -68,6 +68,7 @@ import numpy as np
 
 from ggmoe.base.errors import UsageError
 from ggmoe.cache import ExpertCache
+from ggmoe.cache.assemble import CacheSpec, assemble_cache
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
 from ggmoe.cache.fill import Fill, FillPlan, assign
@@ -77,7 +78,6 @@ from ggmoe.cache.policies import make_policy
 from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.split import LayerSplit
 from ggmoe.control import TokenController
-from ggmoe.control.assemble import CacheParts, assemble_cache
 from ggmoe.control.planner import NextTokenPlanner, check_planner, default_protect
 from ggmoe.control.prefetch import Prefetcher, default_n_prefetch
 from ggmoe.hook import RouteEvent
@@ -330,7 +330,7 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
         raise UsageError("the async decode reads misses from host memory (miss policy wait), as the engine's")
     pred = build_predictor(config, trace, train, model_path) if config.predictor else None
     n_pre = config.n_prefetch if config.n_prefetch is not None else default_n_prefetch(m.n_expert_used, m.n_expert)
-    cache = assemble_cache(CacheParts(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
+    cache = assemble_cache(CacheSpec(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
                                       bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=miss_policy,
                                       costs=miss_costs, split=split,
                                       n_bottom=n_pre if pred is not None and split else 0))

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from ggmoe.cache import CacheStats, CopyBackend, ExpertCache
+from ggmoe.cache.assemble import CacheSpec, assemble_cache
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.policies import make_policy
-from ggmoe.control.assemble import CacheParts, assemble_cache
 from ggmoe.trace.format import STAGE_PREFILL, Trace
 
 
@@ -98,7 +98,7 @@ def replay(trace: Trace, n_slots: int | dict[int, int], policy: str = "lru", cop
     slots = n_slots if isinstance(n_slots, dict) else {il: int(n_slots) for il in layers}
     m = trace.meta
     pol = make_policy(policy, m.n_expert, layers, policy_options)
-    cache = assemble_cache(CacheParts(m.n_expert, m.n_expert_used, slots, pol, copies=copies, clock=ManualClock(),
+    cache = assemble_cache(CacheSpec(m.n_expert, m.n_expert_used, slots, pol, copies=copies, clock=ManualClock(),
                                       bytes_per_expert=bytes_per_expert, miss_policy=miss_policy))
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}

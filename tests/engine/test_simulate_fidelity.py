@@ -71,7 +71,7 @@ def _engine_without_fills(monkeypatch) -> None:
     ``async`` row), for the run that follows in this process."""
     import dataclasses
 
-    from ggmoe.cli import warm
+    from ggmoe.cli import cache_flags as warm
 
     made = warm.cache_config
     monkeypatch.setattr(warm, "cache_config", lambda *a, **k: dataclasses.replace(made(*a, **k), fills=False))

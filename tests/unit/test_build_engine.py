@@ -79,9 +79,9 @@ def test_a_failed_build_step_is_one_error_line_at_the_cli(monkeypatch, tmp_path)
     second name and no traceback."""
     from click.testing import CliRunner
 
+    from ggmoe.base import engine_build as build
     from ggmoe.base.errors import EngineError
     from ggmoe.cli import main
-    from ggmoe.base import engine_build as build
 
     assert issubclass(build.BuildError, EngineError)
     monkeypatch.setattr(build, "PATCH_DIR", tmp_path)

@@ -2,7 +2,7 @@
 
 The engine's runtime (``ggmoe.engine.runtime``) and the trace replay (``ggmoe.simulate.replay``) build
 the same cache from the same kinds of facts: the model's shape, slots per layer, a policy, a copy backend
-and a clock. ``CacheParts`` names them once, so what the cache needs is decided in one record and each
+and a clock. ``CacheSpec`` names them once, so what the cache needs is decided in one record and each
 caller fills in only what differs (real copies and time in the engine, a virtual clock in the replay).
 What the caller builds itself (the policy, the copy backend, the clock) stays the caller's: this module
 only joins them.
@@ -21,7 +21,7 @@ from ggmoe.cache.split import LayerSplit
 
 
 @dataclass(frozen=True)
-class CacheParts:
+class CacheSpec:
     """What one ``ExpertCache`` is made of: its constructor's arguments, named, in its order."""
 
     n_expert: int  # experts per MoE layer
@@ -37,7 +37,7 @@ class CacheParts:
     n_bottom: int = 0  # bottom buffers per split layer (prefetched bottoms)
 
 
-def assemble_cache(parts: CacheParts) -> ExpertCache:
+def assemble_cache(parts: CacheSpec) -> ExpertCache:
     """The cache the parts describe; the cache checks them (slots against top-k and ``n_expert``, split
     layers against the miss policy) and raises ``UsageError`` as it always has."""
     return ExpertCache(parts.n_expert, parts.n_expert_used, dict(parts.n_slots), parts.policy, parts.copies,
