@@ -303,6 +303,9 @@ def summarize(mode: str, runs: list[dict]) -> dict[str, object]:
     if not done:
         return out
     out["tok_s"] = statistics.median(r["tok_s"] for r in done)
+    # the timed tokens' second half: nearer the steady state, where the tiers (or the page cache) are full
+    out["tok_s_second_half"] = statistics.median(len(h) / sum(h) for h in
+                                                 (r["token_s"][len(r["token_s"]) // 2:] for r in done) if h)
     out["disk_bytes_per_token"] = statistics.median(r["read_bytes"] / r["decode_tokens"] for r in done)
     out["load_s"] = statistics.median(r["load_s"] for r in done)
     out["load_read_bytes"] = statistics.median(r["load_read_bytes"] for r in done)
@@ -384,7 +387,7 @@ def report(res: dict) -> str:
              f"settings: {json.dumps(res['settings'])}"]
     if "disk" in res:
         lines += _disk_lines(res["disk"])
-    lines.append(f"{'mode':<6} {'runs':>5} {'tok/s':>9} {'disk/token':>11} {'tier/token':>11} "
+    lines.append(f"{'mode':<6} {'runs':>5} {'tok/s':>9} {'2nd half':>9} {'disk/token':>11} {'tier/token':>11} "
                  f"{'predicted':>10} {'used':>6} {'load s':>7}")
     for mode, s in res["modes"].items():
         if not s.get("runs_decoding"):
@@ -392,7 +395,8 @@ def report(res: dict) -> str:
             continue
         tier = (f"{_mib(s['tier_bytes_per_token']):>11} {s['predicted_read_share']:>10.1%} "
                 f"{s['predicted_used_share']:>6.1%}" if "tier_bytes_per_token" in s else f"{'-':>11} {'-':>10} {'-':>6}")
-        lines.append(f"{mode:<6} {s['runs_decoding']:>5} {s['tok_s']:>9.3f} {_mib(s['disk_bytes_per_token']):>11} "
+        lines.append(f"{mode:<6} {s['runs_decoding']:>5} {s['tok_s']:>9.3f} {s['tok_s_second_half']:>9.3f} "
+                     f"{_mib(s['disk_bytes_per_token']):>11} "
                      f"{tier} {s['load_s']:>7.1f}")
     if "ggmoe_vs_stock" in res:
         lines.append(f"ggmoe / stock: {res['ggmoe_vs_stock']:.2f}x decode tokens per second")
