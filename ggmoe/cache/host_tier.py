@@ -90,6 +90,10 @@ class HostTier:
         self.clock = 0  # one tick per token (the policy's clock)
         self._used: dict[int, set[int]] = {il: set() for il in layers}  # experts asked for this token
         self._predicting = False  # a prediction found no free slot: next_token keeps some free
+        # whether a prediction may evict (an expert not asked for this token): only where nothing reads a host
+        # slot beside the cache's calls but pinned copies (the sync decode); the async decode's graph reads host
+        # slots through its tables while predictions run on the mailbox's thread
+        self.predictions_evict = False
 
     def readable(self, il: int, expert: int) -> int:
         """The host slot ``expert`` is read from, or -1 (read from the file in place)."""
@@ -128,17 +132,17 @@ class HostTier:
         return marker
 
     def _take_slot(self, il: int, predicted: bool) -> int | None:
-        """A free slot, else (a demand only) the policy's victim among readable unpinned experts, whose
-        ``HostMove(.., -1)`` is queued. None: no slot. A prediction takes free slots only: it may run beside a
-        graph that still reads a victim's slot, where a demand runs between tokens or inside a sync layer."""
+        """A free slot, else the policy's victim among readable unpinned experts, whose ``HostMove(.., -1)`` is
+        queued. None: no slot. A prediction takes free slots only unless ``predictions_evict`` (it may run beside
+        a graph that still reads a victim's slot), and never evicts an expert asked for this token."""
         lay = self.layers[il]
         for s, e in enumerate(lay.expert_in):
             if e < 0:
                 return s
-        if predicted:
+        if predicted and not self.predictions_evict:
             self._predicting = True
             return None
-        return self._evict(il, set())
+        return self._evict(il, self._used[il] if predicted else set())
 
     def _evict(self, il: int, keep: set[int]) -> int | None:
         """Evict the policy's victim among readable unpinned experts not in ``keep``: its freed slot, or None."""

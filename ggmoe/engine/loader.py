@@ -161,17 +161,19 @@ def resolve_tiers(cache: CacheConfig | None, facts: ModelFacts) -> tuple[CacheCo
 
 def _cpu_tiers(cache: CacheConfig, facts: ModelFacts, budget: int) -> CacheConfig:
     """No cache size given, on a CPU-only build: the GPU tier's slots are host memory too, so the budget goes to
-    them (every miss computed from a slot without a second copy) and the host tier keeps n_expert_used slots,
-    the least a token's reads pass through."""
+    them (every expert computed from a slot, a hit copied nowhere) and the host tier keeps a staging area of
+    2 x n_expert_used slots: a token's reads and the predicted reads of the layers ahead pass through it."""
     from ggmoe.base.errors import UsageError
 
     slot = facts.expert_bytes_per_slot
     k = facts.n_expert_used
-    gpu = min(budget // slot - k, facts.n_expert - 1) if slot else k
+    host = min(2 * k, facts.n_expert - 1)
+    gpu = min(budget // slot - host, facts.n_expert - 1) if slot else k
     if gpu < k:
         raise UsageError(f"the host budget of {budget} bytes gives {budget // slot} slots per layer: a model on "
-                         f"disk needs at least 2 x n_expert_used = {2 * k} on a CPU-only build")
-    return dataclasses.replace(cache, n_slots=int(gpu), host_ram=k * slot)
+                         f"disk needs at least {k + host} (n_expert_used for the computing tier, {host} to "
+                         "stage reads) on a CPU-only build")
+    return dataclasses.replace(cache, n_slots=int(gpu), host_ram=host * slot)
 
 
 def new_context(model: LoadedModel, n_ctx: int, n_batch: int, n_ubatch: int, n_threads: int,

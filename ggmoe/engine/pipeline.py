@@ -185,6 +185,7 @@ class CachePipeline:
             self.observers.add(self.planner)
         if self.runtime.tier is not None:
             self.observers.add(HostTierUses(self.runtime.tier))
+            self.runtime.tier.predictions_evict = self.decode_mode.mode == "sync"
 
     def _disk_reasons(self, on_gpu: bool, asked: str) -> list[str]:
         """Why a disk tier takes the sync decode: always on a GPU, for ``auto`` on the CPU build."""

@@ -145,3 +145,19 @@ def test_wait_blocks_through_the_read_then_the_copy():
     assert copies == [(IL, 2, 2), (IL, 3, 3)] and not tier.pins
     backend.close()
     assert reader.closed
+
+
+def test_in_the_sync_decode_a_prediction_evicts_what_this_token_did_not_ask_for():
+    tier, reader = _tier(n_slots=2)
+    tier.predictions_evict = True
+    for e in (1, 2):
+        tier.ensure(IL, e)
+        tier.wait_read(IL, e)
+    tier.next_token()
+    tier.ensure(IL, 2)  # asked this token: kept
+    tier.take_moves()
+    tier.stats[IL].predicted_used = 10
+    assert tier.prefetch(IL, [5]) == 1
+    assert tier.take_moves() == [HostMove(IL, 1, -1)]
+    tier.pin(IL, 2)
+    assert tier.prefetch(IL, [6]) == 0  # 2 asked for and pinned, 5's read in flight: no room
