@@ -4,8 +4,11 @@
 The shape is one of the real-shape writer's presets (tools/gpu/realshape.py: qwen3-30b-a3b by default, n_embd
 2048, 128 experts of width 768, top-8) with its experts in the type asked (Q8_0 by default: 4.8 MiB an
 expert) and as many layers as the size takes: 32 GiB is 53 layers, the experts ~98 % of the bytes. The
-writer is realshape's (one GGUF writer in tools/): quant blocks written directly, one tensor in memory at a
-time, so a model larger than RAM streams to disk; deterministic in its arguments.
+matrices that add to the residual stream are scaled by 1/sqrt(2 n_layer) (GPT-2's rule): without it the
+tokens of a 53-layer random model mostly route to the same few experts (top-8 of 128 take 2/3 of the uses),
+a working set that fits in RAM. The writer is realshape's (one GGUF writer in tools/): quant blocks written
+directly, one tensor in memory at a time, so a model larger than RAM streams to disk; deterministic in its
+arguments.
 
 A sidecar ``<model>.json`` records what was asked and the bytes written: a second call with the same
 arguments finds the file and writes nothing.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -56,7 +60,7 @@ def big_preset(size: int, base: str = DEFAULT_BASE, expert_type: str = "q8_0") -
     n_layer = max(1, round((size - fixed) / per_layer))
     shape = dataclasses.replace(p.shape, n_layer=n_layer)
     what = f"{base}'s shape, {n_layer} layers, {expert_type} experts, ~{size / 2**30:.3g} GiB asked"
-    return dataclasses.replace(p, shape=shape, what=what)
+    return dataclasses.replace(p, shape=shape, what=what, residual_std=1 / math.sqrt(2 * n_layer))
 
 
 def default_path(size: int = DEFAULT_SIZE, base: str = DEFAULT_BASE, expert_type: str = "q8_0") -> Path:
@@ -70,8 +74,13 @@ def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
+# How the weights are drawn, recorded in the sidecar: a file written by other rules is written again.
+# residual-1/sqrt(2L): GPT-2's scaling of the residual branches (realshape.Preset.residual_std)
+WEIGHTS = "realshape, residual-1/sqrt(2L)"
+
+
 def _asked(size: int, base: str, expert_type: str, seed: int) -> dict[str, object]:
-    return {"size_asked": size, "base": base, "expert_type": expert_type, "seed": seed}
+    return {"size_asked": size, "base": base, "expert_type": expert_type, "seed": seed, "weights": WEIGHTS}
 
 
 def existing(path: Path, size: int, base: str, expert_type: str, seed: int) -> dict | None:

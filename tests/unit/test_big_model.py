@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -17,9 +18,10 @@ pytestmark = pytest.mark.unit
 SIZE = 50_000_000  # bytes: the toy shape's 13 MB layers, four of them
 
 
-def test_the_32_gib_default_is_qwen3_30b_a3b_with_53_layers() -> None:
+def test_the_32_gib_default_is_qwen3_30b_a3b_with_53_layers_and_scaled_residual_branches() -> None:
     p = big_preset(32 << 30)
     assert (p.shape.n_layer, p.shape.n_embd, p.shape.n_expert, p.shape.n_expert_used) == (53, 2048, 128, 8)
+    assert p.residual_std == pytest.approx(1 / math.sqrt(2 * 53))
 
 
 def test_a_small_model_has_the_size_and_shape_asked_and_is_written_once(tmp_path: Path) -> None:

@@ -69,6 +69,10 @@ class Preset:
     what: str  # one line for the docs and the results
     arch: str = "qwen3moe"  # a key of ARCH_SPECS, or "deepseek2-softmax" (DeepSeek-V2's softmax router)
     down_type: QType | None = None  # ffn_down_exps' type where its rows do not fit expert_type's block
+    # std factor of the matrices whose output adds to the residual stream (attention's output, every FFN's
+    # down): GPT-2's 1/sqrt(2 n_layer) keeps each token's own embedding in the router's input at depth, so
+    # routing stays spread over the experts; at 1 a deep random model routes most tokens to a few experts
+    residual_std: float = 1.0
 
 
 PRESETS: dict[str, Preset] = {
@@ -198,15 +202,23 @@ def tensor_bytes(t: TensorSpec, qtype: QType) -> int:
     return n // block * size
 
 
-def tensor_data(t: TensorSpec, qtype: QType, rng: np.random.Generator, payload: Payload) -> np.ndarray:
-    """The tensor's bytes (uint8 [rows, row bytes]) or float32 values (numpy shape = reversed ne)."""
+def adds_to_residual(t: TensorSpec) -> bool:
+    """Whether the matrix's output adds to the residual stream: attention's output, every FFN's down."""
+    return t.name.endswith("attn_output.weight") or ".ffn_down" in t.name
+
+
+def tensor_data(t: TensorSpec, qtype: QType, rng: np.random.Generator, payload: Payload,
+                std_scale: float = 1.0) -> np.ndarray:
+    """The tensor's bytes (uint8 [rows, row bytes]) or float32 values (numpy shape = reversed ne); its std is
+    ``tensor_std(t) * std_scale``."""
+    std = tensor_std(t) * std_scale
     if qtype is QType.F32:
         if t.role is Role.NORM:
             return np.ones(tuple(reversed(t.ne)), dtype=np.float32)
-        return (rng.standard_normal(tuple(reversed(t.ne)), dtype=np.float32) * tensor_std(t)).astype(np.float32)
+        return (rng.standard_normal(tuple(reversed(t.ne)), dtype=np.float32) * std).astype(np.float32)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n_blocks = int(np.prod(t.ne)) // block
-    blocks = BLOCKS[qtype](n_blocks, tensor_std(t), payload)
+    blocks = BLOCKS[qtype](n_blocks, std, payload)
     rows = int(np.prod(t.ne[1:]))
     return blocks.reshape(rows, n_blocks // rows * size)
 
@@ -266,7 +278,7 @@ def write_model(preset: str | Preset, out: Path, seed: int = 0, header_only: boo
                                                                     for t, q in zip(plan.tensors, types, strict=True)))))
             total, done = sum(tensor_bytes(t, q) for t, q in zip(plan.tensors, types, strict=True)), 0
             for t, q in zip(plan.tensors, types, strict=True):
-                w.write_tensor_data(tensor_data(t, q, rng, payload))
+                w.write_tensor_data(tensor_data(t, q, rng, payload, p.residual_std if adds_to_residual(t) else 1.0))
                 done += tensor_bytes(t, q)
                 if progress is not None:
                     progress(done, total)
