@@ -182,8 +182,9 @@ class HostTier:
         lay = self.layers[il]
         slot, _, predicted = lay.pending.pop(expert)
         lay.slot_of[expert] = slot
-        if predicted:
+        if predicted:  # as recent as a use: else the policy's oldest, the next demand's victim before it is asked
             lay.predicted.add(expert)
+            self.policy.on_access(il, [expert], self.clock)
         self.policy.on_insert(il, expert, self.clock)
         self.moves.append(HostMove(il, expert, slot))
 

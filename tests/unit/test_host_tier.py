@@ -161,3 +161,18 @@ def test_in_the_sync_decode_a_prediction_evicts_what_this_token_did_not_ask_for(
     assert tier.take_moves() == [HostMove(IL, 1, -1)]
     tier.pin(IL, 2)
     assert tier.prefetch(IL, [6]) == 0  # 2 asked for and pinned, 5's read in flight: no room
+
+
+def test_a_landed_prediction_is_not_the_next_demands_victim():
+    tier, reader = _tier(n_slots=2)
+    tier.ensure(IL, 1)
+    tier.wait_read(IL, 1)
+    tier.next_token()
+    tier.stats[IL].predicted_used = 10
+    assert tier.prefetch(IL, [3]) == 1
+    reader.release(1)
+    tier.land()
+    tier.next_token()
+    tier.take_moves()
+    tier.ensure(IL, 6)  # a demand with no free slot: evicts 1 (older), not the prediction that just landed
+    assert tier.take_moves() == [HostMove(IL, 1, -1)]
