@@ -86,6 +86,10 @@ class ExpertCache:
         # decode): ``auto`` then splits new misses between the two (``miss.split_misses``); False (the engine's
         # sync decode, which waits for copies before the graph's CPU part): each miss to its sooner server
         self.cpu_beside_link = False
+        # the engine's wait hook (patch 0015) ends a layer call after its CPU part has started: a call with host
+        # entries and copies to wait for leaves (copies, needed experts, host experts) here for ``finish_wait``
+        self.defer_wait = False
+        self.deferred: dict[int, tuple[list[CopyHandle], list[int], set[int]]] = {}
         self._submitted: dict[int, float] = {}  # copy handle id -> clock time it was submitted (s)
         self.log: StepLog | None = None  # the flips and copies the expert tables follow (``follow_tables``)
         self.lock = threading.Lock()
@@ -200,6 +204,17 @@ class ExpertCache:
         table. ``next_use`` (expert -> access number of its next use) reaches the policy when the caller knows it."""
         with self.lock:  # a prefetch worker may be placing experts (uncontended: about 0.1 us)
             return self.layers[il].route(flat, next_use)
+
+    def finish_wait(self, il: int) -> None:
+        """The wait hook of layer ``il``: ends a call ``route_flat`` left waiting (nothing to do otherwise)."""
+        deferred = self.deferred.pop(il, None)
+        if deferred is None:
+            return
+        with self.lock:
+            t0 = self.time.now()
+            st = self.stats.layers[il]
+            self.layers[il].finish(st, *deferred)
+            st.hook_s += self.time.now() - t0
 
     def _wait_for(self, st: LayerStats, table: SlotTable, pending: list[CopyHandle]) -> None:
         """The layer waits until ``pending`` (its demand copies and the copies in flight it reads) landed."""
@@ -712,6 +727,20 @@ class WholeLayer:
             loaded = c._load(il, table, need, missing, Priority.DEMAND)
             pending += loaded
             st.demand_copies += len(loaded)
+        # a slot's expert is fixed once loading: the answer does not wait for the copies it names
+        slots = [SLOT_HOST if e in host else slot_of[e] for e in flat] if host else [slot_of[e] for e in flat]
+        if pending and host and c.defer_wait:  # the wait hook waits, after the CPU part has started
+            c.deferred[il] = (pending, need, host)
+            st.deferred_waits += 1
+        else:
+            self.finish(st, pending, need, host)
+        st.hook_s += c.time.now() - t0
+        return slots
+
+    def finish(self, st: LayerStats, pending: list[CopyHandle], need: list[int], host: set[int]) -> None:
+        """The call's end once its slots are answered: wait for the copies it reads, admit what the CPU computes,
+        tell the policy. In the call itself, or in the wait hook when the CPU part runs meanwhile."""
+        c, il, table = self.cache, self.il, self.table
         if pending:
             c._wait_for(st, table, pending)
         if host:
@@ -719,11 +748,8 @@ class WholeLayer:
         if il in c.predicted:
             c._score_guess(st, c.predicted.pop(il), need)
         c.policy.on_access(il, need, c.clock)
-        slots = [SLOT_HOST if e in host else slot_of[e] for e in flat] if host else [slot_of[e] for e in flat]
         if c.policy_releases:
             c._release(il, table, table.resident())
-        st.hook_s += c.time.now() - t0
-        return slots
 
     def _in_flight_now(self, need: list[int]) -> list[CopyHandle]:
         """Before a call reads its slots: copies that landed are marked, queued prefetches it does not need

@@ -8,11 +8,11 @@
   ``cpu_beside_link``: the simulator's ``hybrid`` decode), a layer's new misses are instead split between
   the two servers so that both finish together (``split_misses``).
 
-Why ``auto`` splits only beside the link: the engine's sync decode waits for a layer's copies inside the
-route op, before the graph computes anything, its CPU part included, so the link and the CPU run in turn
-there. Their times then add, and each miss going to the server that is sooner for it alone (``prefer_host``)
-minimizes that sum. A split pays only where the CPU starts on its misses while the link copies the others,
-which needs the engine's CPU part to start at the route op.
+Why ``auto`` splits only beside the link: without a worker for the host part (patch 0015), the engine's sync
+decode waits for a layer's copies inside the route op, before the graph computes anything, its CPU part
+included, so the link and the CPU run in turn. Their times then add, and each miss going to the server that
+is sooner for it alone (``prefer_host``) minimizes that sum. With a worker, the CPU starts on its misses at the
+route op and the layer waits for its copies afterwards (the wait hook): there the split pays.
 
 The host path exists only for micro-batches of at most ``HOST_MAX_TOKENS`` tokens (the patch's
 ``LLAMA_GGMOE_HOST_MAX_TOKENS``); larger ones wait, whatever the policy.

@@ -15,6 +15,7 @@ class LayerStats:
     demand_copies: int = 0  # experts copied while their layer waited
     admission_copies: int = 0  # experts computed on the CPU and copied in at low priority for later tokens
     host_computed: int = 0  # distinct experts per call computed by the CPU (the host path)
+    deferred_waits: int = 0  # calls that waited for their copies in the wait hook, with the CPU part running
     prefetch_issued: int = 0  # experts copied in ahead of their layer on a prediction
     prefetch_hits: int = 0  # prefetched experts that their layer then used (a prefetch hit)
     prefetch_wasted: int = 0  # prefetched experts evicted before any use

@@ -114,6 +114,7 @@ class RouteOpHook:
         # llama_decode may read through them, so slot changes go to the device now, while it is synchronized)
         self.after_route: Callable[[], None] | None = None
         self.c_callback = _patched.route_cb(self._route)  # kept alive as long as the context
+        self.c_wait = _patched.wait_cb(self._wait)  # the wait hook, installed while the cache defers its waits
         # the op's recorded error code (reading clears it), the C function bound by install: the pipeline calls
         # it directly after every decode, and this hook's Python runs only when an error was recorded
         self.error_code: Callable[[int], int] | None = None
@@ -135,6 +136,22 @@ class RouteOpHook:
         """Take the callback off the context (before it is freed)."""
         self.observers.on_change = None
         _patched.load().llama_ggmoe_set_route_cb(ctx_ptr, _patched.route_cb(), None)
+
+    def install_wait(self, ctx_ptr: int, on: bool) -> None:
+        """The wait hook on (the cache's calls with CPU entries wait for their copies there, while the CPU part
+        runs) or off."""
+        cb = self.c_wait if on else _patched.wait_cb()
+        _patched.load().llama_ggmoe_set_wait_cb(ctx_ptr, cb, None)
+
+    def _wait(self, user_data: int, il: int) -> int:
+        try:
+            cache = self.cache
+            if cache is not None and self.error is None:
+                cache.finish_wait(il)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - must not unwind through C
+            self.error = e
+            return 1
 
     def take_error(self, ctx_ptr: int) -> BaseException | None:
         """The stored exception, else the op's own recorded error; both cleared."""
@@ -206,6 +223,22 @@ class CbEvalHook:
         self.c_callback = B.llama_cpp.ggml_backend_sched_eval_callback(self)  # kept alive with the context
 
     error_code = None  # no op: nothing recorded in C
+
+    def install_wait(self, ctx_ptr: int, on: bool) -> None:
+        """The wait hook on (the cache's calls with CPU entries wait for their copies there, while the CPU part
+        runs) or off."""
+        cb = self.c_wait if on else _patched.wait_cb()
+        _patched.load().llama_ggmoe_set_wait_cb(ctx_ptr, cb, None)
+
+    def _wait(self, user_data: int, il: int) -> int:
+        try:
+            cache = self.cache
+            if cache is not None and self.error is None:
+                cache.finish_wait(il)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - must not unwind through C
+            self.error = e
+            return 1
 
     def take_error(self, ctx_ptr: int) -> BaseException | None:
         return self.error_from(0)

@@ -72,6 +72,9 @@ route_cb = ctypes.CFUNCTYPE(
     ctypes.c_int32,  # n_scores
 )
 
+# typedef int32_t (*llama_ggmoe_wait_cb)(void * user_data, int32_t il);
+wait_cb = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)
+
 # (name, argtypes, restype) of every patched symbol; ggml tensors are passed as void pointers
 # so that callers may hand in any ctypes tensor pointer or address.
 _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
@@ -116,6 +119,13 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
     ("llama_ggmoe_set_layer_fill", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p], ctypes.c_int32),
     # bool llama_ggmoe_set_mmap_prefetch(bool prefetch);
     ("llama_ggmoe_set_mmap_prefetch", [ctypes.c_bool], ctypes.c_bool),
+    # int32_t llama_ggmoe_set_host_threads(struct llama_context * ctx, int32_t n_threads, int32_t order);
+    ("llama_ggmoe_set_host_threads", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
+    # void llama_ggmoe_set_wait_cb(struct llama_context * ctx, llama_ggmoe_wait_cb cb, void * user_data);
+    # (pass wait_cb() -- a NULL function pointer -- to remove the hook)
+    ("llama_ggmoe_set_wait_cb", [ctypes.c_void_p, wait_cb, ctypes.c_void_p], None),
+    # int32_t llama_ggmoe_get_host_stats(struct llama_context * ctx, int64_t * out);
+    ("llama_ggmoe_get_host_stats", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)], ctypes.c_int32),
 )
 
 SYMBOLS: tuple[str, ...] = tuple(name for name, _, _ in _SIGNATURES)
@@ -138,7 +148,11 @@ class PatchedLib:
     llama_ggmoe_set_mailbox: Any
     llama_ggmoe_set_layer_fill: Any
     llama_ggmoe_set_mmap_prefetch: Any
+    llama_ggmoe_set_host_threads: Any
+    llama_ggmoe_get_host_stats: Any
+    llama_ggmoe_set_wait_cb: Any
     route_cb: Any = route_cb
+    wait_cb: Any = wait_cb
 
 
 def _libllama() -> ctypes.CDLL:

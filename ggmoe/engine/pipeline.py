@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -183,9 +183,23 @@ class CachePipeline:
             self._start_async(max_tokens, route_inputs)
         if self.planner is not None:  # the sync decode's route events; in async, while table mode is off
             self.observers.add(self.planner)
+        self._after_mode()
+
+    def _after_mode(self) -> None:
+        """What follows the decode mode: the CPU beside the link (the sync decode with a host-part worker), the
+        host tier's uses."""
+        if self.decode_mode.mode == "sync" and self.runtime.host_threads:
+            self._beside_link(True)
         if self.runtime.tier is not None:
             self.observers.add(HostTierUses(self.runtime.tier))
             self.runtime.tier.predictions_evict = self.decode_mode.mode == "sync"
+
+    def _beside_link(self, on: bool) -> None:
+        """The CPU part beside the link (or not): a layer call with CPU entries waits for its copies in the wait
+        hook, after the worker has started on them, and ``auto`` splits a layer's misses between the two."""
+        self.hook.install_wait(self._ctx_ptr, on)
+        cache = self.runtime.cache
+        cache.defer_wait = cache.cpu_beside_link = on
 
     def _disk_reasons(self, on_gpu: bool, asked: str) -> list[str]:
         """Why a disk tier takes the sync decode: always on a GPU, for ``auto`` on the CPU build."""
@@ -336,6 +350,8 @@ class CachePipeline:
         if self.graph_predictor is not None:
             self.graph_predictor.close(ctx_alive=True)
             self.graph_predictor = None
+        if self.runtime is not None and self.runtime.cache.defer_wait:
+            self._beside_link(False)
         self.hook.cache = None
         self.hook.after_route = None
         self.controller = None
@@ -591,7 +607,18 @@ class CachePipeline:
                 "miss_policy_note": rt.miss_policy_note, **self.describe(),
                 "slots_per_layer": {str(k): v for k, v in self.n_slots.items()},
                 "occupancy": {str(k): v for k, v in self.occupancy().items()}, **self._host_tier_report(),
-                **rt.cache.stats.to_dict()}
+                **self._host_part_report(), **rt.cache.stats.to_dict()}
+
+    def _host_part_report(self) -> dict[str, object]:
+        """With the host path: where its CPU part runs (a worker's threads, 0: in the main graph) and the
+        worker's counters."""
+        rt = self.runtime
+        if rt.miss_policy == "wait":
+            return {}
+        from ggmoe.engine.host_part import host_part_stats
+
+        return {"host_part": {"threads": rt.host_threads, "beside_link": rt.cache.cpu_beside_link,
+                              **asdict(host_part_stats(self._ctx_ptr))}}
 
     def _host_tier_report(self) -> dict[str, object]:
         """Under a disk tier: the host tier's size and counters, totals and per layer (else nothing)."""

@@ -32,6 +32,7 @@ from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.copies import GgmlCopyBackend, measure_costs
 from ggmoe.engine.disk import FileDiskReader, HostSlots, expert_extents
+from ggmoe.engine.host_part import host_threads, set_host_threads
 from ggmoe.engine.slot_tensors import SlotTensors
 from ggmoe.engine.streams import open_stream
 from ggmoe.inspect.facts import ModelFacts
@@ -102,11 +103,7 @@ class CacheRuntime:
                               f"table: --miss-policy {asked} (the host path) cannot serve them; use wait")
         try:
             self._allocate(model_ptr, n_slots, config, zero_slot=asked == "cpu")
-            costs = self._costs(config, n_threads or os.cpu_count() or 1) if asked == "auto" else None
-            self._measured = costs if config.hw_profile is None else None  # measured here (mode_estimate's too)
-            # what runs: auto becomes wait when the CPU is never sooner than a copy (the host path only costs)
-            self.miss_policy, self.miss_policy_note = effective_miss_policy(asked, costs,
-                                                                            self.slots.bytes_per_expert())
+            costs = self._choose_miss_policy(config, asked, n_threads or os.cpu_count() or 1, n_expert_used)
             self.miss_policy_note = self.miss_policy_note or full_note
             host_path = self.miss_policy != "wait"
             if host_path and asked == "auto":  # the host path reads a zero slot: allocate again with it
@@ -125,10 +122,27 @@ class CacheRuntime:
                                                    miss_policy=self.miss_policy, costs=costs, split=self.split,
                                                    n_bottom=self.n_bottom))
             self._register(ctx_ptr, n_slots, host_path)
+            if host_path:
+                set_host_threads(ctx_ptr, self.host_threads, self._host_order)
         except BaseException:
             self.unregister(ctx_ptr, n_slots)
             self.close()
             raise
+
+    def _choose_miss_policy(self, config: CacheConfig, asked: str, n_threads: int, n_expert_used: int
+                            ) -> MissCosts | None:
+        """The miss policy that runs (``auto`` becomes ``wait`` where the host path would only cost) and where
+        the host part runs; the costs ``auto`` weighs, None for the other policies."""
+        costs = self._costs(config, n_threads) if asked == "auto" else None
+        self._measured = costs if config.hw_profile is None else None  # measured here (mode_estimate's too)
+        # the host part on a worker beside the device part (patch 0015): the CPU then serves misses while the
+        # link copies others, and auto splits them between the two
+        self.host_threads, self._host_order = host_threads(n_threads, self.on_gpu)
+        self.miss_policy, self.miss_policy_note = effective_miss_policy(
+            asked, costs, self.slots.bytes_per_expert(), n_expert_used if self.host_threads else None)
+        if self.miss_policy == "wait":
+            self.host_threads = 0
+        return costs
 
     def _check_disk(self, config: CacheConfig) -> None:
         """What a disk tier cannot serve, refused before anything is allocated."""
@@ -185,12 +199,14 @@ class CacheRuntime:
         P = _patched.load()
         for il in layers:
             P.llama_ggmoe_set_layer_cache(ctx_ptr, il, 0, None, None, None, None)
+        P.llama_ggmoe_set_host_threads(ctx_ptr, 0, 0)  # the worker's thread, stopped with its cache
 
     def _allocate(self, model_ptr: int, n_slots: dict[int, int], config: CacheConfig, zero_slot: bool) -> None:
         """(Re)create the slot tensors and the copy backend over them (the GPU's copy stream when there is one,
         else the CPU build's stream that ``GGMOE_COPY_STREAM`` names)."""
         self.close()
         buft, backend, device = _device_bufts()
+        self.on_gpu = bool(backend)
         try:
             if config.copy_delay_s is not None and backend:
                 raise EngineError("copy_delay_s simulates a slow link on a CPU-only build; a GPU has a real one")

@@ -238,3 +238,55 @@ def test_set_host_path_checks_its_arguments(P, host_session):
     assert P.llama_ggmoe_set_host_path(ctx, 0, 0) == E.LLAMA_GGMOE_ERR_NOT_MOE  # deepseek2's dense lead layer
     assert P.llama_ggmoe_set_host_path(ctx, s.eng.n_layer, 0) == E.LLAMA_GGMOE_ERR_LAYER
     assert P.llama_ggmoe_set_host_path(None, 1, 0) == E.LLAMA_GGMOE_ERR_ARG
+
+
+ORDERS = [  # (worker order, the counter that shows it)
+    (1, "after_device"),  # the worker starts a layer's host part only once its device part has finished
+    (2, "before_device"),  # the device part starts only once the host part has finished
+]
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("order,counter", ORDERS)
+def test_the_host_part_on_its_own_threads_gives_identical_logits_in_either_order(arch, order, counter,
+                                                                                  host_session):
+    """Patch 0015: the host part as a job of a worker thread, beside the device part of the same layer. Both
+    forced interleavings give stock's logits, and every job ran in the forced one: the two parts share no
+    state but the join. Half the misses go to the host, so each layer has device and host entries."""
+    from ggmoe.engine.host_part import host_part_stats
+
+    s = host_session(fixture_path(arch))
+    ref = run_sequence(s.eng)
+    router = s.attach(p_host=0.5, seed=7, host_hits=True)
+    assert s.P.llama_ggmoe_set_host_threads(s.eng.ctx_ptr, 2, order) == _patched.LLAMA_GGMOE_OK
+    got = run_sequence(s.eng)
+    assert router.error is None, router.error
+    assert s.P.llama_ggmoe_get_error(s.eng.ctx_ptr) == 0
+    assert_same_logits(ref, got)
+    stats = host_part_stats(s.eng.ctx_ptr)
+    assert stats.jobs > 0 and router.n_slot > 0
+    assert getattr(stats, counter) == stats.jobs
+
+
+def test_a_worker_with_nothing_for_the_cpu_hands_over_nothing(host_session):
+    """Every expert answered with a slot: each layer's micro-batch is skipped, no job runs."""
+    from ggmoe.engine.host_part import host_part_stats
+
+    s = host_session(fixture_path("qwen2moe"))
+    ref = run_sequence(s.eng)
+    router = s.attach(p_host=0.0, seed=8)
+    assert s.P.llama_ggmoe_set_host_threads(s.eng.ctx_ptr, 2, 0) == _patched.LLAMA_GGMOE_OK
+    assert_same_logits(ref, run_sequence(s.eng))
+    stats = host_part_stats(s.eng.ctx_ptr)
+    assert router.n_host == 0 and stats.jobs == 0 and stats.skipped > 0
+
+
+def test_set_host_threads_checks_its_arguments(P, host_session):
+    s = host_session(fixture_path("qwen3moe"))
+    ctx = s.eng.ctx_ptr
+    E = _patched
+    assert P.llama_ggmoe_set_host_threads(ctx, -1, 0) == E.LLAMA_GGMOE_ERR_ARG
+    assert P.llama_ggmoe_set_host_threads(ctx, 2, 3) == E.LLAMA_GGMOE_ERR_ARG
+    assert P.llama_ggmoe_set_host_threads(None, 2, 0) == E.LLAMA_GGMOE_ERR_ARG
+    assert P.llama_ggmoe_set_host_threads(ctx, 2, 0) == E.LLAMA_GGMOE_OK
+    assert P.llama_ggmoe_set_host_threads(ctx, 0, 0) == E.LLAMA_GGMOE_OK  # stopped again

@@ -1,0 +1,84 @@
+"""The CPU beside the link (patch 0015) through the engine: a layer's CPU part runs on a worker while the layer
+waits for its copies in the wait hook, and ``auto`` splits the layer's misses between the two.
+
+The interleavings are forced, not timed: ``GGMOE_HOST_ORDER`` makes the worker start only after the device part
+has finished (device-first) or the device part only after the worker has finished (host-first). In both, the
+logits equal stock's, on every fixture family and on both copy streams (the engine tier's conftest), and the
+worker's counters show every job in the forced order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_cache_engine import EXACT, run_sequences
+
+from ggmoe.cache import CacheConfig
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine.host_part import HOST_ORDER_ENV, HOST_THREADS_ENV, host_part_stats
+from ggmoe.inspect import inspect_model
+
+
+@pytest.fixture
+def even_profile(tmp_path):
+    """h100's profile with a CPU exactly as fast as a copy: ``auto`` beside the link splits misses."""
+    from ggmoe.cache.hardware import load_profile, render_profile
+
+    base = load_profile("h100")
+    even = dataclasses.replace(base, cpu_bytes_per_s=base.copy_bytes_per_s, cpu_latency_s=base.copy_latency_s,
+                               cpu_type_bytes_per_s=())
+    path = tmp_path / "even.toml"
+    path.write_text(render_profile(even, {}))
+    return str(path)
+
+
+def _run(path, cache: CacheConfig):
+    cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, n_threads=2, cache=cache)
+    with Engine(cfg) as eng:
+        got = run_sequences(eng)
+        return got, eng.cache_stats.total(), host_part_stats(eng.ctx_ptr), eng.miss_policy
+
+
+@pytest.mark.parametrize("order,counter", [("device-first", "after_device"), ("host-first", "before_device")])
+def test_misses_split_between_link_and_cpu_give_stock_logits(arch_model, stock_logits, even_profile, monkeypatch,
+                                                             order, counter):
+    arch, path = arch_model
+    facts = inspect_model(path)
+    ref = stock_logits(path)
+    monkeypatch.setenv(HOST_THREADS_ENV, "1")
+    monkeypatch.setenv(HOST_ORDER_ENV, order)
+    n_slots = (facts.n_expert_used + facts.n_expert) // 2
+    got, st, hp, (in_effect, _) = _run(path, CacheConfig(n_slots=n_slots, miss_policy="auto", decode_mode="sync",
+                                                         hw_profile=even_profile))
+    for a, b in zip(got, ref, strict=True):
+        assert np.abs(a - b).max() <= EXACT, (arch, order)
+    assert in_effect == "auto"
+    assert st.host_computed > 0 and st.demand_copies > 0  # both servers took misses
+    assert st.deferred_waits > 0  # calls that waited in the hook, after their CPU part had been handed over
+    assert hp.jobs > 0 and getattr(hp, counter) == hp.jobs
+
+
+def test_without_a_worker_the_sync_decode_waits_in_the_call(stock_logits, even_profile, monkeypatch):
+    """No worker: the CPU part runs after the device part in the graph, so nothing is deferred, and ``auto``
+    sends each miss to its sooner server alone."""
+    from ggmoe.models import default_model_path
+
+    model = default_model_path()
+    monkeypatch.setenv(HOST_THREADS_ENV, "0")
+    got, st, hp, _ = _run(model, CacheConfig(n_slots=4, miss_policy="auto", decode_mode="sync",
+                                             hw_profile=even_profile))
+    for a, b in zip(got, stock_logits(model), strict=True):
+        assert np.abs(a - b).max() <= EXACT
+    assert st.deferred_waits == 0 and hp.jobs == 0
+
+
+@pytest.mark.parametrize("raw", ["-1", "two"])
+def test_a_bad_thread_count_is_one_clear_error(raw, monkeypatch):
+    from ggmoe.base.errors import UsageError
+    from ggmoe.models import default_model_path
+
+    monkeypatch.setenv(HOST_THREADS_ENV, raw)
+    with pytest.raises(UsageError, match=HOST_THREADS_ENV):
+        _run(default_model_path(), CacheConfig(n_slots=4, miss_policy="cpu", decode_mode="sync"))
