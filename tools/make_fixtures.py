@@ -46,13 +46,14 @@ import enum
 import hashlib
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import gguf_writer
 import numpy as np
+from gguf_writer import BpeVocab, Key, Tensor, tensor_name, write_gguf, write_out
 
 T = gguf.MODEL_TENSOR
 QType = gguf.GGMLQuantizationType
@@ -269,35 +270,17 @@ BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 
 
-@dataclass(frozen=True)
-class Vocab:
-    tokens: list[str]  # [n_vocab]
-    token_types: list[int]  # [n_vocab] gguf.TokenType values
-    merges: list[str]  # "left right", in rank order
-    bos_id: int
-    eos_id: int
-
-    @property
-    def n_vocab(self) -> int:
-        return len(self.tokens)
-
-
-def make_vocab() -> Vocab:
+def make_vocab() -> BpeVocab:
     tokens = byte_tokens() + [left + right for left, right in MERGES]
     types = [gguf.TokenType.NORMAL] * len(tokens)
     bos_id, eos_id = len(tokens), len(tokens) + 1
     tokens += [BOS_TOKEN, EOS_TOKEN]
     types += [gguf.TokenType.CONTROL] * 2
-    return Vocab(tokens, [int(t) for t in types], [f"{a} {b}" for a, b in MERGES], bos_id, eos_id)
+    return BpeVocab(tokens, [int(t) for t in types], [f"{a} {b}" for a, b in MERGES], bos_id, eos_id)
 
 
 # ---------------------------------------------------------------------------
 # Tensor lists
-
-
-def tensor_name(kind: gguf.MODEL_TENSOR, il: int | None = None, suffix: str = "weight") -> str:
-    base = gguf.TENSOR_NAMES[kind]
-    return f"{base.format(bid=il) if il is not None else base}.{suffix}"
 
 
 def _global_tensors(shape: Shape, n_vocab: int) -> list[TensorSpec]:
@@ -459,7 +442,7 @@ class ModelPlan:
 
     spec: ArchSpec
     shape: Shape
-    vocab: Vocab
+    vocab: BpeVocab
     tensors: tuple[TensorSpec, ...]
     name: str  # general.name
     moe: bool
@@ -467,111 +450,88 @@ class ModelPlan:
     seed: int
 
 
-def _write_mla_keys(w: gguf.GGUFWriter, shape: Shape) -> None:
+def _mla_keys(shape: Shape) -> list[Key]:
     """MLA as convert_hf_to_gguf.py writes it: one latent KV head ("MQA") that is decompressed per head."""
-    w.add_head_count_kv(1)
-    w.add_q_lora_rank(shape.q_lora_rank)
-    w.add_kv_lora_rank(shape.kv_lora_rank)
-    w.add_key_length(shape.kv_lora_rank + shape.n_rot_mla)
-    w.add_value_length(shape.kv_lora_rank)
-    w.add_key_length_mla(shape.n_embd_head_k_mla)
-    w.add_value_length_mla(shape.n_embd_head_v_mla)
-    w.add_rope_dimension_count(shape.n_rot_mla)
+    return [
+        ("head_count_kv", 1),
+        ("q_lora_rank", shape.q_lora_rank),
+        ("kv_lora_rank", shape.kv_lora_rank),
+        ("key_length", shape.kv_lora_rank + shape.n_rot_mla),
+        ("value_length", shape.kv_lora_rank),
+        ("key_length_mla", shape.n_embd_head_k_mla),
+        ("value_length_mla", shape.n_embd_head_v_mla),
+        ("rope_dimension_count", shape.n_rot_mla),
+    ]
 
 
-def _write_routing_keys(w: gguf.GGUFWriter, spec: ArchSpec) -> None:
+def _routing_keys(spec: ArchSpec) -> list[Key]:
     """Gating, weight norm and scale, expert groups, MoE interleaving."""
+    out: list[Key] = []
     gating = spec.gating_keys
     if gating is not None:
-        w.add_expert_gating_func(gating[0])
-        w.add_expert_weights_norm(gating[1])
-        w.add_expert_weights_scale(gating[2])
+        out += [("expert_gating_func", gating[0]), ("expert_weights_norm", gating[1]),
+                ("expert_weights_scale", gating[2])]
     if spec.expert_groups[0]:
-        w.add_expert_group_count(spec.expert_groups[0])
-        w.add_expert_group_used_count(spec.expert_groups[1])
+        out += [("expert_group_count", spec.expert_groups[0]), ("expert_group_used_count", spec.expert_groups[1])]
     if spec.moe_layer_step:
-        w.add_interleave_moe_layer_step(spec.moe_layer_step)
+        out.append(("interleave_moe_layer_step", spec.moe_layer_step))
+    return out
 
 
-def _write_header_keys(w: gguf.GGUFWriter, plan: ModelPlan) -> None:
-    shape, spec, vocab = plan.shape, plan.spec, plan.vocab
-    w.add_name(plan.name)
-    w.add_block_count(shape.n_layer)
-    w.add_context_length(shape.n_ctx_train)
-    w.add_embedding_length(shape.n_embd)
-    w.add_head_count(shape.n_head)
-    w.add_rope_freq_base(shape.rope_freq_base)
-    w.add_layer_norm_rms_eps(shape.rms_eps)
+def _moe_keys(spec: ArchSpec, shape: Shape) -> list[Key]:
+    """The experts' keys: counts, widths, shared experts, dense lead, sliding window, routing."""
+    out: list[Key] = [("expert_count", shape.n_expert), ("expert_used_count", spec.n_expert_used or shape.n_expert_used)]
+    if spec.expert_ff_key:
+        out += [("expert_feed_forward_length", shape.n_ff_exp), ("feed_forward_length", shape.n_ff)]
+    else:
+        out.append(("feed_forward_length", shape.n_ff_exp))
+    if spec.shared_expert in (SharedExpert.GATED, SharedExpert.WIDE):
+        out.append(("expert_shared_feed_forward_length", shape.n_ff_shexp))
+    if spec.shared_expert is SharedExpert.PLAIN and spec.shared_count_key:
+        out.append(("expert_shared_count", shape.n_expert_shared))
+    if spec.n_layer_dense_lead:
+        out.append(("leading_dense_block_count", spec.n_layer_dense_lead))
+    if spec.sliding_window:
+        out.append(("sliding_window", spec.sliding_window))
+    return out + _routing_keys(spec)
+
+
+def header_keys(plan: ModelPlan) -> list[Key]:
+    """The hparam keys of ``plan``, in file order (the vocabulary follows them: gguf_writer.add_header)."""
+    shape, spec = plan.shape, plan.spec
+    out: list[Key] = [
+        ("name", plan.name),
+        ("block_count", shape.n_layer),
+        ("context_length", shape.n_ctx_train),
+        ("embedding_length", shape.n_embd),
+        ("head_count", shape.n_head),
+        ("rope_freq_base", shape.rope_freq_base),
+        ("layer_norm_rms_eps", shape.rms_eps),
+    ]
     if spec.mla:
-        _write_mla_keys(w, shape)
+        out += _mla_keys(shape)
     else:
-        w.add_head_count_kv(shape.n_head if spec.mha else shape.n_head_kv)
-        w.add_rope_dimension_count(shape.n_embd_head)
-    if plan.moe:
-        w.add_expert_count(shape.n_expert)
-        w.add_expert_used_count(spec.n_expert_used or shape.n_expert_used)
-        if spec.expert_ff_key:
-            w.add_expert_feed_forward_length(shape.n_ff_exp)
-            w.add_feed_forward_length(shape.n_ff)
-        else:
-            w.add_feed_forward_length(shape.n_ff_exp)
-        if spec.shared_expert in (SharedExpert.GATED, SharedExpert.WIDE):
-            w.add_expert_shared_feed_forward_length(shape.n_ff_shexp)
-        if spec.shared_expert is SharedExpert.PLAIN and spec.shared_count_key:
-            w.add_expert_shared_count(shape.n_expert_shared)
-        if spec.n_layer_dense_lead:
-            w.add_leading_dense_block_count(spec.n_layer_dense_lead)
-        if spec.sliding_window:
-            w.add_sliding_window(spec.sliding_window)
-        _write_routing_keys(w, spec)
-    else:
-        w.add_feed_forward_length(shape.n_ff)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.token_types)
-    w.add_token_merges(vocab.merges)
-    w.add_bos_token_id(vocab.bos_id)
-    w.add_eos_token_id(vocab.eos_id)
-    w.add_add_bos_token(True)
+        out += [("head_count_kv", shape.n_head if spec.mha else shape.n_head_kv),
+                ("rope_dimension_count", shape.n_embd_head)]
+    return out + (_moe_keys(spec, shape) if plan.moe else [("feed_forward_length", shape.n_ff)])
+
+
+def _tensors(plan: ModelPlan) -> Iterator[Tensor]:
+    """The plan's tensors with seeded random values, drawn in the plan's order."""
+    rng = np.random.default_rng(plan.seed)
+    for t in plan.tensors:
+        qtype = plan.expert_qtype if t.role is Role.EXPERT else QType.F32
+        data, raw_dtype = _encode(_random_values(rng, t), qtype)
+        yield t.name, data, raw_dtype
 
 
 def _write_gguf(path: Path, plan: ModelPlan, split_max_tensors: int = 0) -> Path:
-    """Write `plan` to `path` and return it (the first shard's path when split).
-
-    With split_max_tensors > 0 the model is split into shards of at most that
-    many tensors, named like llama.cpp's splits: `<stem>-00001-of-0000N.gguf`.
-    Files are written in a temporary directory and renamed into place, so
-    concurrent test workers never see half a file.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(plan.seed)
-    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp_dir:
-        w = gguf.GGUFWriter(
-            Path(tmp_dir) / path.name, arch=plan.spec.arch_name, split_max_tensors=split_max_tensors
-        )
-        _write_header_keys(w, plan)
-        for t in plan.tensors:
-            qtype = plan.expert_qtype if t.role is Role.EXPERT else QType.F32
-            data, raw_dtype = _encode(_random_values(rng, t), qtype)
-            w.add_tensor(t.name, data, raw_dtype=raw_dtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        written = sorted(Path(tmp_dir).iterdir())
-        for f in written:
-            os.replace(f, path.parent / f.name)
-    return path.parent / written[0].name
-
-
-# A tensor to write: (name, data as the reader gives it, its GGUF type).
-TensorOut = tuple[str, np.ndarray, int]
+    """Write ``plan`` to ``path`` and return it (the first shard's path when split; gguf_writer.write_gguf)."""
+    return write_gguf(path, plan.spec.arch_name, header_keys(plan), plan.vocab, _tensors(plan), split_max_tensors)
 
 
 def rewrite_gguf(src: Path, dst: Path, keys: dict[str, tuple | None] | None = None,
-                 tensors: Callable[[dict], Iterator[TensorOut]] | None = None) -> Path:
+                 tensors: Callable[[dict], Iterator[Tensor]] | None = None) -> Path:
     """A copy of the GGUF ``src`` with some keys replaced or deleted and, optionally, other tensors.
 
     ``keys``: key -> (value, GGUFValueType, array item type or None), or None to delete the key
@@ -603,12 +563,7 @@ def rewrite_gguf(src: Path, dst: Path, keys: dict[str, tuple | None] | None = No
     by_name = {t.name: t for t in reader.tensors}
     out = tensors(by_name) if tensors is not None else (
         (t.name, np.asarray(t.data), t.tensor_type) for t in reader.tensors)
-    for name, data, qtype in out:
-        w.add_tensor(name, data, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w, out)
     return dst
 
 
@@ -683,8 +638,9 @@ def default_cache_dir() -> Path:
 
 
 def _cache_key(*args: object) -> str:
-    """Hash of this script's source and the arguments: editing the generator regenerates fixtures."""
-    h = hashlib.sha256(Path(__file__).read_bytes())
+    """Hash of the generator's sources (this script, the GGUF writer) and the arguments: editing either
+    regenerates fixtures."""
+    h = hashlib.sha256(Path(__file__).read_bytes() + Path(gguf_writer.__file__).read_bytes())
     h.update(repr(args).encode())
     return h.hexdigest()[:16]
 
