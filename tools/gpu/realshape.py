@@ -46,9 +46,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gguf_writer import add_header  # noqa: E402
-from make_fixtures import (  # noqa: E402,E501
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
+from tools.fixtures.gguf_writer import add_header  # noqa: E402
+from tools.fixtures.make_fixtures import (  # noqa: E402
     ARCH_SPECS,
     ModelPlan,
     Role,

@@ -1,6 +1,6 @@
-"""Export the trained tiny MoE (tools/train_tiny_moe.py) to GGUF, then quantize it.
+"""Export the trained tiny MoE (tools/tiny_model/train_tiny_moe.py) to GGUF, then quantize it.
 
-    python tools/export_tiny_moe.py --build ~/.cache/ggmoe/tiny-moe [--install]
+    python tools/tiny_model/export_tiny_moe.py --build ~/.cache/ggmoe/tiny-moe [--install]
 
 Writes to the build directory:
 
@@ -36,15 +36,15 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, models
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gguf_writer  # noqa: E402
-from gguf_writer import BpeVocab, Key, Tensor, tensor_name  # noqa: E402
-from tiny_moe_torch import TinyMoeConfig  # noqa: E402
-from train_tiny_moe import EOS_TOKEN, LLAMA_CPP_PRE, build_tokenizer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
+from tools.fixtures import gguf_writer  # noqa: E402
+from tools.fixtures.gguf_writer import BpeVocab, Key, Tensor, tensor_name  # noqa: E402
+from tools.tiny_model.tiny_moe_torch import TinyMoeConfig  # noqa: E402
+from tools.tiny_model.train_tiny_moe import EOS_TOKEN, LLAMA_CPP_PRE, build_tokenizer  # noqa: E402
 
 ARCH = gguf.MODEL_ARCH.QWEN3MOE
 ARCH_NAME = gguf.MODEL_ARCH_NAMES[ARCH]  # "qwen3moe"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 INSTALLED_MODEL = REPO_ROOT / "ggmoe" / "models" / "tiny-moe.gguf"
 MODEL_NAME = "ggmoe tiny-moe"
 
