@@ -24,7 +24,7 @@ generate: setup
 	@if $(PY) -c "from ggmoe.models import default_model_path as d; raise SystemExit(d() is None)"; then \
 		ggmoe run -p "$(PROMPT)" -n 32; \
 	else \
-		ggmoe run "$$($(PY) -c "import sys; sys.path.insert(0, 'tools'); from make_fixtures import fixture_path; print(fixture_path('qwen3moe'))")" -p "$(PROMPT)" -n 32; \
+		ggmoe run "$$($(PY) -c "from tools.fixtures.make_fixtures import fixture_path; print(fixture_path('qwen3moe'))")" -p "$(PROMPT)" -n 32; \
 	fi
 
 test: setup

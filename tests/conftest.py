@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))  # tools.* (tools/fixtures, tools/gpu, ...) by their package names
 
 _TIERS = ("unit", "engine", "serve", "integrations", "slow", "gpu")
 

@@ -263,7 +263,7 @@ class LinkStreamCopyBackend(ThreadedCopyBackend):
     link. (Waiting for each chunk's marker on the worker, as ``copy_chunk`` does, made every chunk a thread
     hand-off: the link ran at the threads' pace, not at ``delay_s``.) The link's worker is the stream's copy
     engine: it issues with ``engine=True``, so a stream without a random delay of its own (the deferred one
-    in ``tools/bench_stride.py``) lands the copy on the worker when the link has moved it, as a GPU's copy
+    in ``tools/bench/bench_stride.py``) lands the copy on the worker when the link has moved it, as a GPU's copy
     engine does, instead of a second thread's wake-up later."""
 
     def __init__(self, stream: CopyStream, delay_s: float) -> None:

@@ -19,9 +19,9 @@ import httpx
 import pytest
 from click.testing import CliRunner
 from conftest import Outcome, assert_clean_error, run_ggmoe
-from make_fixtures import fixture_path
 
 from ggmoe.cli import main
+from tools.fixtures.make_fixtures import fixture_path
 
 pytestmark = pytest.mark.badinput
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import gguf
 import pytest
 from conftest import assert_clean_error, run_ggmoe
-from make_fixtures import fixture_path, rewrite_gguf
+
+from tools.fixtures.make_fixtures import fixture_path, rewrite_gguf
 
 pytestmark = pytest.mark.badinput
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import Outcome, assert_clean_error, run_ggmoe
-from make_fixtures import fixture_path
-from random_predictor import random_predictor_file
 
 from ggmoe.cli import main
 from ggmoe.models import default_model_path
+from tools.fixtures.make_fixtures import fixture_path
+from tools.fixtures.random_predictor import random_predictor_file
 
 pytestmark = pytest.mark.badinput
 

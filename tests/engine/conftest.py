@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from make_fixtures import ARCHES, fixture_path
+
+from tools.fixtures.make_fixtures import ARCHES, fixture_path
 
 COPY_STREAMS = ("immediate", "deferred")
 

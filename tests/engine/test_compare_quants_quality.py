@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from cli_run import ggmoe
-from make_fixtures import fixture_path
 
 import ggmoe as package
+from tools.fixtures.make_fixtures import fixture_path
 
 QUALITY = ["--ctx", "64", "--chunks", "6"]
 

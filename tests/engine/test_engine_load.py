@@ -6,13 +6,13 @@ import ctypes
 
 import numpy as np
 import pytest
-from make_fixtures import rewrite_gguf
 
 from ggmoe.base.errors import EngineError, ModelFileError
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import engine as engine_mod
 from ggmoe.engine import patch as _patched
 from ggmoe.inspect import inspect_model
+from tools.fixtures.make_fixtures import rewrite_gguf
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,9 +13,7 @@ import numpy as np
 import pytest
 
 from ggmoe.inspect import inspect_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import make_fixtures  # noqa: E402
+from tools.fixtures import make_fixtures
 
 pytestmark = pytest.mark.engine
 

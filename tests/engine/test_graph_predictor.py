@@ -12,7 +12,6 @@ import ctypes
 
 import numpy as np
 import pytest
-from random_predictor import random_predictor_file
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.cache import CacheConfig
@@ -26,6 +25,7 @@ from ggmoe.inspect.fingerprint import model_fingerprint
 from ggmoe.models import default_model_path
 from ggmoe.predict import ModelShape
 from ggmoe.predict.mlp_file import read_predictor_file
+from tools.fixtures.random_predictor import random_predictor_file
 
 
 class Recorder:
@@ -117,7 +117,7 @@ def _f32(ctx, *ne):
 
 def test_set_predictor_checks_its_arguments():
     """deepseek2's layer 0 is dense; every refusal changes nothing, and w2 NULL removes the predictor."""
-    from make_fixtures import fixture_path
+    from tools.fixtures.make_fixtures import fixture_path
 
     E = _patched
     P = _patched.load()

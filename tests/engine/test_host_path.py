@@ -19,7 +19,6 @@ import ctypes
 
 import numpy as np
 import pytest
-from make_fixtures import ARCHES, fixture_path
 from test_patch_lowlevel import (
     DECODE,
     PROMPT,
@@ -33,6 +32,7 @@ from test_patch_lowlevel import (
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
+from tools.fixtures.make_fixtures import ARCHES, fixture_path
 
 SLOT_HOST = _patched.LLAMA_GGMOE_SLOT_HOST
 

@@ -6,13 +6,13 @@ import gguf
 import jinja2
 import llama_cpp
 import pytest
-from make_fixtures import rewrite_gguf
 
 import ggmoe
 from ggmoe.base.errors import EngineError, ModelFileError, UsageError
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
 from ggmoe.serve import GgmoeLlama
+from tools.fixtures.make_fixtures import rewrite_gguf
 
 PROMPT = "The quick brown fox"
 N_TOKENS = 24

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from make_fixtures import ARCHES, fixture_path
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.cache import CacheConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
+from tools.fixtures.make_fixtures import ARCHES, fixture_path
 
 
 @pytest.mark.parametrize("arch", ARCHES)

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from make_fixtures import ARCH_SPECS, ARCHES, SHAPE, fixture_path, rewrite_gguf
 
 from ggmoe.base.errors import EngineNotPatchedError
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.ggml import llama_cpp
+from tools.fixtures.make_fixtures import ARCH_SPECS, ARCHES, SHAPE, fixture_path, rewrite_gguf
 
 # Expert tensor kinds, in llama_ggmoe_set_layer_cache's argument order.
 KINDS = ("up", "gate", "down", "gate_up")

@@ -17,7 +17,6 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from random_predictor import random_predictor_file
 
 from ggmoe.cache import CacheConfig
 from ggmoe.cli.main import main
@@ -29,6 +28,7 @@ from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
 from ggmoe.predict.base import ModelShape, Predictor
 from ggmoe.trace import load_trace
+from tools.fixtures.random_predictor import random_predictor_file
 
 pytestmark = pytest.mark.engine
 

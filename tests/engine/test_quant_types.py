@@ -7,7 +7,6 @@ the logits of the same model run without the hook.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +14,7 @@ import pytest
 
 from ggmoe.cache import CacheConfig
 from ggmoe.engine import Engine, EngineConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
-from realshape import write_model  # noqa: E402
+from tools.gpu.realshape import write_model
 
 TOKENS = [1, 5, 9, 200, 33, 7, 120, 64, 2, 90]
 

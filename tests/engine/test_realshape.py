@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from ggmoe.cache import CacheConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
-from realshape import PRESETS, write_model  # noqa: E402
+from tools.gpu.realshape import PRESETS, write_model
 
 
 @pytest.fixture(scope="module")

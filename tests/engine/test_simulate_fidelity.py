@@ -102,7 +102,7 @@ def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, monke
     run = ["run", str(qwen3moe_model), "-p", prompt, "-n", "24", "--cache-slots", str(slots), "--policy", policy]
     pre = ["--predictor", predictor, "--stride", "1"] if predictor else []
     if planner == "token.npz":  # a cross-token mlp: its input rows from the mailbox live, from the trace replayed
-        from random_predictor import random_predictor_file
+        from tools.fixtures.random_predictor import random_predictor_file
 
         planner = str(random_predictor_file(qwen3moe_model, tmp_path / planner, hidden=16, seed=5, mode="token"))
     pre += ["--plan-predictor", planner] if planner else []

@@ -13,7 +13,6 @@ import ctypes
 
 import numpy as np
 import pytest
-from random_predictor import random_predictor_file
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.base.errors import UsageError
@@ -24,6 +23,7 @@ from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
+from tools.fixtures.random_predictor import random_predictor_file
 
 pytestmark = pytest.mark.engine
 

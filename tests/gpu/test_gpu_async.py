@@ -12,13 +12,13 @@ import re
 
 import numpy as np
 import pytest
-from make_fixtures import ARCHES, fixture_path
 
 from ggmoe.cache import CacheConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.log import llama_log
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
+from tools.fixtures.make_fixtures import ARCHES, fixture_path
 
 pytestmark = pytest.mark.gpu
 

@@ -8,13 +8,13 @@ matmuls on other buffers: the tokens, not the logits' last bits, are compared).
 from __future__ import annotations
 
 import pytest
-from make_fixtures import fixture_path
 
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.copy import StreamCopyBackend
 from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
+from tools.fixtures.make_fixtures import fixture_path
 
 PROMPT = "The expert cache keeps the experts a model uses most on the device"
 

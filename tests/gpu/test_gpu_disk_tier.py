@@ -5,13 +5,13 @@ in host memory; the async decode, whose kernels would read an expert that only t
 from __future__ import annotations
 
 import pytest
-from make_fixtures import fixture_path
 
 from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
+from tools.fixtures.make_fixtures import fixture_path
 
 PROMPT = "The expert cache keeps the experts a model uses most on the device"
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from make_fixtures import ARCHES, fixture_path
 
 from ggmoe.engine import Engine, EngineConfig, gpu_device_name
 from ggmoe.engine.verify import check_hook
 from ggmoe.inspect import inspect_model
 from ggmoe.inspect.router import load_routers
+from tools.fixtures.make_fixtures import ARCHES, fixture_path
 
 
 @pytest.mark.parametrize("arch", ARCHES)

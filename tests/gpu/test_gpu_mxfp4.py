@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from make_fixtures import ARCHES, fixture_path
 from test_gpu_async import _decode_all, _stock, _tg_splits
 
 from ggmoe.cache import CacheConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.log import llama_log
 from ggmoe.inspect import inspect_model
+from tools.fixtures.make_fixtures import ARCHES, fixture_path
 
 pytestmark = pytest.mark.gpu
 

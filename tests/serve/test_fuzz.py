@@ -1,10 +1,11 @@
 """Every route driven from the app's own OpenAPI schema (schemathesis): valid and invalid bodies never give a
-500, every error has OpenAI's shape, the server stays healthy. A short run; tools/fuzz_serve.py is the long one."""
+500, every error has OpenAI's shape, the server stays healthy. A short run; tools/checks/fuzz_serve.py is the long one."""
 
 from __future__ import annotations
 
-from fuzz_serve import fuzz
 from server_process import API_KEY
+
+from tools.checks.fuzz_serve import fuzz
 
 EXAMPLES = 15  # per operation and generation mode
 TIME_LIMIT_S = 120.0

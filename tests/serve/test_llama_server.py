@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from make_fixtures import FIM_TOKEN_IDS, fim_fixture_path
 from server_process import N_CTX, Server, start_server, stop_server
+
+from tools.fixtures.make_fixtures import FIM_TOKEN_IDS, fim_fixture_path
 
 PROMPT = "Once upon a time"
 

@@ -9,10 +9,10 @@ import sys
 import gguf
 import httpx
 import pytest
-from make_fixtures import rewrite_gguf
 from server_process import free_port, start_server, stop_server
 
 from ggmoe.models import default_model_path
+from tools.fixtures.make_fixtures import rewrite_gguf
 
 
 def ggmoe(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from make_fixtures import tools_fixture_path
 from server_process import Server, start_server, stop_server
 from test_protocol import sse_events
+
+from tools.fixtures.make_fixtures import tools_fixture_path
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -138,7 +139,7 @@ def test_langchain_tool_calls(tools_server):
 
 def test_generations_that_end_at_the_context_stop_there(tools_server):
     """The fixture emits stray UTF-8 lead bytes, and llama-cpp-python checks max_tokens only after a complete
-    character: it read past the context, where llama_decode failed (a 500 found by tools/fuzz_serve.py; seeds
+    character: it read past the context, where llama_decode failed (a 500 found by tools/checks/fuzz_serve.py; seeds
     5 and 6 of this prompt did it with the stock Llama)."""
     body = {"prompt": [65] * (N_CTX - 40), "max_tokens": None, "min_tokens": N_CTX}  # no EOS before the end
     with tools_server.client(key=None) as c:

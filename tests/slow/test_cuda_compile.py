@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_patched_cuda_files_are_listed():
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "cuda_compile_check.py"), "--list"],
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "checks" / "cuda_compile_check.py"), "--list"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert set(r.stdout.split()) >= {"ggml/src/ggml-cuda/mmvq.cu", "ggml/src/ggml-cuda/ggml-cuda.cu"}
@@ -23,7 +23,7 @@ def test_patched_cuda_files_are_listed():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_patched_cuda_files_compile_for_sm_90():
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "cuda_compile_check.py")],
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "checks" / "cuda_compile_check.py")],
                        capture_output=True, text=True, timeout=3000)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.count("ok     nvcc -c") >= 2, r.stdout

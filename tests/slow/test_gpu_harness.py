@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools" / "gpu"
-sys.path.insert(0, str(TOOLS))
 
 
 def lru_hit_rate(ids: np.ndarray, n_slots: int) -> float:
@@ -37,7 +36,7 @@ def _check_pack(pack: Path) -> None:
     assert manifest["total_bytes"] < 60 << 20
     assert {"engine-src.tar.gz", "trace.npz"} <= set(manifest["files"])
     # the shared real routing beside the checkout is packed by default: the loan's trace rows replay it
-    import pack as gpu_pack
+    from tools.gpu import pack as gpu_pack
 
     assert ("real-routing.npz" in manifest["files"]) == all(d.is_dir() for d in gpu_pack.DEFAULT_REAL_ROUTING)
     assert any(f.startswith("wheels/gguf-") for f in manifest["files"])
@@ -86,11 +85,10 @@ def test_gpu_smoke(tmp_path):
     md = (tmp_path / "matrix" / "matrix.md").read_text()
     assert "trace-replay routing" in md and "| goal |" in md
     # the replay follows the trace: LRU hit rates as over the held-out trace's consecutive rows
-    from trace_routing import split_tiled
-
     from ggmoe.inspect import inspect_model
     from ggmoe.inspect.fingerprint import model_fingerprint
     from ggmoe.trace import load_trace
+    from tools.gpu.trace_routing import split_tiled
 
     facts = inspect_model(tmp_path / "toy.gguf")
     _, held = split_tiled(tmp_path / "gpu-pack" / "trace.npz", tuple(facts.moe_layers), facts.n_expert,

@@ -4,7 +4,7 @@ The torch weights are rebuilt from the shipped Q8_0 file itself (gguf.GGUFReader
 Q8_0 dequantized to F32), which also checks the export's tensor mapping: an
 F32 GGUF written from those weights must give llama.cpp logits equal to torch's,
 and llama.cpp's perplexity on the shipped Q8_0 file must match torch's on the
-same weights. Runs on a small held-out slice (tools/corpus.py), well under 2 min.
+same weights. Runs on a small held-out slice (tools/tiny_model/corpus.py), well under 2 min.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
 pytest.importorskip("llama_cpp")
 
-from corpus import DOMAINS, documents  # noqa: E402  (tools/ is on sys.path, see tests/conftest.py)
-from export_tiny_moe import ARCH_NAME, read_gguf, write_gguf  # noqa: E402
-from tiny_moe_torch import TinyMoe  # noqa: E402
-from verify_tiny_moe import (  # noqa: E402
+from tools.tiny_model.corpus import DOMAINS, documents  # noqa: E402
+from tools.tiny_model.export_tiny_moe import ARCH_NAME, read_gguf, write_gguf  # noqa: E402
+from tools.tiny_model.tiny_moe_torch import TinyMoe  # noqa: E402
+from tools.tiny_model.verify_tiny_moe import (  # noqa: E402
     compare_logits,
     eval_set,
     llama_logits,
@@ -45,7 +45,7 @@ MAX_PERPLEXITY = {"code": 160.0, "prose": 260.0}
 @pytest.fixture(scope="module")
 def rebuilt(tmp_path_factory: pytest.TempPathFactory):
     if not MODEL.exists():
-        pytest.skip(f"{MODEL} not built (tools/train_tiny_moe.py, tools/export_tiny_moe.py --install)")
+        pytest.skip(f"{MODEL} not built (tools/tiny_model/train_tiny_moe.py, tools/tiny_model/export_tiny_moe.py --install)")
     torch.set_num_threads(2)
     cfg, state, tok = read_gguf(MODEL)
     model = TinyMoe(cfg)

@@ -1,4 +1,4 @@
-"""tools/bench_cache_path.py runs and reports what it measured: both paths over the same routing, where copies
+"""tools/bench/bench_cache_path.py runs and reports what it measured: both paths over the same routing, where copies
 land at once, see the same hits (the async controller and the sync route decide alike)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_cache_path.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench" / "bench_cache_path.py"
 
 
 def test_the_cache_path_benchmark_reports_both_paths_on_the_same_decisions():

@@ -1,18 +1,15 @@
-"""tools/big_model.py: a random-weight model of the size asked, the shape asked, written once."""
+"""tools/fixtures/big_model.py: a random-weight model of the size asked, the shape asked, written once."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 from ggmoe.inspect import inspect_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from big_model import big_preset, ensure_model  # noqa: E402
+from tools.fixtures.big_model import big_preset, ensure_model
 
 pytestmark = pytest.mark.unit
 SIZE = 50_000_000  # bytes: the toy shape's 13 MB layers, four of them

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import build_engine as be
 import pytest
+
+from tools import build_engine as be
 
 
 def _tree(tmp_path):

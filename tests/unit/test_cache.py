@@ -184,10 +184,9 @@ def test_slots_for_budget():
 
 def test_inspect_figures_and_vram_budgets_are_inverse():
     """What `ggmoe inspect` prints for N slots, given as --vram, buys exactly N slots per layer."""
-    from make_fixtures import fixture_path
-
     from ggmoe.cache import slots_for_budget
     from ggmoe.inspect import inspect_model
+    from tools.fixtures.make_fixtures import fixture_path
 
     facts = inspect_model(fixture_path("qwen3moe", expert_type="q8_0"))
     bpe = {layer.il: layer.bytes_per_expert for layer in facts.layers}

@@ -25,7 +25,7 @@ def _doc_table() -> str:
 
 
 def test_the_docs_table_is_what_the_profiles_give():
-    assert _doc_table() == F.render_table(), "rerun tools/fidelity_table.py and paste its table into the doc"
+    assert _doc_table() == F.render_table(), "rerun tools/bench/fidelity_table.py and paste its table into the doc"
 
 
 def test_at_least_five_published_figures_within_20_percent():

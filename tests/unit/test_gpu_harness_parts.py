@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
-from realshape import (  # noqa: E402
+from tools.gpu.realshape import (
     PRESETS,
     Payload,
     mxfp4_blocks,
@@ -22,7 +20,7 @@ from realshape import (  # noqa: E402
     tensor_bytes,
     tensor_type,
 )
-from trace_routing import TilingError, TraceRouting, expert_map, tile_ids  # noqa: E402
+from tools.gpu.trace_routing import TilingError, TraceRouting, expert_map, tile_ids
 
 Q = gguf.GGMLQuantizationType
 
@@ -64,7 +62,7 @@ def test_quant_types_and_sizes_of_the_presets():
 
 
 def test_rows_that_do_not_fit_the_block_are_refused():
-    from make_fixtures import Role, TensorSpec
+    from tools.fixtures.make_fixtures import Role, TensorSpec
 
     with pytest.raises(ValueError, match="not a multiple"):
         tensor_bytes(TensorSpec("x", (2880, 16), Role.EXPERT), Q.Q4_K)
@@ -143,7 +141,7 @@ def test_q4_k_blocks_by_hand(std):
 
 # --------------------------------------------------------------------------- the matrix's pure parts
 
-from matrix import (  # noqa: E402
+from tools.gpu.matrix import (  # noqa: E402
     Cell,
     goals,
     hook_overhead_us,
@@ -192,7 +190,7 @@ SIM_MISS = [
 def test_the_simulator_runs_the_miss_policy_the_cell_ran(config, ran, want):
     from dataclasses import replace
 
-    from matrix import sim_miss_policy
+    from tools.gpu.matrix import sim_miss_policy
 
     assert sim_miss_policy(replace(_cell("random", config, 0.5, 10.0), miss_policy=ran)) == want
 
@@ -221,7 +219,7 @@ def test_goals_by_hand():
 
 
 def test_bounds_and_the_async_goals_by_hand():
-    from matrix import bounds
+    from tools.gpu.matrix import bounds
 
     probe = {"zero_copy_gb_s": 25.0, "copy_engine_gb_s": 50.0}
     vram = _cell("random", "stock-vram", None, 100.0)  # 10 ms
@@ -261,8 +259,8 @@ def test_trace_routing_decode_fast_path_equals_the_batch_path():
 
 # --------------------------------------------------------------------------- build and pack
 
-import build as gpu_build  # noqa: E402
-import pack as gpu_pack  # noqa: E402
+from tools.gpu import build as gpu_build  # noqa: E402
+from tools.gpu import pack as gpu_pack  # noqa: E402
 
 
 def test_build_cmake_args_and_env():
@@ -368,7 +366,7 @@ def test_cuda_libs_refused_without_cublas(tmp_path):
 
 # --------------------------------------------------------------------------- the pipeline's bookkeeping
 
-import pipeline as gpu_pipeline  # noqa: E402
+from tools.gpu import pipeline as gpu_pipeline  # noqa: E402
 
 
 def test_pipeline_states_and_collect(tmp_path):
@@ -446,7 +444,7 @@ def test_tests_digest_keeps_outcomes_and_an_aborts_cause(tmp_path):
                    "<== test_b.py: exit -6"]
 
 
-import modes as gpu_modes  # noqa: E402
+from tools.gpu import modes as gpu_modes  # noqa: E402
 
 _R = {"hits": 5, "misses": 3}
 # (mode, its tokens, its hits, its prompt drift, ok, why): stock's tokens are [1, 2, 3]
@@ -499,11 +497,11 @@ def test_mode_verdicts_carry_a_failed_run():
 
 # --------------------------------------------------------------------------- MoEpic's split rows (issue 18)
 
-import estimate as gpu_estimate  # noqa: E402
+from tools.gpu import estimate as gpu_estimate  # noqa: E402
 
 
 def test_split_rows_are_planned_below_100_percent_and_by_default():
-    from matrix import DEFAULT_CONFIGS, GGMOE, SPLIT
+    from tools.gpu.matrix import DEFAULT_CONFIGS, GGMOE, SPLIT
 
     assert set(SPLIT) <= set(DEFAULT_CONFIGS) and set(SPLIT) <= set(GGMOE)  # the pipeline runs the defaults
     plan = plan_cells(["random", "trace"], ["lru", "async", "split", "split-async"], [0.5, 0.25, 1.0])
@@ -521,9 +519,8 @@ def test_split_rows_are_planned_below_100_percent_and_by_default():
     ("toy", "0.5", 256),
 ])
 def test_split_theta_rounds_up_to_the_down_tensors_blocks(preset, want, n_top):
-    from matrix import split_theta
-
     from ggmoe.cache.split import layer_split
+    from tools.gpu.matrix import split_theta
 
     layer = gpu_estimate.preset_layer(preset)
     assert layer.bytes_per_expert == gpu_estimate.expert_bytes(preset)
@@ -537,9 +534,8 @@ def test_split_theta_rounds_up_to_the_down_tensors_blocks(preset, want, n_top):
 
 
 def test_split_slots_fit_the_whole_experts_bytes():
-    from matrix import split_slots
-
     from ggmoe.cache.split import layer_split
+    from tools.gpu.matrix import split_slots
 
     layer = gpu_estimate.preset_layer("qwen3-30b-a3b")
     s = layer_split(layer, 2 / 3)
@@ -552,7 +548,7 @@ def test_split_slots_fit_the_whole_experts_bytes():
 
 
 def test_the_split_goal_and_table():
-    from matrix import table
+    from tools.gpu.matrix import table
 
     cells = [_cell("random", "lru", 0.25, 50.0), _cell("random", "async", 0.25, 40.0),
              dataclasses.replace(_cell("random", "split", 0.25, 60.0), theta=2 / 3, top_hit_rate=0.7, slots=48,
@@ -637,7 +633,7 @@ def test_a_mode_that_dies_in_teardown_keeps_what_it_decoded(rc, stdout, tokens, 
     """The fourth loan: every cached mode decoded, then aborted closing the engine, and its tokens were lost."""
     import argparse
 
-    import modes
+    from tools.gpu import modes
 
     monkeypatch.setattr(modes.subprocess, "run", lambda *a, **k: _completed(rc, stdout, ABORT))
     a = argparse.Namespace(model=tmp_path / "m.gguf", out=tmp_path, fraction=0.5, tokens=2, cpu=True, timeout=5.0)
@@ -653,7 +649,7 @@ def test_a_matrix_cell_measured_before_its_process_died_keeps_its_figures(rc, wr
                                                                          tmp_path):
     import argparse
 
-    import matrix
+    from tools.gpu import matrix
 
     measured = _cell("random", "lru", 0.5, 42.0)
 
@@ -696,7 +692,7 @@ CAUSES = [
 
 @pytest.mark.parametrize(("stderr", "want"), CAUSES)
 def test_a_dead_childs_cause_names_the_abort_and_where_python_was(stderr, want):
-    from faults import cause
+    from tools.gpu.faults import cause
 
     got = cause(stderr)
     assert got.endswith(want) and (got == want or "GGML_ASSERT" in want)

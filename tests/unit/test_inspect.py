@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -19,9 +18,7 @@ from ggmoe.base.errors import ModelFileError, UsageError
 from ggmoe.cache.config import slots_for_budget
 from ggmoe.inspect import inspect_model
 from ggmoe.inspect.names import EXPERT_TENSOR_PATTERN, expert_pattern, is_cached_expert_tensor
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import make_fixtures  # noqa: E402
+from tools.fixtures import make_fixtures
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,7 @@ from click.testing import CliRunner
 from ggmoe.cli import main
 from ggmoe.inspect import inspect_model
 from ggmoe.simulate.advise import advise
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
-from realshape import write_model  # noqa: E402
+from tools.gpu.realshape import write_model
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +16,7 @@ from ggmoe.cli import main
 from ggmoe.inspect import inspect_model
 from ggmoe.simulate.advise import advise
 from ggmoe.simulate.disk import FAULT_READ_BYTES, fault_bytes_per_s, page_cache_reads
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
-from realshape import write_model  # noqa: E402
+from tools.gpu.realshape import write_model
 
 pytestmark = pytest.mark.unit
 GIB = 1 << 30

@@ -4,7 +4,6 @@ and the host measurement given, so every branch runs without a GPU."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,7 @@ from ggmoe.cache.parts import load_parts
 from ggmoe.cli import fit as F
 from ggmoe.cli.options import cache_config
 from ggmoe.inspect import inspect_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
-from realshape import write_model  # noqa: E402
+from tools.gpu.realshape import write_model
 
 pytestmark = pytest.mark.unit
 

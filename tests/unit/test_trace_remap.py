@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,9 +10,7 @@ import pytest
 from ggmoe.base.errors import UsageError
 from ggmoe.trace.remap import map_ids, map_trace
 from tests.unit.test_simulator import trace as hand_trace
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu"))
-from trace_routing import ROUTING_NAME, model_trace, routing_name  # noqa: E402
+from tools.gpu.trace_routing import ROUTING_NAME, model_trace, routing_name
 
 pytestmark = pytest.mark.unit
 

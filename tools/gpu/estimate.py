@@ -33,16 +33,15 @@ from pathlib import Path
 
 import gguf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matrix import split_theta  # noqa: E402
-from realshape import PRESETS, plan_for, tensor_bytes, tensor_type  # noqa: E402
-from trace_routing import model_trace, routing_name  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
 from ggmoe.cache.hardware import load_profile  # noqa: E402
 from ggmoe.cache.split import LayerSplit, layer_split, tops_in  # noqa: E402
 from ggmoe.inspect.facts import ExpertTensor, MoeLayer  # noqa: E402
 from ggmoe.simulate.des import SimConfig, SimResult, baseline, simulate  # noqa: E402
 from ggmoe.trace import load_traces  # noqa: E402
+from tools.gpu.matrix import split_theta  # noqa: E402
+from tools.gpu.realshape import PRESETS, plan_for, tensor_bytes, tensor_type  # noqa: E402
+from tools.gpu.trace_routing import model_trace, routing_name  # noqa: E402
 
 DEFAULT_THETAS = "1/3,1/2,2/3,3/4"
 

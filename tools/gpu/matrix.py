@@ -94,16 +94,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tools/: random_predictor
-from faults import cause  # noqa: E402
-from trace_routing import ROUTING_NAME, TraceRouting, routing_name, split_tiled  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
 from ggmoe.cache import CacheConfig  # noqa: E402
 from ggmoe.control.prefetch import PrefetchConfig  # noqa: E402
 from ggmoe.inspect import inspect_model  # noqa: E402
 from ggmoe.inspect.fingerprint import model_fingerprint  # noqa: E402
 from ggmoe.trace import load_trace  # noqa: E402
+from tools.gpu.faults import cause  # noqa: E402
+from tools.gpu.trace_routing import ROUTING_NAME, TraceRouting, routing_name, split_tiled  # noqa: E402
 
 if TYPE_CHECKING:
     from ggmoe.engine import Engine, EngineConfig
@@ -329,7 +327,7 @@ _RANDOM_MLP: dict[Path, Path] = {}  # model -> its random-weight mlp file (writt
 
 def random_mlp(model: Path) -> Path:
     """A random-weight mlp predictor file for ``model`` (hidden 1024, stride 2): what the mlp costs."""
-    from random_predictor import random_predictor_file
+    from tools.fixtures.random_predictor import random_predictor_file
 
     if model not in _RANDOM_MLP:
         out = Path(tempfile.mkdtemp(prefix="ggmoe-mlp-")) / "random-mlp.npz"

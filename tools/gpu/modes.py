@@ -40,7 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-from faults import cause
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
+from tools.gpu.faults import cause  # noqa: E402
 
 MODES = ("sync", "async", "host", "prefetch", "async-prefetch", "split", "split-async")
 PROMPT = list(range(3, 40))  # token ids: a prompt every vocabulary has

@@ -37,10 +37,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import build_engine  # noqa: E402
-
+sys.path.insert(0, str(ROOT))  # the repo root: tools.* when run as a file
 from ggmoe.base.errors import GgmoeError  # noqa: E402
+from tools import build_engine  # noqa: E402
 
 MAX_PACK_BYTES = 60 << 20  # bytes: the pack alone
 MAX_CARRY_BYTES = 62 << 20  # bytes: the pack and the working tree (the device tool's 64 MiB, less a margin)
@@ -140,15 +139,14 @@ def make_real_routing(out: Path, dirs: list[Path]) -> None:
 
 def make_trace(out: Path, docs: int, prefill_tokens: int = 64, steps: int = 64) -> None:
     """A held-out, teacher-forced trace of the embedded model: ``docs`` code documents never used in training
-    (tools/trace_corpus.py's choice), their first ``prefill_tokens`` as the prefill, then ``steps`` tokens
+    (tools/routing/trace_corpus.py's choice), their first ``prefill_tokens`` as the prefill, then ``steps`` tokens
     of their real continuation one per decode step; no hidden states (the GPU models' width differs).
 
     One thread: the model is tiny, and two threads on a busy 2-core machine are ten times slower."""
-    import trace_corpus
-
     from ggmoe.engine import Engine, EngineConfig
     from ggmoe.engine.record import RecordConfig, record_trace
     from ggmoe.models import default_model_path
+    from tools.routing import trace_corpus
 
     model = default_model_path()
     if model is None:

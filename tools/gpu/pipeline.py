@@ -57,8 +57,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-import build as gpu_build  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the repo root: tools.* when run as a file
+from tools.gpu import build as gpu_build  # noqa: E402
 
 DEFAULT_RESULTS = Path("/tmp/ggmoe-results")
 # what the matrix does first: import ggmoe's engine (numpy and all), then load the model, experts on the host

@@ -46,14 +46,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from make_fixtures import (  # noqa: E402,E501
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
+from tools.fixtures.gguf_writer import add_header  # noqa: E402
+from tools.fixtures.make_fixtures import (  # noqa: E402
     ARCH_SPECS,
     ModelPlan,
     Role,
     Shape,
     TensorSpec,
-    _write_header_keys,
+    header_keys,
     make_vocab,
     moe_tensor_specs,
 )
@@ -261,7 +262,7 @@ def write_model(preset: str | Preset, out: Path, seed: int = 0, header_only: boo
     os.close(fd)
     try:
         w = gguf.GGUFWriter(tmp, arch=plan.spec.arch_name)
-        _write_header_keys(w, plan)
+        add_header(w, header_keys(plan), plan.vocab)
         for t, q in zip(plan.tensors, types, strict=True):
             shape = tuple(reversed(t.ne))  # numpy order, as add_tensor would take it
             w.add_tensor_info(t.name, shape, np.dtype(np.float32), tensor_bytes(t, q),

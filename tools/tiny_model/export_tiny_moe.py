@@ -1,6 +1,6 @@
-"""Export the trained tiny MoE (tools/train_tiny_moe.py) to GGUF, then quantize it.
+"""Export the trained tiny MoE (tools/tiny_model/train_tiny_moe.py) to GGUF, then quantize it.
 
-    python tools/export_tiny_moe.py --build ~/.cache/ggmoe/tiny-moe [--install]
+    python tools/tiny_model/export_tiny_moe.py --build ~/.cache/ggmoe/tiny-moe [--install]
 
 Writes to the build directory:
 
@@ -27,6 +27,7 @@ import ctypes
 import json
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,13 +36,15 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, models
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_moe_torch import TinyMoeConfig  # noqa: E402
-from train_tiny_moe import EOS_TOKEN, LLAMA_CPP_PRE, build_tokenizer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
+from tools.fixtures import gguf_writer  # noqa: E402
+from tools.fixtures.gguf_writer import BpeVocab, Key, Tensor, tensor_name  # noqa: E402
+from tools.tiny_model.tiny_moe_torch import TinyMoeConfig  # noqa: E402
+from tools.tiny_model.train_tiny_moe import EOS_TOKEN, LLAMA_CPP_PRE, build_tokenizer  # noqa: E402
 
 ARCH = gguf.MODEL_ARCH.QWEN3MOE
 ARCH_NAME = gguf.MODEL_ARCH_NAMES[ARCH]  # "qwen3moe"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 INSTALLED_MODEL = REPO_ROOT / "ggmoe" / "models" / "tiny-moe.gguf"
 MODEL_NAME = "ggmoe tiny-moe"
 
@@ -52,12 +55,6 @@ GGUF_FILES = {
     "Q8_0": "tiny-moe-q8_0.gguf",
     "Q4_K_M": "tiny-moe-q4_k_m.gguf",
 }
-
-
-def tensor_name(kind: gguf.MODEL_TENSOR, il: int | None = None) -> str:
-    """The llama.cpp tensor name, e.g. blk.3.ffn_up_exps.weight."""
-    base = gguf.TENSOR_NAMES[kind]
-    return (base.format(bid=il) if il is not None else base) + ".weight"
 
 
 def tensor_map(cfg: TinyMoeConfig) -> dict[str, str]:
@@ -134,51 +131,49 @@ class TokenizerData(NamedTuple):
         tok.add_special_tokens(control)
         return tok
 
+    def vocab(self) -> BpeVocab:
+        """The GGUF vocabulary: the qwen2 pre-tokenizer, and as Qwen's, <|endoftext|> serves as BOS, EOS and
+        padding, no BOS added."""
+        return BpeVocab(self.tokens, self.token_types, self.merges, bos_id=self.eos_id, eos_id=self.eos_id,
+                        pre=LLAMA_CPP_PRE, pad_id=self.eos_id, add_bos=False)
 
-def add_tokenizer(writer: gguf.GGUFWriter, tok: TokenizerData) -> None:
-    """Byte-level BPE as tokenizer.ggml.model = gpt2 with the qwen2 pre-tokenizer."""
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(LLAMA_CPP_PRE)
-    writer.add_token_list(tok.tokens)
-    writer.add_token_types(tok.token_types)
-    writer.add_token_merges(tok.merges)
-    writer.add_bos_token_id(tok.eos_id)  # as Qwen: <|endoftext|> serves as BOS, EOS and padding
-    writer.add_eos_token_id(tok.eos_id)
-    writer.add_pad_token_id(tok.eos_id)
-    writer.add_add_bos_token(False)
+
+def header_keys(cfg: TinyMoeConfig, f16: bool) -> list[Key]:
+    """The hparam keys, in file order (the vocabulary follows them)."""
+    return [
+        ("name", MODEL_NAME),
+        ("file_type", gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32),
+        ("context_length", cfg.n_ctx_train),
+        ("embedding_length", cfg.n_embd),
+        ("block_count", cfg.n_layer),
+        # The width of the FFN a token actually uses; llama.cpp falls back to
+        # n_ff / n_expert_used when expert_feed_forward_length is missing.
+        ("feed_forward_length", cfg.n_ff_exp * cfg.n_expert_used),
+        ("expert_feed_forward_length", cfg.n_ff_exp),
+        ("head_count", cfg.n_head),
+        ("head_count_kv", cfg.n_head_kv),
+        ("key_length", cfg.head_dim),
+        ("value_length", cfg.head_dim),
+        ("rope_freq_base", cfg.rope_freq_base),
+        ("layer_norm_rms_eps", cfg.rms_norm_eps),
+        ("expert_count", cfg.n_expert),
+        ("expert_used_count", cfg.n_expert_used),
+    ]
+
+
+def _tensors(cfg: TinyMoeConfig, state: dict[str, torch.Tensor], f16: bool) -> Iterator[Tensor]:
+    for name, key in tensor_map(cfg).items():
+        array = state[key].detach().to(torch.float32).numpy()
+        if f16 and not _keep_f32(name, array):
+            array = array.astype(np.float16)
+        yield name, np.ascontiguousarray(array), None
 
 
 def write_gguf(
     path: Path, cfg: TinyMoeConfig, state: dict[str, torch.Tensor], tok: TokenizerData, f16: bool
 ) -> None:
-    writer = gguf.GGUFWriter(str(path), ARCH_NAME)
-    writer.add_name(MODEL_NAME)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
-    writer.add_context_length(cfg.n_ctx_train)
-    writer.add_embedding_length(cfg.n_embd)
-    writer.add_block_count(cfg.n_layer)
-    # The width of the FFN a token actually uses; llama.cpp falls back to
-    # n_ff / n_expert_used when expert_feed_forward_length is missing.
-    writer.add_feed_forward_length(cfg.n_ff_exp * cfg.n_expert_used)
-    writer.add_expert_feed_forward_length(cfg.n_ff_exp)
-    writer.add_head_count(cfg.n_head)
-    writer.add_head_count_kv(cfg.n_head_kv)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_freq_base)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_expert_count(cfg.n_expert)
-    writer.add_expert_used_count(cfg.n_expert_used)
-    add_tokenizer(writer, tok)
-    for name, key in tensor_map(cfg).items():
-        array = state[key].detach().to(torch.float32).numpy()
-        if f16 and not _keep_f32(name, array):
-            array = array.astype(np.float16)
-        writer.add_tensor(name, np.ascontiguousarray(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    """The model as a GGUF of F32 tensors, or F16 where llama.cpp's converter writes F16 (``f16``)."""
+    gguf_writer.write_gguf(path, ARCH_NAME, header_keys(cfg, f16), tok.vocab(), _tensors(cfg, state, f16))
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> int | float:

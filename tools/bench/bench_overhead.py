@@ -17,7 +17,7 @@ machine noise hits all alike; medians over rounds):
                 pure cost here: the half rows measure the cache's bookkeeping and copies, not a link).
 Also a histogram of the route callback's time per layer call (``cache-all``).
 
-    python tools/bench_overhead.py [MODEL] [--rounds 7] [--tokens 64] [--threads N] [--json]
+    python tools/bench/bench_overhead.py [MODEL] [--rounds 7] [--tokens 64] [--threads N] [--json]
 """
 
 from __future__ import annotations

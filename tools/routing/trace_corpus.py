@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The trace corpus: routing of the embedded model on held-out code and English prose.
 
-Picks ``--docs`` held-out documents per domain (``tools/corpus.py``: files never
+Picks ``--docs`` held-out documents per domain (``tools/tiny_model/corpus.py``: files never
 used in training), seeded and spread over the whole held-out list, each long
 enough for ``--prefill-tokens`` + ``--steps`` tokens, writes them as JSONL and
 records their traces (``ggmoe.engine.record``), by default teacher-forced: the prefill
@@ -9,7 +9,7 @@ is the document's start, then its real continuation is fed one token per
 decode step. Greedy and sampled traces of the same documents are for comparing
 routing statistics (``--modes teacher greedy sample``).
 
-    python tools/trace_corpus.py [--docs 200] [--out DIR] [--modes teacher] [MODEL]
+    python tools/routing/trace_corpus.py [--docs 200] [--out DIR] [--modes teacher] [MODEL]
 
 Output: DIR/{code,prose}.jsonl and DIR/{code,prose}-{mode}/trace.npz (``--split train``: with a
 ``-train`` suffix; predictors train on those and are evaluated on the held-out ones)
@@ -26,12 +26,13 @@ import sys
 from pathlib import Path
 
 import click
-from corpus import DOMAINS, list_documents
 
-from ggmoe.engine import Engine, EngineConfig
-from ggmoe.engine.record import RecordConfig, record_trace
-from ggmoe.inspect import inspect_model
-from ggmoe.models import default_model_path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
+from ggmoe.engine import Engine, EngineConfig  # noqa: E402
+from ggmoe.engine.record import RecordConfig, record_trace  # noqa: E402
+from ggmoe.inspect import inspect_model  # noqa: E402
+from ggmoe.models import default_model_path  # noqa: E402
+from tools.tiny_model.corpus import DOMAINS, list_documents  # noqa: E402
 
 
 def default_out() -> Path:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Routing report of a model's traces, written into docs/tiny-model.md (between markers).
 
-Reads the trace corpus (``tools/trace_corpus.py``: DIR/{code,prose}-{mode}/trace.npz)
+Reads the trace corpus (``tools/routing/trace_corpus.py``: DIR/{code,prose}-{mode}/trace.npz)
 and measures, per domain and trace mode:
 - expert load per layer: share of routed assignments per expert, its normalised
   entropy (1 = perfectly balanced) and max/mean ratio;
@@ -13,7 +13,7 @@ and measures, per domain and trace mode:
 - LRU hit rate against cached experts per layer (``ggmoe.simulate.replay``);
 and draws two figures (LRU hit-rate curves; per-layer expert load).
 
-    python tools/routing_report.py [--corpus DIR ...] [--doc docs/tiny-model.md]
+    python tools/routing/routing_report.py [--corpus DIR ...] [--doc docs/tiny-model.md]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ggmoe.simulate import replay
 from ggmoe.trace import STAGE_DECODE, Trace, load_trace
 
 START, END = "<!-- routing-report:start -->", "<!-- routing-report:end -->"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -141,10 +141,10 @@ def markdown(results: list[Routing], meta, imgs: list[str], corpus: Path) -> str
     slots = sorted(results[0].lru)
     lines = [START, "## Routing report", "",
              f"Model `{meta.model_name}` (fingerprint `{meta.model_fingerprint}`): {e} experts per layer, "
-             f"top-{k}. Traces: `python tools/trace_corpus.py --docs 200` (teacher-forced) and "
-             "`python tools/trace_corpus.py --docs 100 --modes greedy sample --no-hidden --out ~/.cache/ggmoe/corpus/cmp`"
+             f"top-{k}. Traces: `python tools/routing/trace_corpus.py --docs 200` (teacher-forced) and "
+             "`python tools/routing/trace_corpus.py --docs 100 --modes greedy sample --no-hidden --out ~/.cache/ggmoe/corpus/cmp`"
              " (held-out documents, never trained on; 64-token prefill, 64 decode steps), report: "
-             "`python tools/routing_report.py`. Teacher-forced traces feed each document's real continuation; "
+             "`python tools/routing/routing_report.py`. Teacher-forced traces feed each document's real continuation; "
              "greedy and sampled ones let the model continue the same prefills.", "",
              "| trace | prompts | tokens | load entropy (mean) | max/mean load | reuse t-1 | adjacent-layer cosine "
              "| experts active per request | " + " | ".join(f"LRU {s}/{e}" for s in slots) + " |",
@@ -200,7 +200,7 @@ def main() -> int:
             results.append(analyse(f"{domain}/{mode}", tr, [s for s in slot_counts if k <= s <= e]))
             print(f"analysed {domain}/{mode}", file=sys.stderr)
     if not results or not any(r.name.endswith("teacher") for r in results):
-        print(f"error: no teacher-forced traces under {', '.join(map(str, a.corpus))}; run tools/trace_corpus.py",
+        print(f"error: no teacher-forced traces under {', '.join(map(str, a.corpus))}; run tools/routing/trace_corpus.py",
               file=sys.stderr)
         return 2
     imgs = figures(results, a.doc.parent / "img")

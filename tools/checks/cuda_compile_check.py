@@ -7,8 +7,8 @@ flags ggml-cuda's CMake uses. The CUDA toolkit here has no cuBLAS headers (ggml-
 ``cublas_v2.h``): they come from the toolkit when it has them, else from NVIDIA's ``nvidia-cublas`` wheel on
 PyPI, unpacked once into ``$GGMOE_CACHE/cublas`` (headers only).
 
-    python tools/cuda_compile_check.py            # every patched .cu file
-    python tools/cuda_compile_check.py --list     # which files, without compiling
+    python tools/checks/cuda_compile_check.py            # every patched .cu file
+    python tools/checks/cuda_compile_check.py --list     # which files, without compiling
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build_engine  # noqa: E402 - the sdist, its version and the patch list
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
+from tools import build_engine  # noqa: E402 - the sdist, its version and the patch list
 
 ARCH = "sm_90"
 # what ggml-cuda's CMakeLists.txt defines for a default build (the values only size tables)

@@ -11,7 +11,7 @@ Each configuration runs ``--rounds`` times, interleaved, and the median is print
 second of wall time over all requests and the process's CPU time per token, each with its ratio to one at a
 time (CPU time is the steadier figure on a machine other jobs load). Writes nothing.
 
-    PYTHONPATH=. python tools/bench_parallel.py [--model M] [--requests 16] [--tokens 64] [--rounds 5]
+    PYTHONPATH=. python tools/bench/bench_parallel.py [--model M] [--requests 16] [--tokens 64] [--rounds 5]
                                                 [--cache-slots 16] [--threads 1] [--no-kv-unified]
                                                 [--flash-attn]
 """

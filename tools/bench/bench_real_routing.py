@@ -9,8 +9,8 @@ states, router probabilities nor token ids (an imported trace has none of them).
 
     ggmoe trace import /work/shared/real-routing/deepseek-v2-lite-esft/{intent,law} -o /tmp/ds2 \\
         --n-expert 64 --top-k 6 --n-layer 27
-    python tools/bench_real_routing.py --trace /tmp/ds2 --jobs 2 --val-frac 0.25 > table.md
-    python tools/bench_real_routing.py --trace /tmp/ds2 --val-frac 0.25 --write-split /tmp/ds2-split
+    python tools/bench/bench_real_routing.py --trace /tmp/ds2 --jobs 2 --val-frac 0.25 > table.md
+    python tools/bench/bench_real_routing.py --trace /tmp/ds2 --val-frac 0.25 --write-split /tmp/ds2-split
 """
 
 from __future__ import annotations

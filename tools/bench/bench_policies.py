@@ -10,9 +10,9 @@ layers, 32 experts of 13.2 MB in MXFP4, top-4; tools/gpu/trace_routing.py), at 2
 llama.cpp with experts on the CPU (-ot exps=CPU), --n-cpu-moe at the same VRAM, llama.cpp mainline's
 design (on-demand LRU, misses waited for), and ggmoe's best over policies x predictors x miss policies.
 
-    python tools/trace_corpus.py --docs 60 --out DIR --no-hidden            # held-out
-    python tools/trace_corpus.py --docs 60 --out DIR --split train           # training split
-    python tools/bench_policies.py --corpus DIR > tables.md
+    python tools/routing/trace_corpus.py --docs 60 --out DIR --no-hidden            # held-out
+    python tools/routing/trace_corpus.py --docs 60 --out DIR --split train           # training split
+    python tools/bench/bench_policies.py --corpus DIR > tables.md
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
-from trace_routing import tile_trace  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repo root: tools.* when run as a file
 from ggmoe.cache.hardware import load_profile  # noqa: E402
 from ggmoe.cache.policies import POLICIES  # noqa: E402
 from ggmoe.inspect import inspect_model  # noqa: E402
@@ -36,6 +34,7 @@ from ggmoe.models import default_model_path  # noqa: E402
 from ggmoe.simulate.des import SimConfig, baseline, simulate  # noqa: E402
 from ggmoe.trace import load_traces  # noqa: E402
 from ggmoe.trace.data import select_prompts, trace_counts  # noqa: E402
+from tools.gpu.trace_routing import tile_trace  # noqa: E402
 
 PREDICTORS = (None, "reuse", "token", "eam", "expert-map", "oracle")
 FRACTIONS = (0.25, 0.5)

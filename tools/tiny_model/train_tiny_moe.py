@@ -2,9 +2,9 @@
 
 Run (about 35 min on 2 CPU cores; heavy, so serialise it with the other heavy jobs):
 
-    flock /tmp/ggmoe-heavy.lock python tools/train_tiny_moe.py --out ~/.cache/ggmoe/tiny-moe
-    python tools/export_tiny_moe.py --build ~/.cache/ggmoe/tiny-moe --install
-    python tools/verify_tiny_moe.py --build ~/.cache/ggmoe/tiny-moe
+    flock /tmp/ggmoe-heavy.lock python tools/tiny_model/train_tiny_moe.py --out ~/.cache/ggmoe/tiny-moe
+    python tools/tiny_model/export_tiny_moe.py --build ~/.cache/ggmoe/tiny-moe --install
+    python tools/tiny_model/verify_tiny_moe.py --build ~/.cache/ggmoe/tiny-moe
 
 Steps:
 1. Byte-level BPE tokenizer (HF ``tokenizers``) trained on a seeded sample of the
@@ -19,7 +19,7 @@ Steps:
 
 Writes to ``--out``: tokenizer.json, checkpoint.pt (fp32 state dict, config,
 arguments, metrics), train_log.jsonl (one line per logged step) and summary.json.
-Everything is deterministic for a given seed, corpus (see tools/corpus.py
+Everything is deterministic for a given seed, corpus (see tools/tiny_model/corpus.py
 fingerprints, logged in summary.json) and torch version on a 2-thread CPU run.
 """
 
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import DOMAINS, corpus_fingerprint, documents  # noqa: E402
-from tiny_moe_torch import TinyMoe, TinyMoeConfig, load_balancing_loss  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
+from tools.tiny_model.corpus import DOMAINS, corpus_fingerprint, documents  # noqa: E402
+from tools.tiny_model.tiny_moe_torch import TinyMoe, TinyMoeConfig, load_balancing_loss  # noqa: E402
 
 EOS_TOKEN = "<|endoftext|>"
 # llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 regex (src/llama-vocab.cpp), i.e. Qwen2's

@@ -1,7 +1,7 @@
 """Print the table of docs/simulator.md, "Fidelity against published figures": each peer's published decode
 tok/s beside the simulator's estimate of the same run from first principles (ggmoe/simulate/fidelity.py).
 
-    python tools/fidelity_table.py          # the markdown table (tests/unit/test_fidelity.py checks the doc)
+    python tools/bench/fidelity_table.py          # the markdown table (tests/unit/test_fidelity.py checks the doc)
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ Generation lengths are capped (``max_tokens`` 8, ``n_predict`` 8, ``n`` 2) so a 
 not decoding.
 
 Usage:
-    python tools/fuzz_serve.py                          # starts the embedded model on a free port, 200 cases/op
-    python tools/fuzz_serve.py --examples 1000 --time 1800
-    python tools/fuzz_serve.py --url http://127.0.0.1:8080 --api-key KEY
+    python tools/checks/fuzz_serve.py                          # starts the embedded model on a free port, 200 cases/op
+    python tools/checks/fuzz_serve.py --examples 1000 --time 1800
+    python tools/checks/fuzz_serve.py --url http://127.0.0.1:8080 --api-key KEY
 The serve tier runs the same function briefly (tests/serve/test_fuzz.py).
 """
 

@@ -1,8 +1,8 @@
 """Verify the exported tiny MoE against the torch model it came from.
 
-    python tools/verify_tiny_moe.py --build ~/.cache/ggmoe/tiny-moe
+    python tools/tiny_model/verify_tiny_moe.py --build ~/.cache/ggmoe/tiny-moe
 
-Checks, on held-out documents (tools/corpus.py, split "heldout", never trained on):
+Checks, on held-out documents (tools/tiny_model/corpus.py, split "heldout", never trained on):
 
 1. tokenization: llama.cpp (``tokenizer.ggml.pre = qwen2``) gives the same ids
    as the HF tokenizer used in training, and detokenizes back to the text;
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import DOMAINS, documents  # noqa: E402
-from export_tiny_moe import GGUF_FILES  # noqa: E402
-from tiny_moe_torch import TinyMoe, TinyMoeConfig  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
+from tools.tiny_model.corpus import DOMAINS, documents  # noqa: E402
+from tools.tiny_model.export_tiny_moe import GGUF_FILES  # noqa: E402
+from tools.tiny_model.tiny_moe_torch import TinyMoe, TinyMoeConfig  # noqa: E402
 
 CODE_PROMPT = 'def read_config(path):\n    """Read the configuration file at path and return a dict."""\n'
 PROSE_PROMPT = "The program reads its input from standard input and"

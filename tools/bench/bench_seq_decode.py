@@ -6,7 +6,7 @@ graph as a real decode does; each block's first decode, which rebuilds it, is no
 throughput ratio N x t(1) / t(N): how many times more tokens per second N sequences decoded together give
 than one. Writes nothing.
 
-    PYTHONPATH=. python tools/bench_seq_decode.py [--model M] [--sequences 4] [--reps 300] [--cache-slots 16]
+    PYTHONPATH=. python tools/bench/bench_seq_decode.py [--model M] [--sequences 4] [--reps 300] [--cache-slots 16]
                                                [--threads 1]
 """
 

@@ -16,7 +16,7 @@ mode alike; each figure is the median over rounds of decode tokens per second, a
 the per-round ratios against stock. ``us/expert`` is a decode step's time over the experts it computes
 (MoE layers x n_expert_used): the host path's against stock's is the issue's "time per expert".
 
-    python tools/bench_host_path.py [MODEL.gguf | toy] [--rounds 7] [--tokens 128] [--threads N] [--json]
+    python tools/bench/bench_host_path.py [MODEL.gguf | toy] [--rounds 7] [--tokens 128] [--threads N] [--json]
 
 ``toy`` writes the real-shape writer's Q4_K preset (tools/gpu/realshape.py) to a temporary file first.
 Time it alone: two CPU-heavy jobs on two cores slow each other many times over.
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if a.model == "toy":
-            sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-            from realshape import write_model
+            sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.*
+            from tools.gpu.realshape import write_model
 
             path, _, _ = write_model("toy", Path(tmp) / "toy.gguf")
         else:

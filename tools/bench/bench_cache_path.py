@@ -12,7 +12,7 @@ about half the selections miss and are admitted. Pure Python on one core: far le
 benchmark, so a before/after pair compares two trees (run each with ``PYTHONPATH`` on it). Medians over
 ``--repeats``; microseconds per token.
 
-    python tools/bench_cache_path.py [--repeats 5] [--tokens 1500] [--json]
+    python tools/bench/bench_cache_path.py [--repeats 5] [--tokens 1500] [--json]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A model larger than RAM, decoded by stock llama.cpp (mmap) and by ggmoe's disk tier (``--host-ram``).
 
-Each run is a process of its own, one at a time, on the same model (tools/big_model.py's 32 GiB by default):
+Each run is a process of its own, one at a time, on the same model (tools/fixtures/big_model.py's 32 GiB by default):
 
 - ``stock``: ``llama_cpp.Llama(model, n_gpu_layers=0, use_mmap=True)``: llama.cpp's own load, the experts read
   through page faults on its mapping of the file, the page cache as the only host tier;
@@ -23,7 +23,7 @@ cache (``POSIX_FADV_DONTNEED`` on the file: no root needed for clean pages) and 
 64 KiB, 1 MiB and 4 MiB at 1 and 4 in flight. Not a test: run it by hand, alone (two CPU-heavy jobs on two cores
 slow each other many times over).
 
-    python tools/bench_disk_tier.py [MODEL.gguf] [--modes stock,ggmoe] [--host-ram 16GiB] [--tokens 32]
+    python tools/bench/bench_disk_tier.py [MODEL.gguf] [--modes stock,ggmoe] [--host-ram 16GiB] [--tokens 32]
                                     [--runs 3] [--disk] [--json]
 """
 
@@ -44,7 +44,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 MODES = ("stock", "ggmoe")
 TOKEN_IDS = 200  # teacher-forced ids stay below this: byte tokens every fixture vocabulary has
 PAGE = mmap.PAGESIZE
@@ -405,7 +405,7 @@ def report(res: dict) -> str:
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", nargs="?", type=Path, help="GGUF (default: tools/big_model.py's 32 GiB model)")
+    ap.add_argument("model", nargs="?", type=Path, help="GGUF (default: tools/fixtures/big_model.py's 32 GiB model)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, in order: stock, ggmoe")
     ap.add_argument("--runs", type=int, default=3, help="rounds of the modes (default 3)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per run (default 32)")
@@ -433,12 +433,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     if a.model is None:
-        sys.path.insert(0, str(HERE))
-        from big_model import default_path
+        sys.path.insert(0, str(ROOT))  # the repo root: tools.* when run as a file
+        from tools.fixtures.big_model import default_path
 
         a.model = default_path()
     if not a.model.is_file():
-        print(f"error: no model at {a.model}; write it with python tools/big_model.py", file=sys.stderr)
+        print(f"error: no model at {a.model}; write it with python tools/fixtures/big_model.py", file=sys.stderr)
         return 2
     if a.worker:
         worker(a.worker, a.model, a)

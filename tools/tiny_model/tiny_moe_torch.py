@@ -1,7 +1,7 @@
 """The tiny qwen3moe language model in torch, computed the way llama.cpp computes it.
 
-One module, shared by training (tools/train_tiny_moe.py), export
-(tools/export_tiny_moe.py) and verification (tools/verify_tiny_moe.py,
+One module, shared by training (tools/tiny_model/train_tiny_moe.py), export
+(tools/tiny_model/export_tiny_moe.py) and verification (tools/tiny_model/verify_tiny_moe.py,
 tests/slow/test_tiny_model.py). The forward pass follows
 llama.cpp's ``llama_model_qwen3moe::graph`` and ``llm_graph_context::build_moe_ffn``:
 

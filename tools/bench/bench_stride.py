@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Stride prefetch on the async decode against the sync decode's, on the CPU build behaving like a GPU.
 
-    python tools/bench_stride.py DOCS.jsonl [DOCS2.jsonl ...] --predictor PRED.npz [--model M.gguf]
+    python tools/bench/bench_stride.py DOCS.jsonl [DOCS2.jsonl ...] --predictor PRED.npz [--model M.gguf]
         [--docs-per-file 10] [--share 0.25] [--stride 2] [--link-us 10] [--stream deferred|immediate]
         [--lockstep] [--json]
-    python tools/bench_stride.py --speed --predictor PRED.npz [--model M.gguf] [--threads 2] [--rounds 7]
+    python tools/bench/bench_stride.py --speed --predictor PRED.npz [--model M.gguf] [--threads 2] [--rounds 7]
 
 Hit rates: every configuration runs the same held-out documents teacher-forced (64 prefill tokens, then
 the document's next 64 tokens one decode step each) on the deferred copy stream (copies land later, out

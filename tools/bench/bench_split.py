@@ -17,7 +17,7 @@ row: whole hits, top-only hits and misses (shares of expert uses), bytes over th
 rounds; on a CPU build a "link" read is a RAM read, so this shows the bookkeeping, not the link), and the
 simulator's TPOT estimate on the run's own trace for each ``--hw`` profile.
 
-    python tools/bench_split.py [--model M.gguf] [--fractions 0.25,0.5] [--theta 0.5] [--hw h100,pcie4]
+    python tools/bench/bench_split.py [--model M.gguf] [--fractions 0.25,0.5] [--theta 0.5] [--hw h100,pcie4]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from ggmoe.cache import CacheConfig  # noqa: E402

@@ -1,6 +1,6 @@
 """Hit rate of the live cache with and without stride prefetching, on held-out teacher-forced documents.
 
-    python tools/bench_prefetch.py DOCS.jsonl [DOCS2.jsonl ...] --predictor PRED.npz [--docs 50]
+    python tools/bench/bench_prefetch.py DOCS.jsonl [DOCS2.jsonl ...] --predictor PRED.npz [--docs 50]
         [--slots 8 16] [--stride 2] [--decode-mode sync|async|auto] [--json]
 
 Each configuration runs the embedded model (or --model) over the same documents,

@@ -1,0 +1,1 @@
+"""Checks too long or too tool-bound for the test suite: the serve fuzzer, the CUDA compile check."""

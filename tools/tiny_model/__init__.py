@@ -1,0 +1,1 @@
+"""The embedded default model: its corpus, its torch definition, training, GGUF export and verification."""
