@@ -218,6 +218,17 @@ def test_goals_by_hand():
     assert len(sim) == 1 and sim[0]["value"] == pytest.approx(0.2) and not sim[0]["met"]
 
 
+@pytest.mark.parametrize("hybrid_tps, met", [(90.0, True), (70.0, False)])
+def test_the_hybrid_goal_by_hand(hybrid_tps, met):
+    """Issue 42's goal: hybrid at 50 % against the better of sync LRU and the async decode (here async)."""
+    cells = [_cell("random", "lru", 0.5, 60.0), _cell("random", "async", 0.5, 70.0),
+             _cell("random", "hybrid", 0.5, hybrid_tps)]
+    g = [x for x in goals(cells) if x["goal"].startswith("decode at 50 %: hybrid")]
+    assert len(g) == 1 and "(async)" in g[0]["goal"]
+    assert g[0]["value"] == pytest.approx(hybrid_tps / 70.0) and g[0]["met"] is met
+    assert not [x for x in goals(cells[:2]) if "hybrid" in x["goal"]]  # no hybrid cell: no goal
+
+
 def test_bounds_and_the_async_goals_by_hand():
     from tools.gpu.matrix import bounds
 
