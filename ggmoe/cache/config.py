@@ -62,6 +62,10 @@ class CacheConfig:
     # what to do with an expert that is not on the device: wait for its copy, compute it on the CPU, or
     # whichever the measured cost model says is sooner (ggmoe.cache.miss)
     miss_policy: str = "wait"
+    # the host path's CPU part on a worker of this many threads beside the device part (0: in the main graph,
+    # after it); None: the build's default (ggmoe.engine.host_part: the context's threads on a GPU, 0 on the CPU
+    # build; GGMOE_HOST_THREADS overrides it)
+    host_threads: int | None = None
     # the auto miss policy's cost model: a hardware profile name or TOML file; None: measured at startup
     hw_profile: str | None = None
     # stride prefetching from a predictor (ggmoe.control.prefetch.PrefetchConfig), or None
@@ -97,6 +101,10 @@ class CacheConfig:
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)
                                       or not math.isfinite(threshold)):
             raise UsageError(f"prefetch threshold {threshold!r} is not a finite number")
+        if self.host_threads is not None and (isinstance(self.host_threads, bool)
+                                              or not isinstance(self.host_threads, int) or self.host_threads < 0):
+            raise UsageError(f"host_threads {self.host_threads!r}: a whole number of threads >= 0 "
+                             "(0: the host part in the main graph)")
         for il, t in (self.layer_theta or {}).items():
             if isinstance(il, bool) or not isinstance(il, int) or il < 0:
                 raise UsageError(f"top share θ for layer {il!r}: layers are numbers >= 0")

@@ -87,6 +87,19 @@ def stats_out(path: str | None, start: RoutingStats | None, facts: ModelFacts, m
     return StatsOut(path, start, facts, model) if path is not None else None
 
 
+def with_host_threads(cache: CacheConfig | None, threads: int | None) -> CacheConfig | None:
+    """``--host-threads`` on the cache; refused where no host path can run (no cache, ``--miss-policy wait``)."""
+    if threads is None:
+        return cache
+    if cache is None:
+        raise UsageError("--host-threads sets the host path's CPU threads: it needs a cache (--cache-slots N or "
+                         "--vram BYTES) and --miss-policy cpu or auto")
+    if cache.miss_policy == "wait":
+        raise UsageError("--host-threads sets the host path's CPU threads, and --miss-policy wait has no host path: "
+                         "use --miss-policy cpu or auto, or drop --host-threads")
+    return dataclasses.replace(cache, host_threads=threads)
+
+
 def cache_from_flags(path: Path, facts: ModelFacts, flags: Mapping[str, Any]
                      ) -> tuple[CacheConfig | None, StatsOut | None]:
     """The cache that the flags of ``cache_options`` and ``stats_options`` (``flags``, by parameter name) ask for,
@@ -98,6 +111,7 @@ def cache_from_flags(path: Path, facts: ModelFacts, flags: Mapping[str, Any]
     cache = cache_config(f["cache_slots"], f["vram"], f["policy"], facts, f["miss_policy"], prefetch, f["hw"],
                          f["config"], f["decode_mode"], plan_config(f["plan_predictor"], f["predictor_train"]),
                          f["host_ram"])
+    cache = with_host_threads(cache, f["host_threads"])
     warm = read_stats_in(f["stats_in"], facts, path)
     cache = warm_start(cache, warm)
     out = stats_out(f["stats_out_path"], warm, facts, path)

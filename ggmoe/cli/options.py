@@ -220,6 +220,10 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--miss-policy", type=click.Choice(["wait", "cpu", "auto"]),
                       help="An expert not on the device: wait for its copy (default), compute it on the CPU "
                            "(the host path), or whichever is sooner by the measured cost model.")(fn)
+    fn = click.option("--host-threads", type=click.IntRange(min=0, max=MAX_THREADS),
+                      help="Threads of the worker that computes the host path's CPU part beside the GPU's part of "
+                           "each layer (0: after it, in llama.cpp's graph). Default: --threads on a GPU build, 0 on "
+                           "a CPU-only build.")(fn)
     fn = click.option("--decode-mode", type=click.Choice(["auto", "async", "sync"]),
                       help="async: experts read through a device-side table, no sync per MoE layer, the cache "
                            "managed between tokens; sync: the route op answers every layer (needed by the host "

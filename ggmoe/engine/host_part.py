@@ -5,7 +5,8 @@ callback sends to the CPU) on a worker thread with its own threadpool, started r
 joined where the two parts are added. The device part (the cached experts) runs meanwhile: on a GPU, its
 kernels; on the CPU build, the main graph's threads. The logits are the same either way.
 
-``GGMOE_HOST_THREADS`` sets the worker's threads (0: the host part stays in the main graph). Unset, a GPU build
+``--host-threads`` (``CacheConfig.host_threads``) or ``GGMOE_HOST_THREADS`` sets the worker's threads (0: the host
+part stays in the main graph). Unset, a GPU build
 gets a worker with the context's threads and the CPU build none: there the "device" is the same cores, so
 running the two parts side by side only adds a hand-off per layer (docs/benchmarks.md, "The host path").
 ``GGMOE_HOST_ORDER`` forces an interleaving, for tests: 1 the device part first, 2 the host part first.
@@ -48,9 +49,10 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
-def host_threads(n_threads: int, on_gpu: bool) -> tuple[int, int]:
-    """(worker threads, order) for a context computing with ``n_threads``; the environment wins."""
-    threads = _env_int(HOST_THREADS_ENV, n_threads if on_gpu else 0)
+def host_threads(n_threads: int, on_gpu: bool, asked: int | None = None) -> tuple[int, int]:
+    """(worker threads, order) for a context computing with ``n_threads``: ``asked`` (``--host-threads``) when
+    given, else the environment's, else the build's default."""
+    threads = asked if asked is not None else _env_int(HOST_THREADS_ENV, n_threads if on_gpu else 0)
     raw = os.environ.get(HOST_ORDER_ENV, "").strip().lower() or "0"
     if raw not in ORDERS:
         raise UsageError(f"{HOST_ORDER_ENV}={raw!r}: one of free, device-first, host-first (or 0, 1, 2)")

@@ -103,8 +103,8 @@ class CacheRuntime:
                               f"table: --miss-policy {asked} (the host path) cannot serve them; use wait")
         try:
             self._allocate(model_ptr, n_slots, config, zero_slot=asked == "cpu")
-            costs = self._choose_miss_policy(config, asked, n_threads or os.cpu_count() or 1, n_expert_used)
-            self.miss_policy_note = self.miss_policy_note or full_note
+            costs = self._choose_miss_policy(config, asked, n_threads or os.cpu_count() or 1, n_expert_used,
+                                             full_note)
             host_path = self.miss_policy != "wait"
             if host_path and asked == "auto":  # the host path reads a zero slot: allocate again with it
                 self._allocate(model_ptr, n_slots, config, zero_slot=True)
@@ -129,19 +129,23 @@ class CacheRuntime:
             self.close()
             raise
 
-    def _choose_miss_policy(self, config: CacheConfig, asked: str, n_threads: int, n_expert_used: int
-                            ) -> MissCosts | None:
+    def _choose_miss_policy(self, config: CacheConfig, asked: str, n_threads: int, n_expert_used: int,
+                            full_note: str | None) -> MissCosts | None:
         """The miss policy that runs (``auto`` becomes ``wait`` where the host path would only cost) and where
         the host part runs; the costs ``auto`` weighs, None for the other policies."""
         costs = self._costs(config, n_threads) if asked == "auto" else None
         self._measured = costs if config.hw_profile is None else None  # measured here (mode_estimate's too)
         # the host part on a worker beside the device part (patch 0015): the CPU then serves misses while the
         # link copies others, and auto splits them between the two
-        self.host_threads, self._host_order = host_threads(n_threads, self.on_gpu)
+        self.host_threads, self._host_order = host_threads(n_threads, self.on_gpu, config.host_threads)
         self.miss_policy, self.miss_policy_note = effective_miss_policy(
             asked, costs, self.slots.bytes_per_expert(), n_expert_used if self.host_threads else None)
+        self.miss_policy_note = self.miss_policy_note or full_note
         if self.miss_policy == "wait":
             self.host_threads = 0
+            if config.host_threads is not None:  # said once, with why the host path is off
+                why = self.miss_policy_note or "the miss policy is wait"
+                self.miss_policy_note = f"{why}; --host-threads {config.host_threads} does nothing without a host path"
         return costs
 
     def _check_disk(self, config: CacheConfig) -> None:

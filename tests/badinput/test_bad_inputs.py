@@ -58,6 +58,7 @@ _FLAG_VALUES = {
     "--stride": ["0", "-1", "x"],
     "--prefetch": ["0", "-2", "many"],
     "--prefetch-threshold": ["nan", "inf", "abc"],
+    "--host-threads": ["-1", "100000", "two"],
 }
 FLAG_CASES = [(cmd, flag, v) for cmd in ("run", "trace") for flag, vals in _FLAG_VALUES.items() for v in vals]
 FLAG_CASES += [(cmd, "-n" if cmd == "run" else "--max-tokens", v) for cmd in ("run", "trace")
@@ -88,6 +89,8 @@ COMBOS = [
     ("trace", MODEL, "--prompts", "PROMPTS"),  # no -o
     ("trace", MODEL, "-o", "TMP/out"),  # no --prompts
     ("run", MODEL, "-p", "hi", "--miss-policy", "cpu"),  # a miss policy without a cache
+    ("run", MODEL, "-p", "hi", "--host-threads", "2"),  # host threads without a cache
+    ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--host-threads", "2"),  # ... without a host path (wait)
     ("run", MODEL, "-p", "hi", "--predictor", "reuse"),  # a predictor without a cache
     ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--prefetch", "4"),  # --prefetch without --predictor
     ("run", MODEL, "-p", "hi", "--cache-slots", "4", "--predictor", "nope"),  # unknown predictor

@@ -82,3 +82,27 @@ def test_a_bad_thread_count_is_one_clear_error(raw, monkeypatch):
     monkeypatch.setenv(HOST_THREADS_ENV, raw)
     with pytest.raises(UsageError, match=HOST_THREADS_ENV):
         _run(default_model_path(), CacheConfig(n_slots=4, miss_policy="cpu", decode_mode="sync"))
+
+
+def test_host_threads_from_the_config_win_over_the_environment(stock_logits, monkeypatch):
+    """``CacheConfig.host_threads`` (``--host-threads``) is what runs; the environment only fills in a default."""
+    from ggmoe.models import default_model_path
+
+    model = default_model_path()
+    monkeypatch.setenv(HOST_THREADS_ENV, "0")
+    cfg = EngineConfig(model_path=model, n_ctx=256, n_batch=64, n_ubatch=4, n_threads=2,
+                       cache=CacheConfig(n_slots=4, miss_policy="cpu", decode_mode="sync", host_threads=1))
+    with Engine(cfg) as eng:
+        got = run_sequences(eng)
+        part = eng.pipeline.report()["host_part"]
+    for a, b in zip(got, stock_logits(model), strict=True):
+        assert np.abs(a - b).max() <= EXACT
+    assert part["threads"] == 1 and part["jobs"] > 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_a_bad_host_threads_config_is_refused(bad):
+    from ggmoe.base.errors import UsageError
+
+    with pytest.raises(UsageError, match="host_threads"):
+        CacheConfig(n_slots=4, miss_policy="cpu", host_threads=bad)
