@@ -23,6 +23,7 @@ import numpy as np
 from ggmoe.cache import CacheStats, CopyBackend, ExpertCache
 from ggmoe.cache.assemble import CacheSpec, assemble_cache
 from ggmoe.cache.clock import ManualClock
+from ggmoe.cache.miss import MissCosts
 from ggmoe.cache.policies import make_policy
 from ggmoe.trace.format import STAGE_PREFILL, Trace
 
@@ -89,17 +90,21 @@ def next_uses_flat(call_il: np.ndarray, lens: np.ndarray, experts: np.ndarray, n
 
 def replay(trace: Trace, n_slots: int | dict[int, int], policy: str = "lru", copies: CopyBackend | None = None,
            bytes_per_expert: dict[int, int] | None = None, n_ubatch: int | None = None,
-           miss_policy: str = "wait", policy_options: Mapping[str, Any] | None = None) -> CacheStats:
+           miss_policy: str = "wait", policy_options: Mapping[str, Any] | None = None,
+           costs: MissCosts | None = None, beside_link: bool = False) -> CacheStats:
     """Run the trace through a fresh cache; returns its statistics.
 
     ``policy_options`` are the policy's keyword arguments (e.g. ``counts`` for ``static``: ``ggmoe.trace.data.load_counts``).
+    ``costs``: the ``auto`` miss policy's cost model; ``beside_link``: the CPU computes beside the link (the
+    engine's host part on a worker), so ``auto`` splits a layer's misses between the two.
     """
     layers = [int(il) for il in trace.layers]
     slots = n_slots if isinstance(n_slots, dict) else {il: int(n_slots) for il in layers}
     m = trace.meta
     pol = make_policy(policy, m.n_expert, layers, policy_options)
     cache = assemble_cache(CacheSpec(m.n_expert, m.n_expert_used, slots, pol, copies=copies, clock=ManualClock(),
-                                      bytes_per_expert=bytes_per_expert, miss_policy=miss_policy))
+                                      bytes_per_expert=bytes_per_expert, miss_policy=miss_policy, costs=costs))
+    cache.cpu_beside_link = beside_link
     ids = trace.ids.astype(np.int32)
     pos = {il: j for j, il in enumerate(layers)}
     schedule = _schedule(trace, cache, layers, n_ubatch)

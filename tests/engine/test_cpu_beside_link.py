@@ -106,3 +106,34 @@ def test_a_bad_host_threads_config_is_refused(bad):
 
     with pytest.raises(UsageError, match="host_threads"):
         CacheConfig(n_slots=4, miss_policy="cpu", host_threads=bad)
+
+
+@pytest.mark.immediate_copies("the replay's counts equal a run's only when copies land at once")
+def test_a_run_beside_the_link_equals_its_replay(qwen3moe_model, even_profile, monkeypatch, tmp_path):
+    """The engine's split of each layer's misses is the cache's own: replaying the run's trace through a cache
+    with the same costs, beside the link, counts the same hits, CPU experts and copies per layer."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ggmoe.cache.hardware import load_profile
+    from ggmoe.cli import main
+    from ggmoe.simulate import replay
+    from ggmoe.trace import load_trace
+
+    monkeypatch.setenv(HOST_THREADS_ENV, "1")
+    stats, tr = tmp_path / "s.json", tmp_path / "trace"
+    r = CliRunner().invoke(main, ["run", str(qwen3moe_model), "-p", "The quick brown fox", "-n", "16",
+                                  "--cache-slots", "5", "--miss-policy", "auto", "--hw", even_profile,
+                                  "--decode-mode", "sync", "--stats-json", str(stats), "--trace-out", str(tr)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(stats.read_text())
+    assert d["host_part"]["beside_link"] and d["total"]["deferred_waits"] > 0
+    sim = replay(load_trace(tr), 5, "lru", miss_policy="auto", costs=load_profile(even_profile).miss_costs(),
+                 beside_link=True)
+    keys = ("hits", "misses", "native_calls", "host_computed", "admission_copies", "demand_copies")
+    for il, s in sim.layers.items():
+        live = d["layers"][str(il)]
+        assert tuple(getattr(s, k) for k in keys) == tuple(live[k] for k in keys), il
+    total = sim.total()
+    assert total.host_computed > 0 and total.demand_copies > 0  # both servers, in the replay as in the run
