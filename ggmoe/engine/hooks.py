@@ -133,9 +133,11 @@ class RouteOpHook:
         inputs(self.observers.request)
 
     def uninstall(self, ctx_ptr: int) -> None:
-        """Take the callback off the context (before it is freed)."""
+        """Take the callbacks (route and wait) off the context (before it is freed)."""
         self.observers.on_change = None
-        _patched.load().llama_ggmoe_set_route_cb(ctx_ptr, _patched.route_cb(), None)
+        P = _patched.load()
+        P.llama_ggmoe_set_route_cb(ctx_ptr, _patched.route_cb(), None)
+        P.llama_ggmoe_set_wait_cb(ctx_ptr, _patched.wait_cb(), None)
 
     def install_wait(self, ctx_ptr: int, on: bool) -> None:
         """The wait hook on (the cache's calls with CPU entries wait for their copies there, while the CPU part

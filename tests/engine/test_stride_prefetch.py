@@ -54,6 +54,9 @@ def test_mailbox_hands_the_predictor_what_the_route_op_would(tmp_path, monkeypat
     # every token read, as the route op sees every token (not only those a prefetch has room or use for)
     monkeypatch.setattr(prefetch, "IDLE_SKIP_MAX", 0)
     monkeypatch.setattr(ExpertCache, "has_free_slot", lambda self: True)
+    # nor turned off by its budget: the balance of used and wasted prefetches depends on when copies land, and a
+    # prefetcher whose budget reaches 0 leaves the mailbox unread (one token fewer, now and then)
+    monkeypatch.setattr(prefetch.Prefetcher, "_budget", lambda self: None)
     model = default_model_path()
     pred = random_predictor_file(model, tmp_path / "p.npz", kind="mlp", stride=1, hidden=32, seed=3)
     fed = {}
