@@ -1,0 +1,67 @@
+"""GPU tier: the host path's CPU part on a worker beside the GPU's part (patch 0015).
+
+The start op hands the CPU's experts to the worker, the layer waits for its copies in the wait hook, the
+GPU's kernels run, and the join adds the two parts. Greedy tokens equal every expert in host memory with the
+host part in the main graph (0 threads), on the worker at the default, and in both forced interleavings;
+``auto`` with a CPU as fast as a copy splits a layer's misses between the link and the CPU (the hybrid row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ggmoe.cache import CacheConfig
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine.host_part import HOST_ORDER_ENV
+from ggmoe.inspect import inspect_model
+from tools.fixtures.make_fixtures import fixture_path
+
+PROMPT = "The expert cache keeps the experts a model uses most on the device"
+
+
+def _tokens(path, cache=None):
+    with Engine(EngineConfig(model_path=path, n_ctx=256, cache=cache)) as eng:
+        got = eng.generate(PROMPT, 24).token_ids
+        report = eng.pipeline.report() if cache is not None else {}
+    return got, report
+
+
+@pytest.mark.parametrize("threads", [0, None], ids=["main-graph", "worker"])
+@pytest.mark.parametrize("order", ["free", "device-first", "host-first"])
+def test_gpu_host_part_tokens_equal_host_experts(threads, order, monkeypatch):
+    if threads == 0 and order != "free":
+        pytest.skip("the order is the worker's")
+    monkeypatch.setenv(HOST_ORDER_ENV, order)
+    path = fixture_path("qwen3moe", expert_type="q8_0")
+    facts = inspect_model(path)
+    want, _ = _tokens(path)
+    got, report = _tokens(path, CacheConfig(n_slots=facts.n_expert_used + 1, miss_policy="cpu",
+                                            decode_mode="sync", host_threads=threads))
+    assert got == want, (threads, order)
+    part = report["host_part"]
+    assert report["total"]["host_computed"] > 0
+    assert (part["jobs"] > 0) == (threads is None)
+    counter = {"device-first": "after_device", "host-first": "before_device"}.get(order)
+    if counter is not None:
+        assert part[counter] == part["jobs"]
+
+
+def test_gpu_hybrid_splits_misses_between_link_and_cpu(tmp_path):
+    from ggmoe.cache.hardware import load_profile, render_profile
+
+    base = load_profile("h100")
+    even = dataclasses.replace(base, cpu_bytes_per_s=base.copy_bytes_per_s, cpu_latency_s=base.copy_latency_s,
+                               cpu_type_bytes_per_s=())
+    hw = tmp_path / "even.toml"
+    hw.write_text(render_profile(even, {}))
+    path = fixture_path("qwen3moe", expert_type="q8_0")
+    facts = inspect_model(path)
+    want, _ = _tokens(path)
+    got, report = _tokens(path, CacheConfig(n_slots=facts.n_expert // 2, miss_policy="auto", decode_mode="sync",
+                                            hw_profile=str(hw)))
+    assert got == want
+    total = report["total"]
+    assert report["host_part"]["beside_link"]
+    assert total["host_computed"] > 0 and total["demand_copies"] > 0 and total["deferred_waits"] > 0
