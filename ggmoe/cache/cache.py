@@ -703,6 +703,8 @@ class WholeLayer:
         c, il, table = self.cache, self.il, self.table
         t0 = c.time.now()
         st = c.stats.layers[il]
+        if c.deferred and il in c.deferred:  # a decode that stopped before its wait hook: that call ends first
+            self.finish(st, *c.deferred.pop(il))
         c.clock += 1
         st.calls += 1
         need = sorted(set(flat))  # distinct experts, ascending

@@ -95,3 +95,62 @@ def test_the_cache_splits_misses_only_beside_the_link(copy_us, cpu_us, policy, b
     # the highest ids go to the CPU (a fixed choice: replays reproduce it)
     if policy == "auto" and beside:
         assert {e for e, s in zip([3, 1, 7, 5], slots, strict=True) if s == SLOT_HOST} == set([7, 5, 3, 1][:n_host])
+
+
+class _WaitSpy:
+    """Copies that land at once, and the order in which the cache waited for them."""
+
+    def __init__(self) -> None:
+        from ggmoe.cache.copy import NullCopyBackend
+
+        self.inner = NullCopyBackend()
+        self.waited: list[list[int]] = []
+
+    def submit(self, il, expert, slot, priority, rank=0.0):
+        return self.inner.submit(il, expert, slot, priority, rank)
+
+    def done(self, handle) -> bool:
+        return self.inner.done(handle)
+
+    def wait(self, handles) -> None:
+        self.waited.append(sorted(h.expert for h in handles))
+
+    def cancel(self, handle) -> bool:
+        return self.inner.cancel(handle)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _deferring_cache(defer: bool) -> tuple[ExpertCache, _WaitSpy]:
+    spy = _WaitSpy()
+    cache = ExpertCache(16, 4, {0: 8}, POLICIES.get("lru")(16, [0]), copies=spy, bytes_per_expert={0: 1000},
+                        miss_policy="auto", costs=_costs(200, 200))
+    cache.cpu_beside_link = True
+    cache.defer_wait = defer
+    return cache, spy
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_call_with_cpu_entries_waits_in_the_wait_hook_when_deferred(defer):
+    """Beside the link, half of four misses go to the CPU and half are copied; deferred, the call answers its
+    slots without waiting and ``finish_wait`` waits (the engine's wait hook, after the CPU part started)."""
+    cache, spy = _deferring_cache(defer)
+    slots = cache.route_flat(0, [3, 1, 7, 5])
+    assert sum(s == SLOT_HOST for s in slots) == 2
+    copied = sorted(e for e, s in zip([3, 1, 7, 5], slots, strict=True) if s != SLOT_HOST)
+    assert spy.waited == ([] if defer else [copied])
+    assert cache.stats.layers[0].deferred_waits == int(defer)
+    cache.finish_wait(0)
+    assert spy.waited == [copied] and not cache.deferred
+    cache.finish_wait(0)  # nothing left: a second hook call does nothing
+    assert spy.waited == [copied]
+
+
+def test_a_deferred_call_left_unfinished_ends_before_the_next_call():
+    """A decode that stopped between the route op and the wait hook: the layer's next call ends it first."""
+    cache, spy = _deferring_cache(True)
+    cache.route_flat(0, [3, 1, 7, 5])
+    assert spy.waited == [] and 0 in cache.deferred
+    cache.route_flat(0, [3, 1, 7, 5])  # every expert resident or on the CPU now: nothing new to wait for
+    assert len(spy.waited) == 1
