@@ -707,3 +707,20 @@ def test_a_dead_childs_cause_names_the_abort_and_where_python_was(stderr, want):
 
     got = cause(stderr)
     assert got.endswith(want) and (got == want or "GGML_ASSERT" in want)
+
+
+def test_cpu_us_per_expert_by_hand():
+    """Issue 42's comparison: TPOT less stock-vram's over the experts the CPU computed per token."""
+    from tools.gpu.matrix import cpu_experts_per_token, cpu_us_per_expert, table
+
+    assert cpu_experts_per_token("stock-cpu", None, 48, 8, None, 100) == 384
+    assert cpu_experts_per_token("n-cpu-moe", 36, 48, 8, None, 100) == 96  # 12 layers left on the CPU
+    assert cpu_experts_per_token("lru-host", 64, 48, 8, 500, 100) == 5.0
+    assert cpu_experts_per_token("lru", 64, 48, 8, 0, 100) is None
+    vram = _cell("random", "stock-vram", None, 200.0)  # 5 ms
+    cpu = dataclasses.replace(_cell("random", "n-cpu-moe", 0.5, 100.0), cpu_experts_per_token=96.0)  # 10 ms
+    assert cpu_us_per_expert(cpu, vram.tpot_ms) == pytest.approx(5e3 / 96)
+    assert cpu_us_per_expert(_cell("random", "lru", 0.5, 150.0), vram.tpot_ms) is None
+    md = table([vram, cpu, _cell("random", "lru", 0.5, 0.0, error="OOM")])
+    assert f"| {5e3 / 96:.0f} |" in md
+    assert all(line.count("|") == md.splitlines()[0].count("|") for line in md.splitlines())

@@ -163,6 +163,7 @@ class Cell:
     top_hit_rate: float | None = None  # split rows: accesses that found at least the top on the device
     cache_bytes: int | None = None  # VRAM of the cached experts over all MoE layers (slots, or n-cpu-moe's layers)
     teardown_error: str | None = None  # measured, then the cell's process died closing the engine (a bug to fix)
+    cpu_experts_per_token: float | None = None  # experts the CPU computed per decoded token (None: none measured)
 
     @property
     def is_random(self) -> bool:
@@ -435,7 +436,10 @@ def run_cell(model: Path, facts, config: str, fraction: float | None, routing: s
                         wall_s=time.monotonic() - t0, decode_mode=mode, miss_policy=miss,
                         host_read_bytes_per_token=s.host_read_bytes / per if s else None,
                         copied_bytes_per_token=s.bytes_copied / per if s else None, theta=theta,
-                        top_hit_rate=s.top_hit_rate if s and is_split else None, cache_bytes=vram)
+                        top_hit_rate=s.top_hit_rate if s and is_split else None, cache_bytes=vram,
+                        cpu_experts_per_token=cpu_experts_per_token(
+                            config, slots, len(facts.moe_layers), facts.n_expert_used,
+                            s.host_computed if s else None, m.decoded_tokens))
             if emit is not None:
                 emit(cell)
         return cell
@@ -624,6 +628,27 @@ def hook_overhead_us(cells: list[Cell], n_moe_layers: int) -> float | None:
     return (lru[0].tpot_ms - vram[0].tpot_ms) * 1e3 / n_moe_layers
 
 
+def cpu_experts_per_token(config: str, slots: int | None, n_moe_layers: int, n_expert_used: int,
+                          host_computed: int | None, decoded_tokens: int) -> float | None:
+    """Experts a cell's CPU computes per decoded token: every layer's (stock-cpu, the cpu-experts floor), the
+    layers left on the CPU (n-cpu-moe: ``slots`` layers on the GPU), or the host path's count (ggmoe rows)."""
+    if config == "stock-cpu":
+        return float(n_moe_layers * n_expert_used)
+    if config == "n-cpu-moe":
+        return float((n_moe_layers - (slots or 0)) * n_expert_used)
+    if host_computed and decoded_tokens > 0:
+        return host_computed / decoded_tokens
+    return None
+
+
+def cpu_us_per_expert(cell: Cell, vram_tpot_ms: float | None) -> float | None:
+    """µs a CPU expert costs a token, transfers and graph splits included: the cell's TPOT less stock-vram's,
+    over the experts its CPU computed per token (issue 42's comparison of the host path with llama.cpp's own)."""
+    if not vram_tpot_ms or not cell.tpot_ms or not cell.cpu_experts_per_token:
+        return None
+    return (cell.tpot_ms - vram_tpot_ms) * 1e3 / cell.cpu_experts_per_token
+
+
 def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
@@ -631,29 +656,30 @@ def _f(x: float | None, fmt: str) -> str:
 def table(cells: list[Cell]) -> str:
     head = ("| routing | config | mode | cacheable | slots | expert VRAM GB | decode tok/s | TPOT ms | bound ms | "
             "sim TPOT ms | prefill tok/s | TTFT ms | hit rate | MB/token host reads + copies | hook µs (replay) | "
-            "CPU experts |")
-    rows = [head, "|" + "---|" * 16]
+            "CPU experts | CPU µs/expert |")
+    rows = [head, "|" + "---|" * 17]
+    vram = next((c.tpot_ms for c in cells if c.error is None and c.config == "stock-vram" and c.tpot_ms), None)
     order = {c: i for i, c in enumerate(CONFIGS)}
     for c in sorted(cells, key=lambda c: (not c.is_random, c.fraction or 0.0, order[c.config])):
         routing = "random" if c.is_random else "trace"
         frac = "-" if c.fraction is None else f"{c.fraction:.0%}"
         slots = _f(c.slots, "d") + ("" if c.theta is None else f" tops (θ {c.theta:.2f})")
-        vram = _f(None if c.cache_bytes is None else c.cache_bytes / 1e9, ".3g")
+        gb = _f(None if c.cache_bytes is None else c.cache_bytes / 1e9, ".3g")
         if c.error:
-            rows.append(f"| {routing} | {c.config} | - | {frac} | {slots} | {vram} | failed: "
-                        f"{c.error[:160].replace('|', '/')} ||||||||||")
+            rows.append(f"| {routing} | {c.config} | - | {frac} | {slots} | {gb} | failed: "
+                        f"{c.error[:160].replace('|', '/')} |||||||||||")
             continue
         link = ("-" if c.host_read_bytes_per_token is None else
                 f"{c.host_read_bytes_per_token / 1e6:.1f} + {(c.copied_bytes_per_token or 0) / 1e6:.1f}")
         hit = _f(c.hit_rate, ".1%") + ("" if c.top_hit_rate is None else f" (top {c.top_hit_rate:.1%})")
         mode = (c.decode_mode or "-") + (f", misses {c.miss_policy}" if c.miss_policy not in (None, "wait") else "")
         mark = " †" if c.teardown_error else ""
-        rows.append(f"| {routing} | {c.config}{mark} | {mode} | {frac} | {slots} | {vram} | "
+        rows.append(f"| {routing} | {c.config}{mark} | {mode} | {frac} | {slots} | {gb} | "
                     f"{c.decode_tps:.1f} | {_f(c.tpot_ms, '.2f')} | {_f(c.bound_tpot_ms, '.2f')} | "
                     f"{_f(c.tpot_sim_ms, '.2f')} | {c.prefill_tps:.1f} | "
                     f"{c.ttft_s * 1e3:.1f} | {hit} | {link} | {_f(c.hook_us_p50, '.1f')}"
                     f"{'' if c.override_us is None else f' ({c.override_us:.1f})'} | "
-                    f"{_f(c.host_computed, 'd')} |")
+                    f"{_f(c.host_computed, 'd')} | {_f(cpu_us_per_expert(c, vram), '.0f')} |")
     died = [c for c in cells if c.teardown_error]
     if died:
         rows.append("\n† measured, then the cell's process failed closing the engine: "
