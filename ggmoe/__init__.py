@@ -26,10 +26,9 @@ def __getattr__(name: str) -> Any:
 def _engine_before_numpy() -> None:
     """On a CUDA build of llama-cpp-python, load its libraries before anything imports numpy.
 
-    Seen on an H100 machine (CUDA 13, driver 580, numpy 2.5, 2026-11-23): when numpy and ggmoe's other
-    imports were loaded before libllama, llama.cpp segfaulted inside std::regex while loading a model's
-    vocabulary (a C++ runtime call bound into libggml-cuda); with ``import llama_cpp`` first, or with
-    libstdc++ preloaded, every load ran. ``import llama_cpp`` maps libllama before it imports numpy itself.
+    On a CUDA build (CUDA 13, driver 580, numpy 2.5), numpy and ggmoe's other imports loaded before libllama
+    make llama.cpp segfault inside std::regex while it loads a model's vocabulary (a C++ runtime call bound
+    into libggml-cuda); with ``import llama_cpp`` first, or with libstdc++ preloaded, every load runs. ``import llama_cpp`` maps libllama before it imports numpy itself.
     The check is a look at llama_cpp's lib folder: a CPU build, or no engine, costs nothing here.
     """
     if "llama_cpp" in sys.modules or "numpy" in sys.modules:

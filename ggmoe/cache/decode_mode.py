@@ -100,8 +100,7 @@ def weigh_modes(bytes_per_expert: Mapping[int, int], n_slots: Mapping[int, int],
     memcpy), and no admission follows. Without fills each miss is read in place (``read_s``; None: nothing
     beyond the compute, as on the CPU build, whose experts are in the memory the CPU reads) and then admitted
     by a ``copy_s(bytes)`` over the same link between tokens: on a link that bounds the decode it moves each
-    miss twice (the H200 loan of 2026-11-26, gpt-oss-20b's shape at 50 %: 407 MB read in place + 375 MB
-    copied a token, against sync's 375 MB; async 0.66x sync's speed). A stride prefetch lands copies in both
+    miss twice (docs/benchmarks.md, the H200 figures). A stride prefetch lands copies in both
     modes alike, so it moves both sides by the same misses and is not counted. A layer's misses a token: see
     ``miss_share``."""
     sync = read = 0.0

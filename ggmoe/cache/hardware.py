@@ -133,8 +133,8 @@ def compose_profile(spec: str, parts_file: Path | None = None) -> tuple[Hardware
                "gpu_launch_s": "the pcie4 profile's kernel launch", "gpu_layer_s": "the pcie4 profile's 60 us on "
                f"an RTX 4090 x 1008 GB/s / {gpu.name}'s {gpu.memory_bytes_per_s / 1e9:g} GB/s",
                "cpu_bytes_per_s": f"{host.source}; x {P.CPU_SHARE} for a quantized matvec",
-               "cpu_latency_s": "none: llama.cpp computes a layer's CPU experts in one op; the H100 loan measured a "
-               "bandwidth alone (h100 profile)", "hook_s": "measured on the H100 loan (h100 profile)",
+               "cpu_latency_s": "none: llama.cpp computes a layer's CPU experts in one op; calibrated on an H100 it "
+               "is a bandwidth alone (h100 profile)", "hook_s": "calibrated on an H100 (h100 profile)",
                **_disk_sources(disk)}
     return profile, sources
 

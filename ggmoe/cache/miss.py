@@ -108,11 +108,9 @@ def host_path_pays(costs: MissCosts | None, bytes_per_expert: Mapping[int, int])
     """Whether ``auto`` keeps the host path: for some layer, the CPU computes an expert sooner than a copy on
     an idle link brings it (no cost model: kept, as ``prefer_host`` then sends misses to the CPU).
 
-    The host path is not free when unused: its host matmuls split the graph at every MoE layer. Measured
-    on an H100 (PCIe 5, 16 cores, 2026-11-23, Qwen3-30B-A3B shape, every expert cached): decode fell from
-    139 to 90 tok/s with the host path armed and no expert ever computed on the CPU, because a copy
-    (about 230 us an expert) always beat the CPU (about 300 us). A host path ``auto`` would never choose
-    only costs, so it is not built.
+    The host path is not free when unused: its host matmuls split the graph at every MoE layer, whether or
+    not an expert goes to the CPU (docs/benchmarks.md has an H100's figures, where a copy always beats the
+    CPU). A host path ``auto`` would never choose only costs, so it is not built.
     """
     if costs is None:
         return True

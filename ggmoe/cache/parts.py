@@ -10,15 +10,15 @@ through one efficiency per resource, the same for every part (no per-machine fac
 resource          share  source
 ================  =====  ==========================================================================
 link (copies)     0.85   pinned host-to-device copies: 54.7 of PCIe 5.0 x16's 63.0 GB/s measured by
-                         ``ggmoe calibrate`` on the H100 loan (0.87, docs/benchmarks.md); club-3090's
+                         ``ggmoe calibrate`` on an H100 (0.87, docs/benchmarks.md); club-3090's
                          bench harness counts a gen4 x16 link's practical rate as raw x 0.85
                          (github.com/noonghunna/club-3090 issue 1127, checked)
 GPU (expert read) 0.70   a memory-bound quantized matvec (the pcie4 profile's figure)
 CPU (expert)      0.50   a quantized matvec streams about half the DRAM bandwidth on a desktop CPU
                          (the pcie4 profile's figure; read-only streaming of expert-sized blocks reaches
                          0.6 of dual-channel DDR5, github.com/kekzl/imp pull 2062); with no fixed cost per
-                         expert (llama.cpp computes a layer's experts in one op; the H100 loan measured a
-                         bandwidth alone, h100 profile), published -ot exps=CPU and --n-cpu-moe figures are
+                         expert (llama.cpp computes a layer's experts in one op; ``ggmoe calibrate`` on
+                         an H100 finds a bandwidth alone, h100 profile), published -ot exps=CPU and --n-cpu-moe figures are
                          reproduced within 20 % (docs/simulator.md, ggmoe/simulate/fidelity.py)
 disk (expert)     0.90   an expert is read as one large aligned read per tensor kind, several in flight:
                          sequential within each read. KitGuru's 128 KB sequential reads reached 3,402 of
@@ -55,7 +55,9 @@ PCIE_LANE_BYTES_PER_S = {3: 0.985e9, 4: 1.969e9, 5: 3.938e9}  # per lane and dir
 PCIE_LATENCY_S = 10.0e-6  # one copy's launch and DMA setup (the pcie4 profile)
 GPU_LAUNCH_S = 5.0e-6  # an expert's kernels (the pcie4 profile)
 HOOK_S = 57.0e-6  # the route op's graph split and device sync per MoE layer (measured, h100 profile)
-CPU_LATENCY_S = 0.0  # no fixed cost per CPU expert: llama.cpp computes a layer's experts in one op; the H100 loan measured a bandwidth alone (h100 profile)
+# no fixed cost per CPU expert: llama.cpp computes a layer's experts in one op (calibrated on an H100, the h100 profile,
+# it is a bandwidth alone)
+CPU_LATENCY_S = 0.0
 LAYER_S_AT_4090 = 60.0e-6  # a layer's attention and router at batch 1 on an RTX 4090 (the pcie4 profile)
 _PCIE = re.compile(r"pcie([345])x(4|8|16)$")
 _FIELDS = {  # kind -> (field, type, required)

@@ -291,8 +291,8 @@ class CacheRuntime:
             copies = copies.inner
         if copies is not None and copies is not self._ggml:  # a queue's worker; the stream stays
             copies.close()
-        if self._ggml is not None:  # open until close(): closing it here freed a GPU's copy backend, and this
-            self._ggml.stream.synchronize()  # synchronize then asserted on NULL (the fourth loan, every cached run)
+        if self._ggml is not None:  # open until close(): closing it here would free a GPU's copy backend, and
+            self._ggml.stream.synchronize()  # a later synchronize would assert on NULL
 
     def close(self) -> None:
         if self.copies is not None:

@@ -67,7 +67,7 @@ class CopyStream(Protocol):
 
 def closed_stream(name: str) -> EngineError:
     """A stream used after ``close``: on CUDA ggml aborts the process (``GGML_ASSERT(backend)`` in
-    ``ggml_backend_synchronize``, the fourth GPU loan's every cached run at exit); every stream raises this
+    ``ggml_backend_synchronize``, at exit of every cached run); every stream raises this
     instead, so the CPU build's tests catch the misuse a GPU would die of."""
     return EngineError(f"the {name} copy stream was used after it was closed")
 

@@ -417,8 +417,8 @@ class LinkCopyBackend:
         bottoms): ``seconds`` of the link's time. Returns how long the reads take. The SMs' reads and the copy
         engine share the link: while both have work each moves at half its rate, so reads that find
         ``backlog`` seconds of copies queued take ``seconds + min(seconds, backlog)``, and the copies have
-        moved ``min(seconds, backlog)`` meanwhile: they are delayed by ``seconds`` (the H200 loan of
-        2026-11-26: an async token moved its reads and its admissions' copies in the sum of their times)."""
+        moved ``min(seconds, backlog)`` meanwhile: they are delayed by ``seconds`` (an async token on an H200
+        moves its reads and its admissions' copies in the sum of their times: docs/benchmarks.md)."""
         if self.profile is None or seconds <= 0:
             return 0.0
         if self._idle:

@@ -2,9 +2,8 @@
 
 The harness runs each mode, cell and test file in its own process (a CUDA fault loses one), with
 ``PYTHONFAULTHANDLER=1`` (pipeline.py): on a fatal signal Python prints the stack, most recent call first.
-The fourth loan's modes kept only the last three lines of stderr ("File modes.py line 184 in <module> |
-Extension modules: ..."), and a third command was needed to learn that ``Engine.close`` was the place; this
-keeps llama.cpp's own message and the innermost ggmoe frames instead.
+The last lines of stderr alone ("File modes.py line 184 in <module> | Extension modules: ...") do not say
+where a run died; this keeps llama.cpp's own message and the innermost ggmoe frames instead.
 """
 
 from __future__ import annotations

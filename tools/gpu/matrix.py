@@ -463,9 +463,8 @@ def record_random_trace(model: Path, args, path: Path) -> Path:
 
 def sim_miss_policy(cell: Cell) -> str:
     """The miss policy to simulate ``cell`` with: the one in effect as it ran, where it was recorded (the
-    engine's auto weighs its own measurements and may have dropped the host path where the profile's costs
-    would keep it: the H200 loan of 2026-11-26 simulated lru-auto with the host path at 9.40 ms against the
-    engine's 11.55 without it), else the configuration's."""
+    engine's auto weighs its own measurements and may drop the host path where the profile's costs would
+    keep it, and the two runs then differ by more than the simulator's error), else the configuration's."""
     if cell.miss_policy is not None:
         return cell.miss_policy
     if cell.config in LRU_MISS:
@@ -599,9 +598,8 @@ def bounds(cells: list[Cell], probe: dict | None) -> list[Cell]:
     """Every ggmoe cell's bound: stock-vram's TPOT plus the bytes that crossed the link per token over the
     probe's bandwidth (host reads at the zero-copy rate, copies at the copy engine's). Needs the probe and a
     stock-vram cell; otherwise the cells come back unchanged. A cell whose misses the CPU computed (the host
-    path) has none: its time is the CPU's and the host path's graph splits, not the link's (the fourth loan's
-    lru-host at 100 % ran 5.87 ms against a link bound of 2.69 with 19 experts on the CPU, and its 2.7x
-    became the bound goal's "worst" row)."""
+    path) has none: its time is the CPU's and the host path's graph splits, not the link's, and a link bound
+    would make it the bound goal's "worst" row for the wrong reason."""
     from dataclasses import replace
 
     vram = next((c for c in cells if c.error is None and c.config == "stock-vram" and c.tpot_ms), None)

@@ -20,11 +20,10 @@ same values: a mode whose experts are all computed on the GPU (sync, async, pref
 arithmetic as stock and passes when its tokens equal stock's (async: and its cache hit). host passes when
 it ran, hit, and its prompt's logits lie within HOST_DRIFT of stock's (the largest difference over stock's
 largest logit): its misses run the CPU's kernels, whose rounding differs from the GPU's, and a real-shape
-model of random weights turns any rounding difference into other tokens within a few steps (the H200 loan
-of 2026-11-26: stock with a 37-token micro-batch against the modes' 4-token ones parted at token 4, while
-all six GPU modes agreed with each other token for token), while an expert lost or counted twice moves
-logits by their own size (the third H200 loan: a token's two host entries shared the zero slot, which
-CUDA's mul_mat_id counts once; patch 0011). Writes OUT/modes.json
+model of random weights turns any rounding difference into other tokens within a few steps (even stock
+with other micro-batch sizes parts from itself), while an expert lost or counted twice moves logits by their
+own size (two host entries of a token on one zero slot, which CUDA's mul_mat_id counts once: patch 0011).
+Writes OUT/modes.json
 (per mode: tokens equal, hits, misses, decode mode in effect, copy stream, seconds, error) and prints a table;
 exit 1 if a mode failed. On the CPU build it runs as it would on a GPU with GGMOE_COPY_STREAM=deferred.
 
@@ -48,8 +47,7 @@ PROMPT = list(range(3, 40))  # token ids: a prompt every vocabulary has
 HOST_DRIFT = 0.05  # host's largest prompt-logit difference from stock's, over stock's largest |logit|
 # The rounding floor: stock with its experts in host memory, which llama.cpp computes on the CPU at the modes'
 # 4-token micro-batches (below its offload batch). Every expert on the CPU's kernels: host (only its misses
-# there) should drift from stock no more than this run does. The fourth loan (H100) measured host at 0.075
-# of stock's logits with patch 0011 and had no floor to read it against.
+# there) should drift from stock no more than this run does (docs/benchmarks.md has the H100's figures).
 FLOOR = "cpu-experts"
 
 
@@ -81,8 +79,8 @@ def greedy(model: Path, mode: str | None, fraction: float, tokens: int, gpu: boo
            save_logits: Path | None = None, emit=None) -> dict:
     """Decode ``tokens`` greedy tokens after the prompt in ``mode``; the tokens and the cache's counts.
     ``save_logits``: where the prompt's logits go (.npy), for the parent to compare. ``emit``: called with the
-    result before the engine closes (a child prints it then: a process that dies in teardown, as every cached
-    mode did on the fourth loan, still hands over what it decoded)."""
+    result before the engine closes (a child prints it then: a process that dies in teardown still hands over
+    what it decoded)."""
     import numpy as np
 
     from ggmoe.engine import Engine

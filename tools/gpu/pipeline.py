@@ -223,7 +223,7 @@ class Pipeline:
             if not checked:
                 checked = True
                 if self.engine_check(path) != 0:
-                    # the fourth loan's check decoded and then aborted in close(): the cells still run, each
+                    # a check that decodes and then aborts in close() stops nothing: the cells still run, each
                     # in its own process, and say per cell what broke
                     self.say("pipeline: the engine check failed; the matrix runs on, cell by cell")
                     failed = True
