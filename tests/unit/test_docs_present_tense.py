@@ -49,6 +49,18 @@ def test_docs_tell_no_history(page: Path):
     assert not found, f"docs/{page.name} tells history (move dated figures to docs/benchmarks.md):\n" + "\n".join(found)
 
 
+PACKAGE = DOCS.parent / "ggmoe"
+
+
+@pytest.mark.parametrize("module", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_docstrings_tell_no_history(module: Path):
+    """The package's docstrings and comments too (a cited issue of another project, on a github.com line,
+    stays)."""
+    text = "\n".join(line for line in module.read_text(encoding="utf-8").splitlines() if "github.com" not in line)
+    found = _history(text)
+    assert not found, f"{module.relative_to(PACKAGE.parent)} tells history:\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize("text", [
     "Four packages and ten modules (sixteen before this round's trimming).",
     "Issue 28 set the walk's goal at eight modules.",

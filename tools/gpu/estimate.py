@@ -4,8 +4,8 @@
 For each real-shape preset (tools/gpu/realshape.py's gpt-oss-20b and qwen3-30b-a3b), the held-out trace of
 the embedded model is tiled over the preset's layers and experts exactly as trace-replay routing does on the
 GPU (trace_routing.tile_trace), the bytes per expert come from the preset's quant type, and the simulator
-replays the routing through ggmoe's own cache and controller on the profile (default h100: the first loan's
-measured link, CPU and route hook; the zero-copy rate quoted from nvbandwidth until the probe measures it):
+replays the routing through ggmoe's own cache and controller on the profile (default h100: an H100's
+calibrated link, CPU and route hook; the zero-copy rate quoted from nvbandwidth until the probe measures it):
 
     stock-vram, stock-cpu, n-cpu-moe (at the cache's VRAM), lru (sync), async
 

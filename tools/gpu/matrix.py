@@ -356,8 +356,8 @@ def measure(eng: Engine, vocab: int, prefill_tokens: int, decode_tokens: int, ru
     """Warm-up, then ``runs`` times a ``prefill_tokens`` prompt of random tokens and one token (TTFT; the
     medians), then ``runs`` generations of ``decode_tokens`` from PROMPT, sampled (TEMP, seeds seed,
     seed + 1, ...); cache counts are those of the generations alone. The warm-up includes one untimed
-    prefill: the first micro-batch of a new size builds and allocates its graph (the first loan's single
-    timed prefill carried that, and its prefill figures moved by up to 8 % between two runs of a cell)."""
+    prefill: the first micro-batch of a new size builds and allocates its graph (a single timed prefill
+    carries that, and moves the prefill figures by up to 8 % between two runs of a cell)."""
     rng = np.random.default_rng(seed)
     prompt = [int(t) for t in rng.integers(0, vocab, size=prefill_tokens)]
     eng.generate(PROMPT, max_tokens=4)  # warm-up: graphs, first touch, the cache's first copies
@@ -572,7 +572,7 @@ def goals(cells: list[Cell], sim_tolerance: float = 0.15) -> list[dict]:
 
 
 def _hybrid_goal(routing: str, one) -> list[dict]:
-    """Issue 42's: at 50 %, hybrid (the CPU beside the link) >= 1.2x the better of sync LRU and the async decode
+    """The hybrid goal: at 50 %, hybrid (the CPU beside the link) >= 1.2x the better of sync LRU and the async decode
     (``one(routing, config, fraction)`` finds a cell)."""
     hybrid = one(routing, "hybrid", GOAL_FRACTION)
     refs = [c for c in (one(routing, "lru", GOAL_FRACTION), one(routing, "async", GOAL_FRACTION)) if c is not None]
@@ -641,7 +641,7 @@ def cpu_experts_per_token(config: str, slots: int | None, n_moe_layers: int, n_e
 
 def cpu_us_per_expert(cell: Cell, vram_tpot_ms: float | None) -> float | None:
     """µs a CPU expert costs a token, transfers and graph splits included: the cell's TPOT less stock-vram's,
-    over the experts its CPU computed per token (issue 42's comparison of the host path with llama.cpp's own)."""
+    over the experts its CPU computed per token (the host path against llama.cpp's own CPU experts)."""
     if not vram_tpot_ms or not cell.tpot_ms or not cell.cpu_experts_per_token:
         return None
     return (cell.tpot_ms - vram_tpot_ms) * 1e3 / cell.cpu_experts_per_token

@@ -63,7 +63,7 @@ from tools.gpu import build as gpu_build  # noqa: E402
 DEFAULT_RESULTS = Path("/tmp/ggmoe-results")
 # what the matrix does first: import ggmoe's engine (numpy and all), then load the model, experts on the host
 # with the cache on (auto's decode mode and miss policy at half the experts: its choices and the measured costs
-# it chose by, which the third loan's matrix questioned), a few tokens decoded: the loan's first question is
+# it chose by, which the matrix then checks), a few tokens decoded: the loan's first question is
 # whether ggmoe's own path runs, not only whether llama.cpp loads
 ENGINE_CHECK = ("import sys; from ggmoe.cache import CacheConfig; from ggmoe.engine import Engine, EngineConfig; "
                 "from ggmoe.inspect import inspect_model; f = inspect_model(sys.argv[1]); "
@@ -74,7 +74,7 @@ ENGINE_CHECK = ("import sys; from ggmoe.cache import CacheConfig; from ggmoe.eng
                 "print('engine check: loaded', sys.argv[1], eng.decode_mode, 'miss policy', eng.miss_policy, "
                 "'hits', st.hits, 'misses', st.misses, 'on the CPU', st.host_computed); "
                 "eng.close()")
-DEFAULT_MODELS = "gpt-oss-20b"  # 15 minutes hold one model (the second loan: the build alone took 250 s)
+DEFAULT_MODELS = "gpt-oss-20b"  # 15 minutes hold one model (the CUDA build alone takes about 250 s)
 # the rows that matter most at 50 % and with every expert cached, each matrix command capped (seconds)
 DEFAULT_MATRIX_ARGS = ("--configs stock-vram,n-cpu-moe,lru,hybrid,async-fill,async-fill-tinylfu,async-fill-prefetch,"
                        "async,lru-host,stock-cpu,async-tinylfu,async-prefetch,lru-auto --fractions 0.5,1.0 --runs 2 "
