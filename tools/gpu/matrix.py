@@ -499,13 +499,14 @@ def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None =
             "prefetch": "reuse", "prefetch-bg": "reuse",
             "prefetch-wait": "reuse", "prefetch-eam": "eam", "async-prefetch": "reuse", "async-fill": None,
             "async-fill-prefetch": "reuse", "async-fill-tinylfu": None}[cell.config]
+    miss = sim_miss_policy(cell)
     sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots),
                     policy="tinylfu" if cell.config.endswith("tinylfu") else "lru", predictor=pred,
                     stride=2 if cell.config in ("async-prefetch", "async-fill-prefetch") else 1,
-                    miss_policy=sim_miss_policy(cell),
+                    miss_policy=miss,
                     decode_mode="async" if cell.decode_mode == "async" else "sync",
                     fills=cell.decode_mode == "async" and cell.config.startswith("async-fill"),
-                    hybrid=cell.config == "hybrid")
+                    hybrid=cell.config == "hybrid" and miss == "auto")  # auto run as wait: the sync decode
     r = simulate(trace, sim, bpe, profile, train=train if pred == "eam" else None)
     return r.tpot_s * 1e3 if r.tpot_s is not None else None
 
