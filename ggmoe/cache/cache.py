@@ -39,7 +39,7 @@ from ggmoe.cache.slots import BottomTable, SlotTable
 from ggmoe.cache.split import LayerSplit
 from ggmoe.cache.split_cache import SplitLayer
 from ggmoe.cache.stats import CacheStats, LayerStats
-from ggmoe.cache.step import EMPTY_STEP, Flip, StepLog, StepPlan
+from ggmoe.cache.step import EMPTY_STEP, Flip, StepChanges, StepLog
 
 
 def keep_free_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: int, n_prefetch: int) -> dict[int, int]:
@@ -180,7 +180,7 @@ class ExpertCache:
             for il, bt in self.bottoms.items():
                 bt.log, bt.il = log, il
 
-    def take_step(self) -> StepPlan:
+    def take_step(self) -> StepChanges:
         """The flips and copies since the last step, as one record for the executor (``EMPTY_STEP`` when nothing
         follows the tables or nothing changed)."""
         log = self.log

@@ -9,8 +9,8 @@ entry ``e`` is the address of expert ``e``'s matrix, either its cache slot
 memory (``host.data + e * nb2``; on a GPU its pinned buffer, which kernels read
 through unified addressing). ``ggml_mul_mat_id_table`` (patch 0006) reads
 through it, so a hit needs no host and a miss is read over the link inside the
-same kernel. The tables follow the cache through its step plans
-(``ggmoe.cache.step``): ``apply`` writes each ``Flip`` of a plan into the host
+same kernel. The tables follow the cache through its step changes
+(``ggmoe.cache.step``): ``apply`` writes each ``Flip`` of a step into the host
 mirror, in the cache's order, and ``flush`` sends the mirror before the next
 graph reads it; so an entry points at a slot only once the copy into it has
 landed, and at host memory again before any graph runs beside a copy that may
@@ -38,7 +38,7 @@ from ggmoe.engine.arena import TensorArena
 
 if TYPE_CHECKING:
     from ggmoe.cache.cache import ExpertCache
-    from ggmoe.cache.step import StepPlan
+    from ggmoe.cache.step import StepChanges
     from ggmoe.engine.slot_tensors import SlotTensors
 
 GGML_TYPE_I32 = 26
@@ -265,10 +265,10 @@ class ExpertTables:
         self.apply(cache.take_step())
         self.flush()
 
-    def apply(self, plan: StepPlan) -> None:
-        """Write a step plan's flips into the mirror, in order (``flush`` sends them)."""
+    def apply(self, step: StepChanges) -> None:
+        """Write a step's flips into the mirror, in order (``flush`` sends them)."""
         layers = self.layers
-        for il, expert, slot, bottom in plan.flips:
+        for il, expert, slot, bottom in step.flips:
             lt = layers[il]
             if bottom:
                 if slot >= 0:

@@ -131,7 +131,7 @@ def _controlled(n_slots: int, plan: list[int] | None, n_protect: int = 2):
         planner = NextTokenPlanner(cache, Fixed(plan), [0], n_protect)
         planner.via_controller = True
     ctl = TokenController(cache, [], planner)
-    ctl.table = table  # the test's executor: every step plan goes to it (and is checked there)
+    ctl.table = table  # the test's executor: every step's changes go to it (and is checked there)
     return cache, copies, ctl, planner
 
 
