@@ -106,7 +106,7 @@ class ExpertCache:
         # the planner between tokens (ggmoe.control.planner): per layer, the experts it expects at the layer's
         # next call, likeliest first. Admissions between tokens follow this order, and neither they, nor the
         # free slots kept for prefetches, nor a prefetch at a token's start (the prefetcher's keep) evict any.
-        self.plan: dict[int, list[int]] = {}
+        self.planned: dict[int, list[int]] = {}
         # prefetches issued plus their outcomes (used, wasted, late) counted so far, every layer: the async
         # prefetcher's budget looks at the layers only when this moved
         self.prefetch_events = 0
@@ -330,9 +330,9 @@ class ExpertCache:
                 self._filled.setdefault(f.il, []).append(f)
 
     def plan_next(self, il: int, experts: list[int]) -> None:
-        """The planner's experts for layer ``il``'s next call, likeliest first (empty: no plan); see ``plan``."""
+        """The planner's experts for layer ``il``'s next call, likeliest first (empty: no plan); see ``planned``."""
         with self.lock:
-            self.plan[il] = experts
+            self.planned[il] = experts
 
     def has_free_slot(self) -> bool:
         """Whether some whole-expert layer that cannot hold all its experts has a free slot (a prefetch into a
@@ -375,11 +375,11 @@ class ExpertCache:
         if table.n_loading:
             self._drop_stale_admissions(il, table, set(missing))
         admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
-        plan = self.plan.get(il)
-        if admit and plan:  # the next token's likeliest first, and none of the planned experts evicted
-            rank = {e: i for i, e in enumerate(plan)}
-            admit.sort(key=lambda e: rank.get(e, len(plan)))
-            need = need + plan
+        planned = self.planned.get(il)
+        if admit and planned:  # the next token's likeliest first, and none of the planned experts evicted
+            rank = {e: i for i, e in enumerate(planned)}
+            admit.sort(key=lambda e: rank.get(e, len(planned)))
+            need = need + planned
         if admit and self._admits is not None:
             admit = self.admissible(il, table, need, admit, reserve)
         if admit:
@@ -881,7 +881,7 @@ class WholeLayer:
             if table.n_loading and not c._lands_later:  # a synchronous backend (the CPU build's memcpy)
                 c.land_done(table)  # has landed them already
         if keep_free:
-            self._make_room(need + c.plan.get(il, []), keep_free)
+            self._make_room(need + c.planned.get(il, []), keep_free)
 
     def offer_fill(self, n: int) -> FillTargets:
         """``n`` fill slots for the next decode (``ExpertCache.offer_fills``): free slots beyond the stride
@@ -898,7 +898,7 @@ class WholeLayer:
         want = n - len(slots)
         if want > 0:
             slot_of = table.slot_of_list
-            cand = c._victims(table, set(c.plan[il]) if c.plan.get(il) else set())
+            cand = c._victims(table, set(c.planned[il]) if c.planned.get(il) else set())
             if c.n_prefetched[il]:  # (no unused prefetch in the layer: nothing to leave out, the common case)
                 cand = [x for x in cand if not table.prefetched[slot_of[x]]]
             for victim in c.policy.victims(il, cand, want, c.clock):  # first evicted first (nothing evicted yet)

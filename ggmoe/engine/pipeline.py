@@ -475,10 +475,10 @@ class CachePipeline:
         tier.reader.check()
         tier.land()
         tier.next_token()
-        plan = rt.cache.plan  # the planner's next-token experts per layer, likeliest first: read ahead from disk
+        planned = rt.cache.planned  # the planner's next-token experts per layer, likeliest first: read ahead from disk
         for il in self.facts.moe_layers:
-            if plan.get(il):
-                tier.prefetch(il, plan[il])
+            if planned.get(il):
+                tier.prefetch(il, planned[il])
         moves = tier.take_moves()
         if self.tables is not None:
             n_kinds = {il: len(t.views) for il, t in self.tables.layers.items()}
