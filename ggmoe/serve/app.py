@@ -44,7 +44,7 @@ from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.asgi import BodyLimit, JsonBodies, LoopbackHostOnly, RequestCounter, SameOriginOnly
 from ggmoe.serve.compat_routes import add_anthropic_routes, add_llama_server_routes, add_responses_routes
 from ggmoe.serve.errors import APIError
-from ggmoe.serve.generation import Run, Watch, api_error, check_request, plan_chat, plan_completion
+from ggmoe.serve.generation import Run, Watch, api_error, check_request, prepare_chat, prepare_completion
 from ggmoe.serve.llama import GgmoeLlama
 from ggmoe.serve.metrics import Metrics
 from ggmoe.serve.native import NativeRun, infill_tokens, processors, prompt_tokens
@@ -162,16 +162,16 @@ class Server:
         if chat:
             body.chat_template_kwargs = self.template_kwargs(body.chat_template_kwargs)
         try:
-            plan = (plan_chat if chat else plan_completion)(body, self.llama, self.n_ctx, strict)
+            ready = (prepare_chat if chat else prepare_completion)(body, self.llama, self.n_ctx, strict)
         except Exception as e:  # a template that fails to render, a grammar that does not parse
             raise api_error(e) from e
-        watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
-        run = Run(plan, self.llama, watch, body.model or self.settings.model_id)
+        watch = Watch(arrival, self.n_ctx, ready.kwargs["max_tokens"], self.llama.is_eog)
+        run = Run(ready, self.llama, watch, body.model or self.settings.model_id)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        params = _shown(plan.kwargs)
+        params = _shown(ready.kwargs)
         # the prompt's logprobs need every position's logits: a slot has only its last ones
         return await self.execute(request, watch, body.stream, run.result, run.chunks, _openai_sse(usage),
-                                  params, run, plan.prompt, whole=plan.echo_logprobs)
+                                  params, run, ready.prompt, whole=ready.echo_logprobs)
 
     async def native(self, request: Request, body: NativeCompletionRequest, infill: bool) -> Any:
         """llama-server's ``/completion`` (or ``/infill``): its prompt forms, fields and shapes."""
@@ -195,11 +195,11 @@ class Server:
         chat.chat_template_kwargs = self.template_kwargs(None)
         check_request(chat, self.n_ctx, self.n_vocab, False)
         try:
-            plan = plan_chat(chat, self.llama, self.n_ctx, False)
+            ready = prepare_chat(chat, self.llama, self.n_ctx, False)
         except Exception as e:  # a template that fails to render, a schema that does not convert
             raise api_error(e) from e
-        watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
-        run = Run(plan, self.llama, watch, body.model)
+        watch = Watch(arrival, self.n_ctx, ready.kwargs["max_tokens"], self.llama.is_eog)
+        run = Run(ready, self.llama, watch, body.model)
         is_eog = self.llama.is_eog
 
         def stop(finish: str | None) -> tuple[str, str | None]:
@@ -212,12 +212,12 @@ class Server:
             return anthropic.message(r, body.model, stop(r["choices"][0]["finish_reason"]))
 
         def chunks() -> Iterator[dict[str, Any]]:
-            return iter(anthropic.EventStream(run.chunks(), body.model, len(plan.prompt), stop,
+            return iter(anthropic.EventStream(run.chunks(), body.model, len(ready.prompt), stop,
                                               lambda: watch.n_tokens))
 
-        params = _shown(plan.kwargs)
+        params = _shown(ready.kwargs)
         return await self.execute(request, watch, body.stream, result, chunks, ANTHROPIC_SSE, params, run,
-                                  plan.prompt)
+                                  ready.prompt)
 
     async def responses(self, request: Request, body: ResponsesRequest) -> Any:
         """OpenAI's ``/v1/responses``: the request run as a chat, the answer a ``response`` object or its events."""
@@ -226,29 +226,29 @@ class Server:
         chat.chat_template_kwargs = self.template_kwargs(None)
         check_request(chat, self.n_ctx, self.n_vocab, self.settings.strict_openai)
         try:
-            plan = plan_chat(chat, self.llama, self.n_ctx, self.settings.strict_openai)
+            ready = prepare_chat(chat, self.llama, self.n_ctx, self.settings.strict_openai)
         except Exception as e:  # a template that fails to render, a schema that does not convert
             raise api_error(e) from e
-        watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
-        run = Run(plan, self.llama, watch, body.model)
+        watch = Watch(arrival, self.n_ctx, ready.kwargs["max_tokens"], self.llama.is_eog)
+        run = Run(ready, self.llama, watch, body.model)
         shape = responses.Shape(body)
 
         def chunks() -> Iterator[dict[str, Any]]:
-            return responses.numbered(responses.events(run.chunks(), shape, len(plan.prompt),
+            return responses.numbered(responses.events(run.chunks(), shape, len(ready.prompt),
                                                        lambda: watch.n_tokens))
 
         return await self.execute(request, watch, body.stream, lambda: responses.response(run.result(), shape),
-                                  chunks, RESPONSES_SSE, _shown(plan.kwargs), run, plan.prompt)
+                                  chunks, RESPONSES_SSE, _shown(ready.kwargs), run, ready.prompt)
 
     def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens (tools included), no generation."""
         chat = anthropic.chat_request(body)
         chat.chat_template_kwargs = self.template_kwargs(None)
         try:
-            plan = plan_chat(chat, self.llama, 1 << 30, False)
+            ready = prepare_chat(chat, self.llama, 1 << 30, False)
         except Exception as e:
             raise api_error(e) from e
-        return {"input_tokens": len(plan.prompt)}
+        return {"input_tokens": len(ready.prompt)}
 
     def template_kwargs(self, given: dict[str, Any] | None) -> dict[str, Any]:
         """The chat template's extra variables: ``--chat-template-kwargs``, then the request's own."""
