@@ -37,10 +37,10 @@ class CacheSpec:
     n_bottom: int = 0  # bottom buffers per split layer (prefetched bottoms)
 
 
-def assemble_cache(parts: CacheSpec) -> ExpertCache:
-    """The cache the parts describe; the cache checks them (slots against top-k and ``n_expert``, split
+def assemble_cache(spec: CacheSpec) -> ExpertCache:
+    """The cache the spec describes; the cache checks it (slots against top-k and ``n_expert``, split
     layers against the miss policy) and raises ``UsageError`` as it always has."""
-    return ExpertCache(parts.n_expert, parts.n_expert_used, dict(parts.n_slots), parts.policy, parts.copies,
-                       bytes_per_expert=parts.bytes_per_expert, clock=parts.clock,
-                       miss_policy=parts.miss_policy, costs=parts.costs, split=parts.split,
-                       n_bottom=parts.n_bottom)
+    return ExpertCache(spec.n_expert, spec.n_expert_used, dict(spec.n_slots), spec.policy, spec.copies,
+                       bytes_per_expert=spec.bytes_per_expert, clock=spec.clock,
+                       miss_policy=spec.miss_policy, costs=spec.costs, split=spec.split,
+                       n_bottom=spec.n_bottom)

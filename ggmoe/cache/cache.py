@@ -25,7 +25,7 @@ import numpy as np
 from ggmoe.base.errors import UsageError
 from ggmoe.cache.clock import Clock, MonotonicClock
 from ggmoe.cache.copy import CopyBackend, CopyHandle, NullCopyBackend, Priority
-from ggmoe.cache.fill import SCORE_SCALE, Fill, FillPlan
+from ggmoe.cache.fill import SCORE_SCALE, Fill, FillTargets
 from ggmoe.cache.miss import (
     HOST_MAX_TOKENS,
     SLOT_HOST,
@@ -39,7 +39,7 @@ from ggmoe.cache.slots import BottomTable, SlotTable
 from ggmoe.cache.split import LayerSplit
 from ggmoe.cache.split_cache import SplitLayer
 from ggmoe.cache.stats import CacheStats, LayerStats
-from ggmoe.cache.step import EMPTY_STEP, Flip, StepLog, StepPlan
+from ggmoe.cache.step import EMPTY_STEP, Flip, StepChanges, StepLog
 
 
 def keep_free_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: int, n_prefetch: int) -> dict[int, int]:
@@ -106,14 +106,14 @@ class ExpertCache:
         # the planner between tokens (ggmoe.control.planner): per layer, the experts it expects at the layer's
         # next call, likeliest first. Admissions between tokens follow this order, and neither they, nor the
         # free slots kept for prefetches, nor a prefetch at a token's start (the prefetcher's keep) evict any.
-        self.plan: dict[int, list[int]] = {}
+        self.planned: dict[int, list[int]] = {}
         # prefetches issued plus their outcomes (used, wasted, late) counted so far, every layer: the async
         # prefetcher's budget looks at the layers only when this moved
         self.prefetch_events = 0
-        # in-graph fills (the async decode, patch 0012): slots per layer and token the graph may fill (0: none), the plans
+        # in-graph fills (the async decode, patch 0012): slots per layer and token the graph may fill (0: none), the targets
         # handed to the graph before a decode, and what it read back as filled, settled by after_token
         self.fill_slots = 0
-        self.fill_plans: dict[int, FillPlan] = {}
+        self.fill_targets: dict[int, FillTargets] = {}
         self._filled: dict[int, list[Fill]] = {}
         self._build_layers(dict(split or {}), n_bottom)
 
@@ -180,7 +180,7 @@ class ExpertCache:
             for il, bt in self.bottoms.items():
                 bt.log, bt.il = log, il
 
-    def take_step(self) -> StepPlan:
+    def take_step(self) -> StepChanges:
         """The flips and copies since the last step, as one record for the executor (``EMPTY_STEP`` when nothing
         follows the tables or nothing changed)."""
         log = self.log
@@ -286,25 +286,25 @@ class ExpertCache:
         keeps what it loads (a layer with a slot for every expert admits each miss once and never evicts)."""
         return () if self.policy_releases else self.partial_layers
 
-    def plan_fills(self, n_tokens: int = 1) -> tuple[FillPlan, ...]:
+    def offer_fills(self, n_tokens: int = 1) -> tuple[FillTargets, ...]:
         """Before a table-mode decode of ``n_tokens`` tokens: each fill layer's fill slots (``fill_slots`` per token:
         free slots beyond those kept for the stride prefetch, then the policy's victims), reserved until the
         decode's fills are settled. Plans of an earlier decode that were never settled are settled first, with
         what it filled (``take_fills``). ``n_tokens`` 0: only that (a decode that does not read through the
         tables)."""
         with self.lock:
-            for il in list(self.fill_plans):
-                self.layers[il].settle_fill(self.fill_plans.pop(il), self._filled.pop(il, []))
+            for il in list(self.fill_targets):
+                self.layers[il].settle_fill(self.fill_targets.pop(il), self._filled.pop(il, []))
             n = self.fill_slots * n_tokens
             if n <= 0:
                 return ()
-            plans = []
+            targets = []
             for il in self.fill_layers:
-                plan = self.layers[il].plan_fill(n)
-                if plan.slots:
-                    self.fill_plans[il] = plan
-                    plans.append(plan)
-            return tuple(plans)
+                t = self.layers[il].offer_fill(n)
+                if t.slots:
+                    self.fill_targets[il] = t
+                    targets.append(t)
+            return tuple(targets)
 
     def preload(self) -> int:
         """Every expert of a ``roomy`` cache (a slot for each, in every layer) copied in now and landed, so the
@@ -330,9 +330,9 @@ class ExpertCache:
                 self._filled.setdefault(f.il, []).append(f)
 
     def plan_next(self, il: int, experts: list[int]) -> None:
-        """The planner's experts for layer ``il``'s next call, likeliest first (empty: no plan); see ``plan``."""
+        """The planner's experts for layer ``il``'s next call, likeliest first (empty: no plan); see ``planned``."""
         with self.lock:
-            self.plan[il] = experts
+            self.planned[il] = experts
 
     def has_free_slot(self) -> bool:
         """Whether some whole-expert layer that cannot hold all its experts has a free slot (a prefetch into a
@@ -375,11 +375,11 @@ class ExpertCache:
         if table.n_loading:
             self._drop_stale_admissions(il, table, set(missing))
         admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
-        plan = self.plan.get(il)
-        if admit and plan:  # the next token's likeliest first, and none of the planned experts evicted
-            rank = {e: i for i, e in enumerate(plan)}
-            admit.sort(key=lambda e: rank.get(e, len(plan)))
-            need = need + plan
+        planned = self.planned.get(il)
+        if admit and planned:  # the next token's likeliest first, and none of the planned experts evicted
+            rank = {e: i for i, e in enumerate(planned)}
+            admit.sort(key=lambda e: rank.get(e, len(planned)))
+            need = need + planned
         if admit and self._admits is not None:
             admit = self.admissible(il, table, need, admit, reserve)
         if admit:
@@ -447,9 +447,9 @@ class ExpertCache:
             else:
                 if cand is None:
                     cand = [x for x in self._victims(table, protect) if not table.prefetched[table.slot_of_list[x]]]
-                    plan = self.fill_plans.get(il)
-                    if plan is not None:  # a running graph may be filling these slots
-                        cand = [x for x in cand if x not in plan.held]
+                    targets = self.fill_targets.get(il)
+                    if targets is not None:  # a running graph may be filling these slots
+                        cand = [x for x in cand if x not in targets.held]
                 if not cand:
                     break
                 victim = self.policy.victim(il, cand, self.clock)
@@ -858,9 +858,9 @@ class WholeLayer:
             missing = [e for e in need if slot_of[e] < 0 or copy[slot_of[e]] is not None]
         n_miss = len(missing)
         st.hits += len(need) - n_miss
-        plan = c.fill_plans.pop(il, None) if c.fill_plans else None
-        if plan is not None:  # the graph filled some misses: placed, never admitted
-            filled = self.settle_fill(plan, c._filled.pop(il, []))
+        targets = c.fill_targets.pop(il, None) if c.fill_targets else None
+        if targets is not None:  # the graph filled some misses: placed, never admitted
+            filled = self.settle_fill(targets, c._filled.pop(il, []))
             if filled:
                 missing = [e for e in missing if e not in filled]
             st.misses += n_miss - len(missing)
@@ -883,10 +883,10 @@ class WholeLayer:
             if table.n_loading and not c._lands_later:  # a synchronous backend (the CPU build's memcpy)
                 c.land_done(table)  # has landed them already
         if keep_free:
-            self._make_room(need + c.plan.get(il, []), keep_free)
+            self._make_room(need + c.planned.get(il, []), keep_free)
 
-    def plan_fill(self, n: int) -> FillPlan:
-        """``n`` fill slots for the next decode (``ExpertCache.plan_fills``): free slots beyond the stride
+    def offer_fill(self, n: int) -> FillTargets:
+        """``n`` fill slots for the next decode (``ExpertCache.offer_fills``): free slots beyond the stride
         prefetch's (taken off the free list until settled), then victims in the policy's order (never a planned
         expert, an unused prefetch or a slot still loading)."""
         c, il, table = self.cache, self.il, self.table
@@ -900,20 +900,20 @@ class WholeLayer:
         want = n - len(slots)
         if want > 0:
             slot_of = table.slot_of_list
-            cand = c._victims(table, set(c.plan[il]) if c.plan.get(il) else set())
+            cand = c._victims(table, set(c.planned[il]) if c.planned.get(il) else set())
             if c.n_prefetched[il]:  # (no unused prefetch in the layer: nothing to leave out, the common case)
                 cand = [x for x in cand if not table.prefetched[slot_of[x]]]
             for victim in c.policy.victims(il, cand, want, c.clock):  # first evicted first (nothing evicted yet)
                 slots.append(slot_of[victim])
                 held.append(victim)
         if c._scores is None or not any(h >= 0 for h in held):
-            return FillPlan(il, tuple(slots), tuple(held))
+            return FillTargets(il, tuple(slots), tuple(held))
         # the policy's admission filter: a miss takes a victim's slot only when it scores above the victim
         score = tuple(int(x * SCORE_SCALE) for x in c._scores(il))
-        return FillPlan(il, tuple(slots), tuple(held), tuple(score[h] if h >= 0 else -1 for h in held), score)
+        return FillTargets(il, tuple(slots), tuple(held), tuple(score[h] if h >= 0 else -1 for h in held), score)
 
     def _reclaim_admissions(self) -> None:
-        """Admissions still queued (not started) are cancelled before a fill plan and their slots freed: a fill
+        """Admissions still queued (not started) are cancelled before a fill offer and their slots freed: a fill
         brings a miss in the graph with one crossing, where an admission is its second; and a layer whose slots
         all wait for admissions would have no fill slot, read every miss in place, admit it again, and so on."""
         c, il, table = self.cache, self.il, self.table
@@ -925,8 +925,8 @@ class WholeLayer:
                     c._on_evict(il, table.expert_in_list[slot])
                 table.drop(slot)
 
-    def settle_fill(self, plan: FillPlan, fills: list[Fill]) -> set[int]:
-        """The graph's fills of one decode (``plan``'s slots): each expert is placed ready in its slot (no copy
+    def settle_fill(self, targets: FillTargets, fills: list[Fill]) -> set[int]:
+        """The graph's fills of one decode (the slots of ``targets``): each expert is placed ready in its slot (no copy
         follows) and the slot's expert evicted; unused free slots go back to the free list. Returns the experts
         filled. An expert a stride prefetch placed elsewhere while the graph ran keeps that slot: the fill slot
         is freed, and its entry is written again (the graph pointed it at the fill slot)."""
@@ -953,7 +953,7 @@ class WholeLayer:
             table.place(f.expert, f.slot, None)
             if c._on_insert is not None:
                 c._on_insert(il, f.expert, c.clock)
-        for slot, held in zip(plan.slots, plan.held, strict=True):
+        for slot, held in zip(targets.slots, targets.held, strict=True):
             if held < 0 and slot not in used:
                 insort(table.free, slot)
         return filled

@@ -36,7 +36,7 @@ class PrefetchSettings(Protocol):
 
 
 class PlannerSettings(Protocol):
-    """What a cache's configuration holds of its planner between tokens (``ggmoe.control.planner.PlanConfig``)."""
+    """What a cache's configuration holds of its planner between tokens (``ggmoe.control.planner.PlannerConfig``)."""
 
     @property
     def predictor(self) -> str: ...  # a cross-token predictor name or a PRED.npz file
@@ -70,7 +70,7 @@ class CacheConfig:
     hw_profile: str | None = None
     # stride prefetching from a predictor (ggmoe.control.prefetch.PrefetchConfig), or None
     prefetch: PrefetchSettings | None = None
-    # the planner between tokens: a cross-token predictor (ggmoe.control.planner.PlanConfig), or None
+    # the planner between tokens: a cross-token predictor (ggmoe.control.planner.PlannerConfig), or None
     planner: PlannerSettings | None = None
     # the policy's keyword arguments (e.g. static's per-layer counts from saved routing statistics)
     policy_options: Mapping[str, Any] | None = None

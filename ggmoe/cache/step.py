@@ -3,15 +3,15 @@
 The cache does not call back up into the engine. Every change of what is readable where (an expert's copy
 landed in its slot, a victim's slot about to be overwritten, a split expert's bottom in a buffer) is written
 as a ``Flip`` record into the cache's log, and ``ExpertCache.take_step`` hands the log since the last step to
-the executor as one frozen ``StepPlan``: the async decode's controller returns one per decoded token, the
+the executor as one frozen ``StepChanges``: the async decode's controller returns one per decoded token, the
 pipeline drains one before each decode and after each routed layer, and the engine's expert tables apply its
-flips before the next graph reads them (``ggmoe.engine.tables``). The plan also lists the copies the cache
+flips before the next graph reads them (``ggmoe.engine.tables``). The record also lists the copies the cache
 issued on its copy backend since the last step, so that a test checks a step's decisions without a model.
 
 Ordering (what keeps it exact): the flips are in the order the cache made them, so a victim's flip to host
 memory precedes the flip of the expert copied into its slot; no graph runs between the copy's submission and
-the plan's application (the controller runs after the decode's logits were read; the route callback holds its
-graph), and the tables reach the device only in ``flush``, after the plan was applied.
+the application of its changes (the controller runs after the decode's logits were read; the route callback holds its
+graph), and the tables reach the device only in ``flush``, after the changes were applied.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Flip(NamedTuple):
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepChanges:
     """The cache's decisions since the last step, in order: the table flips to apply, the copies issued."""
 
     flips: tuple[Flip, ...] = ()  # in the order made; applying them in order gives the cache's final mapping
@@ -57,20 +57,20 @@ class StepPlan:
         return tuple(seen)
 
 
-EMPTY_STEP = StepPlan()
+EMPTY_STEP = StepChanges()
 
 
 class StepLog:
     """The cache's running log of flips and copies (appended to from the cache's calls, on whatever thread a
-    prefetch runs on: list appends are atomic), cut into one ``StepPlan`` per ``take``."""
+    prefetch runs on: list appends are atomic), cut into one ``StepChanges`` per ``take``."""
 
     def __init__(self) -> None:
         self.flips: list[Flip] = []
         self.copies: list[CopyHandle] = []
 
-    def take(self) -> StepPlan:
+    def take(self) -> StepChanges:
         if not self.flips and not self.copies:
             return EMPTY_STEP
         flips, self.flips = self.flips, []
         copies, self.copies = self.copies, []
-        return StepPlan(tuple(flips), tuple(copies))
+        return StepChanges(tuple(flips), tuple(copies))

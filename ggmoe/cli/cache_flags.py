@@ -18,7 +18,7 @@ import click
 
 from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import check_output
-from ggmoe.cli.options import cache_config, check_stats_json, plan_config, prefetch_config
+from ggmoe.cli.options import cache_config, check_stats_json, planner_config, prefetch_config
 from ggmoe.trace.routing_stats import RoutingStats, RoutingStatsCollector, load_stats, save_stats
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def cache_from_flags(path: Path, facts: ModelFacts, flags: Mapping[str, Any]
     prefetch = prefetch_config(f["predictor"], f["stride"], f["n_prefetch"], f["prefetch_threshold"],
                                f["predictor_train"], f["predict_background"], f["plan_predictor"])
     cache = cache_config(f["cache_slots"], f["vram"], f["policy"], facts, f["miss_policy"], prefetch, f["hw"],
-                         f["config"], f["decode_mode"], plan_config(f["plan_predictor"], f["predictor_train"]),
+                         f["config"], f["decode_mode"], planner_config(f["plan_predictor"], f["predictor_train"]),
                          f["host_ram"])
     cache = with_host_threads(cache, f["host_threads"])
     warm = read_stats_in(f["stats_in"], facts, path)

@@ -18,7 +18,7 @@ from ggmoe.base.outputs import check_output, write_text_atomic
 
 if TYPE_CHECKING:
     from ggmoe.cache.config import CacheConfig
-    from ggmoe.control.planner import PlanConfig
+    from ggmoe.control.planner import PlannerConfig
     from ggmoe.control.prefetch import PrefetchConfig
     from ggmoe.engine import Engine
     from ggmoe.inspect import ModelFacts
@@ -121,7 +121,7 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
 def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: ModelFacts | None = None,
                  miss_policy: str | None = None, prefetch: PrefetchConfig | None = None, hw: str | None = None,
                  config: str | None = None, decode_mode: str | None = None,
-                 planner: PlanConfig | None = None, host_ram: str | None = None) -> CacheConfig | None:
+                 planner: PlannerConfig | None = None, host_ram: str | None = None) -> CacheConfig | None:
     """A CacheConfig from the flags or from a plan file (--config), or None when neither was given;
     --decode-mode, --plan-predictor and --host-ram apply to both."""
     from ggmoe.cache.config import build_cache_config
@@ -173,16 +173,16 @@ def prefetch_config(predictor: str | None, stride: int, n_prefetch: int | None, 
     return build_prefetch_config(predictor, stride, n_prefetch, threshold, train, background)
 
 
-def plan_config(planner: str | None, train: tuple[str, ...] = ()) -> PlanConfig | None:
-    """A PlanConfig from --plan-predictor (and the --predictor-train traces), or None; a name that cannot
+def planner_config(planner: str | None, train: tuple[str, ...] = ()) -> PlannerConfig | None:
+    """A PlannerConfig from --plan-predictor (and the --predictor-train traces), or None; a name that cannot
     predict the next token, or a missing file, refused before any model loads (a file's mode is checked when
     it is read)."""
     if planner is None:
         return None
-    from ggmoe.control.planner import PlanConfig, check_planner
+    from ggmoe.control.planner import PlannerConfig, check_planner
 
     check_planner(planner)
-    return PlanConfig(predictor=planner, train=tuple(train))
+    return PlannerConfig(predictor=planner, train=tuple(train))
 
 
 def check_stats_json(stats_json: str | None, cache: CacheConfig | None) -> None:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 @click.option("--host-ram", "host_ram", help="The host tier for experts, e.g. 24GiB: experts beyond it stay on "
                                              "disk (the three tiers are shown; with --gpu, estimated).")
 @click.option("--disk", help="With --gpu: the disk under the host tier (nvme5, nvme4, nvme3, sata; default nvme4).")
-@click.option("--link", help="With --gpu: the slot, e.g. pcie4x16, pcie3x4, tb4 (default: the card's own).")
+@click.option("--link", help="With --gpu: the link to the GPU, e.g. pcie4x16, pcie3x4, tb4 (default: the card's own).")
 @click.option("--host", default="ddr5-5600x2", show_default=True,
               help="With --gpu: the host memory (ddr4-3200x2, ddr5-5600x2, ddr5-6000x2, epyc7742).")
 @click.option("--vram", help="Budget for cached experts over all layers, e.g. 4GiB; with --gpu: the GPU's VRAM "

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 MAX_DEFAULT_CTX = 4096  # tokens: the default context is the model's training context, at most this
 MAX_PARALLEL = 64  # slots (ggmoe.serve.llama.MAX_SEQUENCES)
-MIN_SLOT_CTX = 16  # tokens per slot at least (ggmoe.serve.parallel.MIN_SLOT_CTX)
+MIN_LANE_CTX = 16  # tokens per slot at least (ggmoe.serve.parallel.MIN_LANE_CTX)
 
 _ctx = click.option("--n-ctx", type=click.IntRange(min=16, max=1 << 24),
                     help=f"Context length in tokens, prompt and answer (default: the model's training "
@@ -346,9 +346,9 @@ def _check_parallel(parallel: int, reconfigure_every: int | None, n_ctx: int) ->
     """--parallel's rules, before the model loads: a share of the context per slot, no reconfiguration."""
     if parallel > 1 and reconfigure_every is not None:
         raise UsageError("--reconfigure-every needs the model to itself between requests: not with --parallel > 1")
-    if n_ctx // parallel < MIN_SLOT_CTX:
+    if n_ctx // parallel < MIN_LANE_CTX:
         raise UsageError(f"--n-ctx {n_ctx} gives each of {parallel} slots {n_ctx // parallel} tokens: give at least "
-                         f"{MIN_SLOT_CTX * parallel}")
+                         f"{MIN_LANE_CTX * parallel}")
 
 
 def _announce_cache(cache: dict[str, Any] | None) -> None:

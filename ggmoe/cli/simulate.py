@@ -14,7 +14,7 @@ import click
 from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import atomic_write, check_output
 from ggmoe.cli.edge import edge
-from ggmoe.cli.options import FiniteFloat, model_path, plan_config
+from ggmoe.cli.options import FiniteFloat, model_path, planner_config
 
 if TYPE_CHECKING:
     from ggmoe.cache.hardware import HardwareProfile
@@ -338,7 +338,7 @@ def _check_choices(policy: tuple[str, ...], predictor: tuple[str, ...], miss_pol
             check_predictor(pred)
     planners = [None if p == "none" else p for p in (_split(plan_predictor, "--plan-predictor") or ["none"])]
     for pl in planners:
-        plan_config(pl)  # a name that cannot plan, or a missing file, fails now
+        planner_config(pl)  # a name that cannot plan, or a missing file, fails now
     for miss in misses:
         check_miss_policy(miss)
     modes = _split(decode_mode, "--decode-mode") or ["sync"]

@@ -16,7 +16,7 @@ The invariants the engine relies on hold because this runs while no graph
 runs (after the decode's logits were read): an entry points back at host
 memory before a copy may overwrite its slot, and at a slot only after the
 copy into it landed: the cache writes each change as a flip, in order, and
-``on_routing`` returns them with the copies it issued as one ``StepPlan``
+``on_routing`` returns them with the copies it issued as one ``StepChanges``
 (``ggmoe.cache.step``), which the engine's tables apply before the next graph.
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from ggmoe.cache.cache import ExpertCache
-from ggmoe.cache.step import EMPTY_STEP, StepPlan
+from ggmoe.cache.step import EMPTY_STEP, StepChanges
 from ggmoe.control.planner import NextTokenPlanner
 from ggmoe.hook import RouteEvent, RouteObserver
 
@@ -45,7 +45,7 @@ class TokenController:
         self._cached_layers: tuple[int, ...] | None = None  # the layers read through tables (a roomy cache)
 
     def on_routing(self, layers: Iterable[int], routing: np.ndarray, observers: Iterable[RouteObserver] | None = None,
-                   hidden: Mapping[int, np.ndarray] | None = None) -> StepPlan:
+                   hidden: Mapping[int, np.ndarray] | None = None) -> StepChanges:
         """``routing`` I32 [n_layer, n_tokens, n_expert_used]: the selected experts of ``layers`` (the MoE
         layers that read through tables) in the micro-batch just decoded; rows of -1 are tokens a layer did
         not compute (the last layer computes only the tokens whose logits are wanted). Returns the cache's step:

@@ -36,7 +36,7 @@ from ggmoe.predict.base import Predictor
 
 
 @dataclass(frozen=True)
-class PlanConfig:
+class PlannerConfig:
     """Which cross-token predictor plans the next token, and how many experts per layer it protects."""
 
     predictor: str  # reuse, eam, expert-map, or a PRED.npz trained with --mode token
@@ -132,7 +132,7 @@ def check_planner(spec: str) -> None:
                          "expert-map or a PRED.npz trained with `ggmoe train-predictor --mode token`")
 
 
-def make_planner(cache: ExpertCache, config: PlanConfig, facts: object, model_path: str) -> NextTokenPlanner:
+def make_planner(cache: ExpertCache, config: PlannerConfig, facts: object, model_path: str) -> NextTokenPlanner:
     """The planner for a loaded model: its predictor built (a PRED.npz must be of mode token) and fitted."""
     from ggmoe.control.prefetch import live_predictor
 

@@ -277,9 +277,9 @@ class Prefetcher:
             self._prefetch(il, self.predictor.predict(il), n, at_start=True)
 
     def _planned(self, il: int) -> np.ndarray | None:
-        """The planner's experts for layer ``il``'s next call (``ExpertCache.plan``) as scores, likeliest highest
+        """The planner's experts for layer ``il``'s next call (``ExpertCache.planned``) as scores, likeliest highest
         (1, then down towards 0), or None without a plan."""
-        plan = self.cache.plan.get(il)
+        plan = self.cache.planned.get(il)
         if not plan:
             return None
         scores = np.zeros(self.cache.n_expert, dtype=np.float32)
@@ -341,7 +341,7 @@ class Prefetcher:
         if at_start:
             planned = scores is None and self.threshold is None
             scores = self._planned(target) if planned else scores
-            keep = set(self.cache.plan.get(target, ()))
+            keep = set(self.cache.planned.get(target, ()))
         if scores is None or target not in self.cache.tables:
             return
         if at_start:

@@ -445,7 +445,7 @@ class CachePipeline:
         if tables is not None and tables.fills is not None:  # only a one-token decode fills: llama.cpp may split
             # a batch of several tokens (one micro-batch per sequence without a unified KV cache), and a later
             # micro-batch would read a filled slot's old expert through its entry before the controller's step
-            self._plan_fills(1 if tables.enabled and len(tokens) == 1 else 0)
+            self._offer_fills(1 if tables.enabled and len(tokens) == 1 else 0)
         if tables is not None:
             self._tables_follow()  # what the cache changed since the last step, on the device before the decode
         if tables is not None and tables.enabled and n <= tables.max_tokens:
@@ -475,10 +475,10 @@ class CachePipeline:
         tier.reader.check()
         tier.land()
         tier.next_token()
-        plan = rt.cache.plan  # the planner's next-token experts per layer, likeliest first: read ahead from disk
+        planned = rt.cache.planned  # the planner's next-token experts per layer, likeliest first: read ahead from disk
         for il in self.facts.moe_layers:
-            if plan.get(il):
-                tier.prefetch(il, plan[il])
+            if planned.get(il):
+                tier.prefetch(il, planned[il])
         moves = tier.take_moves()
         if self.tables is not None:
             n_kinds = {il: len(t.views) for il, t in self.tables.layers.items()}
@@ -495,15 +495,15 @@ class CachePipeline:
             for f in fills:
                 tier.note_in_place(f.il, (f.expert,))
 
-    def _plan_fills(self, n_tokens: int) -> None:
+    def _offer_fills(self, n_tokens: int) -> None:
         """The fill slots of a one-token table-mode decode (``n_tokens`` 1; 0: not one), on the device with a new
         stamp. Fills of a decode that was never settled (it failed after its graph ran) are read back and
         settled first."""
         cache, words = self.runtime.cache, self.tables.fills
-        if cache.fill_plans:  # that decode's graph done first (a no-op when the device is idle)
+        if cache.fill_targets:  # that decode's graph done first (a no-op when the device is idle)
             B.llama_cpp.llama_synchronize(self._ctx_ptr)
             cache.take_fills(words.read())
-        words.write(cache.plan_fills(n_tokens))  # none but a table decode's: a stale plan never runs
+        words.write(cache.offer_fills(n_tokens))  # none but a table decode's: stale targets never run
 
     def _tables_follow(self) -> None:
         """The cache's step since the last one into the tables, and the tables onto the device."""

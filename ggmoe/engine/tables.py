@@ -9,8 +9,8 @@ entry ``e`` is the address of expert ``e``'s matrix, either its cache slot
 memory (``host.data + e * nb2``; on a GPU its pinned buffer, which kernels read
 through unified addressing). ``ggml_mul_mat_id_table`` (patch 0006) reads
 through it, so a hit needs no host and a miss is read over the link inside the
-same kernel. The tables follow the cache through its step plans
-(``ggmoe.cache.step``): ``apply`` writes each ``Flip`` of a plan into the host
+same kernel. The tables follow the cache through its step changes
+(``ggmoe.cache.step``): ``apply`` writes each ``Flip`` of a step into the host
 mirror, in the cache's order, and ``flush`` sends the mirror before the next
 graph reads it; so an entry points at a slot only once the copy into it has
 landed, and at host memory again before any graph runs beside a copy that may
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ggmoe.base.errors import EngineError, EngineNotPatchedError
-from ggmoe.cache.fill import Fill, FillPlan
+from ggmoe.cache.fill import Fill, FillTargets
 from ggmoe.cache.split import SPLIT_PACKED
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -38,7 +38,7 @@ from ggmoe.engine.arena import TensorArena
 
 if TYPE_CHECKING:
     from ggmoe.cache.cache import ExpertCache
-    from ggmoe.cache.step import StepPlan
+    from ggmoe.cache.step import StepChanges
     from ggmoe.engine.slot_tensors import SlotTensors
 
 GGML_TYPE_I32 = 26
@@ -265,10 +265,10 @@ class ExpertTables:
         self.apply(cache.take_step())
         self.flush()
 
-    def apply(self, plan: StepPlan) -> None:
-        """Write a step plan's flips into the mirror, in order (``flush`` sends them)."""
+    def apply(self, step: StepChanges) -> None:
+        """Write a step's flips into the mirror, in order (``flush`` sends them)."""
         layers = self.layers
-        for il, expert, slot, bottom in plan.flips:
+        for il, expert, slot, bottom in step.flips:
             lt = layers[il]
             if bottom:
                 if slot >= 0:
@@ -382,7 +382,7 @@ class ExpertTables:
 class FillWords:
     """Every fill layer's words (patch 0012, ``ggml_mul_mat_id_set_fill``): one I64 tensor ``[W, n]``, a row per
     layer of ``GGML_MMID_FILL_WORDS(f_max, n_expert)`` words, each row a view handed to the layer's matmuls. ``write``
-    sends the plans and a new stamp before a table-mode decode; ``read`` says what the graph filled."""
+    sends the targets and a new stamp before a table-mode decode; ``read`` says what the graph filled."""
 
     def __init__(self, arena: TensorArena, layers: Sequence[int], f_max: int, n_expert: int) -> None:
         self.f_max = f_max
@@ -395,28 +395,28 @@ class FillWords:
         self.views = [arena.new_view_1d(self.tensor, self.width, i * self.width * 8, f"ggmoe_fill.{il}")
                       for il, i in self.row.items()]
         self.stamp = 0
-        self.plans: dict[int, FillPlan] = {}  # what the last write handed each layer
+        self.targets: dict[int, FillTargets] = {}  # what the last write handed each layer
         self._back = np.zeros_like(self.words)  # read back after a decode
 
     def register(self, ctx_ptr: int) -> None:
         P = _patched.load()
         self._p = ctypes.cast(self.tensor, B.ggml_tensor_p)  # cast once: written and read every token
-        self.write(())  # defined words (no plan) before any graph can read them: device memory starts undefined
+        self.write(())  # defined words (no targets) before any graph can read them: device memory starts undefined
         for il, view in zip(self.row, self.views, strict=True):
             rc = P.llama_ggmoe_set_layer_fill(ctx_ptr, il, view)
             if rc != _patched.LLAMA_GGMOE_OK:
                 raise EngineError(f"registering the fill words of layer {il} failed: "
                                   f"{_patched.ERROR_NAMES.get(rc, rc)}")
 
-    def write(self, plans: Sequence[FillPlan]) -> None:
+    def write(self, targets: Sequence[FillTargets]) -> None:
         """Before a table-mode decode: each layer's fill slots and the experts they hold (none for a layer
-        without a plan), under a new stamp, so the layer's first matmul assigns afresh."""
+        without targets), under a new stamp, so the layer's first matmul assigns afresh."""
         w, f_max = self.words, self.f_max
         self.stamp += 1
         w[:, 0] = 0
         w[:, 2] = self.stamp
-        self.plans = {p.il: p for p in plans}
-        for p in plans:
+        self.targets = {p.il: p for p in targets}
+        for p in targets:
             r, f = self.row[p.il], len(p.slots)
             w[r, 0] = f
             w[r, 3: 3 + f] = p.slots
@@ -427,18 +427,18 @@ class FillWords:
 
     def read(self) -> list[Fill]:
         """After the decode (device idle): the experts each layer's graph filled, and into which slots."""
-        if not self.plans:
+        if not self.targets:
             return []
         back, f_max = self._back, self.f_max
         B.libggml_base.ggml_backend_tensor_get(self._p, back.ctypes.data, 0, back.nbytes)
         out, base = [], 3 + 3 * f_max
-        for il, plan in self.plans.items():
+        for il, t in self.targets.items():
             r = back[self.row[il]]
             if r[base] != self.stamp:
                 continue  # the layer did not run this decode's matmuls
-            held_of = dict(zip(plan.slots, plan.held, strict=True))
+            held_of = dict(zip(t.slots, t.held, strict=True))
             for i in range(int(r[base + 1])):
                 slot = int(r[base + 2 + f_max + i])
                 out.append(Fill(il, int(r[base + 2 + i]), slot, held_of.get(slot, -1)))
-        self.plans = {}
+        self.targets = {}
         return out

@@ -13,7 +13,7 @@ metrics.
 
 Routes here: POST /v1/chat/completions (and /chat/completions), POST /v1/completions, POST /v1/embeddings,
 GET /v1/models (and /models), GET /health (never needs a key), GET /metrics. Every generation, whatever its
-route, goes through ``Server.execute``: the request queue, the slot's state, the client watched, the stream framed as
+route, goes through ``Server.execute``: the request queue, the lane's state, the client watched, the stream framed as
 its route frames it (``Sse``).
 """
 
@@ -44,11 +44,12 @@ from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.asgi import BodyLimit, JsonBodies, LoopbackHostOnly, RequestCounter, SameOriginOnly
 from ggmoe.serve.compat_routes import add_anthropic_routes, add_llama_server_routes, add_responses_routes
 from ggmoe.serve.errors import APIError
-from ggmoe.serve.generation import Run, Watch, api_error, check_request, plan_chat, plan_completion
+from ggmoe.serve.generation import Run, Watch, api_error, check_request, prepare_chat, prepare_completion
+from ggmoe.serve.lanes import LaneState
 from ggmoe.serve.llama import GgmoeLlama
 from ggmoe.serve.metrics import Metrics
 from ggmoe.serve.native import NativeRun, infill_tokens, processors, prompt_tokens
-from ggmoe.serve.parallel import Pump, SlotPool
+from ggmoe.serve.parallel import LanePool, Pump
 from ggmoe.serve.request_queue import RequestQueue
 from ggmoe.serve.responses import ResponsesRequest
 from ggmoe.serve.schema import (
@@ -60,7 +61,6 @@ from ggmoe.serve.schema import (
     NativeEmbeddingRequest,
     Tool,
 )
-from ggmoe.serve.slots import SlotState
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
                     "/chat/completions", "/completions", "/models", "/v1/health", "/healthz", "/props",
@@ -100,16 +100,16 @@ class Server:
     def __init__(self, llama: GgmoeLlama, settings: ServeSettings) -> None:
         self.llama = llama
         self.settings = settings
-        n_slots = settings.parallel
-        self.pool = SlotPool(llama, n_slots) if n_slots > 1 else None  # the slots' views and their batcher
-        self.queue = RequestQueue(settings.max_queue, n_slots)
-        self.n_ctx = self.pool.n_ctx if self.pool is not None else llama.n_ctx()  # tokens per slot
+        n_lanes = settings.parallel
+        self.pool = LanePool(llama, n_lanes) if n_lanes > 1 else None  # the lanes' views and their batcher
+        self.queue = RequestQueue(settings.max_queue, n_lanes)
+        self.n_ctx = self.pool.n_ctx if self.pool is not None else llama.n_ctx()  # tokens per lane
         self.n_vocab = llama.n_vocab()
-        self.slots = [SlotState(i, self.n_ctx) for i in range(n_slots)]  # llama-server's slots, as /slots shows
-        self._busy: set[int] = set()  # slots held by a request
+        self.lanes = [LaneState(i, self.n_ctx) for i in range(n_lanes)]  # llama-server's slots, as /slots shows
+        self._busy: set[int] = set()  # lanes held by a request
         self._live: set[Watch] = set()  # the generations running now (stopped together at shutdown)
         self.stopping = False  # set by stop_generations: the server is shutting down
-        self.metrics = Metrics(llama.stats, lambda: self.queue.waiting, lambda: self.queue.running, self.slots,
+        self.metrics = Metrics(llama.stats, lambda: self.queue.waiting, lambda: self.queue.running, self.lanes,
                                self.pool.batcher.stats if self.pool is not None else None)
         self._tasks = itertools.count()  # task ids, as /slots shows them
         self.version = _version()
@@ -120,7 +120,7 @@ class Server:
     def stop_generations(self) -> None:
         """Shutdown (SIGTERM, Ctrl-C): every running generation stops at its next token, so its answer or stream
         ends as usual (``finish_reason`` ``length``, a stream's final events), and a request still waiting for
-        a slot gets a 503. Safe from a signal handler: it only sets flags."""
+        a lane gets a 503. Safe from a signal handler: it only sets flags."""
         self.stopping = True
         for watch in list(self._live):
             watch.cancel.set()
@@ -162,20 +162,20 @@ class Server:
         if chat:
             body.chat_template_kwargs = self.template_kwargs(body.chat_template_kwargs)
         try:
-            plan = (plan_chat if chat else plan_completion)(body, self.llama, self.n_ctx, strict)
+            ready = (prepare_chat if chat else prepare_completion)(body, self.llama, self.n_ctx, strict)
         except Exception as e:  # a template that fails to render, a grammar that does not parse
             raise api_error(e) from e
-        watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
-        run = Run(plan, self.llama, watch, body.model or self.settings.model_id)
+        watch = Watch(arrival, self.n_ctx, ready.kwargs["max_tokens"], self.llama.is_eog)
+        run = Run(ready, self.llama, watch, body.model or self.settings.model_id)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        params = _shown(plan.kwargs)
-        # the prompt's logprobs need every position's logits: a slot has only its last ones
+        params = _shown(ready.kwargs)
+        # the prompt's logprobs need every position's logits: a lane has only its last ones
         return await self.execute(request, watch, body.stream, run.result, run.chunks, _openai_sse(usage),
-                                  params, run, plan.prompt, whole=plan.echo_logprobs)
+                                  params, run, ready.prompt, whole=ready.echo_logprobs)
 
     async def native(self, request: Request, body: NativeCompletionRequest, infill: bool) -> Any:
         """llama-server's ``/completion`` (or ``/infill``): its prompt forms, fields and shapes."""
-        self.check_slot(body.id_slot)
+        self.check_lane(body.id_slot)
         watch = Watch(time.monotonic(), self.n_ctx, None, self.llama.is_eog)
         try:
             prompts = ([infill_tokens(body, self.llama, self.n_ctx)] if infill  # type: ignore[arg-type]
@@ -195,11 +195,11 @@ class Server:
         chat.chat_template_kwargs = self.template_kwargs(None)
         check_request(chat, self.n_ctx, self.n_vocab, False)
         try:
-            plan = plan_chat(chat, self.llama, self.n_ctx, False)
+            ready = prepare_chat(chat, self.llama, self.n_ctx, False)
         except Exception as e:  # a template that fails to render, a schema that does not convert
             raise api_error(e) from e
-        watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
-        run = Run(plan, self.llama, watch, body.model)
+        watch = Watch(arrival, self.n_ctx, ready.kwargs["max_tokens"], self.llama.is_eog)
+        run = Run(ready, self.llama, watch, body.model)
         is_eog = self.llama.is_eog
 
         def stop(finish: str | None) -> tuple[str, str | None]:
@@ -212,12 +212,12 @@ class Server:
             return anthropic.message(r, body.model, stop(r["choices"][0]["finish_reason"]))
 
         def chunks() -> Iterator[dict[str, Any]]:
-            return iter(anthropic.EventStream(run.chunks(), body.model, len(plan.prompt), stop,
+            return iter(anthropic.EventStream(run.chunks(), body.model, len(ready.prompt), stop,
                                               lambda: watch.n_tokens))
 
-        params = _shown(plan.kwargs)
+        params = _shown(ready.kwargs)
         return await self.execute(request, watch, body.stream, result, chunks, ANTHROPIC_SSE, params, run,
-                                  plan.prompt)
+                                  ready.prompt)
 
     async def responses(self, request: Request, body: ResponsesRequest) -> Any:
         """OpenAI's ``/v1/responses``: the request run as a chat, the answer a ``response`` object or its events."""
@@ -226,29 +226,29 @@ class Server:
         chat.chat_template_kwargs = self.template_kwargs(None)
         check_request(chat, self.n_ctx, self.n_vocab, self.settings.strict_openai)
         try:
-            plan = plan_chat(chat, self.llama, self.n_ctx, self.settings.strict_openai)
+            ready = prepare_chat(chat, self.llama, self.n_ctx, self.settings.strict_openai)
         except Exception as e:  # a template that fails to render, a schema that does not convert
             raise api_error(e) from e
-        watch = Watch(arrival, self.n_ctx, plan.kwargs["max_tokens"], self.llama.is_eog)
-        run = Run(plan, self.llama, watch, body.model)
+        watch = Watch(arrival, self.n_ctx, ready.kwargs["max_tokens"], self.llama.is_eog)
+        run = Run(ready, self.llama, watch, body.model)
         shape = responses.Shape(body)
 
         def chunks() -> Iterator[dict[str, Any]]:
-            return responses.numbered(responses.events(run.chunks(), shape, len(plan.prompt),
+            return responses.numbered(responses.events(run.chunks(), shape, len(ready.prompt),
                                                        lambda: watch.n_tokens))
 
         return await self.execute(request, watch, body.stream, lambda: responses.response(run.result(), shape),
-                                  chunks, RESPONSES_SSE, _shown(plan.kwargs), run, plan.prompt)
+                                  chunks, RESPONSES_SSE, _shown(ready.kwargs), run, ready.prompt)
 
     def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens (tools included), no generation."""
         chat = anthropic.chat_request(body)
         chat.chat_template_kwargs = self.template_kwargs(None)
         try:
-            plan = plan_chat(chat, self.llama, 1 << 30, False)
+            ready = prepare_chat(chat, self.llama, 1 << 30, False)
         except Exception as e:
             raise api_error(e) from e
-        return {"input_tokens": len(plan.prompt)}
+        return {"input_tokens": len(ready.prompt)}
 
     def template_kwargs(self, given: dict[str, Any] | None) -> dict[str, Any]:
         """The chat template's extra variables: ``--chat-template-kwargs``, then the request's own."""
@@ -265,46 +265,46 @@ class Server:
             kw["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         return formatter(messages=[m.for_template() for m in messages], **kw).prompt
 
-    def check_slot(self, id_slot: int, any_ok: bool = True) -> SlotState | None:
-        """The slot a request names (None for -1: any, where ``any_ok``); 400 for one this server does not have."""
+    def check_lane(self, id_slot: int, any_ok: bool = True) -> LaneState | None:
+        """The lane a request names (None for -1: any, where ``any_ok``); 400 for one this server does not have."""
         if id_slot == -1 and any_ok:
             return None
-        if not 0 <= id_slot < len(self.slots):
-            raise APIError(400, f"no slot {id_slot}: this server has {len(self.slots)} (ids 0 to "
-                                f"{len(self.slots) - 1})", param="id_slot", code="invalid_value")
-        return self.slots[id_slot]
+        if not 0 <= id_slot < len(self.lanes):
+            raise APIError(400, f"no slot {id_slot}: this server has {len(self.lanes)} (ids 0 to "
+                                f"{len(self.lanes) - 1})", param="id_slot", code="invalid_value")
+        return self.lanes[id_slot]
 
     async def _lease(self, prompt: list[int] | None = None, id_slot: int = -1, whole: bool = False) -> _Lease:
-        """A slot for one request (the one it names, or the free one whose cached prompt it shares most), or,
-        with ``whole`` and several slots, the whole model once every slot is idle (their prompt caches are
+        """A lane for one request (the one it names, or the free one whose cached prompt it shares most), or,
+        with ``whole`` and several lanes, the whole model once every lane is idle (their prompt caches are
         forgotten: the model's own ``Llama`` runs on the context)."""
         pool = self.pool
         if pool is None or whole:
-            n = self.queue.n_slots
+            n = self.queue.n_lanes
             ticket = await (self.queue.enter_all() if pool is not None else self.queue.enter())
             if pool is not None:
                 pool.forget_all()
             self._busy.update(range(n))
             return _Lease(self, ticket, 0, self.llama, n)
         ticket = await self.queue.enter()
-        free = [i for i in range(len(self.slots)) if i not in self._busy]
-        slot = pool.pick(free, prompt, id_slot)
-        self._busy.add(slot)
-        return _Lease(self, ticket, slot, pool.slots[slot], 1)
+        free = [i for i in range(len(self.lanes)) if i not in self._busy]
+        lane = pool.pick(free, prompt, id_slot)
+        self._busy.add(lane)
+        return _Lease(self, ticket, lane, pool.lanes[lane], 1)
 
     async def execute(self, request: Request, watch: Watch, stream: bool, result: Callable[[], Any],
                       chunks_of: Callable[[], Iterator[dict[str, Any]]], sse: Sse, params: dict[str, Any],
                       run: Run | NativeRun, prompt: list[int] | None = None, id_slot: int = -1, whole: bool = False) -> Any:
-        """One generation holding a slot: its result, or its stream as server-sent events. ``run`` (a
-        ``Run`` or ``NativeRun``) is given the slot's ``Llama`` and id first."""
+        """One generation holding a lane: its result, or its stream as server-sent events. ``run`` (a
+        ``Run`` or ``NativeRun``) is given the lane's ``Llama`` and id first."""
         lease = await self._lease(prompt, id_slot, whole)
         if self.stopping:
             await lease.release()
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
         lease.watch = watch
         self._live.add(watch)
-        run.llama, run.id_slot = lease.llama, lease.slot
-        self.slots[lease.slot].begin(next(self._tasks), params, lambda: watch.n_tokens, watch.max_tokens)
+        run.llama, run.id_slot = lease.llama, lease.lane
+        self.lanes[lease.lane].begin(next(self._tasks), params, lambda: watch.n_tokens, watch.max_tokens)
         try:
             if stream:
                 # The first chunk is computed before the 200, so early errors keep their status. With several
@@ -323,14 +323,14 @@ class Server:
         return out
 
     async def holding(self, fn: Callable[[GgmoeLlama], dict[str, Any]], id_slot: int) -> dict[str, Any]:
-        """``fn(llama)`` in a worker thread on slot ``id_slot``'s ``Llama`` while every slot is idle (slot
-        actions: the other slots' prompt caches stay)."""
+        """``fn(llama)`` in a worker thread on lane ``id_slot``'s ``Llama`` while every lane is idle (slot
+        actions: the other lanes' prompt caches stay)."""
         if self.pool is None:
             lease = await self._lease()
         else:
             ticket = await self.queue.enter_all()
-            self._busy.update(range(self.queue.n_slots))
-            lease = _Lease(self, ticket, id_slot, self.pool.slots[id_slot], self.queue.n_slots)
+            self._busy.update(range(self.queue.n_lanes))
+            lease = _Lease(self, ticket, id_slot, self.pool.lanes[id_slot], self.queue.n_lanes)
         try:
             return await anyio.to_thread.run_sync(fn, lease.llama)
         finally:
@@ -364,7 +364,7 @@ class Server:
                 raise APIError(400, f"input {i} has {n} tokens; at most {min(n_batch, self.n_ctx)} per input",
                                param="input", code="context_length_exceeded")
         watch = Watch(time.monotonic(), self.n_ctx, None, self.llama.is_eog)
-        lease = await self._lease(whole=True)  # Llama.embed clears the KV cache: every slot idle
+        lease = await self._lease(whole=True)  # Llama.embed clears the KV cache: every lane idle
         try:
             vectors, n_tokens = await self._run(request, watch, lambda: self.llama.embed_mean(texts), self.llama)
         finally:
@@ -504,14 +504,14 @@ def _start(chunks_of: Callable[[], Iterator[dict[str, Any]]], cancel: threading.
 
 
 class _Lease:
-    """A slot (or, with ``n`` = every slot, the whole model) held by one request; ``release`` (idempotent)
-    closes its stream and frees its slots in the request queue."""
+    """A lane (or, with ``n`` = every lane, the whole model) held by one request; ``release`` (idempotent)
+    closes its stream and frees its lanes in the request queue."""
 
-    def __init__(self, server: Server, ticket: int, slot: int, llama: GgmoeLlama, n: int) -> None:
+    def __init__(self, server: Server, ticket: int, lane: int, llama: GgmoeLlama, n: int) -> None:
         self.server = server
-        self.ticket, self.slot, self.llama, self.n = ticket, slot, llama, n
+        self.ticket, self.lane, self.llama, self.n = ticket, lane, llama, n
         self.chunks: Iterator[dict[str, Any]] | None = None
-        self.watch: Watch | None = None  # the generation holding the slot, if any
+        self.watch: Watch | None = None  # the generation holding the lane, if any
         self.released = False
 
     async def release(self) -> None:
@@ -524,10 +524,10 @@ class _Lease:
             await anyio.to_thread.run_sync(close)  # stops llama-cpp-python's generator
         self.llama.watch = None
         server._live.discard(self.watch)
-        server.slots[self.slot].end()
+        server.lanes[self.lane].end()
         if server.reconfigurer is not None:
             await anyio.to_thread.run_sync(server.maybe_reconfigure)  # still holding the model
-        server._busy.difference_update(range(server.queue.n_slots) if self.n > 1 else (self.slot,))
+        server._busy.difference_update(range(server.queue.n_lanes) if self.n > 1 else (self.lane,))
         server.queue.leave(self.ticket, self.n)
 
 

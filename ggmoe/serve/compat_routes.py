@@ -3,8 +3,8 @@
 ``/embedding(s)``, ``/apply-template``, ``/props``, ``/slots`` and ``/slots/{id}?action=save|restore|erase``;
 and Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
-The handlers are thin: ``ggmoe.serve.native`` shapes the completions, ``ggmoe.serve.slots`` the slots; the
-server object (``ggmoe.serve.app.Server``) holds the model, its gate and the slot states.
+The handlers are thin: ``ggmoe.serve.native`` shapes the completions, ``ggmoe.serve.lanes`` the lanes (llama-server's
+slots); the server object (``ggmoe.serve.app.Server``) holds the model, its request queue and the lane states.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fastapi.params import Depends
 
 from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.errors import APIError
+from ggmoe.serve.lanes import LaneState, erase_lane, lane_file, restore_lane, save_lane
 from ggmoe.serve.native import tokenize_text
 from ggmoe.serve.responses import ResponsesRequest
 from ggmoe.serve.schema import (
@@ -32,7 +33,6 @@ from ggmoe.serve.schema import (
     TokenizeRequest,
     Tool,
 )
-from ggmoe.serve.slots import SlotState, erase_slot, restore_slot, save_slot, slot_path
 
 if TYPE_CHECKING:
     from ggmoe.serve.llama import GgmoeLlama
@@ -52,7 +52,7 @@ class RouteServer(Protocol):
 
     llama: GgmoeLlama
     settings: RouteSettings
-    slots: list[SlotState]  # llama-server's slots, as /slots shows them
+    lanes: list[LaneState]  # llama-server's slots, as /slots shows them
     n_vocab: int  # tokens in the vocabulary
     version: str  # ggmoe's, for /props
 
@@ -67,7 +67,7 @@ class RouteServer(Protocol):
     def render(self, messages: list[Message], tools: list[Tool] | None,
                template_kwargs: dict[str, Any] | None = None) -> str: ...
 
-    def check_slot(self, id_slot: int, any_ok: bool = True) -> SlotState | None: ...
+    def check_lane(self, id_slot: int, any_ok: bool = True) -> LaneState | None: ...
 
     async def holding(self, fn: Callable[[GgmoeLlama], dict[str, Any]], id_slot: int) -> dict[str, Any]: ...
 
@@ -88,11 +88,11 @@ def _defaults() -> dict[str, Any]:
 def _props(server: RouteServer) -> dict[str, Any]:
     llama, settings = server.llama, server.settings
     formatter = llama.chat_formatter()
-    idle = server.slots[0].to_json()
+    idle = server.lanes[0].to_json()
     return {"default_generation_settings": {**idle, "is_processing": False, "id_task": -1,
                                             "model": settings.model_id, "params": _defaults(),
                                             "prompt": ""},
-            "total_slots": len(server.slots), "model_path": settings.model_path, "model_alias": settings.model_id,
+            "total_slots": len(server.lanes), "model_path": settings.model_path, "model_alias": settings.model_id,
             "chat_template": formatter.template, "chat_template_caps": {}, "bos_token": formatter.bos_token,
             "eos_token": formatter.eos_token, "build_info": f"ggmoe {server.version}",
             "modalities": {"vision": False, "audio": False}, "is_sleeping": False}
@@ -182,7 +182,7 @@ def _add_state_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) ->
 
     @app.get("/slots", dependencies=auth)
     async def slots(fail_on_no_slot: bool = False) -> list[dict[str, Any]]:
-        states = [s.to_json() for s in server.slots]
+        states = [s.to_json() for s in server.lanes]
         if fail_on_no_slot and all(s["is_processing"] for s in states):
             raise APIError(503, "no slot available", type="unavailable_error")
         return states
@@ -190,14 +190,14 @@ def _add_state_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) ->
     @app.post("/slots/{id_slot}", dependencies=auth)
     async def slot_action(id_slot: int, action: Literal["save", "restore", "erase"] = Query(),
                           body: SlotFileRequest | None = None) -> dict[str, Any]:
-        server.check_slot(id_slot, any_ok=False)
+        server.check_lane(id_slot, any_ok=False)
         if action == "erase":
-            return {"id_slot": id_slot, **await server.holding(erase_slot, id_slot)}
+            return {"id_slot": id_slot, **await server.holding(erase_lane, id_slot)}
         if body is None or body.filename is None:
             raise APIError(400, f"action={action} needs a JSON body with a filename", param="filename",
                            code="invalid_value")
         save_dir = server.settings.slot_save_path
-        path = slot_path(Path(save_dir) if save_dir else None, body.filename)
-        work = save_slot if action == "save" else restore_slot
+        path = lane_file(Path(save_dir) if save_dir else None, body.filename)
+        work = save_lane if action == "save" else restore_lane
         return {"id_slot": id_slot, "filename": body.filename,
-                **await server.holding(lambda slot_llama: work(slot_llama, path), id_slot)}
+                **await server.holding(lambda lane_llama: work(lane_llama, path), id_slot)}

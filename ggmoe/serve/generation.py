@@ -1,10 +1,10 @@
 """One request on the model: checks, the prompt, llama-cpp-python's ``create_completion``, OpenAI's shapes.
 
-``check_request`` refuses what the model cannot do before the request queues. ``plan_chat`` /
-``plan_completion`` turn a body into a ``Plan``: the prompt's tokens (a chat rendered through the model's
+``check_request`` refuses what the model cannot do before the request queues. ``prepare_chat`` /
+``prepare_completion`` turn a body into a ``ReadyRequest``: the prompt's tokens (a chat rendered through the model's
 own template by llama-cpp-python's sandboxed Jinja2 formatter, tools included), ``max_tokens`` clamped to
 the context (llama-server's behaviour) unless strict, the grammar (GBNF, a JSON schema, a forced tool call)
-and the ``create_completion`` keyword arguments. ``Run`` executes a plan, streaming or not, ``n`` times,
+and the ``create_completion`` keyword arguments. ``Run`` executes a ready request, streaming or not, ``n`` times,
 and shapes the answer: logprobs from a ``LogprobRecorder``, tool calls parsed back out of the text,
 ``finish_reason`` ``tool_calls``, a first chunk with ``content: null`` (as llama-server sends it). ``Watch`` is the
 ``GenerationWatch`` of one request: timestamps tokens (TTFT, TPOT), counts them for the usage of a stream
@@ -156,9 +156,9 @@ class Watch:
                 "total_tokens": self.n_prompt + self.n_tokens}
 
 
-# -- plans
+# -- ready requests
 @dataclass
-class Plan:
+class ReadyRequest:
     """One request made ready for ``create_completion``."""
 
     chat: bool
@@ -194,10 +194,10 @@ def _sampling(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
             "mirostat_eta": body.mirostat_eta}
 
 
-def _fit(plan_prompt: list[int], body: CompletionRequest | ChatRequest, n_ctx: int, strict: bool) -> int:
+def _fit(prompt_ids: list[int], body: CompletionRequest | ChatRequest, n_ctx: int, strict: bool) -> int:
     """max_tokens for this prompt: clamped to what the context leaves (finish_reason "length"), or 400 when
     strict; a prompt that leaves no room is 400 either way."""
-    n = len(plan_prompt)
+    n = len(prompt_ids)
     if n >= n_ctx:
         raise over_context(n, n_ctx, "prompt" if isinstance(body, CompletionRequest) else "messages", strict)
     mt = max_tokens_of(body)
@@ -238,7 +238,7 @@ def grammar_of(llama: GgmoeLlama, text: str, param: str) -> llama_cpp.LlamaGramm
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from e
 
 
-def plan_completion(body: CompletionRequest, llama: GgmoeLlama, n_ctx: int, strict: bool) -> Plan:
+def prepare_completion(body: CompletionRequest, llama: GgmoeLlama, n_ctx: int, strict: bool) -> ReadyRequest:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -268,7 +268,7 @@ def plan_completion(body: CompletionRequest, llama: GgmoeLlama, n_ctx: int, stri
         kw.update(echo=True, logprobs=body.logprobs)
     elif body.echo:
         echo = prompt if isinstance(prompt, str) else llama.detokenize(tokens).decode("utf-8", "replace")
-    return Plan(chat=False, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
+    return ReadyRequest(chat=False, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
                 seed=body.seed, top_logprobs=None if echo_lp else body.logprobs, echo_logprobs=echo_lp,
                 echo=echo, prompt_text=prompt if echo_lp else None)
 
@@ -279,7 +279,7 @@ def _keeps_all_logits(llama: GgmoeLlama) -> bool:
     return bool(getattr(llama, "_logits_all", False))
 
 
-def plan_chat(body: ChatRequest, llama: GgmoeLlama, n_ctx: int, strict: bool) -> Plan:
+def prepare_chat(body: ChatRequest, llama: GgmoeLlama, n_ctx: int, strict: bool) -> ReadyRequest:
     formatter = llama.chat_formatter()
     template = getattr(formatter, "template", None)
     messages = [m.for_template() for m in body.messages]
@@ -319,7 +319,7 @@ def plan_chat(body: ChatRequest, llama: GgmoeLlama, n_ctx: int, strict: bool) ->
         _output_grammar(body, llama, kw)
     kw["max_tokens"] = _fit(tokens, body, n_ctx, strict)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    return Plan(chat=True, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
+    return ReadyRequest(chat=True, prompt=tokens, kwargs=kw, processors=_processors(body, llama), n=body.n or 1,
                 seed=body.seed, top_logprobs=top, family=family,
                 tool_names={t["function"]["name"] for t in tools} if use_tools else set(), forced_tool=forced,
                 parallel_tools=parallel, call=(prefix, suffix))
@@ -350,18 +350,18 @@ def _logit_bias(body: CompletionRequest | ChatRequest, llama: GgmoeLlama) -> dic
     return out
 
 
-# -- running a plan
+# -- running a ready request
 class Run:
-    """A plan on the model: ``result()`` (one response) or ``chunks()`` (the stream's chunk objects)."""
+    """A ready request on the model: ``result()`` (one response) or ``chunks()`` (the stream's chunk objects)."""
 
-    def __init__(self, plan: Plan, llama: GgmoeLlama, watch: Watch, model_id: str) -> None:
-        self.plan = plan
+    def __init__(self, ready: ReadyRequest, llama: GgmoeLlama, watch: Watch, model_id: str) -> None:
+        self.ready = ready
         self.llama = llama
         self.watch = watch
         self.model_id = model_id
-        self.id = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
+        self.id = ("chatcmpl-" if ready.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.object = "chat.completion" if plan.chat else "text_completion"
+        self.object = "chat.completion" if ready.chat else "text_completion"
         self.recorder: LogprobRecorder | None = None
 
     id_slot: int  # the slot the server runs it on (set with llama before it runs; not read here)
@@ -370,7 +370,7 @@ class Run:
         return self.llama.detokenize([token])
 
     def _call(self, i: int, stream: bool) -> Any:
-        p = self.plan
+        p = self.ready
         procs = list(p.processors)
         self.recorder = None
         if p.top_logprobs is not None:
@@ -391,13 +391,13 @@ class Run:
     def result(self) -> dict[str, Any]:
         choices = []
         completion_tokens = 0
-        prompt_tokens = len(self.plan.prompt)
-        for i in range(self.plan.n):
+        prompt_tokens = len(self.ready.prompt)
+        for i in range(self.ready.n):
             out = self._call(i, stream=False)
             c = out["choices"][0]
             completion_tokens += out["usage"]["completion_tokens"]
             prompt_tokens = out["usage"]["prompt_tokens"]
-            choices.append(self._chat_choice(i, c) if self.plan.chat else self._completion_choice(i, c))
+            choices.append(self._chat_choice(i, c) if self.ready.chat else self._completion_choice(i, c))
         return {**self._head(), "choices": choices, "system_fingerprint": fingerprint(),
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
@@ -411,9 +411,9 @@ class Run:
         text = c["text"]
         finish = c["finish_reason"]
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-        if self.plan.family is not None:
-            parsed = structured.parse_tool_calls(self.plan.family, self.plan.called(text, finish),
-                                                 self.plan.tool_names, self.plan.parallel_tools)
+        if self.ready.family is not None:
+            parsed = structured.parse_tool_calls(self.ready.family, self.ready.called(text, finish),
+                                                 self.ready.tool_names, self.ready.parallel_tools)
             message["content"] = parsed.content  # the markup (a partial tag included) never reaches it
             if parsed.tool_calls:
                 message["tool_calls"] = parsed.tool_calls
@@ -422,25 +422,25 @@ class Run:
         return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
 
     def _completion_choice(self, i: int, c: dict[str, Any]) -> dict[str, Any]:
-        if self.plan.echo_logprobs:
-            lp = _trim_top(plain(c["logprobs"]), self.plan.kwargs.get("logprobs") or 0)
+        if self.ready.echo_logprobs:
+            lp = _trim_top(plain(c["logprobs"]), self.ready.kwargs.get("logprobs") or 0)
         elif self.recorder is not None:
             lp = completion_logprobs(self._entries(c["text"]), 0)
         else:
             lp = None
-        return {"index": i, "text": (self.plan.echo or "") + c["text"], "logprobs": lp,
+        return {"index": i, "text": (self.ready.echo or "") + c["text"], "logprobs": lp,
                 "finish_reason": c["finish_reason"]}
 
     # -- a stream
     def chunks(self) -> Iterator[dict[str, Any]]:
-        for i in range(self.plan.n):
-            yield from (self._chat_chunks(i) if self.plan.chat else self._completion_chunks(i))
+        for i in range(self.ready.n):
+            yield from (self._chat_chunks(i) if self.ready.chat else self._completion_chunks(i))
 
     def _completion_chunks(self, i: int) -> Iterator[dict[str, Any]]:
         sent = 0  # bytes of text sent
         covered = 0  # bytes of the recorder entries whose logprobs went out
         used = 0  # recorder entries sent
-        echo = self.plan.echo
+        echo = self.ready.echo
         for chunk in self._call(i, stream=True):
             c = chunk["choices"][0]
             lp = None
@@ -464,7 +464,7 @@ class Run:
         stream = self._call(i, stream=True)
         first = next(stream, None)  # the prefill and first token, before anything is sent
         yield self._chat_chunk(i, {"role": "assistant", "content": None})
-        family = self.plan.family
+        family = self.ready.family
         text = ""  # everything generated
         emitted = 0  # characters of text sent as content
         used = 0  # recorder entries sent
@@ -488,14 +488,14 @@ class Run:
             text += c["text"]
             if c["finish_reason"] is not None:
                 finish = c["finish_reason"]
-            upto = len(text) if family is None else (0 if self.plan.forced_tool else
+            upto = len(text) if family is None else (0 if self.ready.forced_tool else
                                                      structured.safe_prefix(family, text))
             if upto > emitted:
                 yield from content(upto)
             chunk = next(stream, None)
         if family is not None:
-            parsed = structured.parse_tool_calls(family, self.plan.called(text, finish), self.plan.tool_names,
-                                                 self.plan.parallel_tools)
+            parsed = structured.parse_tool_calls(family, self.ready.called(text, finish), self.ready.tool_names,
+                                                 self.ready.parallel_tools)
             if parsed.tool_calls:
                 calls = [{"index": k, **call} for k, call in enumerate(parsed.tool_calls)]
                 yield self._chat_chunk(i, {"tool_calls": calls})

@@ -380,14 +380,14 @@ class GgmoeLlama(llama_cpp.Llama):
         self.close()
 
 
-def _plan_config(planner: str | None, train: Sequence[str]) -> object | None:
-    """``load()``'s plan_predictor as a PlanConfig (None without one)."""
+def _planner_config(planner: str | None, train: Sequence[str]) -> object | None:
+    """``load()``'s plan_predictor as a PlannerConfig (None without one)."""
     if planner is None:
         return None
-    from ggmoe.control.planner import PlanConfig, check_planner
+    from ggmoe.control.planner import PlannerConfig, check_planner
 
     check_planner(planner)  # before the model loads
-    return PlanConfig(predictor=planner, train=tuple(train))
+    return PlannerConfig(predictor=planner, train=tuple(train))
 
 
 def _plan_file_cache(config: str | os.PathLike, facts: ModelFacts, decode_mode: str | None, plan_predictor: str | None,
@@ -403,7 +403,7 @@ def _plan_file_cache(config: str | os.PathLike, facts: ModelFacts, decode_mode: 
 
         cache = dataclasses.replace(cache, decode_mode=check_decode_mode(decode_mode))
     if plan_predictor is not None:
-        cache = dataclasses.replace(cache, planner=_plan_config(plan_predictor, predictor_train))
+        cache = dataclasses.replace(cache, planner=_planner_config(plan_predictor, predictor_train))
     return cache
 
 
@@ -457,7 +457,7 @@ def load(path: str | os.PathLike | None = None, *, model_path: str | os.PathLike
                                          tuple(predictor_train) if predictor is not None or plan_predictor is None
                                          else ())
         cache = build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode,
-                                   _plan_config(plan_predictor, predictor_train), host_ram)
+                                   _planner_config(plan_predictor, predictor_train), host_ram)
     elif any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw, decode_mode,
                                      plan_predictor, host_ram)):
         raise UsageError("give the cache either as cache=CacheConfig(...) or as its options, not both")

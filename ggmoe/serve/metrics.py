@@ -15,8 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from ggmoe.serve.lanes import LaneState
     from ggmoe.serve.parallel import BatchStats
-    from ggmoe.serve.slots import SlotState
 
 # seconds; first tokens include the queue wait and the prefill, per-token times one decode
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -128,12 +128,12 @@ def _mode_families(cache: dict[str, Any]) -> tuple[Any, Any]:
     return mode, stream
 
 
-class SlotCollector(Collector):
-    """Each slot's state and counts (``ggmoe.serve.slots.SlotState``), and with several slots what their
-    batcher decoded (``ggmoe.serve.parallel.BatchStats``), read at scrape time."""
+class LaneCollector(Collector):
+    """Each lane's state and counts (``ggmoe.serve.lanes.LaneState``; the metric names keep llama-server's
+    word, slot), and with several lanes what their batcher decoded (``ggmoe.serve.parallel.BatchStats``), read at scrape time."""
 
-    def __init__(self, slots: Sequence[SlotState], batch: BatchStats | None) -> None:
-        self._slots = slots
+    def __init__(self, lanes: Sequence[LaneState], batch: BatchStats | None) -> None:
+        self._lanes = lanes
         self._batch = batch
 
     def collect(self) -> Iterator[Any]:
@@ -143,7 +143,7 @@ class SlotCollector(Collector):
         reqs = CounterMetricFamily("ggmoe_slot_requests", "Requests the slot has run", labels=["slot"])
         toks = CounterMetricFamily("ggmoe_slot_generated_tokens", "Tokens the slot has generated (the running "
                                    "request's included)", labels=["slot"])
-        for st in self._slots:
+        for st in self._lanes:
             label = [str(st.id)]
             busy.add_metric(label, 1 if st.processing else 0)
             n_ctx.add_metric(label, st.n_ctx)
@@ -168,7 +168,7 @@ class Metrics:
     """The server's metrics on their own registry."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]], queue_length: Callable[[], int],
-                 running: Callable[[], int], slots: Sequence[SlotState] = (), batch: BatchStats | None = None) -> None:
+                 running: Callable[[], int], lanes: Sequence[LaneState] = (), batch: BatchStats | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ggmoe_requests", "HTTP requests by route and status", ["route", "status"],
@@ -189,4 +189,4 @@ class Metrics:
         Gauge("ggmoe_queue_length", "Requests waiting for the model", registry=r).set_function(queue_length)
         Gauge("ggmoe_generations_running", "Slots busy now (0 to --parallel)", registry=r).set_function(running)
         r.register(CacheCollector(stats))
-        r.register(SlotCollector(slots, batch))
+        r.register(LaneCollector(lanes, batch))

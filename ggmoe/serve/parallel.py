@@ -1,25 +1,25 @@
-"""``--parallel N``: N slots decoding together, one ``llama_decode`` per step for all of them.
+"""``--parallel N``: N lanes decoding together, one ``llama_decode`` per step for all of them.
 
-llama-server's slots over one context: each slot is a sequence (``seq_id`` = slot id), holding at most its
+Lanes (what llama-server calls slots) over one context: each lane is a sequence (``seq_id`` = lane id), holding at most its
 share of ``n_ctx`` (``n_ctx // N`` tokens, enforced here as llama-server enforces ``n_ctx_slot``), in one
-unified KV cache or in a stream of its own (``GgmoeLlama(kv_unified=False)``). Each request runs, as with one slot, llama-cpp-python's ``create_completion`` (stop strings,
-streaming, grammars, logits processors, seeds), but on its slot's ``SlotLlama``: a view of the shared
+unified KV cache or in a stream of its own (``GgmoeLlama(kv_unified=False)``). Each request runs, as with one lane, llama-cpp-python's ``create_completion`` (stop strings,
+streaming, grammars, logits processors, seeds), but on its lane's ``LaneLlama``: a view of the shared
 ``GgmoeLlama`` with its own tokens, sampler chain and watch, whose ``eval`` hands its tokens to the
 ``Batcher`` instead of calling ``llama_decode``.
 
-The ``Batcher`` makes one micro-batch of the tokens every active slot has handed in (it waits, at most
-``MAX_WAIT_S``, until each active slot has: a step is one token from each; the slot that completes the step
+The ``Batcher`` makes one micro-batch of the tokens every active lane has handed in (it waits, at most
+``MAX_WAIT_S``, until each active lane has: a step is one token from each; the lane that completes the step
 decodes it in its own thread, so no thread hands work to another per token), decodes it through
 ``GgmoeLlama.decode_sequences`` (the ggmoe pipeline around it, so the expert cache sees the union of the
-slots' experts; up to ``TABLE_MAX_TOKENS`` tokens read through the expert tables), and gives each slot a
-copy of its logits row. The slot samples from that row with its own sampler chain
+lanes' experts; up to ``TABLE_MAX_TOKENS`` tokens read through the expert tables), and gives each lane a
+copy of its logits row. The lane samples from that row with its own sampler chain
 (``ggmoe.engine.sequences.sample_row``, what ``llama_sampler_sample`` does on the context's row).
 Prompts (several tokens) are decoded in their own micro-batches, apart from the one-token steps.
 
-What a slot cannot do (the prompt's logprobs, which need every position's logits; embeddings, which clear
-the KV cache) runs on the whole model once every slot is idle (the gate's whole-model hold), and every
-slot's prompt cache is forgotten (``SlotPool.forget_all``). Slot save and restore also wait for every
-slot to be idle, and move one sequence's KV cells only (``SlotLlama.save_state`` / ``load_state``).
+What a lane cannot do (the prompt's logprobs, which need every position's logits; embeddings, which clear
+the KV cache) runs on the whole model once every lane is idle (the request queue's whole-model hold), and every
+lane's prompt cache is forgotten (``LanePool.forget_all``). A lane's save and restore (llama-server's slot actions) also wait for every
+lane to be idle, and move one sequence's KV cells only (``LaneLlama.save_state`` / ``load_state``).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from ggmoe.serve.llama import GgmoeLlama
 if TYPE_CHECKING:
     from llama_cpp import _internals
 
-MAX_WAIT_S = 0.05  # seconds a step waits for an active slot that has not handed in its token yet
-MIN_SLOT_CTX = 16  # tokens: a smaller share of the context per slot is a typo
-_POLL_S = 0.005  # seconds: past its wait, a slot looks this often whether it may decode the step itself
+MAX_WAIT_S = 0.05  # seconds a step waits for an active lane that has not handed in its token yet
+MIN_LANE_CTX = 16  # tokens: a smaller share of the context per lane is a typo
+_POLL_S = 0.005  # seconds: past its wait, a lane looks this often whether it may decode the step itself
 
 
 @dataclass
@@ -68,11 +68,11 @@ class BatchStats:
 
 
 class Batcher:
-    """Every slot's decodes on the shared context, several sequences per ``llama_decode``.
+    """Every lane's decodes on the shared context, several sequences per ``llama_decode``.
 
-    No thread of its own: the slot whose token completes a step (every active slot has handed one in, or
-    its wait for the others passed ``max_wait_s``) decodes the step in its own thread; each waiting slot is
-    woken once, by its own event, when its row is ready or when it is to decode the next step. One slot
+    No thread of its own: the lane whose token completes a step (every active lane has handed one in, or
+    its wait for the others passed ``max_wait_s``) decodes the step in its own thread; each waiting lane is
+    woken once, by its own event, when its row is ready or when it is to decode the next step. One lane
     alone decodes with no thread handoff at all."""
 
     def __init__(self, llama: GgmoeLlama, max_wait_s: float = MAX_WAIT_S) -> None:
@@ -80,12 +80,12 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self.stats = BatchStats()
         self._lock = threading.Lock()
-        self._active: set[int] = set()  # slots inside a generation (a step waits for their tokens)
+        self._active: set[int] = set()  # lanes inside a generation (a step waits for their tokens)
         self._pending: dict[int, _Job] = {}
-        self._leading = False  # a slot's thread is decoding a step
+        self._leading = False  # a lane's thread is decoding a step
         self._closed = False
-        # Held around every llama_decode and every change of the KV cache: a slot's thread removing its cells
-        # (prompt reuse, a new prompt) must not race a decode of the other slots on the same context.
+        # Held around every llama_decode and every change of the KV cache: a lane's thread removing its cells
+        # (prompt reuse, a new prompt) must not race a decode of the other lanes on the same context.
         self.ctx_lock = threading.Lock()
 
     def join(self, seq_id: int) -> None:
@@ -124,7 +124,7 @@ class Batcher:
         return jobs
 
     def _hand_over(self) -> None:
-        """(Holding the lock) a complete step waits and no one decodes: wake one of its slots to decode it."""
+        """(Holding the lock) a complete step waits and no one decodes: wake one of its lanes to decode it."""
         if self._ready():
             job = next(iter(self._pending.values()))
             job.lead = self._take()
@@ -177,7 +177,7 @@ class Batcher:
         try:
             with self.ctx_lock:
                 rows = self.llama.decode_sequences([j.entry for j in group])
-        except BaseException as e:  # noqa: BLE001 - every slot of the decode raises it from its eval
+        except BaseException as e:  # noqa: BLE001 - every lane of the decode raises it from its eval
             for j in group:
                 j.error = e
         else:
@@ -196,7 +196,7 @@ class Batcher:
 
 
 class _SeqContext:
-    """The shared ``LlamaContext`` as one slot sees it: KV removals of "every sequence" (-1) act on its
+    """The shared ``LlamaContext`` as one lane sees it: KV removals of "every sequence" (-1) act on its
     own and wait for any decode in progress (``lock``), its context is its share, it never decodes by
     itself, and the context-wide timings are left alone."""
 
@@ -220,24 +220,24 @@ class _SeqContext:
         self.kv_cache_seq_rm(self.seq_id, 0, -1)
 
     def reset_timings(self) -> None:
-        pass  # llama.cpp's timings are the context's: not one slot's to reset while others decode
+        pass  # llama.cpp's timings are the context's: not one lane's to reset while others decode
 
     def print_timings(self) -> None:
         pass
 
     def decode(self, batch: _internals.LlamaBatch) -> None:
-        raise UsageError("a slot decodes through the batcher")
+        raise UsageError("a lane decodes through the batcher")
 
 
-class SlotLlama(GgmoeLlama):
-    """One slot's view of a shared ``GgmoeLlama``: its sequence, tokens, sampler and watch; decodes go
+class LaneLlama(GgmoeLlama):
+    """One lane's view of a shared ``GgmoeLlama``: its sequence, tokens, sampler and watch; decodes go
     through the ``Batcher``. Never closes the model (the server's ``GgmoeLlama`` owns it)."""
 
     seq_id: int
     batcher: Batcher
 
     @classmethod
-    def of(cls, main: GgmoeLlama, seq_id: int, n_ctx: int, batcher: Batcher) -> SlotLlama:
+    def of(cls, main: GgmoeLlama, seq_id: int, n_ctx: int, batcher: Batcher) -> LaneLlama:
         self = cls.__new__(cls)
         shared = {k: v for k, v in main.__dict__.items() if k not in ("_stack", "_ggmoe_seq_batch")}
         self.__dict__.update(shared)
@@ -259,7 +259,7 @@ class SlotLlama(GgmoeLlama):
             chunk = tuple(int(t) for t in tokens[i:i + self.n_batch])
             n_past = self.n_tokens
             if n_past + len(chunk) > self._n_ctx:
-                raise ContextLengthError(f"slot {self.seq_id}: {n_past + len(chunk)} tokens do not fit its "
+                raise ContextLengthError(f"lane {self.seq_id}: {n_past + len(chunk)} tokens do not fit its "
                                          f"share of the context ({self._n_ctx} tokens)")
             try:
                 row = self.batcher.decode(SeqEntry(self.seq_id, n_past, chunk))
@@ -274,9 +274,9 @@ class SlotLlama(GgmoeLlama):
             self._requires_eval = False
 
     def sample(self, idx: int | None = None, **kwargs: Any) -> int:
-        """Llama.sample on the slot's own logits row (the last token decoded: ``idx`` is the last position)."""
+        """Llama.sample on the lane's own logits row (the last token decoded: ``idx`` is the last position)."""
         if idx is not None and idx != self.n_tokens - 1:
-            raise UsageError("a slot samples only after its last decoded token")
+            raise UsageError("a lane samples only after its last decoded token")
         tmp = self._sampler is None
         if tmp:
             self._sampler = self._init_sampler(**kwargs)
@@ -294,7 +294,7 @@ class SlotLlama(GgmoeLlama):
             self.batcher.leave(self.seq_id)
 
     def save_state(self) -> llama_cpp.LlamaState:
-        """The slot's tokens and its sequence's KV cells (``llama_state_seq_get_data``), not the whole context's."""
+        """The lane's tokens and its sequence's KV cells (``llama_state_seq_get_data``), not the whole context's."""
         with self._ctx.lock:
             data = seq_state(self._ctx.ctx, self.seq_id)
         return llama_cpp.LlamaState(input_ids=self.input_ids.copy(), scores=self._row[None, :].copy(),
@@ -302,7 +302,7 @@ class SlotLlama(GgmoeLlama):
                                     seed=self._seed)
 
     def load_state(self, state: llama_cpp.LlamaState) -> None:
-        """The slot's tokens and KV cells from ``save_state``'s record (RuntimeError when llama.cpp refuses)."""
+        """The lane's tokens and KV cells from ``save_state``'s record (RuntimeError when llama.cpp refuses)."""
         self._ctx.kv_cache_seq_rm(self.seq_id, 0, -1)
         self.forget()
         with self._ctx.lock:
@@ -315,7 +315,7 @@ class SlotLlama(GgmoeLlama):
         self.n_tokens = n
 
     def forget(self) -> None:
-        """Drop the slot's prompt cache (its KV cells may have been cleared by a whole-model operation)."""
+        """Drop the lane's prompt cache (its KV cells may have been cleared by a whole-model operation)."""
         self.n_tokens = 0
         self._requires_eval = True
 
@@ -323,34 +323,34 @@ class SlotLlama(GgmoeLlama):
         pass  # the shared model, context and cache are the server's GgmoeLlama's
 
 
-class SlotPool:
-    """The N ``SlotLlama`` of a model loaded with ``n_seq_max = N`` and their batcher."""
+class LanePool:
+    """The N ``LaneLlama`` of a model loaded with ``n_seq_max = N`` and their batcher."""
 
-    def __init__(self, llama: GgmoeLlama, n_slots: int) -> None:
+    def __init__(self, llama: GgmoeLlama, n_lanes: int) -> None:
         if llama._is_recurrent or llama._is_hybrid:
             raise UsageError("--parallel > 1 needs a transformer model (this one is recurrent or hybrid)")
         n_seq = llama.context_params.n_seq_max
-        if n_seq < n_slots:
-            raise UsageError(f"the model was loaded with n_seq_max {n_seq}: too few for {n_slots} slots")
-        # each slot's share, as llama-server's n_ctx_slot (a stream's cells when the KV cache is split)
-        self.n_ctx = min(llama.n_ctx() // n_slots, llama.n_ctx_seq())
-        if self.n_ctx < MIN_SLOT_CTX:
-            raise UsageError(f"--n-ctx {llama.n_ctx()} gives each of {n_slots} slots {self.n_ctx} tokens: give a "
-                             f"context of at least {MIN_SLOT_CTX} tokens per slot")
+        if n_seq < n_lanes:
+            raise UsageError(f"the model was loaded with n_seq_max {n_seq}: too few for {n_lanes} lanes")
+        # each lane's share, as llama-server's n_ctx_slot (a stream's cells when the KV cache is split)
+        self.n_ctx = min(llama.n_ctx() // n_lanes, llama.n_ctx_seq())
+        if self.n_ctx < MIN_LANE_CTX:
+            raise UsageError(f"--n-ctx {llama.n_ctx()} gives each of {n_lanes} lanes {self.n_ctx} tokens: give a "
+                             f"context of at least {MIN_LANE_CTX} tokens per lane")
         self.llama = llama
         self.batcher = Batcher(llama)
-        self.slots = [SlotLlama.of(llama, i, self.n_ctx, self.batcher) for i in range(n_slots)]
+        self.lanes = [LaneLlama.of(llama, i, self.n_ctx, self.batcher) for i in range(n_lanes)]
 
     def pick(self, free: Sequence[int], prompt: Sequence[int] | None, wanted: int = -1) -> int:
-        """The free slot for a request: the one it names, else the one whose cached tokens share the longest
-        prefix with its prompt (llama-server's slot similarity), else the first free one."""
+        """The free lane for a request: the one it names, else the one whose cached tokens share the longest
+        prefix with its prompt (llama-server's lane similarity), else the first free one."""
         if wanted in free:
             return wanted
         if not prompt:
             return free[0]
 
         def common(i: int) -> int:
-            ids = self.slots[i]._input_ids
+            ids = self.lanes[i]._input_ids
             n = min(len(ids), len(prompt))
             if n == 0:
                 return 0
@@ -360,8 +360,8 @@ class SlotPool:
         return max(free, key=lambda i: (common(i), -i))
 
     def forget_all(self) -> None:
-        """After a whole-model operation: every slot's prompt cache is gone."""
-        for s in self.slots:
+        """After a whole-model operation: every lane's prompt cache is gone."""
+        for s in self.lanes:
             s.forget()
         self.llama.reset()
 
@@ -373,7 +373,7 @@ _END = object()
 
 
 class Pump:
-    """An iterator run in its own thread, its items queued: a slot's generation never waits for its client.
+    """An iterator run in its own thread, its items queued: a lane's generation never waits for its client.
     ``close`` sets ``cancel`` (the generation stops at its next token) and waits for the thread."""
 
     def __init__(self, items: Iterator[Any], cancel: threading.Event) -> None:
@@ -381,7 +381,7 @@ class Pump:
         self._cancel = cancel
         self._queue: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
         self._ended = False
-        self._thread = threading.Thread(target=self._produce, name="ggmoe-slot-stream", daemon=True)
+        self._thread = threading.Thread(target=self._produce, name="ggmoe-lane-stream", daemon=True)
         self._thread.start()
 
     def _produce(self) -> None:

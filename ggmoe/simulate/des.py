@@ -31,7 +31,7 @@ land on the link's timeline and become readable at the first token boundary afte
 Larger micro-batches (prefill) take the sync path, as in the engine.
 
 In-graph fills (``SimConfig.fills``, simulate's ``--decode-mode async-fill``; the engine's ``CacheConfig.fills``):
-before each one-token decode the cache plans its fill slots (``ExpertCache.plan_fills``); per layer, the misses
+before each one-token decode the cache offers its fill slots (``ExpertCache.offer_fills``); per layer, the misses
 that ``ggmoe.cache.fill.assign`` puts in them (against what was readable when the layer started) cross the
 link inside the layer at the zero-copy rate, as a read in place does, and are then computed from VRAM; the
 cache takes them (``take_fills``) and the controller settles them with no admission copy. Misses beyond the
@@ -71,7 +71,7 @@ from ggmoe.cache import ExpertCache
 from ggmoe.cache.assemble import CacheSpec, assemble_cache
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
-from ggmoe.cache.fill import Fill, FillPlan, assign
+from ggmoe.cache.fill import Fill, FillTargets, assign
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
 from ggmoe.cache.miss import SLOT_HOST, MissCosts, auto_without_host_path, effective_miss_policy
 from ggmoe.cache.policies import make_policy
@@ -115,7 +115,7 @@ class SimConfig:
     # None; n_protect experts planned per layer (None: 2 x n_expert_used, ggmoe.control.planner.default_protect)
     planner: str | None = None
     n_protect: int | None = None
-    # the async decode's in-graph fills (``CacheConfig.fills``, patch 0012): before each decode the cache plans
+    # the async decode's in-graph fills (``CacheConfig.fills``, patch 0012): before each decode the cache offers
     # fill slots, the graph copies each miss into one (``ggmoe.cache.fill.assign``) and reads it there, so a miss
     # crosses the link once and is not admitted after; False: misses read in place, then admitted
     fills: bool = False
@@ -306,7 +306,7 @@ class _Sim:
     is_async: list[bool]  # per micro-batch: read through the expert tables (the async decode)
     future: list[dict[int, float]] | None  # Belady's next uses per cache call; None without
     policy: Policy
-    starts: frozenset[int] = frozenset()  # the rows where a prompt starts (fill plans: a whole prompt's decode)
+    starts: frozenset[int] = frozenset()  # the rows where a prompt starts (fill targets: a whole prompt's decode)
 
 
 def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int], profile: HardwareProfile | None,
@@ -415,9 +415,9 @@ def _replay(sim: _Sim, trace: Trace) -> tuple[float, float, list[float]]:
             if sim.mailbox is not None:
                 sim.mailbox.row = rows.start
             hidden = sim.rows_now.rows() if sim.controller.wants_hidden(rows.stop - rows.start) else None
-            plans = _plan_fills(st.cache, trace, rows, sim.starts) if st.config.fills else None
+            targets = _offer_fills(st.cache, trace, rows, sim.starts) if st.config.fills else None
             _async_step(clock, st.cache, st.link, sim.controller, st.costs, sim.layers, ids[rows], sim.pos,
-                        sim.mailbox, hidden, plans)
+                        sim.mailbox, hidden, targets)
         else:
             fi = _sync_step(st, trace, rows, ids[rows], sim.layers, future, fi)
         dt = clock.now() - t0
@@ -549,14 +549,14 @@ def _stride_prefetch(cache: ExpertCache, prefetcher: Prefetcher) -> None:
 def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, controller: TokenController,
                 costs: _Costs, layers: list[int], sel: np.ndarray, pos: dict[int, int],
                 mailbox: _Mailbox | None = None, hidden: Mapping[int, np.ndarray] | None = None,
-                plans: Mapping[int, FillPlan] | None = None) -> None:
+                targets: Mapping[int, FillTargets] | None = None) -> None:
     """One micro-batch of the async decode: per layer, attention and router (no route op), the resident
     experts from VRAM and the others read over the link at the zero-copy rate (sharing it); then the
     controller between tokens, the engine's own (admissions land on the link's timeline). With ``mailbox``
     (a predictor), each layer's start is seen by the cache and the prefetcher as the engine's mailbox reader
     sees it (free slots only; the predictor's time is the reader's, off the decode's critical path). ``hidden``:
-    the token's MoE input rows, for a planner that reads them (``TokenController.wants_hidden``). ``plans``
-    (in-graph fills, ``_plan_fills``): a layer's misses that ``assign`` puts in its fill slots cross the link
+    the token's MoE input rows, for a planner that reads them (``TokenController.wants_hidden``). ``targets``
+    (in-graph fills, ``_offer_fills``): a layer's misses that ``assign`` puts in its fill slots cross the link
     at the same rate inside the layer, then are computed from VRAM; the controller settles them (no admission)."""
     routing = np.full((max(layers) + 1, sel.shape[0], sel.shape[2]), -1, dtype=np.int32)
     routing[layers] = sel[:, [pos[il] for il in layers], :].transpose(1, 0, 2)
@@ -587,10 +587,10 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
             nbytes = (len(need) - len(readable)) * cache.bytes_per_expert.get(il, 0)
             if host is not None and nbytes:  # from a host slot: a miss there reads the disk first
                 clock.advance(host.wait_s(il, need.difference(readable)))
-        plan = plans.get(il) if plans else None
+        t = targets.get(il) if targets else None
         n_filled = 0
-        if plan is not None:  # the graph's assignment: its misses copied into fill slots, read there
-            got = assign(plan, need, readable)
+        if t is not None:  # the graph's assignment: its misses copied into fill slots, read there
+            got = assign(t, need, readable)
             filled += got
             n_filled = len(got)
         read_s = link.occupy(costs.zero_copy(nbytes))  # shared with the copies in flight
@@ -602,12 +602,12 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
     controller.on_routing(layers, routing, hidden=hidden)
 
 
-def _plan_fills(cache: ExpertCache, trace: Trace, rows: slice, starts: frozenset[int]) -> dict[int, FillPlan]:
-    """The engine's fill plans before a decode (``CachePipeline.begin_step``): fill slots only for a decode of
+def _offer_fills(cache: ExpertCache, trace: Trace, rows: slice, starts: frozenset[int]) -> dict[int, FillTargets]:
+    """The engine's fill targets before a decode (``CachePipeline.begin_step``): fill slots only for a decode of
     one token (a decoded token, or a prompt of one token; never a micro-batch of a longer prompt). il -> its
-    plan."""
+    targets."""
     one = rows.stop - rows.start == 1 and (trace.stage[rows.start] != STAGE_PREFILL or rows.start in starts)
-    return {p.il: p for p in cache.plan_fills(1 if one else 0)}
+    return {p.il: p for p in cache.offer_fills(1 if one else 0)}
 
 
 def _planner(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,

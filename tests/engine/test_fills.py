@@ -91,7 +91,7 @@ def test_without_fills_each_miss_crosses_twice(qwen3moe_model):
 
 
 class _Poisoner:
-    """Wraps ``FillWords.write``: after each plan is written, its free fill slots are filled with NaN poison. A
+    """Wraps ``FillWords.write``: after each offer is written, its free fill slots are filled with NaN poison. A
     graph that read a free fill slot before filling it would change the logits."""
 
     def __init__(self, eng: Engine) -> None:
@@ -101,9 +101,9 @@ class _Poisoner:
         self._write = self.words.write
         self.words.write = self.write
 
-    def write(self, plans) -> None:
-        self._write(plans)
-        for p in plans:
+    def write(self, targets) -> None:
+        self._write(targets)
+        for p in targets:
             for slot, held in zip(p.slots, p.held, strict=True):
                 if held < 0:
                     self._poison(p.il, slot)
@@ -130,7 +130,7 @@ def test_a_free_fill_slot_is_never_read_before_its_fill(qwen3moe_model, stock_lo
 
 @pytest.mark.parametrize("policy", ["lru", "tinylfu"])  # tinylfu: the admission filter's scores and bars
 def test_the_graph_fills_what_assign_computes(qwen3moe_model, monkeypatch, policy):
-    """The fills read back after each decode equal ``assign`` of the plan on the routing the decode reported
+    """The fills read back after each decode equal ``assign`` of the targets on the routing the decode reported
     and the experts readable at launch (no stride prefetch: nothing else changes the tables mid-graph)."""
     facts = inspect_model(qwen3moe_model)
     seen = []
@@ -149,14 +149,14 @@ def test_the_graph_fills_what_assign_computes(qwen3moe_model, monkeypatch, polic
             ids = eng.tokenize(text)
             eng.decode(ids[:1])
             for t in ids[1:9]:
-                plans = {}
+                targets = {}
                 write = tables.fills.write
 
-                def keep(ps, write=write, plans=plans):
-                    plans.update({p.il: p for p in ps})
+                def keep(ps, write=write, targets=targets):
+                    targets.update({p.il: p for p in ps})
                     readable = {il: {e for s, e in enumerate(cache.tables[il].expert_in_list)
-                                     if e >= 0 and cache.tables[il].copy[s] is None} for il in plans}
-                    plans["readable"] = readable
+                                     if e >= 0 and cache.tables[il].copy[s] is None} for il in targets}
+                    targets["readable"] = readable
                     write(ps)
 
                 tables.fills.write = keep
@@ -164,10 +164,10 @@ def test_the_graph_fills_what_assign_computes(qwen3moe_model, monkeypatch, polic
                 tables.fills.write = write
                 routing = tables.read_routing(1)
                 expect = []
-                for il, plan in plans.items():
+                for il, ft in targets.items():
                     if il == "readable":
                         continue
-                    expect += assign(plan, routing[il, 0].tolist(), plans["readable"][il])
+                    expect += assign(ft, routing[il, 0].tolist(), targets["readable"][il])
                 assert sorted(seen[-1], key=lambda f: (f.il, f.expert)) == sorted(expect, key=lambda f: (f.il, f.expert))
     assert any(seen)
 
@@ -191,7 +191,7 @@ def test_set_layer_fill_refuses_what_the_graph_cannot_fill(qwen3moe_model):
 
 def test_a_decode_that_failed_after_its_graph_is_settled_before_the_next(qwen3moe_model, stock_logits, monkeypatch):
     """The controller's step after a decode raises (the graph had filled slots): the next decode reads the fills
-    back and settles them before it plans, so no entry is left pointing at a slot that holds another expert."""
+    back and settles them before it offers the next fill slots, so no entry is left pointing at a slot that holds another expert."""
     from ggmoe.engine.pipeline import CachePipeline
 
     facts = inspect_model(qwen3moe_model)
@@ -200,7 +200,7 @@ def test_a_decode_that_failed_after_its_graph_is_settled_before_the_next(qwen3mo
     failed = []
 
     def once(self, n_tokens):
-        if not failed and self.runtime.cache.fill_plans:
+        if not failed and self.runtime.cache.fill_targets:
             failed.append(n_tokens)
             raise RuntimeError("the controller's step failed")
         return real(self, n_tokens)

@@ -17,7 +17,7 @@ from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
-from ggmoe.control.planner import PlanConfig
+from ggmoe.control.planner import PlannerConfig
 from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
@@ -190,7 +190,7 @@ def test_a_bad_lockstep_value_is_refused(qwen3moe_model, monkeypatch, value):
 
 
 def _planned(path, n_slots, planner, mode="async", predictor=None) -> Engine:
-    cache = CacheConfig(n_slots=n_slots, policy="lru", decode_mode=mode, planner=PlanConfig(str(planner)),
+    cache = CacheConfig(n_slots=n_slots, policy="lru", decode_mode=mode, planner=PlannerConfig(str(planner)),
                         prefetch=PrefetchConfig(predictor, stride=1) if predictor else None)
     return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cache))
 
@@ -234,7 +234,7 @@ def test_a_token_mode_planner_keeps_the_async_decode_exact(arch_model, stock_log
             assert eng.decode_mode["decode_mode_in_effect"] == "async", (arch, eng.decode_mode)
             got = run_sequences(eng)
             st = eng.cache_stats.total()
-            plan = dict(eng.pipeline.runtime.cache.plan)
+            plan = dict(eng.pipeline.runtime.cache.planned)
         for a, b in zip(got, stock_logits(path), strict=True):
             assert np.abs(a - b).max() <= EXACT, (arch, n_slots, predictor)
         assert st.plan_total > 0 and any(plan.values()), (arch, n_slots)

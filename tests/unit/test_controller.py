@@ -1,4 +1,4 @@
-"""The async decode's controller and its step plans, without llama.cpp: flips and copies in the right order."""
+"""The async decode's controller and its step changes, without llama.cpp: flips and copies in the right order."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ggmoe.cache import ExpertCache
 from ggmoe.cache.copy import CopyHandle, Priority
 from ggmoe.cache.decode_mode import choose_decode_mode, miss_share, sync_reasons, table_type_note, weigh_modes
 from ggmoe.cache.policies import POLICIES
-from ggmoe.cache.step import StepPlan
+from ggmoe.cache.step import StepChanges
 from ggmoe.control import TokenController
 from ggmoe.hook import RouteEvent
 
@@ -48,22 +48,22 @@ class ManualCopies:
 
 
 class Table:
-    """A fake executor's expert table (expert -> "host" or a slot): applies each step plan's flips in order,
+    """A fake executor's expert table (expert -> "host" or a slot): applies each step's flips in order,
     then checks what a graph launched next would read: no entry points at a slot a copy is writing, and the
-    plan lists exactly the copies submitted since the last one."""
+    step lists exactly the copies submitted since the last one."""
 
     def __init__(self, copies: ManualCopies) -> None:
         self.copies = copies
         self.entry: dict[int, object] = {}
         self.log: list[tuple[str, int, int | None]] = []
-        self.n_seen = 0  # copies the plans have listed
+        self.n_seen = 0  # copies the steps have listed
 
-    def apply(self, plan: StepPlan) -> None:
-        for f in plan.flips:
+    def apply(self, step: StepChanges) -> None:
+        for f in step.flips:
             assert f.il == 0 and not f.bottom
             self.entry[f.expert] = f.slot if f.slot >= 0 else "host"
             self.log.append(("map", f.expert, f.slot) if f.slot >= 0 else ("unmap", f.expert, None))
-        assert list(plan.copies) == self.copies.handles[self.n_seen:]
+        assert list(step.copies) == self.copies.handles[self.n_seen:]
         self.n_seen = len(self.copies.handles)
         writing = {h.slot for h in self.copies.handles if h.id not in self.copies.landed}
         assert not writing & set(self.entry.values()), f"slots {writing} readable while their copies run"
@@ -85,20 +85,20 @@ def _setup(n_slots: int = 3):
             events.append(ev)
 
     ctl = TokenController(cache, [Obs()])
-    ctl.table = table  # the test's executor: every step plan goes to it
+    ctl.table = table  # the test's executor: every step's changes goes to it
     return cache, copies, table, ctl, events
 
 
-def _token(ctl: TokenController, experts: list[int]) -> StepPlan:
-    plan = ctl.on_routing([0], np.asarray([[experts]], dtype=np.int32))
-    ctl.table.apply(plan)
-    return plan
+def _token(ctl: TokenController, experts: list[int]) -> StepChanges:
+    step = ctl.on_routing([0], np.asarray([[experts]], dtype=np.int32))
+    ctl.table.apply(step)
+    return step
 
 
 def test_misses_are_read_from_host_then_admitted_and_mapped_only_once_landed():
     cache, copies, table, ctl, events = _setup()
-    plan = _token(ctl, [1, 2])
-    assert plan.flips == () and [(h.expert, h.priority) for h in plan.copies] == \
+    step = _token(ctl, [1, 2])
+    assert step.flips == () and [(h.expert, h.priority) for h in step.copies] == \
         [(1, Priority.ADMISSION), (2, Priority.ADMISSION)]
     st = cache.stats.layers[0]
     assert (st.hits, st.misses, st.host_reads, st.host_read_bytes) == (0, 2, 2, 200)
@@ -106,9 +106,9 @@ def test_misses_are_read_from_host_then_admitted_and_mapped_only_once_landed():
     _token(ctl, [1, 2])  # not landed yet: still read from host, not admitted twice
     assert (st.hits, st.host_reads, st.admission_copies) == (0, 4, 2)
     copies.land_all()
-    plan = _token(ctl, [1, 3])  # 1 and 2 land now (mapped), but this token was launched before: 1 counts as a miss
-    assert {(f.expert, f.slot >= 0) for f in plan.flips} == {(1, True), (2, True)} and \
-        [h.expert for h in plan.copies] == [3]
+    step = _token(ctl, [1, 3])  # 1 and 2 land now (mapped), but this token was launched before: 1 counts as a miss
+    assert {(f.expert, f.slot >= 0) for f in step.flips} == {(1, True), (2, True)} and \
+        [h.expert for h in step.copies] == [3]
     assert table.entry[1] is not None and table.entry[2] is not None
     assert st.hits == 0 and st.landed == 2 and st.lag_tokens == 2 + 2  # landed 2 tokens after submission
     copies.land_all()
@@ -125,10 +125,10 @@ def test_a_victims_entry_goes_back_to_host_before_its_slot_is_rewritten():
     copies.land_all()
     _token(ctl, [1, 2])  # both mapped
     victims_slots = {table.entry[1], table.entry[2]}
-    plan = _token(ctl, [3, 4])  # evicts both: Table.apply asserts their slots are no longer readable
+    step = _token(ctl, [3, 4])  # evicts both: Table.apply asserts their slots are no longer readable
     assert cache.stats.layers[0].evictions == 2
-    assert sorted(plan.evictions) == [(0, 1), (0, 2)] and plan.by_priority(Priority.ADMISSION) == plan.copies
-    assert {h.slot for h in plan.copies} == victims_slots  # the copies go where the victims were
+    assert sorted(step.evictions) == [(0, 1), (0, 2)] and step.by_priority(Priority.ADMISSION) == step.copies
+    assert {h.slot for h in step.copies} == victims_slots  # the copies go where the victims were
     unmaps = [i for i, (op, e, _) in enumerate(table.log) if op == "unmap" and e in (1, 2)]
     assert len(unmaps) >= 2 and table.entry[1] == table.entry[2] == "host"
 

@@ -131,7 +131,7 @@ def _controlled(n_slots: int, plan: list[int] | None, n_protect: int = 2):
         planner = NextTokenPlanner(cache, Fixed(plan), [0], n_protect)
         planner.via_controller = True
     ctl = TokenController(cache, [], planner)
-    ctl.table = table  # the test's executor: every step plan goes to it (and is checked there)
+    ctl.table = table  # the test's executor: every step's changes go to it (and is checked there)
     return cache, copies, ctl, planner
 
 
@@ -186,11 +186,11 @@ def test_a_full_cache_of_planned_and_used_experts_admits_nothing():
 def test_a_prefill_clears_the_plan_and_a_multi_token_step_plans_nothing():
     cache, _, ctl, planner = _controlled(4, plan=[6, 2])
     _decode(ctl, planner, [1, 2])
-    assert cache.plan[0] == [6, 2]
+    assert cache.planned[0] == [6, 2]
     planner.begin_step([5, 6])
-    assert cache.plan[0] == []
+    assert cache.planned[0] == []
     ctl.table.apply(ctl.on_routing([0], np.asarray([[[1, 2], [3, 4]]], dtype=np.int32)))
-    assert cache.plan[0] == []
+    assert cache.planned[0] == []
 
 
 def test_the_planner_refuses_what_cannot_plan():

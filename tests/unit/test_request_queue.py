@@ -14,12 +14,12 @@ async def _fill(queue: RequestQueue, n: int) -> list[int]:
     return [await queue.enter() for _ in range(n)]
 
 
-@pytest.mark.parametrize("n_slots,max_queue", [(1, 0), (1, 2), (2, 0), (4, 1), (4, 3)])
-def test_n_run_queue_waits_then_429(n_slots, max_queue):
+@pytest.mark.parametrize("n_lanes,max_queue", [(1, 0), (1, 2), (2, 0), (4, 1), (4, 3)])
+def test_n_run_queue_waits_then_429(n_lanes, max_queue):
     async def main() -> None:
-        queue = RequestQueue(max_queue, n_slots)
-        tickets = await _fill(queue, n_slots)  # every slot held: none of these waited
-        assert queue.running == n_slots and queue.waiting == 0
+        queue = RequestQueue(max_queue, n_lanes)
+        tickets = await _fill(queue, n_lanes)  # every slot held: none of these waited
+        assert queue.running == n_lanes and queue.waiting == 0
         entered: list[int] = []
         async with anyio.create_task_group() as tg:
             for _ in range(max_queue):

@@ -22,7 +22,7 @@ def test_the_seam_names_what_the_routes_use():
     source = inspect.getsource(compat_routes)
     used = {name for name in METHODS + sorted(SEAM.__annotations__) if f"server.{name}" in source}
     assert used == set(METHODS) | set(SEAM.__annotations__)  # nothing declared that no route uses
-    assert "holding" in METHODS and "slots" in SEAM.__annotations__
+    assert "holding" in METHODS and "lanes" in SEAM.__annotations__
 
 
 @pytest.mark.parametrize("name", METHODS)

@@ -3,7 +3,7 @@
 The same requests (short prompts, exactly ``--tokens`` tokens each: end tokens masked, greedy) run:
 
 - one at a time on a model loaded as ``ggmoe serve`` loads it without ``--parallel`` (``GgmoeLlama.eval``);
-- through 1, 2 and 4 slots of a model loaded with ``n_seq_max = 4`` (``ggmoe.serve.parallel.SlotPool``, the
+- through 1, 2 and 4 slots of a model loaded with ``n_seq_max = 4`` (``ggmoe.serve.parallel.LanePool``, the
   code ``serve --parallel`` runs below HTTP): k client threads, each taking the next request as its slot
   frees, as k concurrent clients of the server would.
 
@@ -31,7 +31,7 @@ import llama_cpp
 import numpy as np
 
 import ggmoe
-from ggmoe.serve.parallel import SlotPool
+from ggmoe.serve.parallel import LanePool
 
 PROMPTS = ("The king of France", "Once upon a time", "In the year 1900, the", "Water is made of",
            "def main():", "The river", "A list of", "It was the best of times")
@@ -83,7 +83,7 @@ def one_at_a_time(llm: Any, n_requests: int, n_tokens: int, clock: DecodeClock) 
     return time.perf_counter() - t0, time.process_time() - c0, done, clock.seconds - d0
 
 
-def through_slots(pool: SlotPool, k: int, n_requests: int, n_tokens: int,
+def through_slots(pool: LanePool, k: int, n_requests: int, n_tokens: int,
                   clock: DecodeClock) -> tuple[float, float, int, float]:
     """k client threads on slots 0..k-1, each taking the next request when its last one ends."""
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -98,7 +98,7 @@ def through_slots(pool: SlotPool, k: int, n_requests: int, n_tokens: int,
                 i = todo.get_nowait()
             except queue.Empty:
                 return
-            done[slot] += _request(pool.slots[slot], i, n_tokens, procs)
+            done[slot] += _request(pool.lanes[slot], i, n_tokens, procs)
 
     threads = [threading.Thread(target=client, args=(s,)) for s in range(k)]
     d0 = clock.seconds
@@ -150,7 +150,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start "
           "(measured under load from other jobs where that is above 0)")
     with ggmoe.load(a.model, **kw) as serial, ggmoe.load(a.model, n_seq_max=max(SLOT_COUNTS), kv_unified=a.kv_unified, **kw) as par:
-        pool = SlotPool(par, max(SLOT_COUNTS))
+        pool = LanePool(par, max(SLOT_COUNTS))
         serial_clock, slots_clock = DecodeClock(serial, "eval"), DecodeClock(par, "decode_sequences")
         att = par.attachment
         print(f"model: {a.model or 'tiny-moe (embedded)'}; cache: "

@@ -13,7 +13,7 @@ import ggmoe
 from ggmoe.base.errors import ContextLengthError
 from ggmoe.engine.sequences import SeqEntry
 from ggmoe.hook import HookRequest, RouteRecorder
-from ggmoe.serve.parallel import SlotPool
+from ggmoe.serve.parallel import LanePool
 
 N_SLOTS = 4
 N_CTX = 256 * N_SLOTS  # tokens: 256 per slot
@@ -48,24 +48,24 @@ def test_a_sequence_has_the_same_logits_in_any_batch(kv_unified, cache_slots):
         assert np.array_equal(rows[0], r)
 
 
-def _alone(pool: SlotPool, kwargs: dict) -> list[str]:
+def _alone(pool: LanePool, kwargs: dict) -> list[str]:
     out = []
     for i, p in enumerate(PROMPTS):
-        pool.slots[0].forget()
-        out.append(pool.slots[0].create_completion(p, max_tokens=32, **kwargs)["choices"][0]["text"])
+        pool.lanes[0].forget()
+        out.append(pool.lanes[0].create_completion(p, max_tokens=32, **kwargs)["choices"][0]["text"])
         assert i == 0 or out[i]  # texts of something
     return out
 
 
-def _together(pool: SlotPool, kwargs: dict) -> list[str]:
+def _together(pool: LanePool, kwargs: dict) -> list[str]:
     """Every prompt on its own slot in its own thread; the steps wait for all four slots (joined first)."""
-    for s in pool.slots:
+    for s in pool.lanes:
         s.forget()
         pool.batcher.join(s.seq_id)
     res: list[str | None] = [None] * N_SLOTS
 
     def run(i: int) -> None:
-        res[i] = pool.slots[i].create_completion(PROMPTS[i], max_tokens=32, **kwargs)["choices"][0]["text"]
+        res[i] = pool.lanes[i].create_completion(PROMPTS[i], max_tokens=32, **kwargs)["choices"][0]["text"]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(N_SLOTS)]
     for t in threads:
@@ -81,7 +81,7 @@ def test_each_slot_gets_its_text_alone_when_decoded_together(kwargs, cache_slots
     """With a stream of KV cells per slot (--no-kv-unified) a slot's cells are laid out as when it runs
     alone, so its logits, and with its own seeded sampler its text, are the same."""
     with _load(cache_slots, kv_unified=False) as llm:
-        pool = SlotPool(llm, N_SLOTS)
+        pool = LanePool(llm, N_SLOTS)
         pool.batcher.max_wait_s = 60.0  # every step waits for all four: the batch shapes are certain
         try:
             alone = _alone(pool, kwargs)
@@ -94,10 +94,10 @@ def test_each_slot_gets_its_text_alone_when_decoded_together(kwargs, cache_slots
 
 def test_a_slot_holds_only_its_share_of_the_context():
     with _load(None, kv_unified=True) as llm:
-        pool = SlotPool(llm, N_SLOTS)
+        pool = LanePool(llm, N_SLOTS)
         try:
             assert pool.n_ctx == N_CTX // N_SLOTS
-            slot = pool.slots[1]
+            slot = pool.lanes[1]
             with pytest.raises(ContextLengthError, match="share"):
                 slot.eval(list(range(10, 10 + pool.n_ctx + 1)))
             slot.eval([10, 11])  # it goes on after the refusal
@@ -108,9 +108,9 @@ def test_a_slot_holds_only_its_share_of_the_context():
 
 def test_a_slot_sequence_saved_and_restored_decodes_as_before():
     with _load(None, kv_unified=False) as llm:
-        pool = SlotPool(llm, N_SLOTS)
+        pool = LanePool(llm, N_SLOTS)
         try:
-            a, b = pool.slots[1], pool.slots[2]
+            a, b = pool.lanes[1], pool.lanes[2]
             a.eval(list(range(30, 50)))
             state = a.save_state()
             a.eval([7])

@@ -1,4 +1,4 @@
-"""Step plans (ggmoe.cache.step): what the cache decided, checked without a model."""
+"""Step changes (ggmoe.cache.step): what the cache decided, checked without a model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from test_stride_cache import _split_cache
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.copy import CopyHandle, NullCopyBackend, Priority
 from ggmoe.cache.policies import POLICIES
-from ggmoe.cache.step import EMPTY_STEP, Flip, StepLog, StepPlan
+from ggmoe.cache.step import EMPTY_STEP, Flip, StepChanges, StepLog
 
 pytestmark = pytest.mark.unit
 
@@ -18,18 +18,18 @@ def _handle(i: int, priority: Priority) -> CopyHandle:
     return CopyHandle(i, 0, i, i, priority)
 
 
-def test_a_plan_is_a_frozen_record_with_its_copies_by_priority_and_its_evictions_once_each():
-    plan = StepPlan((Flip(0, 3, -1), Flip(0, 3, -1), Flip(0, 5, 2), Flip(1, 4, -1, True), Flip(1, 6, -1)),
+def test_a_step_is_a_frozen_record_with_its_copies_by_priority_and_its_evictions_once_each():
+    step = StepChanges((Flip(0, 3, -1), Flip(0, 3, -1), Flip(0, 5, 2), Flip(1, 4, -1, True), Flip(1, 6, -1)),
                     (_handle(0, Priority.ADMISSION), _handle(1, Priority.PREFETCH), _handle(2, Priority.ADMISSION)))
-    assert plan.evictions == ((0, 3), (1, 6))  # a bottom going back to host memory evicts no slot
-    assert [h.id for h in plan.by_priority(Priority.ADMISSION)] == [0, 2]
-    assert plan.by_priority(Priority.DEMAND) == ()
+    assert step.evictions == ((0, 3), (1, 6))  # a bottom going back to host memory evicts no slot
+    assert [h.id for h in step.by_priority(Priority.ADMISSION)] == [0, 2]
+    assert step.by_priority(Priority.DEMAND) == ()
     with pytest.raises(AttributeError):
-        plan.flips = ()  # type: ignore[misc]
-    assert plan and not EMPTY_STEP
+        step.flips = ()  # type: ignore[misc]
+    assert step and not EMPTY_STEP
 
 
-def test_a_log_is_cut_into_steps_and_an_empty_step_is_the_shared_empty_plan():
+def test_a_log_is_cut_into_steps_and_an_empty_step_is_the_shared_empty_record():
     log = StepLog()
     assert log.take() is EMPTY_STEP
     log.flips.append(Flip(0, 1, 0))
