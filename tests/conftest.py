@@ -20,3 +20,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = rel.parts[0]
         if tier in _TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture
+def even_profile(tmp_path: Path) -> str:
+    """A hardware profile file: h100's, with a CPU exactly as fast as a copy, so that ``auto`` beside the link
+    splits a layer's misses between the two (the engine and GPU tiers' hybrid tests)."""
+    import dataclasses
+
+    from ggmoe.cache.hardware import load_profile, render_profile
+
+    base = load_profile("h100")
+    even = dataclasses.replace(base, cpu_bytes_per_s=base.copy_bytes_per_s, cpu_latency_s=base.copy_latency_s,
+                               cpu_type_bytes_per_s=())
+    path = tmp_path / "even.toml"
+    path.write_text(render_profile(even, {}))
+    return str(path)

@@ -226,22 +226,6 @@ class CbEvalHook:
 
     error_code = None  # no op: nothing recorded in C
 
-    def install_wait(self, ctx_ptr: int, on: bool) -> None:
-        """The wait hook on (the cache's calls with CPU entries wait for their copies there, while the CPU part
-        runs) or off."""
-        cb = self.c_wait if on else _patched.wait_cb()
-        _patched.load().llama_ggmoe_set_wait_cb(ctx_ptr, cb, None)
-
-    def _wait(self, user_data: int, il: int) -> int:
-        try:
-            cache = self.cache
-            if cache is not None and self.error is None:
-                cache.finish_wait(il)
-            return 0
-        except BaseException as e:  # noqa: BLE001 - must not unwind through C
-            self.error = e
-            return 1
-
     def take_error(self, ctx_ptr: int) -> BaseException | None:
         return self.error_from(0)
 

@@ -9,8 +9,6 @@ worker's counters show every job in the forced order.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 from test_cache_engine import EXACT, run_sequences
@@ -19,19 +17,6 @@ from ggmoe.cache import CacheConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.host_part import HOST_ORDER_ENV, HOST_THREADS_ENV, host_part_stats
 from ggmoe.inspect import inspect_model
-
-
-@pytest.fixture
-def even_profile(tmp_path):
-    """h100's profile with a CPU exactly as fast as a copy: ``auto`` beside the link splits misses."""
-    from ggmoe.cache.hardware import load_profile, render_profile
-
-    base = load_profile("h100")
-    even = dataclasses.replace(base, cpu_bytes_per_s=base.copy_bytes_per_s, cpu_latency_s=base.copy_latency_s,
-                               cpu_type_bytes_per_s=())
-    path = tmp_path / "even.toml"
-    path.write_text(render_profile(even, {}))
-    return str(path)
 
 
 def _run(path, cache: CacheConfig):

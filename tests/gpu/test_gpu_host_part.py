@@ -8,8 +8,6 @@ host part in the main graph (0 threads), on the worker at the default, and in bo
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from ggmoe.cache import CacheConfig
@@ -48,19 +46,12 @@ def test_gpu_host_part_tokens_equal_host_experts(threads, order, monkeypatch):
         assert part[counter] == part["jobs"]
 
 
-def test_gpu_hybrid_splits_misses_between_link_and_cpu(tmp_path):
-    from ggmoe.cache.hardware import load_profile, render_profile
-
-    base = load_profile("h100")
-    even = dataclasses.replace(base, cpu_bytes_per_s=base.copy_bytes_per_s, cpu_latency_s=base.copy_latency_s,
-                               cpu_type_bytes_per_s=())
-    hw = tmp_path / "even.toml"
-    hw.write_text(render_profile(even, {}))
+def test_gpu_hybrid_splits_misses_between_link_and_cpu(even_profile):
     path = fixture_path("qwen3moe", expert_type="q8_0")
     facts = inspect_model(path)
     want, _ = _tokens(path)
     got, report = _tokens(path, CacheConfig(n_slots=facts.n_expert // 2, miss_policy="auto", decode_mode="sync",
-                                            hw_profile=str(hw)))
+                                            hw_profile=even_profile))
     assert got == want
     total = report["total"]
     assert report["host_part"]["beside_link"]
