@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import threading
 from bisect import insort
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from itertools import compress
 
 import numpy as np
 
 from ggmoe.base.errors import UsageError
+from ggmoe.cache.admission import Admission
 from ggmoe.cache.clock import Clock, MonotonicClock
 from ggmoe.cache.copy import CopyBackend, CopyHandle, NullCopyBackend, Priority
 from ggmoe.cache.fill import SCORE_SCALE, Fill, FillTargets
@@ -35,6 +36,7 @@ from ggmoe.cache.miss import (
     split_misses,
 )
 from ggmoe.cache.policies.base import Policy
+from ggmoe.cache.prefetch_book import PrefetchBook
 from ggmoe.cache.slots import BottomTable, SlotTable
 from ggmoe.cache.split import LayerSplit
 from ggmoe.cache.split_cache import SplitLayer
@@ -59,7 +61,7 @@ def _check_slots(n_slots: Mapping[int, int], n_expert: int, n_expert_used: int) 
             raise UsageError(f"layer {il}: {n} cache slots > n_expert {n_expert}")
 
 
-class ExpertCache:
+class ExpertCache(Admission, PrefetchBook):
     """Slot tables for every MoE layer, driven by a policy; ``route`` maps ids to slots."""
 
     def __init__(self, n_expert: int, n_expert_used: int, n_slots: dict[int, int], policy: Policy,
@@ -363,38 +365,6 @@ class ExpertCache:
             if layer is not None:
                 layer.seen_start(flat)
 
-    def admit_after(self, il: int, table: SlotTable, need: list[int], missing: list[int], reserve: int = 0
-                     ) -> None:
-        """After a call that read its misses in place (async decode, split layers): admit them at low priority
-        into free slots or victims, leaving ``reserve`` free slots (for the async decode's prefetches); with a
-        policy that keeps nothing (on-demand), drop the landed experts instead."""
-        slot_of, copy = table.slot_of_list, table.copy
-        if self.policy_releases:
-            self._release(il, table, [x for x in table.resident() if copy[slot_of[x]] is None])
-            return
-        if table.n_loading:
-            self._drop_stale_admissions(il, table, set(missing))
-        admit = [e for e in missing if slot_of[e] < 0]  # not resident, not already on its way
-        planned = self.planned.get(il)
-        if admit and planned:  # the next token's likeliest first, and none of the planned experts evicted
-            rank = {e: i for i, e in enumerate(planned)}
-            admit.sort(key=lambda e: rank.get(e, len(planned)))
-            need = need + planned
-        if admit and self._admits is not None:
-            admit = self.admissible(il, table, need, admit, reserve)
-        if admit:
-            self.stats.layers[il].admission_copies += len(self._load(il, table, need, admit, Priority.ADMISSION,
-                                                                     reserve))
-
-    def admissible(self, il: int, table: SlotTable, need: list[int], admit: list[int], reserve: int = 0
-                   ) -> list[int]:
-        """What the policy admits of ``admit`` (misses this call served without a slot), given the layer's free
-        slots less ``reserve`` and the experts that may be evicted (none that ``need`` uses)."""
-        if self._admits is None or not admit:
-            return admit
-        n_free = table.expert_in_list.count(-1) - reserve
-        return self._admits(il, admit, self._victims(table, set(need)), n_free)
-
     @staticmethod
     def _in_flight(table: SlotTable, need: list[int]) -> list[CopyHandle]:
         """Copies still landing into slots this call reads (a slot is read only after its copy landed)."""
@@ -404,155 +374,6 @@ class ExpertCache:
             if s >= 0 and table.copy[s] is not None:
                 out.append(table.copy[s])
         return out
-
-    def prefetch(self, il: int, experts: list[int], keep: set[int] | None = None,
-                 ranks: list[float] | None = None, if_calls: int | None = None, free_only: bool = False) -> int:
-        """``_prefetch`` under the cache's lock; with ``if_calls``, only if layer ``il`` has not been called
-        since (a prediction computed late, on a worker, must not touch a layer that already runs). With
-        ``free_only`` (the async decode's stride prefetch, while a graph runs) only into free slots: no entry
-        points at them, so no kernel can be reading them; nothing is evicted."""
-        with self.lock:
-            if if_calls is not None and self.stats.layers[il].calls != if_calls:
-                self.stats.layers[il].prefetch_late += 1
-                self.prefetch_events += 1
-                return 0
-            layer = self.layers[il]
-            if free_only:
-                return layer.prefetch_free(experts, keep, ranks)
-            return layer.prefetch(experts, keep, ranks)
-
-    def prefetch_whole(self, il: int, experts: list[int], keep: set[int] | None = None,
-                        ranks: list[float] | None = None, free_only: bool = False) -> int:
-        """Queue prefetch copies of the ``experts`` of layer ``il`` that are not resident; returns how many.
-
-        Victims are resident experts not in ``keep``, not still loading, and not themselves unused prefetches.
-        Called between layer calls (never for the layer that runs now), so no slot being read is overwritten.
-        ``ranks`` (one per expert, lower first) order the prefetches within their priority.
-        """
-        table = self.tables[il]
-        slot_of = table.slot_of_list
-        want = [e for e in experts if slot_of[e] < 0]
-        if not want:
-            return 0
-        st = self.stats.layers[il]
-        rank_of = dict(zip(experts, ranks, strict=True)) if ranks is not None else {}
-        protect = set(experts) | (keep or set())
-        n = 0
-        cand: list[int] | None = None  # victims, computed once: each pick only removes itself from them
-        for e in want:
-            if table.free:
-                slot = table.free.pop(0)
-            elif free_only:
-                break
-            else:
-                if cand is None:
-                    cand = [x for x in self._victims(table, protect) if not table.prefetched[table.slot_of_list[x]]]
-                    targets = self.fill_targets.get(il)
-                    if targets is not None:  # a running graph may be filling these slots
-                        cand = [x for x in cand if x not in targets.held]
-                if not cand:
-                    break
-                victim = self.policy.victim(il, cand, self.clock)
-                cand.remove(victim)
-                slot = table.slot_of_list[victim]
-                self.policy.on_evict(il, victim)
-                st.evictions += 1
-            self._note_eviction(il, table, slot)
-            # a prefetch into a running graph (the async decode's stride prefetch) goes as a demand: its layer
-            # runs within milliseconds, before admissions meant for later tokens. A victim's flip to host memory
-            # is written by place and applied with the step before any graph reads the table
-            h = self.copies.submit(il, e, slot, Priority.DEMAND if free_only else Priority.PREFETCH,
-                                   rank_of.get(e, 0.0))
-            if table.log is not None:
-                table.log.copies.append(h)
-            self._submitted[h.id] = self.time.now()
-            self._submit_token[h.id] = self.token
-            table.place(e, slot, h)
-            table.prefetched[slot] = True
-            self.n_prefetched[il] += 1
-            self.policy.on_insert(il, e, self.clock)
-            st.bytes_copied += self.slot_bytes[il]
-            n += 1
-        st.prefetch_issued += n
-        self.prefetch_events += n
-        return n
-
-    def _note_eviction(self, il: int, table: SlotTable, slot: int) -> None:
-        """A slot about to be reused: a prefetched expert in it that was never used was wasted."""
-        if table.prefetched[slot]:
-            st = self.stats.layers[il]
-            st.prefetch_wasted += 1
-            self.prefetch_events += 1
-            st.prefetch_wasted_bytes += self.slot_bytes[il]
-            table.prefetched[slot] = False
-            self.n_prefetched[il] -= 1
-
-    def count_prefetch_hits(self, il: int, table: SlotTable, need: list[int]) -> None:
-        st = self.stats.layers[il]
-        for e in need:
-            s = table.slot_of_list[e]
-            if s >= 0 and table.prefetched[s]:
-                table.prefetched[s] = False
-                self.n_prefetched[il] -= 1
-                st.prefetch_hits += 1
-                self.prefetch_events += 1
-
-    def cancel_stale(self, il: int, handles: list[CopyHandle | None], need: list[int]) -> list[int]:
-        """Early preemption at the gate: the positions in ``handles`` (a layer's copies in flight, by slot or
-        bottom buffer) of prefetches still queued that this call does not need, now cancelled (never written)."""
-        used = set(need)
-        out = self._cancel_where(handles, Priority.PREFETCH, lambda h: h.expert not in used)
-        self.stats.layers[il].prefetch_dropped += len(out)
-        return out
-
-    def _cancel_where(self, handles: list[CopyHandle | None], priority: Priority,
-                      stale: Callable[[CopyHandle], bool]) -> list[int]:
-        """Cancel the copies of ``priority`` in ``handles`` that ``stale`` picks and that have not started; their
-        positions."""
-        out = []
-        cancel, submitted, submit_token = self.copies.cancel, self._submitted, self._submit_token
-        for i in compress(range(len(handles)), handles):  # the positions holding a copy, found in C
-            h = handles[i]
-            if h.priority is priority and stale(h) and cancel(h):
-                submitted.pop(h.id, None)
-                submit_token.pop(h.id, None)
-                out.append(i)
-        return out
-
-    def _drop_stale_admissions(self, il: int, table: SlotTable, missed: set[int]) -> None:
-        """Between tokens: admissions of an earlier token still queued (not started) are cancelled, their slots
-        free again, except those of experts this token ``missed`` again, which keep their place in the queue.
-        On a link slower than the misses come, a queue of old admissions would only grow, each landing too late
-        to be used; the newest token's misses are the likeliest to come back."""
-        token, submit_token, copy = self.token, self._submit_token, table.copy
-        cancel, submitted, admission = self.copies.cancel, self._submitted, Priority.ADMISSION
-        dropped = []  # _cancel_where's loop, its test inlined: a replay asks it of millions of copies
-        for i in compress(range(len(copy)), copy):
-            h = copy[i]
-            if (h.priority is admission and h.expert not in missed and submit_token.get(h.id, token) < token
-                    and cancel(h)):
-                submitted.pop(h.id, None)
-                submit_token.pop(h.id, None)
-                dropped.append(i)
-        if dropped:
-            self.stats.layers[il].admissions_dropped += len(dropped)
-            on_evict, expert_in = self._on_evict, table.expert_in_list
-            for slot in dropped:
-                if on_evict is not None:
-                    on_evict(il, expert_in[slot])
-                table.drop(slot)
-
-    def drop_stale_prefetches(self, il: int, table: SlotTable, need: list[int]) -> None:
-        """Prefetches for this layer still queued and not needed are cancelled; their slots are free again."""
-        for slot in self.cancel_stale(il, table.copy, need):
-            if table.prefetched[slot]:
-                self.n_prefetched[il] -= 1
-            table.drop(slot)
-
-    def score_prediction(self, il: int, predicted: list[int]) -> None:
-        """Remember the top-k predicted for layer ``il``'s next call, to score it when that call comes."""
-        with self.lock:
-            self.predicted[il] = predicted
 
     @staticmethod
     def _victims(table: SlotTable, in_use: set[int]) -> list[int]:
