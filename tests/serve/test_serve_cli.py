@@ -85,6 +85,29 @@ def test_stats_json_is_written_at_stop(tmp_path):
     assert '"hit_rate"' in out.read_text()
 
 
+def test_serve_with_the_cpu_beside_the_link_answers_stock_and_reports_its_worker(tmp_path):
+    """``--miss-policy cpu --host-threads 1``: the host part on a worker, through the OpenAI SDK; the answer is
+    the one a plain server gives, and ``--stats-json`` reports the worker's jobs."""
+    import json
+
+    from openai import OpenAI
+
+    answers = {}
+    for name, extra in (("stock", ()), ("worker", ("--cache-slots", "4", "--miss-policy", "cpu", "--decode-mode",
+                                                   "sync", "--host-threads", "1", "--stats-json",
+                                                   str(tmp_path / "s.json")))):
+        s = start_server(tmp_path, "--n-ctx", "256", *extra)
+        try:
+            client = OpenAI(base_url=s.url + "/v1", api_key="none")
+            r = client.completions.create(model="m", prompt="def fib(n):", max_tokens=12, temperature=0)
+            answers[name] = r.choices[0].text
+        finally:
+            assert stop_server(s) == 0
+    assert answers["worker"] == answers["stock"]
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["host_part"]["threads"] == 1 and stats["host_part"]["jobs"] > 0
+
+
 def test_hostile_chat_template_renders_harmlessly(tmp_path):
     evil = rewrite_gguf(default_model_path(), tmp_path / "evil.gguf", keys={"tokenizer.chat_template": (
         "{{ cycler.__init__.__globals__.os.popen('touch " + str(tmp_path / "pwned") + "').read() }}",
