@@ -209,10 +209,12 @@ class ExpertCache(Admission, PrefetchBook):
 
     def finish_wait(self, il: int) -> None:
         """The wait hook of layer ``il``: ends a call ``route_flat`` left waiting (nothing to do otherwise)."""
-        deferred = self.deferred.pop(il, None)
-        if deferred is None:
+        if il not in self.deferred:  # the common call: nothing was left waiting
             return
         with self.lock:
+            deferred = self.deferred.pop(il, None)
+            if deferred is None:
+                return
             t0 = self.time.now()
             st = self.stats.layers[il]
             self.layers[il].finish(st, *deferred)

@@ -120,10 +120,10 @@ GGMOE = ("lru", "async", "async-prefetch", "split", "split-async", "prefetch", "
          "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu", "async-fill", "async-fill-prefetch",
          "async-fill-tinylfu", "hybrid")
 LRU_MISS = {"lru": "wait", "lru-auto": "auto", "lru-host": "cpu", "hybrid": "auto"}  # the lru rows' --miss-policy
-# the host part's worker (GGMOE_HOST_THREADS; unset: the engine's default, the context's threads on a GPU): the
+# the host part's worker (CacheConfig.host_threads; None: the engine's default, the context's threads on a GPU): the
 # lru-auto and lru-host rows keep the host part in the main graph after the device part (in turn), hybrid runs
 # it beside the device part and splits a layer's misses between the link and the CPU
-HOST_THREADS = {"lru-auto": "0", "lru-host": "0"}
+HOST_THREADS = {"lru-auto": 0, "lru-host": 0}
 SPLIT = ("split", "split-async")  # MoEpic's split: only below 100 % (with every expert cacheable it is moot)
 WHOLE_LRU = ("lru", "async")  # whole-expert LRU, the split rows' reference at the same VRAM
 TRACE_ONLY = ("prefetch-eam",)  # learns from the tiled trace's training prompts
@@ -290,7 +290,8 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
         return EngineConfig(**base, experts_on_host=True, host_expert_layers=host, gate_hook=False), n_gpu
     if config in LRU_MISS:
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=LRU_MISS[config],
-                                                      decode_mode="sync")), n_slots
+                                                      decode_mode="sync",
+                                                      host_threads=HOST_THREADS.get(config))), n_slots
     if config in ("async", "async-tinylfu", "async-fill", "async-fill-tinylfu"):
         policy = "tinylfu" if config.endswith("tinylfu") else "lru"
         return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode="async",
@@ -413,8 +414,6 @@ def run_cell(model: Path, facts, config: str, fraction: float | None, routing: s
         first = split[facts.moe_layers[0]]
         theta = first.n_top / first.n_ff
     vram = vram_bytes(cfg, config, slots, facts, split)
-    if config in HOST_THREADS:  # read when the engine builds its cache; a cell runs in a process of its own
-        os.environ["GGMOE_HOST_THREADS"] = HOST_THREADS[config]
     try:
         with Engine(cfg) as eng:
             override = None
