@@ -15,7 +15,7 @@ __all__ = ["__version__", "load", "models"]
 def __getattr__(name: str) -> Any:
     # ``ggmoe.load`` imports llama-cpp-python on first use only, so ``import ggmoe`` (and the CLI) stay light.
     if name == "load":
-        from ggmoe.serve import load
+        from ggmoe.engine.llama import load
 
         return load
     if name == "models":  # the embedded model's path (a pathlib import, nothing heavier)

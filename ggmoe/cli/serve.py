@@ -30,11 +30,11 @@ from ggmoe.cli.options import (
 )
 
 if TYPE_CHECKING:
-    from ggmoe.serve import GgmoeLlama
+    from ggmoe.engine.llama import GgmoeLlama
 
 MAX_DEFAULT_CTX = 4096  # tokens: the default context is the model's training context, at most this
-MAX_PARALLEL = 64  # slots (ggmoe.serve.llama.MAX_SEQUENCES)
-MIN_LANE_CTX = 16  # tokens per slot at least (ggmoe.serve.parallel.MIN_LANE_CTX)
+MAX_PARALLEL = 64  # slots (ggmoe.engine.llama.MAX_SEQUENCES)
+MIN_LANE_CTX = 16  # tokens per slot at least (ggmoe.engine.parallel.MIN_LANE_CTX)
 
 _ctx = click.option("--n-ctx", type=click.IntRange(min=16, max=1 << 24),
                     help=f"Context length in tokens, prompt and answer (default: the model's training "
@@ -63,7 +63,7 @@ class LoadOptions:
 
 def _load(opts: LoadOptions, **extra: Any) -> tuple[GgmoeLlama, StatsOut | None]:
     """The model as a GgmoeLlama and the --stats-out writer, every flag checked before the model loads."""
-    from ggmoe.serve import load
+    from ggmoe.engine.llama import load
 
     path = model_path(opts.model)
     facts = model_facts(path)
@@ -286,7 +286,7 @@ def _chat_template_options(template: str | None, path: str | None, kwargs: str |
                            ) -> tuple[str | None, dict[str, Any]]:
     """--chat-template or --chat-template-file (a Jinja template, checked), and --chat-template-kwargs (a JSON
     object) with --reasoning-budget's, before anything loads."""
-    from ggmoe.serve.llama import chat_template_of, check_chat_template
+    from ggmoe.engine.llama import chat_template_of, check_chat_template
     from ggmoe.serve.schema import check_template_kwargs
 
     if template is not None and path is not None:

@@ -1,5 +1,1 @@
-"""The surfaces on llama-cpp-python: ``load()`` (a ``llama_cpp.Llama``), the OpenAI server, the terminal chat."""
-
-from ggmoe.serve.llama import GgmoeLlama, load
-
-__all__ = ["GgmoeLlama", "load"]
+"""The HTTP surfaces on a ``GgmoeLlama``: the OpenAI, llama-server and Anthropic APIs, the terminal chat."""

@@ -39,6 +39,8 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from ggmoe.base.errors import UsageError
+from ggmoe.engine.llama import GgmoeLlama
+from ggmoe.engine.parallel import LanePool
 from ggmoe.serve import anthropic, errors, responses
 from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.asgi import BodyLimit, JsonBodies, LoopbackHostOnly, RequestCounter, SameOriginOnly
@@ -46,10 +48,9 @@ from ggmoe.serve.compat_routes import add_anthropic_routes, add_llama_server_rou
 from ggmoe.serve.errors import APIError
 from ggmoe.serve.generation import Run, Watch, api_error, check_request, prepare_chat, prepare_completion
 from ggmoe.serve.lanes import LaneState
-from ggmoe.serve.llama import GgmoeLlama
 from ggmoe.serve.metrics import Metrics
 from ggmoe.serve.native import NativeRun, infill_tokens, processors, prompt_tokens
-from ggmoe.serve.parallel import LanePool, Pump
+from ggmoe.serve.pump import Pump
 from ggmoe.serve.request_queue import RequestQueue
 from ggmoe.serve.responses import ResponsesRequest
 from ggmoe.serve.schema import (

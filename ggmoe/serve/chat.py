@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ggmoe.base.context import check_prompt
+from ggmoe.engine.llama import GgmoeLlama
 from ggmoe.serve.generation import Watch
-from ggmoe.serve.llama import GgmoeLlama
 
 HELP = "commands: /reset (forget the conversation), /stats (cache statistics), /help, /quit (or Ctrl-D)"
 

@@ -35,7 +35,7 @@ from ggmoe.serve.schema import (
 )
 
 if TYPE_CHECKING:
-    from ggmoe.serve.llama import GgmoeLlama
+    from ggmoe.engine.llama import GgmoeLlama
 
 
 class RouteSettings(Protocol):

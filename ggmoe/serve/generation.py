@@ -33,7 +33,7 @@ from ggmoe.serve.logprobs import LogprobRecorder, TokenLogprob, chat_logprobs, c
 from ggmoe.serve.schema import ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
-    from ggmoe.serve.llama import GgmoeLlama
+    from ggmoe.engine.llama import GgmoeLlama
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 

@@ -24,7 +24,7 @@ import numpy as np
 from ggmoe.serve.errors import APIError
 
 if TYPE_CHECKING:
-    from ggmoe.serve.llama import GgmoeLlama
+    from ggmoe.engine.llama import GgmoeLlama
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,254}$")
 FORMAT = 1  # the slot file's version

@@ -15,8 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from ggmoe.engine.parallel import BatchStats
     from ggmoe.serve.lanes import LaneState
-    from ggmoe.serve.parallel import BatchStats
 
 # seconds; first tokens include the queue wait and the prefill, per-token times one decode
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -130,7 +130,7 @@ def _mode_families(cache: dict[str, Any]) -> tuple[Any, Any]:
 
 class LaneCollector(Collector):
     """Each lane's state and counts (``ggmoe.serve.lanes.LaneState``; the metric names keep llama-server's
-    word, slot), and with several lanes what their batcher decoded (``ggmoe.serve.parallel.BatchStats``), read at scrape time."""
+    word, slot), and with several lanes what their batcher decoded (``ggmoe.engine.parallel.BatchStats``), read at scrape time."""
 
     def __init__(self, lanes: Sequence[LaneState], batch: BatchStats | None) -> None:
         self._lanes = lanes

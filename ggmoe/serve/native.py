@@ -29,7 +29,7 @@ from ggmoe.serve.logprobs import LogprobRecorder, TokenLogprob
 from ggmoe.serve.schema import InfillRequest, NativeCompletionRequest
 
 if TYPE_CHECKING:
-    from ggmoe.serve.llama import GgmoeLlama
+    from ggmoe.engine.llama import GgmoeLlama
 
 SEED_RANDOM = 4294967295  # the seed llama-server reports when none was given (LLAMA_DEFAULT_SEED)
 SAMPLERS = ["penalties", "top_k", "typ_p", "top_p", "min_p", "temperature"]  # llama-cpp-python's chain

@@ -9,9 +9,9 @@ import pytest
 
 import ggmoe
 from ggmoe.base.errors import EngineError, ModelFileError, UsageError
+from ggmoe.engine.llama import GgmoeLlama
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
-from ggmoe.serve import GgmoeLlama
 from tools.fixtures.make_fixtures import rewrite_gguf
 
 PROMPT = "The quick brown fox"

@@ -11,9 +11,9 @@ import pytest
 
 import ggmoe
 from ggmoe.base.errors import ContextLengthError
+from ggmoe.engine.parallel import LanePool
 from ggmoe.engine.sequences import SeqEntry
 from ggmoe.hook import HookRequest, RouteRecorder
-from ggmoe.serve.parallel import LanePool
 
 N_SLOTS = 4
 N_CTX = 256 * N_SLOTS  # tokens: 256 per slot

@@ -3,7 +3,7 @@
 The same requests (short prompts, exactly ``--tokens`` tokens each: end tokens masked, greedy) run:
 
 - one at a time on a model loaded as ``ggmoe serve`` loads it without ``--parallel`` (``GgmoeLlama.eval``);
-- through 1, 2 and 4 slots of a model loaded with ``n_seq_max = 4`` (``ggmoe.serve.parallel.LanePool``, the
+- through 1, 2 and 4 slots of a model loaded with ``n_seq_max = 4`` (``ggmoe.engine.parallel.LanePool``, the
   code ``serve --parallel`` runs below HTTP): k client threads, each taking the next request as its slot
   frees, as k concurrent clients of the server would.
 
@@ -31,7 +31,7 @@ import llama_cpp
 import numpy as np
 
 import ggmoe
-from ggmoe.serve.parallel import LanePool
+from ggmoe.engine.parallel import LanePool
 
 PROMPTS = ("The king of France", "Once upon a time", "In the year 1900, the", "Water is made of",
            "def main():", "The river", "A list of", "It was the best of times")

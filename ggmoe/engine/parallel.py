@@ -24,10 +24,9 @@ lane to be idle, and move one sequence's KV cells only (``LaneLlama.save_state``
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +34,8 @@ import llama_cpp
 import numpy as np
 
 from ggmoe.base.errors import ContextLengthError, UsageError
+from ggmoe.engine.llama import GgmoeLlama
 from ggmoe.engine.sequences import SeqEntry, sample_row, seq_state, set_seq_state
-from ggmoe.serve.llama import GgmoeLlama
 
 if TYPE_CHECKING:
     from llama_cpp import _internals
@@ -367,45 +366,3 @@ class LanePool:
 
     def close(self) -> None:
         self.batcher.close()
-
-
-_END = object()
-
-
-class Pump:
-    """An iterator run in its own thread, its items queued: a lane's generation never waits for its client.
-    ``close`` sets ``cancel`` (the generation stops at its next token) and waits for the thread."""
-
-    def __init__(self, items: Iterator[Any], cancel: threading.Event) -> None:
-        self._items = items
-        self._cancel = cancel
-        self._queue: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
-        self._ended = False
-        self._thread = threading.Thread(target=self._produce, name="ggmoe-lane-stream", daemon=True)
-        self._thread.start()
-
-    def _produce(self) -> None:
-        try:
-            for item in self._items:
-                self._queue.put((item, None))
-            self._queue.put((_END, None))
-        except BaseException as e:  # noqa: BLE001 - raised to the consumer by __next__
-            self._queue.put((_END, e))
-
-    def __iter__(self) -> Pump:
-        return self
-
-    def __next__(self) -> Any:
-        if self._ended:
-            raise StopIteration
-        item, err = self._queue.get()
-        if item is _END:
-            self._ended = True
-            if err is not None:
-                raise err
-            raise StopIteration
-        return item
-
-    def close(self) -> None:
-        self._cancel.set()
-        self._thread.join()
