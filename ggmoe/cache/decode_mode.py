@@ -18,6 +18,38 @@ from ggmoe.base.errors import UsageError
 from ggmoe.base.registry import check_choice
 
 DECODE_MODES = ("auto", "async", "sync")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How a token is decoded around the cache: the decode mode, what a miss does, the cost model that ``auto``
+    weighs them with."""
+
+    # sync (the route op per MoE layer), async (the expert table, no sync on the decode path) or auto
+    mode: str = "auto"
+    # the async decode's in-graph fills (patch 0012): the graph copies a layer's misses into free slots and reads
+    # them there, so a miss crosses the link once; False: misses are read in place, then admitted (twice)
+    fills: bool = True
+    # an expert not on the device: wait for its copy, compute it on the CPU, or whichever the measured cost model
+    # says is sooner (ggmoe.cache.miss)
+    miss_policy: str = "wait"
+    # the host path's CPU part on a worker of this many threads beside the device part (0: in the main graph,
+    # after it); None: the build's default (ggmoe.engine.host_part; GGMOE_HOST_THREADS overrides it)
+    host_threads: int | None = None
+    # the cost model of auto: a hardware profile name or TOML file; None: measured at startup
+    hw_profile: str | None = None
+    # saved routing statistics (il -> [n_expert] tokens that chose each expert; --stats-in): auto's weighing of
+    # the decode modes takes each layer's misses from them instead of uniform routing
+    routing_counts: Mapping[int, Sequence[int]] | None = None
+
+    def __post_init__(self) -> None:
+        """A thread count that is not a whole number >= 0 refused before anything is built."""
+        if self.host_threads is not None and (isinstance(self.host_threads, bool)
+                                              or not isinstance(self.host_threads, int) or self.host_threads < 0):
+            raise UsageError(f"host_threads {self.host_threads!r}: a whole number of threads >= 0 "
+                             "(0: the host part in the main graph)")
+
+
 # The largest micro-batch (tokens) that reads its experts through the tables. ggml-cuda runs
 # mul_mat_id_table on MMVQ, whose MoE micro-batch limit is 4 to 8 tokens by type and GPU
 # (get_mmvq_mmid_max_batch): 4 fits every type; decode is 1 token. Larger micro-batches take the route op.
@@ -94,7 +126,7 @@ def weigh_modes(bytes_per_expert: Mapping[int, int], n_slots: Mapping[int, int],
     """Per token, the sync decode's cost (``sync_s`` per cached layer: the route op's graph split and device
     sync, plus a wait of ``copy_s(bytes)`` for each miss) against the async decode's.
 
-    With in-graph fills (``fills``, ``CacheConfig.fills``) the graph copies each miss into a fill slot inside its
+    With in-graph fills (``fills``, ``DecodeConfig.fills``) the graph copies each miss into a fill slot inside its
     layer and reads it there: one crossing, ``read_s(bytes)`` (the fill kernel reads pinned host memory at the
     rate of a read in place), or ``copy_s(bytes)`` where ``read_s`` is None (the CPU build, whose fill is a
     memcpy), and no admission follows. Without fills each miss is read in place (``read_s``; None: nothing

@@ -31,6 +31,19 @@ MEMINFO = Path("/proc/meminfo")
 
 
 @dataclass(frozen=True)
+class TierConfig:
+    """The host tier asked for: its budget, and whether the engine sizes the tiers itself."""
+
+    # the host tier's budget in bytes (--host-ram): when it holds fewer than every expert, the experts stay in the
+    # model file (the disk tier) and the host tier reads them from there; None: what the machine can pin, less a
+    # margin (a model that fits keeps every expert in host memory, as without a tier)
+    host_ram: int | None = None
+    # no cache size was given and the experts exceed the host budget: the engine splits that budget between the
+    # GPU tier and the host tier for the machine it runs on (``ggmoe.engine.loader.resolve_tiers``)
+    auto_tiers: bool = False
+
+
+@dataclass(frozen=True)
 class TierSizes:
     """The three tiers of one model's routed experts under a GPU slot count and a host budget."""
 

@@ -22,8 +22,8 @@ from ggmoe.cli.options import cache_config, check_stats_json, planner_config, pr
 from ggmoe.trace.routing_stats import RoutingStats, RoutingStatsCollector, load_stats, save_stats
 
 if TYPE_CHECKING:
-    from ggmoe.cache.config import CacheConfig
     from ggmoe.control.prefetch import Prefetcher
+    from ggmoe.control.run_config import RunConfig
     from ggmoe.inspect import ModelFacts
 
 
@@ -48,22 +48,23 @@ def read_stats_in(path: str | None, facts: ModelFacts, model: Path) -> RoutingSt
     return stats
 
 
-def warm_start(cache: CacheConfig | None, stats: RoutingStats | None) -> CacheConfig | None:
-    """The cache configuration with what ``stats`` gives it: static's counts, the predictor's state."""
-    if cache is None:
+def warm_start(run: RunConfig | None, stats: RoutingStats | None) -> RunConfig | None:
+    """The run's configuration with what ``stats`` gives it: static's counts, the predictor's state."""
+    if run is None:
         return None
-    if cache.policy == "static":
+    if run.cache.policy == "static":
         if stats is None:
             raise UsageError("--policy static pins the hottest experts of saved routing statistics: give "
                              "--stats-in FILE (written by --stats-out)")
-        cache = dataclasses.replace(cache, policy_options={"counts": stats.counts_by_layer()})
+        run = dataclasses.replace(run, cache=dataclasses.replace(run.cache,
+                                                                 policy_options={"counts": stats.counts_by_layer()}))
     if stats is not None:  # auto's weighing of the decode modes reads each layer's skew from them
-        cache = dataclasses.replace(cache, routing_counts={il: tuple(int(x) for x in c)
-                                                           for il, c in stats.counts_by_layer().items()})
-    pre = cache.prefetch
+        counts = {il: tuple(int(x) for x in c) for il, c in stats.counts_by_layer().items()}
+        run = dataclasses.replace(run, decode=dataclasses.replace(run.decode, routing_counts=counts))
+    pre = run.prefetch
     if stats is not None and pre is not None and stats.predictor == pre.predictor and stats.predictor_state:
-        cache = dataclasses.replace(cache, prefetch=dataclasses.replace(pre, state=dict(stats.predictor_state)))
-    return cache
+        run = dataclasses.replace(run, prefetch=dataclasses.replace(pre, state=dict(stats.predictor_state)))
+    return run
 
 
 class StatsOut:
@@ -87,21 +88,21 @@ def stats_out(path: str | None, start: RoutingStats | None, facts: ModelFacts, m
     return StatsOut(path, start, facts, model) if path is not None else None
 
 
-def with_host_threads(cache: CacheConfig | None, threads: int | None) -> CacheConfig | None:
+def with_host_threads(run: RunConfig | None, threads: int | None) -> RunConfig | None:
     """``--host-threads`` on the cache; refused where no host path can run (no cache, ``--miss-policy wait``)."""
     if threads is None:
-        return cache
-    if cache is None:
+        return run
+    if run is None:
         raise UsageError("--host-threads sets the host path's CPU threads: it needs a cache (--cache-slots N or "
                          "--vram BYTES) and --miss-policy cpu or auto")
-    if cache.miss_policy == "wait":
+    if run.decode.miss_policy == "wait":
         raise UsageError("--host-threads sets the host path's CPU threads, and --miss-policy wait has no host path: "
                          "use --miss-policy cpu or auto, or drop --host-threads")
-    return dataclasses.replace(cache, host_threads=threads)
+    return dataclasses.replace(run, decode=dataclasses.replace(run.decode, host_threads=threads))
 
 
 def cache_from_flags(path: Path, facts: ModelFacts, flags: Mapping[str, Any]
-                     ) -> tuple[CacheConfig | None, StatsOut | None]:
+                     ) -> tuple[RunConfig | None, StatsOut | None]:
     """The cache that the flags of ``cache_options`` and ``stats_options`` (``flags``, by parameter name) ask for,
     started warm from --stats-in, and the --stats-out writer: every flag checked before the model loads. The one
     place ``run``, ``trace``, ``serve`` and ``chat`` build their cache."""

@@ -100,12 +100,12 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
     path = model_path(model)
     facts = model_facts(path)
     text = read_prompt(prompt, prompt_file)
-    cache, routing_out = cache_from_flags(path, facts, flags)  # the cache and stats flags (**flags)
+    run, routing_out = cache_from_flags(path, facts, flags)  # the cache and stats flags (**flags)
     if trace_out:
         check_output_dir(trace_out, "--trace-out", members=("trace.npz",))
     if not as_json:
         toy_notice(path)
-    with make_engine(path, n_ctx, threads, verbose, cache) as eng:
+    with make_engine(path, n_ctx, threads, verbose, run) as eng:
         check_prompt(len(eng.tokenize(text)), eng.n_ctx)  # before llama.cpp sees it
         stream = None if as_json else _echo_stream(text)
         if routing_out is not None:
@@ -120,7 +120,7 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
                                        "generated_tokens": len(gen.token_ids)})
         summary = stats_summary(eng)
         if routing_out is not None:
-            routing_out.save(eng.prefetcher, cache.prefetch.predictor if cache and cache.prefetch else None)
+            routing_out.save(eng.prefetcher, run.prefetch.predictor if run and run.prefetch else None)
     _report(gen, str(path), text, eng.n_ctx, summary, as_json)
 
 

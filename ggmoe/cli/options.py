@@ -17,9 +17,9 @@ from ggmoe.base.errors import ModelFileError, UsageError
 from ggmoe.base.outputs import check_output, write_text_atomic
 
 if TYPE_CHECKING:
-    from ggmoe.cache.config import CacheConfig
     from ggmoe.control.planner import PlannerConfig
     from ggmoe.control.prefetch import PrefetchConfig
+    from ggmoe.control.run_config import RunConfig
     from ggmoe.engine import Engine
     from ggmoe.inspect import ModelFacts
 
@@ -103,7 +103,7 @@ def training_context(path: Path) -> int | None:
 
 
 def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bool,
-                cache: CacheConfig | None = None) -> Engine:
+                run: RunConfig | None = None) -> Engine:
     """The engine, fed in batches llama.cpp takes for the context asked for (``ggmoe.base.context``)."""
     from ggmoe.base.context import DEFAULT_N_BATCH, decode_batch
     from ggmoe.engine import Engine, EngineConfig
@@ -111,7 +111,7 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
     kw = {"n_threads": threads} if threads else {}
     n_batch = decode_batch(n_ctx if n_ctx is not None else training_context(model), DEFAULT_N_BATCH)
     eng = Engine(EngineConfig(model_path=model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, verbose=verbose,
-                              cache=cache, **kw))
+                              run=run, **kw))
     if n_ctx is not None and n_ctx > eng.n_ctx_train:
         click.echo(f"warning: --n-ctx {n_ctx} is above the {eng.n_ctx_train} tokens the model was trained "
                    "on; quality past that is not to be trusted", err=True)
@@ -121,14 +121,14 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
 def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: ModelFacts | None = None,
                  miss_policy: str | None = None, prefetch: PrefetchConfig | None = None, hw: str | None = None,
                  config: str | None = None, decode_mode: str | None = None,
-                 planner: PlannerConfig | None = None, host_ram: str | None = None) -> CacheConfig | None:
-    """A CacheConfig from the flags or from a plan file (--config), or None when neither was given;
+                 planner: PlannerConfig | None = None, host_ram: str | None = None) -> RunConfig | None:
+    """A RunConfig from the flags or from a plan file (--config), or None when neither was given;
     --decode-mode, --plan-predictor and --host-ram apply to both."""
-    from ggmoe.cache.config import build_cache_config
+    from ggmoe.control.run_config import build_run_config
 
     if config is None:
-        return build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode, planner,
-                                  host_ram)
+        return build_run_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode, planner,
+                                host_ram)
     given = [f for f, v in (("--cache-slots", cache_slots), ("--vram", vram), ("--policy", policy),
                             ("--miss-policy", miss_policy), ("--predictor", prefetch), ("--hw", hw)) if v is not None]
     if given:
@@ -138,21 +138,21 @@ def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, 
     cfg = read_plan(config)
     if facts is not None:  # layers that do not match the model fail now, before it loads
         cfg.check_model(facts)
-    if cfg.hw_profile is not None:
+    if cfg.decode.hw_profile is not None:
         from ggmoe.cache.hardware import load_profile
 
-        load_profile(cfg.hw_profile)
+        load_profile(cfg.decode.hw_profile)
     if decode_mode is not None:
-        cfg = dataclasses.replace(cfg, decode_mode=decode_mode)
+        cfg = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, mode=decode_mode))
     if planner is not None:
         cfg = dataclasses.replace(cfg, planner=planner)
     if host_ram is not None:
         from ggmoe.base.units import parse_bytes
         from ggmoe.cache.tiers import tier_sizes
 
-        cfg = dataclasses.replace(cfg, host_ram=parse_bytes(host_ram))
+        cfg = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, host_ram=parse_bytes(host_ram)))
         if facts is not None:
-            tier_sizes(facts, 0, cfg.host_ram)
+            tier_sizes(facts, 0, cfg.tiers.host_ram)
     return cfg
 
 
@@ -185,11 +185,11 @@ def planner_config(planner: str | None, train: tuple[str, ...] = ()) -> PlannerC
     return PlannerConfig(predictor=planner, train=tuple(train))
 
 
-def check_stats_json(stats_json: str | None, cache: CacheConfig | None) -> None:
+def check_stats_json(stats_json: str | None, run: RunConfig | None) -> None:
     """--stats-json needs a cache and a writable path: both checked before any work."""
     if stats_json is None:
         return
-    if cache is None:
+    if run is None:
         raise UsageError("--stats-json needs a cache: --cache-slots N or --vram BYTES")
     check_output(stats_json, "--stats-json", suffixes=(".json",))
 

@@ -136,13 +136,16 @@ def _baseline(p: Plan) -> str:
 def _write_chosen(p: Plan, out: str, what: str, hw: str, stats_path: str | None) -> None:
     """The plan file ``--config`` loads, with its estimate and, in a comment, how it was made."""
     from ggmoe.cache.config import CacheConfig
+    from ggmoe.cache.decode_mode import DecodeConfig
     from ggmoe.control.plan_file import write_plan
     from ggmoe.control.prefetch import PrefetchConfig
+    from ggmoe.control.run_config import RunConfig
 
     c = p.config
     pre = PrefetchConfig(predictor=c.predictor, stride=c.stride) if c.predictor else None
-    cfg = CacheConfig(layer_slots=dict(c.n_slots), policy=c.policy, miss_policy=c.miss_policy,
-                      hw_profile=hw if c.miss_policy == "auto" else None, prefetch=pre)
+    cfg = RunConfig(CacheConfig(layer_slots=dict(c.n_slots), policy=c.policy),
+                    DecodeConfig(miss_policy=c.miss_policy, hw_profile=hw if c.miss_policy == "auto" else None),
+                    prefetch=pre)
     estimate = {"tpot_s": p.tpot_s, "baseline_tpot_s": p.baseline_tpot_s}
     comment = (f"written by ggmoe plan for {what}\n"
                f"estimated TPOT {p.tpot_s * 1e3:.3f} ms ({'analytic' if p.analytic else 'simulated'}); "
@@ -254,13 +257,13 @@ def _write_moepic(trace: Trace, facts: ModelFacts, path: str, budget: int, profi
     from ggmoe.cache.config import CacheConfig
     from ggmoe.control.plan_file import write_plan
     from ggmoe.control.prefetch import PrefetchConfig
+    from ggmoe.control.run_config import RunConfig
     from ggmoe.simulate.moepic import POLICY, moepic_plan
 
     click.echo(f"measuring curves and configuring MoEpic's split on {trace.n_tokens} tokens...", err=True)
     m = moepic_plan(trace, facts, budget, profile, path, predictor_s)
     pre = PrefetchConfig(predictor=m.predictor, stride=1, n_prefetch=m.n_prefetch) if m.predictor else None
-    cfg = CacheConfig(layer_slots=m.slots, policy=POLICY, miss_policy="wait", prefetch=pre,
-                      layer_theta=m.theta or None)
+    cfg = RunConfig(CacheConfig(layer_slots=m.slots, policy=POLICY, layer_theta=m.theta or None), prefetch=pre)
     cfg.check_model(facts)  # what run --config will check: layers, splits, slot ranges
     thetas = sorted({*m.theta.values(), *([1.0] if len(m.theta) < len(m.slots) else [])})
     sizes = sorted(set(m.slots.values()))

@@ -287,13 +287,15 @@ def _run_live(paths: list[Path], facts: list[ModelFacts], out: list[dict[str, An
               policies: tuple[str, str], save_kl_base: str | None) -> list[LevelRun]:
     """The engine passes (none without --text and --measure); the reference written when asked."""
     from ggmoe.cache.config import CacheConfig
+    from ggmoe.cache.decode_mode import DecodeConfig
     from ggmoe.cli.quant_quality import run_levels
+    from ggmoe.control.run_config import RunConfig
     from ggmoe.simulate.quality import save_reference
 
     if spec.quality is None and spec.measure_tokens is None:
         return []
-    caches = [CacheConfig(n_slots=r["slots_per_layer"], policy=policies[0], miss_policy=policies[1])
-              if r["fits"] else None for r in out]
+    caches = [RunConfig(CacheConfig(n_slots=r["slots_per_layer"], policy=policies[0]),
+                        DecodeConfig(miss_policy=policies[1])) if r["fits"] else None for r in out]
     runs = run_levels(paths, facts, caches, spec)
     built = next((r.reference for r in runs if r.reference is not None), None)
     if save_kl_base is not None and built is not None:

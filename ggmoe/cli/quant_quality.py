@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ggmoe.base.errors import UsageError
 
 if TYPE_CHECKING:
-    from ggmoe.cache.config import CacheConfig
+    from ggmoe.control.run_config import RunConfig
     from ggmoe.engine import Engine
     from ggmoe.inspect import ModelFacts
     from ggmoe.simulate.quality import Quality, Reference, Windows
@@ -68,11 +68,11 @@ def check_same_model(paths: list[Path], facts: list[ModelFacts]) -> None:
             raise UsageError(f"{paths[0].name} and {path.name} are not levels of one model ({diff})")
 
 
-def open_level(path: Path, n_ctx: int, cache: CacheConfig | None, threads: int | None) -> Engine:
+def open_level(path: Path, n_ctx: int, run: RunConfig | None, threads: int | None) -> Engine:
     from ggmoe.engine import Engine, EngineConfig
 
     kw = {"n_threads": threads} if threads else {}
-    return Engine(EngineConfig(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, cache=cache, **kw))
+    return Engine(EngineConfig(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, run=run, **kw))
 
 
 def windows_of(engine: Engine, spec: QualitySpec) -> Windows:
@@ -101,11 +101,11 @@ def quality_pass(engine: Engine, windows: Windows, spec: QualitySpec, ref: Refer
     return quality, scorer.reference(windows, meta)
 
 
-def measure(engine: Engine, cache: CacheConfig | None, text_ids: list[int] | None, n_tokens: int) -> Measured:
+def measure(engine: Engine, run: RunConfig | None, text_ids: list[int] | None, n_tokens: int) -> Measured:
     """Decode ``n_tokens`` one at a time after a prompt, from a cold cache: the text's own tokens when it has
     enough (the same for every level), else the level's greedy ones after a fixed prompt."""
-    if cache is not None:
-        engine.reconfigure(cache)  # a cold cache, its statistics from zero
+    if run is not None:
+        engine.reconfigure(run)  # a cold cache, its statistics from zero
     engine.reset()
     forced = text_ids is not None and len(text_ids) > MEASURE_PROMPT + n_tokens
     if forced:  # stream yields the prefill's time first, then one decode per token it feeds
@@ -158,7 +158,7 @@ class LiveSpec:
     threads: int | None
 
 
-def run_levels(paths: list[Path], facts: list[ModelFacts], caches: list[CacheConfig | None],
+def run_levels(paths: list[Path], facts: list[ModelFacts], caches: list[RunConfig | None],
                spec: LiveSpec) -> list[LevelRun]:
     """Each level through the engine once, the reference level first (the others are scored against it)."""
     from ggmoe.simulate.quality import check_reference, model_key

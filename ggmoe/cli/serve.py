@@ -67,13 +67,13 @@ def _load(opts: LoadOptions, **extra: Any) -> tuple[GgmoeLlama, StatsOut | None]
 
     path = model_path(opts.model)
     facts = model_facts(path)
-    cache, out = cache_from_flags(path, facts, opts.cache)
+    run, out = cache_from_flags(path, facts, opts.cache)
     kw: dict[str, Any] = {"n_ctx": opts.n_ctx or default_n_ctx(path), "verbose": opts.verbose, **extra}
     if opts.threads:
         kw.update(n_threads=opts.threads, n_threads_batch=opts.threads)
     if out is not None:
         kw["observers"] = [out.collector]
-    return load(path, cache=cache, **kw), out
+    return load(path, run=run, **kw), out
 
 
 def _write_stats(llama: GgmoeLlama, opts: LoadOptions, out: StatsOut | None) -> None:
@@ -81,8 +81,8 @@ def _write_stats(llama: GgmoeLlama, opts: LoadOptions, out: StatsOut | None) -> 
     if opts.cache["stats_json"] is not None:
         write_text_atomic(opts.cache["stats_json"], json.dumps(llama.stats()["cache"], indent=2))
     if out is not None:
-        cache = llama.cache_config
-        out.save(llama.prefetcher, cache.prefetch.predictor if cache and cache.prefetch else None)
+        run = llama.run_config
+        out.save(llama.prefetcher, run.prefetch.predictor if run and run.prefetch else None)
 
 
 def check_listen(host: str, port: int) -> None:

@@ -73,8 +73,8 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
     check_output_dir(out, "-o", members=("trace.npz",))
     cfg = RecordConfig(mode=mode, max_tokens=max_tokens, prefill_tokens=prefill_tokens, temp=temp, seed=seed,
                        keep_hidden=not no_hidden)
-    cache, routing_out = cache_from_flags(path, facts, flags)  # the cache and stats flags (**flags)
-    with make_engine(path, n_ctx, threads, verbose, cache) as eng:
+    run, routing_out = cache_from_flags(path, facts, flags)  # the cache and stats flags (**flags)
+    with make_engine(path, n_ctx, threads, verbose, run) as eng:
         if routing_out is not None:
             eng.add_observer(routing_out.collector)
         if records_ids_only(eng):
@@ -83,7 +83,7 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
             written = record_trace(eng, prompts, cfg, Path(out) / "trace.npz", progress=bar.update)
         write_stats(eng, flags["stats_json"], {"model": str(path), "prompts": len(prompts), "mode": mode})
         if routing_out is not None:
-            routing_out.save(eng.prefetcher, cache.prefetch.predictor if cache and cache.prefetch else None)
+            routing_out.save(eng.prefetcher, run.prefetch.predictor if run and run.prefetch else None)
     click.echo(str(written))
 
 

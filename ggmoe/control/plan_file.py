@@ -26,13 +26,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import write_text_atomic
 from ggmoe.base.params import check_params
 from ggmoe.base.tomlfile import read_toml
 from ggmoe.cache.config import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 
 if TYPE_CHECKING:
     from ggmoe.control.prefetch import PrefetchConfig
@@ -42,8 +44,8 @@ MAX_SLOTS, MAX_STRIDE, MAX_PREFETCH = 1 << 16, 1024, 4096  # the bounds of --cac
 PLAN_VERSION = 1
 
 
-def read_plan(path: str | Path) -> CacheConfig:
-    """The ``CacheConfig`` a plan file describes; UsageError naming the file and the field otherwise."""
+def read_plan(path: str | Path) -> RunConfig:
+    """The ``RunConfig`` a plan file describes; UsageError naming the file and the field otherwise."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--config {p}: no such file")
@@ -63,8 +65,9 @@ def read_plan(path: str | Path) -> CacheConfig:
     policy, options = _policy(cache, f"--config {p}", fail)
     miss, hw = _miss_policy(cache, fail)
     prefetch = _prefetch(data.get("prefetch"), fail)
-    return CacheConfig(layer_slots=layer_slots, policy=policy, miss_policy=miss, hw_profile=hw, prefetch=prefetch,
-                       policy_options=options or None, layer_theta=layer_theta or None)
+    cache_config = CacheConfig(layer_slots=layer_slots, policy=policy, policy_options=options or None,
+                               layer_theta=layer_theta or None)
+    return RunConfig(cache_config, DecodeConfig(miss_policy=miss, hw_profile=hw), prefetch=prefetch)
 
 
 Fail = Callable[[str], UsageError]  # a message -> the UsageError naming the plan file
@@ -172,18 +175,19 @@ def _num(x: float) -> str:
     return repr(float(x)) if math.isfinite(x) else "0.0"
 
 
-def render_plan(config: CacheConfig, estimate: Mapping[str, float], comment: str = "") -> str:
+def render_plan(run: RunConfig, estimate: Mapping[str, float], comment: str = "") -> str:
+    cache, decode = run.cache, run.decode
     lines = [f"# {line}" for line in comment.splitlines()] + [f"version = {PLAN_VERSION}", "", "[cache]",
-                                                             f"policy = {_q(config.policy)}",
-                                                             f"miss_policy = {_q(config.miss_policy)}"]
-    if config.hw_profile is not None:
-        lines.append(f"hw = {_q(str(config.hw_profile))}")
-    lines += ["", "[cache.slots]", *(f'"{il}" = {n}' for il, n in sorted((config.layer_slots or {}).items()))]
-    if config.layer_theta:
-        lines += ["", "[cache.theta]", *(f'"{il}" = {_num(t)}' for il, t in sorted(config.layer_theta.items()))]
-    if config.policy_options:
-        lines += ["", "[cache.policy_options]", *(f"{k} = {_value(v)}" for k, v in config.policy_options.items())]
-    pre = cast("PrefetchConfig | None", config.prefetch)  # CacheConfig types it object: cache is below control
+                                                             f"policy = {_q(cache.policy)}",
+                                                             f"miss_policy = {_q(decode.miss_policy)}"]
+    if decode.hw_profile is not None:
+        lines.append(f"hw = {_q(str(decode.hw_profile))}")
+    lines += ["", "[cache.slots]", *(f'"{il}" = {n}' for il, n in sorted((cache.layer_slots or {}).items()))]
+    if cache.layer_theta:
+        lines += ["", "[cache.theta]", *(f'"{il}" = {_num(t)}' for il, t in sorted(cache.layer_theta.items()))]
+    if cache.policy_options:
+        lines += ["", "[cache.policy_options]", *(f"{k} = {_value(v)}" for k, v in cache.policy_options.items())]
+    pre = run.prefetch
     if pre is not None:
         lines += ["", "[prefetch]", f"predictor = {_q(pre.predictor)}", f"stride = {pre.stride}"]
         if pre.n_prefetch is not None:
@@ -193,6 +197,6 @@ def render_plan(config: CacheConfig, estimate: Mapping[str, float], comment: str
     return "\n".join(lines) + "\n"
 
 
-def write_plan(path: str | Path, config: CacheConfig, estimate: Mapping[str, float], comment: str = "") -> Path:
-    write_text_atomic(path, render_plan(config, estimate, comment))
+def write_plan(path: str | Path, run: RunConfig, estimate: Mapping[str, float], comment: str = "") -> Path:
+    write_text_atomic(path, render_plan(run, estimate, comment))
     return Path(path)

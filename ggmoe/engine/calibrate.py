@@ -26,6 +26,7 @@ import numpy as np
 
 from ggmoe.base.context import check_prompt, decode_batch
 from ggmoe.cache import CacheConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine.disk import disk_points
 from ggmoe.engine.engine import Engine, EngineConfig
@@ -140,13 +141,13 @@ def calibrate(model: Path, n_threads: int, n_tokens: int = 32, repeat: int = 5) 
     bpe = facts.bytes_per_expert(facts.moe_layers[0])
     expert_bytes = sum(facts.bytes_per_expert(il) for il in facts.moe_layers) * k
     dense_bytes = facts.dense_bytes  # bytes; the token embedding is counted whole (a token reads one row)
-    all_cached = CacheConfig(n_slots=facts.n_expert, policy="lru")
+    all_cached = RunConfig(CacheConfig(n_slots=facts.n_expert, policy="lru"))
     n_ctx = 512 + n_tokens  # the prompt and every timed token: a generation never stops early on a full context
     base = {"model_path": model, "n_ctx": n_ctx, "n_threads": n_threads, "n_batch": decode_batch(n_ctx),
             "n_ubatch": decode_batch(n_ctx)}
 
     # copies and the hook: a cache that holds every expert (copied in once, then all hits)
-    with Engine(EngineConfig(**base, cache=all_cached)) as eng:
+    with Engine(EngineConfig(**base, run=all_cached)) as eng:
         check_prompt(len(eng.tokenize(PROMPT)), eng.n_ctx, "the calibration prompt", room=n_tokens)
         points = _copy_points(eng, repeat)
         eng.generate(PROMPT, max_tokens=4)

@@ -30,7 +30,8 @@ from llama_cpp import _internals
 
 from ggmoe.base.context import decode_batch
 from ggmoe.base.errors import EngineError, ModelFileError, UsageError
-from ggmoe.cache import CacheConfig, CacheStats
+from ggmoe.cache import CacheStats
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.hooks import CbEvalHook, Observers, RouteOpHook
@@ -129,7 +130,7 @@ class EngineConfig:
     host_expert_layers: tuple[int, ...] | None = None
     gate_hook: bool = True  # install the gate hook (False: stock compute, for baselines)
     hook_path: str = "auto"  # auto: the patched route op when available, else cb_eval | route | cb_eval
-    cache: CacheConfig | None = None  # the expert cache (needs the patched engine)
+    run: RunConfig | None = None  # the expert cache and how it runs (needs the patched engine)
     verbose: bool = False
 
 
@@ -185,10 +186,10 @@ class Engine:
         self._ctx: _internals.LlamaContext | None = None
         self._batch: _internals.LlamaBatch | None = None
         try:
-            if config.host_expert_layers is not None and config.cache is not None:
+            if config.host_expert_layers is not None and config.run is not None:
                 raise UsageError("the expert cache needs every layer's experts in host memory "
                                  "(host_expert_layers=None)")
-            cache, on_disk = resolve_tiers(config.cache, self.facts)
+            run, on_disk = resolve_tiers(config.run, self.facts)
             self._model = load_model(path, config.n_gpu_layers, config.experts_on_host, config.host_expert_layers,
                                      on_disk)
             self.n_ctx_train = int(self._model.model.n_ctx_train())  # tokens the model was trained on
@@ -198,7 +199,7 @@ class Engine:
             self._ctx = new_context(self._model, n_ctx, self.n_batch, min(config.n_ubatch, self.n_batch),
                                     config.n_threads, self._hook.c_callback if kind == "cb_eval" else None)
             if kind == "route":
-                self.pipeline = CachePipeline(self._model.ptr, self._ctx.ctx, self.facts, path, cache,
+                self.pipeline = CachePipeline(self._model.ptr, self._ctx.ctx, self.facts, path, run,
                                               self.observers, config.n_threads, self.n_batch,
                                               min(config.n_ubatch, self.n_batch))
                 self._hook = self.pipeline.hook
@@ -222,13 +223,13 @@ class Engine:
         """Which gate hook strategy: the patched route op when available, else cb_eval; None without a hook."""
         if config.hook_path not in ("auto", "route", "cb_eval"):
             raise UsageError(f"hook_path must be auto, route or cb_eval, not {config.hook_path!r}")
-        if config.cache is not None and not config.experts_on_host:
+        if config.run is not None and not config.experts_on_host:
             raise UsageError("the expert cache needs the experts in host memory (experts_on_host=True)")
-        if config.cache is not None and config.hook_path == "cb_eval":
+        if config.run is not None and config.hook_path == "cb_eval":
             raise UsageError("the expert cache runs on the route op, not on cb_eval")
-        if (config.cache is not None or config.hook_path == "route") and not self.patched:
+        if (config.run is not None or config.hook_path == "route") and not self.patched:
             _patched.load()  # raises EngineNotPatchedError with the fix in its message
-        if config.cache is not None and not config.gate_hook:
+        if config.run is not None and not config.gate_hook:
             raise UsageError("the expert cache needs the gate hook (gate_hook=True)")
         if not config.gate_hook:
             return None
@@ -285,14 +286,14 @@ class Engine:
         """Hits, misses, bytes copied and waits per layer since load (None without a cache)."""
         return self._runtime.cache.stats if self._runtime is not None else None
 
-    def reconfigure(self, cache: CacheConfig) -> None:
+    def reconfigure(self, run: RunConfig) -> None:
         """Replace the expert cache between decodes (``CachePipeline.reconfigure``: MoEpic's reconfiguration,
         other slot counts and top shares); the KV cache and the sequence stay. Needs a cache already."""
         if self.pipeline is None or self.pipeline.runtime is None:
             raise UsageError("reconfiguring needs an engine loaded with a cache")
-        cache.check_model(self.facts)  # a plan for another model fails before the old cache goes
-        self.pipeline.reconfigure(cache)
-        self.config = dataclasses.replace(self.config, cache=cache)
+        run.check_model(self.facts)  # a plan for another model fails before the old cache goes
+        self.pipeline.reconfigure(run)
+        self.config = dataclasses.replace(self.config, run=run)
 
     def record_hook_times(self, on: bool = True) -> None:
         """Start (or stop) recording the seconds of every route callback (one per layer call)."""

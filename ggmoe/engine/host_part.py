@@ -5,7 +5,7 @@ callback sends to the CPU) on a worker thread with its own threadpool, started r
 joined where the two parts are added. The device part (the cached experts) runs meanwhile: on a GPU, its
 kernels; on the CPU build, the main graph's threads. The logits are the same either way.
 
-``--host-threads`` (``CacheConfig.host_threads``) or ``GGMOE_HOST_THREADS`` sets the worker's threads (0: the host
+``--host-threads`` (``DecodeConfig.host_threads``) or ``GGMOE_HOST_THREADS`` sets the worker's threads (0: the host
 part stays in the main graph). Unset, a GPU build
 gets a worker with the context's threads and the CPU build none: there the "device" is the same cores, so
 running the two parts side by side only adds a hand-off per layer (docs/benchmarks.md, "The host path").

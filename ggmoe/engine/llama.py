@@ -34,10 +34,11 @@ import numpy as np
 
 from ggmoe.base.context import check_prompt, context_tokens
 from ggmoe.base.errors import ModelFileError, UsageError
-from ggmoe.cache import CacheConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.hook import RouteObserver
 
 if TYPE_CHECKING:
+    from ggmoe.control.planner import PlannerConfig
     from ggmoe.inspect import ModelFacts
 
 # Used when the GGUF carries no chat template: plain "Role: text" turns, which a base
@@ -110,13 +111,13 @@ class GenerationWatch(Protocol):
 class GgmoeLlama(llama_cpp.Llama):
     """A ``llama_cpp.Llama`` with the experts in host memory and, optionally, ggmoe's expert cache."""
 
-    def __init__(self, model_path: str, *, cache: CacheConfig | None = None, experts_on_host: bool = True,
+    def __init__(self, model_path: str, *, run: RunConfig | None = None, experts_on_host: bool = True,
                  observers: Sequence[RouteObserver] = (), n_seq_max: int = 1, kv_unified: bool = True,
                  chat_template: str | None = None, **kwargs: Any) -> None:
         from ggmoe.engine.llama_attach import HostExpertOverride, no_read_ahead, resolve_tiers
         from ggmoe.inspect import inspect_model
 
-        if cache is not None and not experts_on_host:
+        if run is not None and not experts_on_host:
             raise UsageError("the expert cache needs the experts in host memory (experts_on_host=True)")
         if isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or not 1 <= n_seq_max <= MAX_SEQUENCES:
             raise UsageError(f"n_seq_max {n_seq_max!r}: give 1 to {MAX_SEQUENCES} sequences")
@@ -127,8 +128,8 @@ class GgmoeLlama(llama_cpp.Llama):
         self._n_seq_max = n_seq_max  # read by the context_params setter, before the context is made
         self._kv_unified = kv_unified
         self._ggmoe = None  # LlamaAttachment, once the context exists
-        facts = inspect_model(Path(model_path)) if cache is not None or observers else None
-        cache, on_disk = resolve_tiers(cache, facts) if facts is not None else (cache, False)
+        facts = inspect_model(Path(model_path)) if run is not None or observers else None
+        run, on_disk = resolve_tiers(run, facts) if facts is not None else (run, False)
         self._placement = HostExpertOverride(on_disk=on_disk) if experts_on_host else None
         self.watch: GenerationWatch | None = None
         if experts_on_host:
@@ -139,16 +140,16 @@ class GgmoeLlama(llama_cpp.Llama):
         with no_read_ahead(on_disk):
             super().__init__(model_path, **kwargs)
         self._placement = None  # llama.cpp has read the override list
-        self.cache_config = cache
+        self.run_config = run
         if chat_template is not None or (not self.metadata.get("tokenizer.chat_template")
                                          and not kwargs.get("chat_format") and not kwargs.get("chat_handler")):
             self.chat_handler = self._default_chat_handler()
         try:
-            if cache is not None or observers:
+            if run is not None or observers:
                 from ggmoe.engine.llama_attach import LlamaAttachment
 
                 self._ggmoe = LlamaAttachment(self._model.model, self._ctx.ctx, facts,
-                                              Path(model_path), cache, observers, n_threads=self.context_params.n_threads,
+                                              Path(model_path), run, observers, n_threads=self.context_params.n_threads,
                                               n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch)
         except BaseException:
             self.close()
@@ -326,15 +327,15 @@ class GgmoeLlama(llama_cpp.Llama):
 
         return is_eog(self._model.vocab, token)
 
-    def reconfigure(self, cache: CacheConfig) -> None:
+    def reconfigure(self, run: RunConfig) -> None:
         """Replace the expert cache between generations (MoEpic's reconfiguration: other slot counts and top
         shares for this model); the KV cache and the prompt cache stay, the new expert cache starts empty."""
         att = self._ggmoe
         if att is None or att.runtime is None:
             raise UsageError("reconfiguring needs a model loaded with a cache")
-        cache.check_model(att.facts)  # a configuration for another model fails before the old cache goes
-        att.reconfigure(cache)
-        self.cache_config = cache
+        run.check_model(att.facts)  # a configuration for another model fails before the old cache goes
+        att.reconfigure(run)
+        self.run_config = run
 
     def add_observer(self, obs: RouteObserver) -> None:
         """Give ``obs`` every MoE layer's routing from now on (needs a model loaded with a cache or observers)."""
@@ -380,7 +381,7 @@ class GgmoeLlama(llama_cpp.Llama):
         self.close()
 
 
-def _planner_config(planner: str | None, train: Sequence[str]) -> object | None:
+def _planner_config(planner: str | None, train: Sequence[str]) -> PlannerConfig | None:
     """``load()``'s plan_predictor as a PlannerConfig (None without one)."""
     if planner is None:
         return None
@@ -391,49 +392,24 @@ def _planner_config(planner: str | None, train: Sequence[str]) -> object | None:
 
 
 def _plan_file_cache(config: str | os.PathLike, facts: ModelFacts, decode_mode: str | None, plan_predictor: str | None,
-                     predictor_train: Sequence[str]) -> CacheConfig:
-    """The cache a plan file (``ggmoe plan``) sets, checked against the model; ``decode_mode`` and a planner
+                     predictor_train: Sequence[str]) -> RunConfig:
+    """The run a plan file (``ggmoe plan``) sets, checked against the model; ``decode_mode`` and a planner
     still apply on top of it."""
     from ggmoe.control.plan_file import read_plan
 
-    cache = read_plan(config)
-    cache.check_model(facts)
+    run = read_plan(config)
+    run.check_model(facts)
     if decode_mode is not None:
         from ggmoe.cache.decode_mode import check_decode_mode
 
-        cache = dataclasses.replace(cache, decode_mode=check_decode_mode(decode_mode))
+        run = dataclasses.replace(run, decode=dataclasses.replace(run.decode, mode=check_decode_mode(decode_mode)))
     if plan_predictor is not None:
-        cache = dataclasses.replace(cache, planner=_planner_config(plan_predictor, predictor_train))
-    return cache
+        run = dataclasses.replace(run, planner=_planner_config(plan_predictor, predictor_train))
+    return run
 
 
-def load(path: str | os.PathLike | None = None, *, model_path: str | os.PathLike | None = None,
-         vram: int | str | None = None,
-         cache_slots: int | None = None, policy: str | None = None, predictor: str | None = None,
-         stride: int = 2, n_prefetch: int | None = None, prefetch_threshold: float | None = None,
-         predictor_train: Sequence[str] = (), miss_policy: str | None = None, hw: str | None = None,
-         decode_mode: str | None = None, cache: CacheConfig | None = None, config: str | os.PathLike | None = None,
-         plan_predictor: str | None = None, host_ram: int | str | None = None, **llama_kwargs: Any) -> GgmoeLlama:
-    """Load a GGUF MoE model as a ``llama_cpp.Llama`` with its experts in host RAM.
-
-    ``path`` (or ``model_path``, ``llama_cpp.Llama``'s name for it) defaults to the embedded model. ``cache_slots`` (slots per MoE layer) or ``vram`` (bytes, or
-    a size such as ``"4GiB"``) turn on the expert cache, with eviction ``policy`` (default lru, see
-    ``ggmoe policies``), stride prefetching from ``predictor`` (``stride`` MoE layers ahead, ``n_prefetch``
-    experts per layer, trained on ``predictor_train`` traces when it learns), ``miss_policy`` (wait, cpu,
-    auto) and the ``hw`` profile as auto's cost model, ``decode_mode`` (auto, async: the expert table and no
-    sync per MoE layer, sync: the route op per layer); or pass a ready ``cache`` (a ``CacheConfig``), or
-    ``config``: a plan file from ``ggmoe plan`` (slots and, with ``--moepic``, MoEpic's top shares per layer;
-    ``decode_mode`` still applies). ``plan_predictor`` (reuse, eam, expert-map, or a PRED.npz trained with
-    ``--mode token``) plans the next token between tokens: its predicted experts are admitted first and not
-    evicted (``ggmoe.control.planner``). ``host_ram`` (bytes or a size; default: what the machine can pin, less
-    a margin): experts beyond it stay in the file and are read from disk into the host tier.
-    Other keyword arguments go to ``llama_cpp.Llama`` (``n_ctx``, ``seed``, ``chat_format``...); ggmoe's
-    defaults differ in two: ``verbose=False`` and ``n_gpu_layers=-1`` (every dense layer on the GPU).
-    """
-    from ggmoe.cache.config import build_cache_config
-    from ggmoe.control.prefetch import build_prefetch_config
-    from ggmoe.inspect import inspect_model
-
+def _model_file(path: str | os.PathLike | None, model_path: str | os.PathLike | None) -> Path:
+    """The model file ``load()`` was given as ``path`` or ``model_path``, or the embedded model; it must exist."""
     if model_path is not None:
         if path is not None:
             raise UsageError("give the model as path or as model_path, not both")
@@ -447,23 +423,57 @@ def load(path: str | os.PathLike | None = None, *, model_path: str | os.PathLike
     p = Path(path)
     if not p.is_file():
         raise ModelFileError(f"model file not found: {p}")
+    return p
+
+
+def load(path: str | os.PathLike | None = None, *, model_path: str | os.PathLike | None = None,
+         vram: int | str | None = None,
+         cache_slots: int | None = None, policy: str | None = None, predictor: str | None = None,
+         stride: int = 2, n_prefetch: int | None = None, prefetch_threshold: float | None = None,
+         predictor_train: Sequence[str] = (), miss_policy: str | None = None, hw: str | None = None,
+         decode_mode: str | None = None, run: RunConfig | None = None, config: str | os.PathLike | None = None,
+         plan_predictor: str | None = None, host_ram: int | str | None = None, **llama_kwargs: Any) -> GgmoeLlama:
+    """Load a GGUF MoE model as a ``llama_cpp.Llama`` with its experts in host RAM.
+
+    ``path`` (or ``model_path``, ``llama_cpp.Llama``'s name for it) defaults to the embedded model. ``cache_slots`` (slots per MoE layer) or ``vram`` (bytes, or
+    a size such as ``"4GiB"``) turn on the expert cache, with eviction ``policy`` (default lru, see
+    ``ggmoe policies``), stride prefetching from ``predictor`` (``stride`` MoE layers ahead, ``n_prefetch``
+    experts per layer, trained on ``predictor_train`` traces when it learns), ``miss_policy`` (wait, cpu,
+    auto) and the ``hw`` profile as auto's cost model, ``decode_mode`` (auto, async: the expert table and no
+    sync per MoE layer, sync: the route op per layer); or pass a ready ``run`` (a ``RunConfig``), or
+    ``config``: a plan file from ``ggmoe plan`` (slots and, with ``--moepic``, MoEpic's top shares per layer;
+    ``decode_mode`` still applies). ``plan_predictor`` (reuse, eam, expert-map, or a PRED.npz trained with
+    ``--mode token``) plans the next token between tokens: its predicted experts are admitted first and not
+    evicted (``ggmoe.control.planner``). ``host_ram`` (bytes or a size; default: what the machine can pin, less
+    a margin): experts beyond it stay in the file and are read from disk into the host tier.
+    Other keyword arguments go to ``llama_cpp.Llama`` (``n_ctx``, ``seed``, ``chat_format``...); ggmoe's
+    defaults differ in two: ``verbose=False`` and ``n_gpu_layers=-1`` (every dense layer on the GPU).
+    """
+    from ggmoe.control.prefetch import build_prefetch_config
+    from ggmoe.control.run_config import build_run_config
+    from ggmoe.inspect import inspect_model
+
+    p = _model_file(path, model_path)
+    if "cache" in llama_kwargs:
+        raise UsageError("load() takes a ready configuration as run=RunConfig(CacheConfig(...)), or the cache's "
+                         "options (cache_slots=, vram=, ...)")
     facts = inspect_model(p)  # the bounded reader validates the file before llama.cpp sees it
     if config is not None:
-        if cache is not None or any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw)):
+        if run is not None or any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw)):
             raise UsageError("config= (a plan file) sets the cache; give no other cache options with it")
-        cache = _plan_file_cache(config, facts, decode_mode, plan_predictor, predictor_train)
-    elif cache is None:
+        run = _plan_file_cache(config, facts, decode_mode, plan_predictor, predictor_train)
+    elif run is None:
         prefetch = build_prefetch_config(predictor, stride, n_prefetch, prefetch_threshold,
                                          tuple(predictor_train) if predictor is not None or plan_predictor is None
                                          else ())
-        cache = build_cache_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode,
-                                   _planner_config(plan_predictor, predictor_train), host_ram)
+        run = build_run_config(cache_slots, vram, policy, facts, miss_policy, prefetch, hw, decode_mode,
+                               _planner_config(plan_predictor, predictor_train), host_ram)
     elif any(v is not None for v in (cache_slots, vram, policy, predictor, miss_policy, hw, decode_mode,
                                      plan_predictor, host_ram)):
-        raise UsageError("give the cache either as cache=CacheConfig(...) or as its options, not both")
+        raise UsageError("give the cache either as run=RunConfig(...) or as its options, not both")
     llama_kwargs.setdefault("verbose", False)
     llama_kwargs.setdefault("n_gpu_layers", -1)
     try:
-        return GgmoeLlama(str(p), cache=cache, **llama_kwargs)
+        return GgmoeLlama(str(p), run=run, **llama_kwargs)
     except ValueError as e:  # llama-cpp-python's "Failed to load model from file"
         raise ModelFileError(f"llama.cpp could not load {p}: {e}") from e

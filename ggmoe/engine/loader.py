@@ -19,7 +19,7 @@ from pathlib import Path
 from llama_cpp import _internals
 
 from ggmoe.base.errors import EngineError, ModelFileError
-from ggmoe.cache.config import CacheConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.log import llama_log
@@ -142,24 +142,24 @@ def no_read_ahead(on: bool) -> Iterator[None]:
         _patched.load().llama_ggmoe_set_mmap_prefetch(was)
 
 
-def resolve_tiers(cache: CacheConfig | None, facts: ModelFacts) -> tuple[CacheConfig | None, bool]:
-    """(the cache with its host budget resolved, whether the experts stay on disk), before the model loads.
+def resolve_tiers(run: RunConfig | None, facts: ModelFacts) -> tuple[RunConfig | None, bool]:
+    """(the run with its host budget resolved, whether the experts stay on disk), before the model loads.
 
     The auto budget (``host_ram`` None) is read once, here, from the memory available now: a disk tier keeps
     it (the runtime sizes the host tier from it); a model that fits keeps None (no host tier)."""
-    if cache is None:
+    if run is None:
         return None, False
     from ggmoe.cache.tiers import tier_sizes
 
-    tiers = tier_sizes(facts, 0, cache.host_ram)
+    tiers = tier_sizes(facts, 0, run.tiers.host_ram)
     if not tiers.disk:
-        return cache, False
-    if cache.auto_tiers and gpu_device() is None:
-        return _cpu_tiers(cache, facts, tiers.host_ram), True
-    return dataclasses.replace(cache, host_ram=tiers.host_ram), True
+        return run, False
+    if run.tiers.auto_tiers and gpu_device() is None:
+        return _cpu_tiers(run, facts, tiers.host_ram), True
+    return dataclasses.replace(run, tiers=dataclasses.replace(run.tiers, host_ram=tiers.host_ram)), True
 
 
-def _cpu_tiers(cache: CacheConfig, facts: ModelFacts, budget: int) -> CacheConfig:
+def _cpu_tiers(run: RunConfig, facts: ModelFacts, budget: int) -> RunConfig:
     """No cache size given, on a CPU-only build: the GPU tier's slots are host memory too, so the budget goes to
     them (every expert computed from a slot, a hit copied nowhere) and the host tier keeps a staging area of
     2 x n_expert_used slots: a token's reads and the predicted reads of the layers ahead pass through it."""
@@ -173,7 +173,8 @@ def _cpu_tiers(cache: CacheConfig, facts: ModelFacts, budget: int) -> CacheConfi
         raise UsageError(f"the host budget of {budget} bytes gives {budget // slot} slots per layer: a model on "
                          f"disk needs at least {k + host} (n_expert_used for the computing tier, {host} to "
                          "stage reads) on a CPU-only build")
-    return dataclasses.replace(cache, n_slots=int(gpu), host_ram=host * slot)
+    return dataclasses.replace(run, cache=dataclasses.replace(run.cache, n_slots=int(gpu)),
+                               tiers=dataclasses.replace(run.tiers, host_ram=host * slot))
 
 
 def new_context(model: LoadedModel, n_ctx: int, n_batch: int, n_ubatch: int, n_threads: int,

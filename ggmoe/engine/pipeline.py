@@ -24,11 +24,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ggmoe.base.errors import EngineError, UsageError
-from ggmoe.cache import CacheConfig, CacheStats
+from ggmoe.cache import CacheStats
 from ggmoe.cache.decode_mode import (
     TABLE_MAX_TOKENS,
     DecodeMode,
@@ -41,9 +42,10 @@ from ggmoe.cache.host_tier import HostTier
 from ggmoe.cache.miss import auto_without_host_path
 from ggmoe.cache.split import model_split
 from ggmoe.control import TokenController
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
-from ggmoe.engine.graph_predictor import attach_graph_predictor
+from ggmoe.engine.graph_predictor import GraphPredictor, attach_graph_predictor
 from ggmoe.engine.hooks import Observers, RouteOpHook
 from ggmoe.engine.mailbox import Mailbox, lockstep_from_env
 from ggmoe.engine.runtime import CacheRuntime
@@ -51,6 +53,10 @@ from ggmoe.engine.stride import StrideReader
 from ggmoe.engine.tables import ExpertTables
 from ggmoe.hook import HookRequest, RouteEvent, RouteObserver
 from ggmoe.inspect.facts import ModelFacts
+
+if TYPE_CHECKING:
+    from ggmoe.control.planner import NextTokenPlanner
+    from ggmoe.control.prefetch import Prefetcher
 
 
 def table_max_tokens(n_batch: int, n_ubatch: int) -> int:
@@ -94,7 +100,7 @@ class CachePipeline:
     controller, prefetcher and in-graph predictor, on one ``llama_context``."""
 
     def __init__(self, model_ptr: int, ctx_ptr: int, facts: ModelFacts, model_path: Path,
-                 cache: CacheConfig | None, observers: Observers | Sequence[RouteObserver] = (),
+                 run: RunConfig | None, observers: Observers | Sequence[RouteObserver] = (),
                  n_threads: int | None = None, n_batch: int = 512, n_ubatch: int = 512) -> None:
         _patched.load()  # EngineNotPatchedError names the fix when the engine lacks the patch
         self._ctx_ptr = ctx_ptr
@@ -102,11 +108,11 @@ class CachePipeline:
         self.hook = RouteOpHook(observers if isinstance(observers, Observers) else None, facts.gating)
         self.observers = self.hook.observers
         self.runtime: CacheRuntime | None = None
-        self.cache_config: CacheConfig | None = None  # the configuration the cache was built for (as asked)
-        self.prefetcher = None  # ggmoe.control.prefetch.Prefetcher when the cache prefetches
-        self.graph_predictor = None  # its nets in the graph (ggmoe.engine.graph_predictor), when it has any
+        self.run_config: RunConfig | None = None  # the configuration the cache was built for (as asked)
+        self.prefetcher: Prefetcher | None = None  # when the cache prefetches
+        self.graph_predictor: GraphPredictor | None = None  # its nets in the graph, when it has any
         self.tables: ExpertTables | None = None
-        self.planner = None  # ggmoe.control.planner.NextTokenPlanner when a cross-token predictor plans
+        self.planner: NextTokenPlanner | None = None  # when a cross-token predictor plans
         self.mailbox: Mailbox | None = None  # the async decode's mailbox (the stride reader's, the planner's rows)
         self.stride: StrideReader | None = None  # the async decode's stride prefetch (the mailbox's reader)
         self._reading = False  # the stride reader has a token of the decode in flight
@@ -120,45 +126,47 @@ class CachePipeline:
             if not isinstance(observers, Observers):
                 for obs in observers:
                     self.observers.add(obs)
-            if cache is not None:
-                self._build_cache(cache)
+            if run is not None:
+                self._build_cache(run)
         except BaseException:
             self.detach()
             self.close()
             raise
 
-    def _build_cache(self, cache: CacheConfig) -> None:
-        """Cache runtime, decode mode, tables, controller and prefetcher for ``cache`` on the context."""
+    def _build_cache(self, run: RunConfig) -> None:
+        """Cache runtime, decode mode, tables, controller and prefetcher for ``run`` on the context."""
         ctx_ptr, facts, model_path = self._ctx_ptr, self.facts, self._model_path
         route_inputs = self._route_inputs
         # auto never asks for a host path that cannot serve this cache: it runs as wait and says why
-        miss, why = auto_without_host_path(cache.miss_policy, bool(model_split(facts, cache.layer_theta)),
-                                           cache.decode_mode)
-        self.runtime = CacheRuntime.for_model(self._model_ptr, ctx_ptr, replace(cache, miss_policy=miss), facts,
+        decode = run.decode
+        miss, why = auto_without_host_path(decode.miss_policy, bool(model_split(facts, run.cache.layer_theta)),
+                                           decode.mode)
+        self.runtime = CacheRuntime.for_model(self._model_ptr, ctx_ptr,
+                                              replace(run, decode=replace(decode, miss_policy=miss)), facts,
                                               self._n_threads, model_path)
         if why is not None:
             self.runtime.miss_policy_note = why
-        self.cache_config = cache
+        self.run_config = run
         self.hook.cache = self.runtime.cache
-        if cache.prefetch is not None:
+        if run.prefetch is not None:
             from ggmoe.control.prefetch import make_prefetcher
 
             # in the foreground until the decode mode is known (the async decode reads on its own thread)
-            self.prefetcher = make_prefetcher(self.runtime.cache, replace(cache.prefetch, background=False), facts,
+            self.prefetcher = make_prefetcher(self.runtime.cache, replace(run.prefetch, background=False), facts,
                                               str(model_path))
-        if cache.planner is not None:
+        if run.planner is not None:
             from ggmoe.control.planner import make_planner
 
-            self.planner = make_planner(self.runtime.cache, cache.planner, facts, str(model_path))
+            self.planner = make_planner(self.runtime.cache, run.planner, facts, str(model_path))
         on_gpu = bool(self.runtime.stream.backend)
         note = backend_note(facts, on_gpu)
         split = bool(self.runtime.split)  # MoEpic's split layers read through their tables in both modes
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
         reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note)
-        reasons += self._disk_reasons(on_gpu, cache.decode_mode)
+        reasons += self._disk_reasons(on_gpu, decode.mode)
         idle = self._prefetch_idle_note()  # the async decode's stride prefetch would never find a free slot
-        if idle is not None and cache.decode_mode == "auto":
+        if idle is not None and decode.mode == "auto":
             reasons.append(idle)  # auto takes the sync decode, where the predictor runs
         max_tokens = table_max_tokens(self._n_batch, self.n_ubatch)
         if not max_tokens:
@@ -166,17 +174,17 @@ class CachePipeline:
         # auto weighs what each mode costs a token on this machine: on a GPU, where the async decode moves each
         # miss over the link twice (read in place, then admitted), and for a stride prefetch, which runs in
         # either mode (the route op's callback, or the mailbox's reader)
-        weighed = (self.runtime.mode_estimate(cache, self._n_threads or os.cpu_count() or 1)
-                   if (self.prefetcher is not None or on_gpu) and cache.decode_mode == "auto" and not reasons
+        weighed = (self.runtime.mode_estimate(run, self._n_threads or os.cpu_count() or 1)
+                   if (self.prefetcher is not None or on_gpu) and decode.mode == "auto" and not reasons
                    else None)
-        self.decode_mode = choose_decode_mode(cache.decode_mode, reasons, weighed,
+        self.decode_mode = choose_decode_mode(decode.mode, reasons, weighed,
                                               "with a stride prefetch" if self.prefetcher is not None else "on a GPU")
         if idle is not None and self.decode_mode.mode == "async":  # asked for: it runs, and says the predictor won't
             self.decode_mode = replace(self.decode_mode, reason=f"{self.decode_mode.reason}; {idle}")
         if self.prefetcher is not None and self.decode_mode.mode == "sync":
-            self._sync_prefetch(cache)
+            self._sync_prefetch(run)
         if self.decode_mode.mode == "async" or split:
-            self._make_tables(self.decode_mode.mode == "async" and cache.fills, max(max_tokens, 1))
+            self._make_tables(self.decode_mode.mode == "async" and decode.fills, max(max_tokens, 1))
             # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
             self.hook.after_route = self._tables_follow
         if self.decode_mode.mode == "async":
@@ -265,14 +273,14 @@ class CachePipeline:
         return (f"predictor {pf.predictor.name!r} cannot prefetch in the async decode: {slots[-1]} slots per "
                 f"layer for top-{cache.n_expert_used} leave no free slot (the sync decode's prefetch evicts)")
 
-    def _sync_prefetch(self, cache: CacheConfig) -> None:
+    def _sync_prefetch(self, run: RunConfig) -> None:
         """The sync decode's prefetcher: a route observer (in-graph nets and the worker thread as configured)."""
-        if cache.prefetch.in_graph:
+        if run.prefetch.in_graph:
             self.graph_predictor = attach_graph_predictor(self._ctx_ptr, self.prefetcher.predictor,
                                                           self.facts.moe_layers)
             if self.graph_predictor is not None:
                 self.prefetcher.scores_from_graph()
-        if cache.prefetch.background:
+        if run.prefetch.background:
             self.prefetcher.start_background()
         self.observers.add(self.prefetcher)
 
@@ -317,8 +325,8 @@ class CachePipeline:
         self.prefetcher.request = HookRequest(probs=False, hidden=False)
         self.observers.add(self.prefetcher)
 
-    def reconfigure(self, cache: CacheConfig) -> None:
-        """Replace the cache with one built for ``cache`` (MoEpic's reconfiguration between requests: other
+    def reconfigure(self, run: RunConfig) -> None:
+        """Replace the cache with one built for ``run`` (MoEpic's reconfiguration between requests: other
         slot counts and top shares): between decodes only. The old slots, tables and prefetcher leave the
         context first; what was resident is not carried over (the new cache starts empty), nor are the
         statistics. On an error the pipeline is left without a cache and the error is raised."""
@@ -326,7 +334,7 @@ class CachePipeline:
             raise EngineError("the pipeline is detached from its context")
         self._drop_cache()
         try:
-            self._build_cache(cache)
+            self._build_cache(run)
         except BaseException:
             self._drop_cache()
             raise
@@ -360,7 +368,7 @@ class CachePipeline:
             self.runtime.unregister(ctx, self.runtime.cache.n_slots)  # the context forgets them before they go
             self.runtime.close()  # copies in flight land first: a copy may write a table entry after it lands
             self.runtime = None
-        self.cache_config = None
+        self.run_config = None
         if tables is not None:
             tables.close()
 
@@ -600,10 +608,10 @@ class CachePipeline:
         ``ggmoe.load().stats()["cache"]``, /metrics): the policy and the miss policy (asked, in effect and why),
         the decode mode and the prefetch (``describe``), the slots per layer and what they hold, then the
         statistics' totals and layers. Empty without a cache."""
-        rt, cfg = self.runtime, self.cache_config
+        rt, cfg = self.runtime, self.run_config
         if rt is None or cfg is None:
             return {}
-        return {"policy": cfg.policy, "miss_policy": cfg.miss_policy, "miss_policy_in_effect": rt.miss_policy,
+        return {"policy": cfg.cache.policy, "miss_policy": cfg.decode.miss_policy, "miss_policy_in_effect": rt.miss_policy,
                 "miss_policy_note": rt.miss_policy_note, **self.describe(),
                 "slots_per_layer": {str(k): v for k, v in self.n_slots.items()},
                 "occupancy": {str(k): v for k, v in self.occupancy().items()}, **self._host_tier_report(),
@@ -627,7 +635,7 @@ class CachePipeline:
         if tier is None:
             return {}
         reader = tier.reader
-        return {"host_tier": {"host_slots_per_layer": tier.n_slots, "host_ram": self.cache_config.host_ram,
+        return {"host_tier": {"host_slots_per_layer": tier.n_slots, "host_ram": self.run_config.tiers.host_ram,
                               "direct_io": all(f.direct for f in reader.files.values()),
                               "disk_bytes_read": reader.bytes_read, **tier.totals(),
                               "layers": {str(il): st.to_dict() for il, st in tier.stats.items()}}}

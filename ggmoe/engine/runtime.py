@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ggmoe.base.errors import EngineError, UsageError
-from ggmoe.cache import CacheConfig, MonotonicClock, ThreadedCopyBackend
+from ggmoe.cache import MonotonicClock, ThreadedCopyBackend
 from ggmoe.cache.assemble import CacheSpec, assemble_cache
 from ggmoe.cache.copy import LinkStreamCopyBackend, StreamCopyBackend
 from ggmoe.cache.decode_mode import ModeEstimate, weigh_modes
@@ -28,6 +28,7 @@ from ggmoe.cache.split import LayerSplit, model_split
 from ggmoe.cache.tier_copy import TieredCopyBackend
 from ggmoe.cache.tiers import tier_sizes
 from ggmoe.control.prefetch import default_n_prefetch
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.copies import GgmlCopyBackend, measure_costs
@@ -58,7 +59,7 @@ def _device_bufts() -> tuple[int, int | None, int | None]:
     return B.libggml_cpu.ggml_backend_cpu_buffer_type(), None, None
 
 
-def use_copy_queue(ggml: GgmlCopyBackend, config: CacheConfig, miss_policy: str) -> bool:
+def use_copy_queue(ggml: GgmlCopyBackend, config: RunConfig, miss_policy: str) -> bool:
     """Whether copies go through the priority queue (``StreamCopyBackend``): on an asynchronous stream (a
     GPU's, or the CPU build's deferred one), when there are low-priority copies (prefetches, or admissions of
     the host path) that a demand copy must not wait behind. Otherwise every copy is a demand copy and the
@@ -70,7 +71,7 @@ def use_copy_queue(ggml: GgmlCopyBackend, config: CacheConfig, miss_policy: str)
 class CacheRuntime:
     """Slot tensors + copy backend + ``ExpertCache``, registered with the context layer by layer."""
 
-    def __init__(self, model_ptr: int, ctx_ptr: int, config: CacheConfig, moe_layers: tuple[int, ...],
+    def __init__(self, model_ptr: int, ctx_ptr: int, config: RunConfig, moe_layers: tuple[int, ...],
                  n_expert: int, n_expert_used: int, bytes_per_expert: dict[int, int],
                  n_threads: int | None = None, split: dict[int, LayerSplit] | None = None,
                  disk: DiskTier | None = None) -> None:
@@ -84,16 +85,16 @@ class CacheRuntime:
         if disk is not None:
             self._check_disk(config)
         slot_bytes = {il: self.split[il].top_bytes if il in self.split else bytes_per_expert[il] for il in moe_layers}
-        n_slots = config.slots(slot_bytes, n_expert, n_expert_used)
+        n_slots = config.cache.slots(slot_bytes, n_expert, n_expert_used)
         # bottom buffers of a split layer: as many as the prefetcher queues per layer (MoEpic's y)
         pre = config.prefetch
         self.n_bottom = (pre.n_prefetch or default_n_prefetch(n_expert_used, n_expert)) \
             if self.split and pre is not None else 0
-        policy = POLICIES.get(config.policy)(n_expert, list(moe_layers), **dict(config.policy_options or {}))
+        policy = POLICIES.get(config.cache.policy)(n_expert, list(moe_layers), **dict(config.cache.policy_options or {}))
         self.copies: GgmlCopyBackend | ThreadedCopyBackend | None = None
         self._ggml: GgmlCopyBackend | None = None
         self.slots: SlotTensors | None = None
-        asked = check_miss_policy(config.miss_policy)
+        asked = check_miss_policy(config.decode.miss_policy)
         asked, full_note = without_host_path_when_full(asked, n_slots, n_expert)
         if disk is not None and asked == "auto":
             asked, full_note = "wait", ("auto runs as wait: under a disk tier most experts are not in host memory "
@@ -129,31 +130,31 @@ class CacheRuntime:
             self.close()
             raise
 
-    def _choose_miss_policy(self, config: CacheConfig, asked: str, n_threads: int, n_expert_used: int,
+    def _choose_miss_policy(self, config: RunConfig, asked: str, n_threads: int, n_expert_used: int,
                             full_note: str | None) -> MissCosts | None:
         """The miss policy that runs (``auto`` becomes ``wait`` where the host path would only cost) and where
         the host part runs; the costs ``auto`` weighs, None for the other policies."""
         costs = self._costs(config, n_threads) if asked == "auto" else None
-        self._measured = costs if config.hw_profile is None else None  # measured here (mode_estimate's too)
+        self._measured = costs if config.decode.hw_profile is None else None  # measured here (mode_estimate's too)
         # the host part on a worker beside the device part (patch 0015): the CPU then serves misses while the
         # link copies others, and auto splits them between the two
-        self.host_threads, self._host_order = host_threads(n_threads, self.on_gpu, config.host_threads)
+        self.host_threads, self._host_order = host_threads(n_threads, self.on_gpu, config.decode.host_threads)
         self.miss_policy, self.miss_policy_note = effective_miss_policy(
             asked, costs, self.slots.bytes_per_expert(), n_expert_used if self.host_threads else None)
         self.miss_policy_note = self.miss_policy_note or full_note
         if self.miss_policy == "wait":
             self.host_threads = 0
-            if config.host_threads is not None:  # said once, with why the host path is off
+            if config.decode.host_threads is not None:  # said once, with why the host path is off
                 why = self.miss_policy_note or "the miss policy is wait"
-                self.miss_policy_note = f"{why}; --host-threads {config.host_threads} does nothing without a host path"
+                self.miss_policy_note = f"{why}; --host-threads {config.decode.host_threads} does nothing without a host path"
         return costs
 
-    def _check_disk(self, config: CacheConfig) -> None:
+    def _check_disk(self, config: RunConfig) -> None:
         """What a disk tier cannot serve, refused before anything is allocated."""
         if self.split:
             raise UsageError("split experts (top share θ < 1) read their bottoms from host memory: they need "
                              "every expert in RAM (a larger --host-ram, or no --layer-theta)")
-        if config.miss_policy == "cpu":
+        if config.decode.miss_policy == "cpu":
             raise UsageError("--miss-policy cpu computes misses from host memory, and with a disk tier (--host-ram "
                              "below the experts' size) most experts are not there: use --miss-policy wait")
 
@@ -205,7 +206,7 @@ class CacheRuntime:
             P.llama_ggmoe_set_layer_cache(ctx_ptr, il, 0, None, None, None, None)
         P.llama_ggmoe_set_host_threads(ctx_ptr, 0, 0)  # the worker's thread, stopped with its cache
 
-    def _allocate(self, model_ptr: int, n_slots: dict[int, int], config: CacheConfig, zero_slot: bool) -> None:
+    def _allocate(self, model_ptr: int, n_slots: dict[int, int], config: RunConfig, zero_slot: bool) -> None:
         """(Re)create the slot tensors and the copy backend over them (the GPU's copy stream when there is one,
         else the CPU build's stream that ``GGMOE_COPY_STREAM`` names)."""
         self.close()
@@ -232,7 +233,7 @@ class CacheRuntime:
             self._link_s = config.copy_delay_s * ggml.n_chunks
             self.copies = LinkStreamCopyBackend(ggml, config.copy_delay_s)
 
-    def mode_estimate(self, config: CacheConfig, n_threads: int) -> ModeEstimate:
+    def mode_estimate(self, config: RunConfig, n_threads: int) -> ModeEstimate:
         """``auto``'s weighing of the two decode modes (estimates): the copy cost measured
         here (or the profile's), the route op's sync per layer and the misses' reads in place from the profile,
         else the h100 profile's measured sync on a GPU (the CPU build's reads in place and its route op's
@@ -241,26 +242,26 @@ class CacheRuntime:
         from ggmoe.cache.hardware import load_profile
 
         cache, nb = self.cache, self.slots.bytes_per_expert()
-        counts = {il: [int(x) for x in c] for il, c in (config.routing_counts or {}).items()}  # plain ints
+        counts = {il: [int(x) for x in c] for il, c in (config.decode.routing_counts or {}).items()}  # plain ints
         shape = (nb, cache.n_slots, cache.n_expert, cache.n_expert_used)
-        if config.hw_profile is not None:
-            prof = load_profile(config.hw_profile)
-            return weigh_modes(*shape, prof.copy_s, prof.hook_s, prof.zero_copy_s, f"profile {config.hw_profile}",
-                               counts, fills=config.fills)
+        if config.decode.hw_profile is not None:
+            prof = load_profile(config.decode.hw_profile)
+            return weigh_modes(*shape, prof.copy_s, prof.hook_s, prof.zero_copy_s, f"profile {config.decode.hw_profile}",
+                               counts, fills=config.decode.fills)
         costs = self._measured or measure_costs(self.slots, self._ggml, n_threads, self._link_s)
         if self._ggml.backend:  # a GPU: the misses read over the link at the copies' speed, a sync per layer
             return weigh_modes(*shape, costs.copy_s, P.HOOK_S, costs.copy_s, "copies measured here; a sync per "
                                "layer as measured on an H100, reads in place at the copies' speed", counts,
-                               fills=config.fills)
+                               fills=config.decode.fills)
         return weigh_modes(*shape, costs.copy_s, 0.0, None, "copies measured here; the CPU build reads in place "
-                           "from the memory it computes from", counts, fills=config.fills)
+                           "from the memory it computes from", counts, fills=config.decode.fills)
 
-    def _costs(self, config: CacheConfig, n_threads: int) -> MissCosts:
+    def _costs(self, config: RunConfig, n_threads: int) -> MissCosts:
         """The auto policy's cost model: the hardware profile's, or measured now on the slots."""
-        if config.hw_profile is not None:
+        if config.decode.hw_profile is not None:
             from ggmoe.cache.hardware import load_profile
 
-            return load_profile(config.hw_profile).miss_costs()
+            return load_profile(config.decode.hw_profile).miss_costs()
         return measure_costs(self.slots, self._ggml, n_threads, self._link_s)
 
     @property
@@ -269,17 +270,17 @@ class CacheRuntime:
         return self._ggml
 
     @classmethod
-    def for_model(cls, model_ptr: int, ctx_ptr: int, config: CacheConfig, facts: ModelFacts,
+    def for_model(cls, model_ptr: int, ctx_ptr: int, config: RunConfig, facts: ModelFacts,
                   n_threads: int | None = None, model_path: Path | None = None) -> CacheRuntime:
         """The runtime for a loaded model, its layers and bytes per expert from the GGUF's facts; ``n_threads``:
         the CPU threads llama.cpp computes with (the auto policy's CPU cost; None: every core)."""
         bpe = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
         disk = None
-        if config.host_ram is not None and model_path is not None:
-            tiers = tier_sizes(facts, 0, config.host_ram)
+        if config.tiers.host_ram is not None and model_path is not None:
+            tiers = tier_sizes(facts, 0, config.tiers.host_ram)
             disk = DiskTier(model_path, tiers.host_slots) if tiers.disk else None
         return cls(model_ptr, ctx_ptr, config, facts.moe_layers, facts.n_expert, facts.n_expert_used, bpe,
-                   n_threads, split=model_split(facts, config.layer_theta), disk=disk)
+                   n_threads, split=model_split(facts, config.cache.layer_theta), disk=disk)
 
     def quiesce(self) -> None:
         """Land every copy in flight and stop the copy queue's worker, keeping the slot tensors: before the model

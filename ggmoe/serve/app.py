@@ -138,11 +138,11 @@ class Server:
         r = self.reconfigurer
         if r is None or not r.due() or self.queue.waiting:
             return
-        cache = self.llama.cache_config
+        run = self.llama.run_config
         stats = self.llama.stats()["cache"]
-        if cache is None or stats is None:
+        if run is None or stats is None:
             return
-        proposal = r.propose(cache, {int(il): n for il, n in stats["slots_per_layer"].items()})
+        proposal = r.propose(run, {int(il): n for il, n in stats["slots_per_layer"].items()})
         if proposal is None:
             return
         try:
@@ -557,7 +557,7 @@ def _reconfigurer(llama: GgmoeLlama, settings: ServeSettings) -> Any:
     from ggmoe.inspect import inspect_model
     from ggmoe.serve.reconfigure import Reconfigurer
 
-    if llama.cache_config is None:
+    if llama.run_config is None:
         raise UsageError("--reconfigure-every needs a cache (--cache-slots, --vram or --config)")
     if settings.parallel > 1:
         raise UsageError("--reconfigure-every needs the model to itself between requests: not with --parallel > 1")

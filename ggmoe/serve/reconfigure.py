@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggmoe.base.errors import UsageError
-from ggmoe.cache import CacheConfig
 from ggmoe.cache.hardware import HardwareProfile
 from ggmoe.cache.split import layer_split
+from ggmoe.control.run_config import RunConfig
 from ggmoe.hook import HookRequest, RouteEvent
 from ggmoe.inspect.facts import ModelFacts
 from ggmoe.simulate.moepic import Curves, Share, configure, layer_cost, layer_shares, layer_window_s
@@ -59,7 +59,7 @@ def lru_hit_curve(calls: Sequence[Sequence[int]], n_expert: int) -> dict[int, fl
 class Proposal:
     """A configuration for the same VRAM bytes and its estimate against the current one's (same curves)."""
 
-    config: CacheConfig
+    config: RunConfig
     exposed_s: float  # estimate: s per token the proposal waits for the link
     current_s: float  # estimate: s per token the current configuration waits
     tokens: int  # tokens of routing the curves came from (the window)
@@ -102,16 +102,16 @@ class Reconfigurer:
     def due(self) -> bool:
         return self.since >= self.every
 
-    def _current(self, il: int, config: CacheConfig, n_slots: int) -> tuple[Share, int]:
+    def _current(self, il: int, config: RunConfig, n_slots: int) -> tuple[Share, int]:
         """The layer's share and VRAM bytes as configured now."""
         layer = self.facts.layer(il)
-        theta = (config.layer_theta or {}).get(il, 1.0)
+        theta = (config.cache.layer_theta or {}).get(il, 1.0)
         s = layer_split(layer, theta)
         b = layer.bytes_per_expert
         share = Share(1.0, b, 0, b) if s is None else Share(theta, s.top_bytes, s.bottom_bytes, s.expert_bytes)
         return share, n_slots * share.top_bytes
 
-    def propose(self, config: CacheConfig, n_slots: dict[int, int]) -> Proposal | None:
+    def propose(self, config: RunConfig, n_slots: dict[int, int]) -> Proposal | None:
         """The configurator's choice for the VRAM the current ``config`` (``n_slots`` per layer) takes, when it
         beats the current one by ``min_gain`` on the recent routing; None otherwise. Resets the token count."""
         self.since = 0
@@ -137,6 +137,7 @@ class Reconfigurer:
             return None
         slots = {il: max(k, min(n_expert, c.c)) for il, c in plan.layers.items()}
         theta = {il: c.theta for il, c in plan.layers.items() if c.theta < 1.0}
-        new = dataclasses.replace(config, n_slots=None, vram_bytes=None, layer_slots=slots,
-                                  layer_theta=theta or None)
+        cache = dataclasses.replace(config.cache, n_slots=None, vram_bytes=None, layer_slots=slots,
+                                    layer_theta=theta or None)
+        new = dataclasses.replace(config, cache=cache)
         return Proposal(new, plan.exposed_s, current_s, len(self.history[self.first]))

@@ -117,7 +117,7 @@ def _ggmoe_ways(tr: Trace, facts: ModelFacts, bpe: dict[int, int], budget: int, 
                                                                           "auto"),
                              ("llama.cpp --moe-cache-mib (LRU, sync, misses copied)", "sync", "wait")):
         policy = "lru" if name.startswith("llama.cpp") else ADVISED_POLICY
-        # the async decode as serve runs it: in-graph fills on (CacheConfig.fills)
+        # the async decode as serve runs it: in-graph fills on (DecodeConfig.fills)
         host_slots = tiers.host_slots if tiers is not None and tiers.disk else None
         r = simulate(tr, SimConfig(slots, policy=policy, miss_policy=miss, decode_mode=mode, fills=mode == "async",
                                    host_slots=host_slots), bpe, profile)

@@ -30,7 +30,7 @@ copies in flight (``LinkCopyBackend.occupy``: each at half its rate while both r
 land on the link's timeline and become readable at the first token boundary after they land (epochs).
 Larger micro-batches (prefill) take the sync path, as in the engine.
 
-In-graph fills (``SimConfig.fills``, simulate's ``--decode-mode async-fill``; the engine's ``CacheConfig.fills``):
+In-graph fills (``SimConfig.fills``, simulate's ``--decode-mode async-fill``; the engine's ``DecodeConfig.fills``):
 before each one-token decode the cache offers its fill slots (``ExpertCache.offer_fills``); per layer, the misses
 that ``ggmoe.cache.fill.assign`` puts in them (against what was readable when the layer started) cross the
 link inside the layer at the zero-copy rate, as a read in place does, and are then computed from VRAM; the
@@ -115,7 +115,7 @@ class SimConfig:
     # None; n_protect experts planned per layer (None: 2 x n_expert_used, ggmoe.control.planner.default_protect)
     planner: str | None = None
     n_protect: int | None = None
-    # the async decode's in-graph fills (``CacheConfig.fills``, patch 0012): before each decode the cache offers
+    # the async decode's in-graph fills (``DecodeConfig.fills``, patch 0012): before each decode the cache offers
     # fill slots, the graph copies each miss into one (``ggmoe.cache.fill.assign``) and reads it there, so a miss
     # crosses the link once and is not admitted after; False: misses read in place, then admitted
     fills: bool = False

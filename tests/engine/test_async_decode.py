@@ -36,7 +36,7 @@ def _engine(path, n_slots, policy="lru", mode="async", n_ubatch=4, **cache_kw) -
     # reads in place and the admission copies racing the decodes (tests/engine/test_fills.py: the fills)
     cache_kw.setdefault("fills", False)
     return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=n_ubatch,
-                               cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode, **cache_kw)))
+                               run=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode, **cache_kw)))
 
 
 @pytest.mark.parametrize("policy", ["lru", "test-random", "tinylfu"])  # tinylfu: the admission filter's path

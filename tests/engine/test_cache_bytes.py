@@ -12,6 +12,7 @@ from test_cache_engine import run_sequences
 from ggmoe.cache import CacheConfig, slots_for_budget
 from ggmoe.cli import main
 from ggmoe.cli.simulate import sizes
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 
@@ -44,7 +45,8 @@ def test_engine_slots_and_copies_count_the_weights(arch_model):
     arch, path = arch_model
     facts = inspect_model(path)
     cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                       cache=CacheConfig(vram_bytes=facts.cache_bytes(facts.n_expert_used), policy="lru"))
+                       run=RunConfig(CacheConfig(vram_bytes=facts.cache_bytes(facts.n_expert_used),
+                                                 policy="lru")))
     with Engine(cfg) as eng:
         run_sequences(eng)
         held = eng.pipeline.runtime.slots.bytes_per_expert()

@@ -12,8 +12,10 @@ from click.testing import CliRunner
 
 from ggmoe.base.errors import EngineNotPatchedError, UsageError
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.cache.policies import POLICIES, Policy
 from ggmoe.cli import main
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
@@ -78,7 +80,7 @@ def test_logits_equal_stock_path(arch_model, stock_logits, policy):
     for n_slots in _slot_counts(facts):
         # n_ubatch 4: prefills split into micro-batches, some on the cache, some native
         cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                           cache=CacheConfig(n_slots=n_slots, policy=policy))
+                           run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy)))
         with Engine(cfg) as eng:
             got = run_sequences(eng)
             st = eng.cache_stats.total()
@@ -94,7 +96,7 @@ def test_logits_equal_stock_path(arch_model, stock_logits, policy):
 def test_slots_really_feed_the_matmuls(qwen3moe_model):
     """Zeroing the slot tensors must change the logits: the cache is not bypassed."""
     facts = inspect_model(qwen3moe_model)
-    cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, cache=CacheConfig(n_slots=facts.n_expert))
+    cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, run=RunConfig(CacheConfig(n_slots=facts.n_expert)))
     with Engine(cfg) as eng:
         ids = eng.tokenize("hello there")
         before = eng.decode(ids)
@@ -107,9 +109,9 @@ def test_slots_really_feed_the_matmuls(qwen3moe_model):
 def test_too_few_slots_is_a_clear_error(qwen3moe_model):
     facts = inspect_model(qwen3moe_model)
     with pytest.raises(UsageError, match="n_expert_used"):
-        Engine(EngineConfig(model_path=qwen3moe_model, cache=CacheConfig(n_slots=facts.n_expert_used - 1)))
+        Engine(EngineConfig(model_path=qwen3moe_model, run=RunConfig(CacheConfig(n_slots=facts.n_expert_used - 1))))
     with pytest.raises(UsageError, match="slots per layer"):
-        Engine(EngineConfig(model_path=qwen3moe_model, cache=CacheConfig(vram_bytes=10)))
+        Engine(EngineConfig(model_path=qwen3moe_model, run=RunConfig(CacheConfig(vram_bytes=10))))
 
 
 def test_unpatched_engine_is_a_clear_error(qwen3moe_model, monkeypatch):
@@ -118,7 +120,7 @@ def test_unpatched_engine_is_a_clear_error(qwen3moe_model, monkeypatch):
     monkeypatch.setattr(_patched, "_libllama", lambda: lib)
     assert not _patched.is_patched()
     with pytest.raises(EngineNotPatchedError, match="not patched"):
-        Engine(EngineConfig(model_path=qwen3moe_model, cache=CacheConfig(n_slots=4)))
+        Engine(EngineConfig(model_path=qwen3moe_model, run=RunConfig(CacheConfig(n_slots=4))))
     # without a cache the stock cb_eval hook still works
     with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64)) as eng:
         assert not eng.patched
@@ -159,7 +161,7 @@ def test_embedded_model_logits_equal_stock_path(stock_logits, n_slots, policy):
     path = default_model_path()
     assert path is not None, "the embedded model is missing from the package"
     cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                       cache=CacheConfig(n_slots=n_slots, policy=policy))
+                       run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy)))
     with Engine(cfg) as eng:
         got = run_sequences(eng)
         st = eng.cache_stats.total()
@@ -187,8 +189,9 @@ def test_logits_equal_stock_path_with_copies_on_a_worker_thread(qwen3moe_model, 
     facts = inspect_model(qwen3moe_model)
     ref = stock_logits(qwen3moe_model)
     cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4,
-                       cache=CacheConfig(n_slots=facts.n_expert_used + 1, policy=policy, copy_delay_s=0.001,
-                                         decode_mode="sync"))
+                       run=RunConfig(CacheConfig(n_slots=facts.n_expert_used + 1, policy=policy),
+                                     decode=DecodeConfig(mode="sync"),
+                                     copy_delay_s=0.001))
     with Engine(cfg) as eng:
         got = run_sequences(eng)
         st = eng.cache_stats.total()

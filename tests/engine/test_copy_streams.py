@@ -13,6 +13,8 @@ import pytest
 
 from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.streams import (
     DeferredStream,
@@ -104,7 +106,7 @@ def test_a_bad_stream_setting_is_one_clear_error(monkeypatch, qwen3moe_model, ke
     if key == "GGMOE_COPY_DELAY_MS":
         monkeypatch.setenv("GGMOE_COPY_STREAM", "deferred")
     with pytest.raises(UsageError, match=match):
-        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64, cache=CacheConfig(n_slots=4)))
+        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64, run=RunConfig(CacheConfig(n_slots=4))))
 
 
 def test_the_async_cache_sees_a_copy_only_once_it_landed(qwen3moe_model, monkeypatch):
@@ -118,7 +120,8 @@ def test_the_async_cache_sees_a_copy_only_once_it_landed(qwen3moe_model, monkeyp
     with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=128, n_batch=64, n_ubatch=4,
                              # one slot short of every expert (a cache of all is preloaded) and no fills (the
                              # graph's fills land with the token): the misses are admitted as copies
-                             cache=CacheConfig(n_slots=facts.n_expert - 1, decode_mode="async", fills=False))) as eng:
+                             run=RunConfig(CacheConfig(n_slots=facts.n_expert - 1),
+                                           decode=DecodeConfig(mode="async", fills=False)))) as eng:
         stream = eng._runtime.stream.stream
         assert isinstance(stream, DeferredStream) and eng.decode_mode["copy_stream"] == "deferred"
         hold = threading.Event()

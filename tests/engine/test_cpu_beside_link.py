@@ -14,13 +14,15 @@ import pytest
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.host_part import HOST_ORDER_ENV, HOST_THREADS_ENV, host_part_stats
 from ggmoe.inspect import inspect_model
 
 
 def _run(path, cache: CacheConfig):
-    cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, n_threads=2, cache=cache)
+    cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, n_threads=2, run=cache)
     with Engine(cfg) as eng:
         got = run_sequences(eng)
         return got, eng.cache_stats.total(), host_part_stats(eng.ctx_ptr), eng.miss_policy
@@ -35,8 +37,9 @@ def test_misses_split_between_link_and_cpu_give_stock_logits(arch_model, stock_l
     monkeypatch.setenv(HOST_THREADS_ENV, "1")
     monkeypatch.setenv(HOST_ORDER_ENV, order)
     n_slots = (facts.n_expert_used + facts.n_expert) // 2
-    got, st, hp, (in_effect, _) = _run(path, CacheConfig(n_slots=n_slots, miss_policy="auto", decode_mode="sync",
-                                                         hw_profile=even_profile))
+    got, st, hp, (in_effect, _) = _run(path, RunConfig(CacheConfig(n_slots=n_slots),
+                                                       decode=DecodeConfig(miss_policy="auto", mode="sync",
+                                                                           hw_profile=even_profile)))
     for a, b in zip(got, ref, strict=True):
         assert np.abs(a - b).max() <= EXACT, (arch, order)
     assert in_effect == "auto"
@@ -52,8 +55,9 @@ def test_without_a_worker_the_sync_decode_waits_in_the_call(stock_logits, even_p
 
     model = default_model_path()
     monkeypatch.setenv(HOST_THREADS_ENV, "0")
-    got, st, hp, _ = _run(model, CacheConfig(n_slots=4, miss_policy="auto", decode_mode="sync",
-                                             hw_profile=even_profile))
+    got, st, hp, _ = _run(model, RunConfig(CacheConfig(n_slots=4),
+                                           decode=DecodeConfig(miss_policy="auto", mode="sync",
+                                                               hw_profile=even_profile)))
     for a, b in zip(got, stock_logits(model), strict=True):
         assert np.abs(a - b).max() <= EXACT
     assert st.deferred_waits == 0 and hp.jobs == 0
@@ -66,7 +70,8 @@ def test_a_bad_thread_count_is_one_clear_error(raw, monkeypatch):
 
     monkeypatch.setenv(HOST_THREADS_ENV, raw)
     with pytest.raises(UsageError, match=HOST_THREADS_ENV):
-        _run(default_model_path(), CacheConfig(n_slots=4, miss_policy="cpu", decode_mode="sync"))
+        _run(default_model_path(), RunConfig(CacheConfig(n_slots=4),
+                                             decode=DecodeConfig(miss_policy="cpu", mode="sync")))
 
 
 def test_host_threads_from_the_config_win_over_the_environment(stock_logits, monkeypatch):
@@ -76,7 +81,8 @@ def test_host_threads_from_the_config_win_over_the_environment(stock_logits, mon
     model = default_model_path()
     monkeypatch.setenv(HOST_THREADS_ENV, "0")
     cfg = EngineConfig(model_path=model, n_ctx=256, n_batch=64, n_ubatch=4, n_threads=2,
-                       cache=CacheConfig(n_slots=4, miss_policy="cpu", decode_mode="sync", host_threads=1))
+                       run=RunConfig(CacheConfig(n_slots=4),
+                                     decode=DecodeConfig(miss_policy="cpu", mode="sync", host_threads=1)))
     with Engine(cfg) as eng:
         got = run_sequences(eng)
         part = eng.pipeline.report()["host_part"]
@@ -90,7 +96,7 @@ def test_a_bad_host_threads_config_is_refused(bad):
     from ggmoe.base.errors import UsageError
 
     with pytest.raises(UsageError, match="host_threads"):
-        CacheConfig(n_slots=4, miss_policy="cpu", host_threads=bad)
+        RunConfig(CacheConfig(n_slots=4), decode=DecodeConfig(miss_policy="cpu", host_threads=bad))
 
 
 @pytest.mark.immediate_copies("the replay's counts equal a run's only when copies land at once")

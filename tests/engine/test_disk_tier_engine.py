@@ -17,6 +17,9 @@ from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.base.errors import DiskTierError, UsageError
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.cache.tiers import TierConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 
@@ -26,8 +29,10 @@ pytestmark = pytest.mark.engine
 def _engine(path, mode: str, host_slots: int, gpu_slots: int | None = None) -> Engine:
     facts = inspect_model(path)
     gpu = gpu_slots or facts.n_expert_used
-    cache = CacheConfig(n_slots=gpu, decode_mode=mode, host_ram=host_slots * facts.expert_bytes_per_slot)
-    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cache))
+    cache = RunConfig(CacheConfig(n_slots=gpu),
+                      decode=DecodeConfig(mode=mode),
+                      tiers=TierConfig(host_ram=host_slots * facts.expert_bytes_per_slot))
+    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, run=cache))
 
 
 def _watch_reads(eng: Engine) -> list[tuple[int, int]]:
@@ -110,10 +115,11 @@ def test_a_host_ram_below_one_token_is_refused_before_loading(qwen3moe_model):
 
 def test_the_host_path_is_refused_under_a_disk_tier(qwen3moe_model):
     facts = inspect_model(qwen3moe_model)
-    cache = CacheConfig(n_slots=facts.n_expert_used, miss_policy="cpu", decode_mode="sync",
-                        host_ram=facts.n_expert_used * facts.expert_bytes_per_slot)
+    cache = RunConfig(CacheConfig(n_slots=facts.n_expert_used),
+                      decode=DecodeConfig(miss_policy="cpu", mode="sync"),
+                      tiers=TierConfig(host_ram=facts.n_expert_used * facts.expert_bytes_per_slot))
     with pytest.raises(UsageError, match="--miss-policy cpu"):
-        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, cache=cache))
+        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, run=cache))
 
 
 def test_run_on_a_model_larger_than_the_host_ram_needs_no_cache_size(qwen3moe_model, tmp_path):

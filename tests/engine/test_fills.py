@@ -15,7 +15,9 @@ import pytest
 from test_cache_engine import EXACT, TEXTS, run_sequences
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.cache.fill import assign
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import tables as tables_mod
@@ -26,7 +28,8 @@ pytestmark = pytest.mark.engine
 
 def _engine(path, n_slots, mode="async", fills=True, policy="lru") -> Engine:
     return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                               cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode, fills=fills)))
+                               run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy),
+                                             decode=DecodeConfig(mode=mode, fills=fills))))
 
 
 def _decode_text(eng: Engine, n: int = 24) -> None:

@@ -136,9 +136,10 @@ def test_close_is_deterministic_and_idempotent():
 
 def _engine():
     from ggmoe.cache import CacheConfig
+    from ggmoe.control.run_config import RunConfig
     from ggmoe.engine import Engine, EngineConfig
 
-    return Engine(EngineConfig(default_model_path(), n_ctx=64, cache=CacheConfig(n_slots=8)))
+    return Engine(EngineConfig(default_model_path(), n_ctx=64, run=RunConfig(CacheConfig(n_slots=8))))
 
 
 @pytest.mark.parametrize("driver", ["llama", "engine"])

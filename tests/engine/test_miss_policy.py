@@ -10,7 +10,9 @@ from click.testing import CliRunner
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.cli import main
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 from ggmoe.simulate import replay
@@ -27,7 +29,8 @@ def test_logits_equal_stock_with_misses_on_the_cpu(arch_model, stock_logits, mis
     for n_slots in sorted({k, (k + n) // 2, n}):
         # n_ubatch 4: prefill micro-batches of 4 tokens run on the cache, with the host path
         cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                           cache=CacheConfig(n_slots=n_slots, policy=policy, miss_policy=miss_policy))
+                           run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy),
+                                         decode=DecodeConfig(miss_policy=miss_policy)))
         with Engine(cfg) as eng:
             got = run_sequences(eng)
             st = eng.cache_stats.total()
@@ -41,7 +44,9 @@ def test_cpu_misses_never_wait_for_a_slow_link(qwen3moe_model, stock_logits):
     """Copies take 20 ms each on a worker thread: the CPU computes the misses, nothing waits for them."""
     ref = stock_logits(qwen3moe_model)
     cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4,
-                       cache=CacheConfig(n_slots=4, miss_policy="cpu", copy_delay_s=0.02))
+                       run=RunConfig(CacheConfig(n_slots=4),
+                                     decode=DecodeConfig(miss_policy="cpu"),
+                                     copy_delay_s=0.02))
     with Engine(cfg) as eng:
         got = run_sequences(eng)
         st = eng.cache_stats.total()
@@ -84,7 +89,8 @@ def test_auto_follows_the_hardware_profile(stock_logits, tmp_path, hw, on_cpu):
     model = default_model_path()
     ref = stock_logits(model)
     cfg = EngineConfig(model_path=model, n_ctx=256, n_batch=64, n_ubatch=4,
-                       cache=CacheConfig(n_slots=4, miss_policy="auto", hw_profile=hw))
+                       run=RunConfig(CacheConfig(n_slots=4),
+                                     decode=DecodeConfig(miss_policy="auto", hw_profile=hw)))
     with Engine(cfg) as eng:
         got = run_sequences(eng)
         st = eng.cache_stats.total()
@@ -110,7 +116,7 @@ def test_auto_chooses_wait_where_the_host_path_cannot_serve(arch_model, stock_lo
     extra = {"decode_mode": "async"} if case == "async" else {
         "layer_theta": dict.fromkeys(facts.moe_layers, 0.5)}
     cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                       cache=CacheConfig(n_slots=facts.n_expert_used, miss_policy="auto", hw_profile="egpu",
+                       run=CacheConfig(n_slots=facts.n_expert_used, miss_policy="auto", hw_profile="egpu",
                                          **extra))
     with Engine(cfg) as eng:
         got = run_sequences(eng)

@@ -9,6 +9,8 @@ import pytest
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 from tools.fixtures.make_fixtures import ARCHES, fixture_path
@@ -22,7 +24,8 @@ def test_mxfp4_experts_are_exact_in_every_mode(arch, stock_logits):
     ref = stock_logits(path)
     for mode, miss in (("sync", "wait"), ("sync", "cpu"), ("async", "wait")):
         cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                           cache=CacheConfig(n_slots=facts.n_expert_used, decode_mode=mode, miss_policy=miss))
+                           run=RunConfig(CacheConfig(n_slots=facts.n_expert_used),
+                                         decode=DecodeConfig(mode=mode, miss_policy=miss)))
         with Engine(cfg) as eng:
             assert eng.decode_mode["decode_mode_in_effect"] == mode
             got = run_sequences(eng)

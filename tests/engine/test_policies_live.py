@@ -14,6 +14,7 @@ from ggmoe.cache import CacheConfig
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.policies.static import Static
 from ggmoe.cli import main
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 from ggmoe.simulate import replay
@@ -40,7 +41,7 @@ def test_logits_equal_stock_path(qwen3moe_model, stock_logits, policy):
     ref = stock_logits(qwen3moe_model)
     for n_slots in _slot_counts(facts):
         cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4,
-                           cache=CacheConfig(n_slots=n_slots, policy=policy))
+                           run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy)))
         with Engine(cfg) as eng:
             got = run_sequences(eng)
             st = eng.cache_stats.total()
@@ -69,7 +70,7 @@ def test_run_stats_equal_replay_of_its_own_trace(qwen3moe_model, tmp_path, polic
 def test_belady_refuses_to_run_live(qwen3moe_model):
     facts = inspect_model(qwen3moe_model)
     cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_ubatch=4,
-                       cache=CacheConfig(n_slots=facts.n_expert_used, policy="belady"))
+                       run=RunConfig(CacheConfig(n_slots=facts.n_expert_used, policy="belady")))
     with Engine(cfg) as eng, pytest.raises(UsageError, match="simulator"):
         for t in eng.tokenize("The quick brown fox jumps over the lazy dog"):
             eng.decode([t])

@@ -19,9 +19,11 @@ import pytest
 from click.testing import CliRunner
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.cli.main import main
 from ggmoe.control import prefetch as prefetch_mod
 from ggmoe.control.prefetch import PrefetchConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.hook import HookRequest
 from ggmoe.inspect import inspect_model
@@ -124,8 +126,10 @@ def test_run_prefetches_or_says_why_not(model, mlp_s2, tmp_path, mode, extra):
 
 def _engine(path, n_slots: int, predictor: str | None, mode: str = "async") -> Engine:
     pre = PrefetchConfig(predictor, stride=2) if predictor else None
-    cache = CacheConfig(n_slots=n_slots, policy="lru", decode_mode=mode, prefetch=pre)
-    return Engine(EngineConfig(model_path=path, n_ctx=256, cache=cache))
+    cache = RunConfig(CacheConfig(n_slots=n_slots, policy="lru"),
+                      decode=DecodeConfig(mode=mode),
+                      prefetch=pre)
+    return Engine(EngineConfig(model_path=path, n_ctx=256, run=cache))
 
 
 class _Replay(Predictor):

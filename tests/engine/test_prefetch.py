@@ -7,7 +7,9 @@ import pytest
 from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.prefetch import PrefetchConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 from ggmoe.predict import PREDICTORS, Predictor
@@ -45,8 +47,9 @@ def test_logits_equal_stock_with_prefetching(arch_model, stock_logits, predictor
     ref = stock_logits(path)
     stride = min(2, len(facts.moe_layers) - 1)
     cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                       cache=CacheConfig(n_slots=facts.n_expert_used + 2, miss_policy=miss_policy,
-                                         prefetch=PrefetchConfig(predictor, stride=stride)))
+                       run=RunConfig(CacheConfig(n_slots=facts.n_expert_used + 2),
+                                     decode=DecodeConfig(miss_policy=miss_policy),
+                                     prefetch=PrefetchConfig(predictor, stride=stride)))
     with Engine(cfg) as eng:
         got = run_sequences(eng)
         st = eng.cache_stats.total()
@@ -61,7 +64,8 @@ def test_logits_equal_stock_with_prefetching(arch_model, stock_logits, predictor
 def test_a_used_prefetch_is_a_prefetch_hit(qwen3moe_model):
     """With the skip-gate predictor at stride 1 on a model whose adjacent routers agree, prefetches get used."""
     cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256,
-                       cache=CacheConfig(n_slots=4, prefetch=PrefetchConfig("test-fixed", stride=1, n_prefetch=2)))
+                       run=RunConfig(CacheConfig(n_slots=4),
+                                     prefetch=PrefetchConfig("test-fixed", stride=1, n_prefetch=2)))
     with Engine(cfg) as eng:
         eng.generate("hello world, the quick brown fox", 24)
         st = eng.cache_stats.total()
@@ -73,8 +77,10 @@ def test_a_used_prefetch_is_a_prefetch_hit(qwen3moe_model):
 def test_stale_prefetches_are_dropped_at_the_gate(qwen3moe_model):
     """Slow copies on a worker: prefetches still queued when their layer runs and not needed get cancelled."""
     cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256,
-                       cache=CacheConfig(n_slots=6, miss_policy="cpu", copy_delay_s=0.01,
-                                         prefetch=PrefetchConfig("test-fixed", stride=1, n_prefetch=6)))
+                       run=RunConfig(CacheConfig(n_slots=6),
+                                     decode=DecodeConfig(miss_policy="cpu"),
+                                     copy_delay_s=0.01,
+                                     prefetch=PrefetchConfig("test-fixed", stride=1, n_prefetch=6)))
     with Engine(cfg) as eng:
         eng.generate("hello world, the quick brown fox", 24)
         st = eng.cache_stats.total()
@@ -83,7 +89,8 @@ def test_stale_prefetches_are_dropped_at_the_gate(qwen3moe_model):
 
 def test_a_predictor_that_raises_surfaces_after_the_decode(qwen3moe_model):
     cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256,
-                       cache=CacheConfig(n_slots=4, prefetch=PrefetchConfig("test-raising", stride=1)))
+                       run=RunConfig(CacheConfig(n_slots=4),
+                                     prefetch=PrefetchConfig("test-raising", stride=1)))
     with Engine(cfg) as eng:
         ids = eng.tokenize("hello")
         eng.decode(ids)  # a prefill: no prediction
@@ -98,7 +105,8 @@ def test_oracle_is_refused_live(qwen3moe_model):
 
     with pytest.raises(UsageError, match="simulator"):
         Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64,
-                            cache=CacheConfig(n_slots=4, prefetch=PrefetchConfig("oracle", stride=1))))
+                            run=RunConfig(CacheConfig(n_slots=4),
+                                          prefetch=PrefetchConfig("oracle", stride=1))))
 
 
 # (predictor on a worker thread, copies through the GPU's copy queue)
@@ -120,9 +128,9 @@ def test_worker_threads_keep_logits_exact(arch_model, stock_logits, monkeypatch,
     ref = stock_logits(path)
     stride = min(2, len(facts.moe_layers) - 1)
     cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                       cache=CacheConfig(n_slots=facts.n_expert_used + 2, miss_policy=miss_policy,
-                                         prefetch=PrefetchConfig("test-fixed", stride=stride, background=background),
-                                         decode_mode="sync"))  # the route op's worker thread and copy queue
+                       run=RunConfig(CacheConfig(n_slots=facts.n_expert_used + 2),
+                                     decode=DecodeConfig(miss_policy=miss_policy, mode="sync"),
+                                     prefetch=PrefetchConfig("test-fixed", stride=stride, background=background)))  # the route op's worker thread and copy queue
     with Engine(cfg) as eng:
         assert isinstance(eng._runtime.copies, StreamCopyBackend) == queue
         got = run_sequences(eng)
@@ -136,7 +144,7 @@ def test_worker_threads_keep_logits_exact(arch_model, stock_logits, monkeypatch,
 
 def test_a_background_predictor_error_surfaces_at_a_decode(qwen3moe_model):
     cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256,
-                       cache=CacheConfig(n_slots=4, prefetch=PrefetchConfig("test-raising", stride=1,
+                       run=RunConfig(CacheConfig(n_slots=4), prefetch=PrefetchConfig("test-raising", stride=1,
                                                                             background=True)))
     with Engine(cfg) as eng:
         ids = eng.tokenize("hello there")

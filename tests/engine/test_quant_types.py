@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from tools.gpu.realshape import write_model
 
@@ -26,7 +28,7 @@ def model(request, tmp_path_factory):
 
 
 def logits(path: Path, cache: CacheConfig | None, gate_hook: bool = True) -> np.ndarray:
-    with Engine(EngineConfig(model_path=path, n_ctx=64, cache=cache, gate_hook=gate_hook)) as eng:
+    with Engine(EngineConfig(model_path=path, n_ctx=64, run=cache, gate_hook=gate_hook)) as eng:
         rows = [eng.decode(TOKENS[:4], all_logits=True)]
         rows += [eng.decode([t]) for t in TOKENS[4:]]
         expert_buffers = eng.expert_buffers
@@ -38,10 +40,11 @@ HALF = dict.fromkeys(range(4), 0.5)  # MoEpic's split at θ 1/2: a whole number 
 
 
 @pytest.mark.parametrize("cache", [
-    CacheConfig(n_slots=32), CacheConfig(n_slots=4), CacheConfig(n_slots=6, policy="lfu"),
-    CacheConfig(n_slots=6, miss_policy="cpu"),
-    CacheConfig(n_slots=8, layer_theta=HALF, decode_mode="sync"),
-    CacheConfig(n_slots=8, layer_theta=HALF, decode_mode="async"),
+    RunConfig(CacheConfig(n_slots=32)), RunConfig(CacheConfig(n_slots=4)), RunConfig(CacheConfig(n_slots=6,
+                          policy="lfu")),
+    RunConfig(CacheConfig(n_slots=6), decode=DecodeConfig(miss_policy="cpu")),
+    RunConfig(CacheConfig(n_slots=8, layer_theta=HALF), decode=DecodeConfig(mode="sync")),
+    RunConfig(CacheConfig(n_slots=8, layer_theta=HALF), decode=DecodeConfig(mode="async")),
 ], ids=["all", "top-k", "lfu", "host-path", "split-sync", "split-async"])
 def test_cache_gives_the_logits_of_the_plain_model(model, cache):
     ref = logits(model, None, gate_hook=False)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ggmoe.cache import CacheConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 from tools.gpu.realshape import PRESETS, write_model
@@ -27,9 +28,9 @@ def test_toy_reads_back_its_shape(toy):
     assert dict(facts.ggml_types)["Q4_K"] == 3 * s.n_layer  # gate, up, down experts of every layer
 
 
-@pytest.mark.parametrize("cache", [None, CacheConfig(n_slots=8)], ids=["plain", "cache"])
+@pytest.mark.parametrize("cache", [None, RunConfig(CacheConfig(n_slots=8))], ids=["plain", "cache"])
 def test_toy_generates(toy, cache):
-    with Engine(EngineConfig(model_path=toy, n_ctx=128, n_threads=1, cache=cache)) as eng:
+    with Engine(EngineConfig(model_path=toy, n_ctx=128, n_threads=1, run=cache)) as eng:
         logits = eng.decode([1, 2, 3, 4], all_logits=True)
         g = eng.generate("hello experts", max_tokens=6, temp=1.0, seed=0)
     assert np.isfinite(logits).all() and logits.std() > 0.1  # not a constant: the weights are not all zero

@@ -11,6 +11,8 @@ import pytest
 
 from ggmoe.base.errors import EngineError
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import patch as _patched
 
@@ -42,14 +44,14 @@ class Refusing:
 
 
 CASES = [  # (the call refused, the cache asked for)
-    ("llama_ggmoe_set_layer_cache", CacheConfig(n_slots=4)),
-    ("llama_ggmoe_set_layer_table", CacheConfig(n_slots=4, decode_mode="async")),
+    ("llama_ggmoe_set_layer_cache", RunConfig(CacheConfig(n_slots=4))),
+    ("llama_ggmoe_set_layer_table", RunConfig(CacheConfig(n_slots=4), decode=DecodeConfig(mode="async"))),
 ]
 
 
 @pytest.mark.parametrize(("name", "config"), CASES, ids=["slots", "tables"])
 def test_a_refused_layer_takes_back_the_layers_registered_before_it(name, config, qwen3moe_model, monkeypatch):
-    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, cache=CacheConfig(n_slots=3))) as eng:
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, run=RunConfig(CacheConfig(n_slots=3)))) as eng:
         fake = Refusing(_patched.load(), name)
         monkeypatch.setattr(_patched, "load", lambda: fake)
         with pytest.raises(EngineError, match=f"failed: {REFUSED}"):

@@ -6,6 +6,8 @@ import pytest
 
 from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.hook import HookRequest, RouteRecorder
 
@@ -16,7 +18,8 @@ def test_the_cache_and_the_observers_see_the_override(qwen3moe_model, mode, copy
     routing through the tables and the controller sees it after each token."""
     rec = RouteRecorder(HookRequest(probs=False, hidden=False))
     with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64,
-                             cache=CacheConfig(n_slots=4, decode_mode=mode)), observer=rec) as eng:
+                             run=RunConfig(CacheConfig(n_slots=4),
+                                           decode=DecodeConfig(mode=mode))), observer=rec) as eng:
         assert eng.decode_mode["decode_mode_in_effect"] == mode
         k = eng.facts.n_expert_used
         calls = []
@@ -58,7 +61,7 @@ def test_host_expert_layers(qwen3moe_model):
         assert eng.decode([1, 2]).shape[-1] == eng.n_vocab
     with pytest.raises(UsageError, match="every layer"):
         Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=64, host_expert_layers=(1,),
-                            cache=CacheConfig(n_slots=4)))
+                            run=RunConfig(CacheConfig(n_slots=4))))
 
 
 def test_a_long_prefill_under_an_override_in_the_async_decode(qwen3moe_model):
@@ -66,7 +69,8 @@ def test_a_long_prefill_under_an_override_in_the_async_decode(qwen3moe_model):
     computes only the token whose logits are wanted): the forced routing, written only before table-mode
     decodes, is never read there (it once was: garbage ids, a crash)."""
     with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=128,
-                             cache=CacheConfig(n_slots=4, decode_mode="async"))) as eng:
+                             run=RunConfig(CacheConfig(n_slots=4),
+                                           decode=DecodeConfig(mode="async")))) as eng:
         k = eng.facts.n_expert_used
         eng.set_routing_override(lambda il, n: [e for _ in range(n) for e in range(k)])
         eng.record_hook_times()

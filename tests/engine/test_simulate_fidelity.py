@@ -73,7 +73,7 @@ def _engine_without_fills(monkeypatch) -> None:
 
     from ggmoe.cli import cache_flags as warm
 
-    made = warm.cache_config
+    made = warm.run_config
     monkeypatch.setattr(warm, "cache_config", lambda *a, **k: dataclasses.replace(made(*a, **k), fills=False))
 
 

@@ -17,9 +17,11 @@ from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.base.errors import EngineError, UsageError
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.split import model_split
 from ggmoe.control.prefetch import PrefetchConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.inspect import inspect_model
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.engine
 def _engine(path, n_slots, theta, mode="async", policy="lru", **cache_kw) -> Engine:
     # n_ubatch 4: prefills run micro-batches of 4 tokens, which read split layers through their tables too
     return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                               cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode,
+                               run=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode,
                                                  layer_theta=theta, **cache_kw)))
 
 
@@ -119,9 +121,10 @@ def test_prefetched_bottoms_equal_stock(arch_model, stock_logits, predictor, cop
     arch, path = arch_model
     facts = inspect_model(path)
     ref = stock_logits(path)
-    cfg = CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5), decode_mode="sync",
-                      prefetch=PrefetchConfig(predictor, stride=1, n_prefetch=facts.n_expert_used))
-    with Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
+    cfg = RunConfig(CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5)),
+                    decode=DecodeConfig(mode="sync"),
+                    prefetch=PrefetchConfig(predictor, stride=1, n_prefetch=facts.n_expert_used))
+    with Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, run=cfg)) as eng:
         assert eng.decode_mode["decode_mode_in_effect"] == "sync"
         assert eng._runtime.n_bottom == facts.n_expert_used
         got = run_sequences(eng)
@@ -144,13 +147,14 @@ def test_async_prefetched_bottoms_equal_stock(arch_model, stock_logits, predicto
     facts = inspect_model(path)
     ref = stock_logits(path)
     monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
-    cfg = CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5), decode_mode="async",
-                      prefetch=PrefetchConfig(predictor, stride=1, n_prefetch=facts.n_expert_used, in_graph=False))
+    cfg = RunConfig(CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5)),
+                    decode=DecodeConfig(mode="async"),
+                    prefetch=PrefetchConfig(predictor, stride=1, n_prefetch=facts.n_expert_used, in_graph=False))
     if arch == "llama4" and predictor == "skip-gate":  # its MoE input is weighted first: the mailbox has ids only
         with pytest.raises(UsageError, match="weights before its experts"):
-            Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg))
+            Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, run=cfg))
         return
-    with Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
+    with Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, run=cfg)) as eng:
         assert eng.decode_mode["decode_mode_in_effect"] == "async"
         got = run_sequences(eng)
         st = eng.cache_stats.total()
@@ -168,9 +172,10 @@ def test_async_bottom_flip_is_one_word_of_row_one(qwen3moe_model):
     from ggmoe.cache.split import SPLIT_PACKED
 
     facts = inspect_model(qwen3moe_model)
-    cfg = CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5), decode_mode="async",
-                      prefetch=PrefetchConfig("reuse", stride=1, n_prefetch=facts.n_expert_used, in_graph=False))
-    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
+    cfg = RunConfig(CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_all(facts, 0.5)),
+                    decode=DecodeConfig(mode="async"),
+                    prefetch=PrefetchConfig("reuse", stride=1, n_prefetch=facts.n_expert_used, in_graph=False))
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4, run=cfg)) as eng:
         tables = eng.pipeline.tables
         il = facts.moe_layers[0]
         lt = tables.layers[il]
@@ -234,9 +239,10 @@ def test_prefetched_bottom_buffers_feed_the_matmuls(qwen3moe_model):
     """Zeroed bottom buffers change the logits of a step that reads bottoms there (skip-gate's prefetches,
     MoEpic's own predictor: the next layer's router on this layer's hidden state)."""
     facts = inspect_model(qwen3moe_model)
-    cfg = CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5), decode_mode="sync",
-                      prefetch=PrefetchConfig("skip-gate", stride=1, n_prefetch=facts.n_expert_used))
-    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
+    cfg = RunConfig(CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5)),
+                    decode=DecodeConfig(mode="sync"),
+                    prefetch=PrefetchConfig("skip-gate", stride=1, n_prefetch=facts.n_expert_used))
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4, run=cfg)) as eng:
         ids = eng.tokenize("The quick brown fox jumps over")
         eng.decode(ids)
         bottoms = [p.bottom for ps in eng._runtime.slots.pairs.values() for p in ps]
@@ -257,9 +263,10 @@ def test_async_prefetched_bottom_buffers_feed_the_matmuls(qwen3moe_model, monkey
     the table (flipped on the copy stream): zeroing the buffers changes the logits of a token that reads them."""
     facts = inspect_model(qwen3moe_model)
     monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
-    cfg = CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5), decode_mode="async",
-                      prefetch=PrefetchConfig("reuse", stride=1, n_prefetch=facts.n_expert_used, in_graph=False))
-    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4, cache=cfg)) as eng:
+    cfg = RunConfig(CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5)),
+                    decode=DecodeConfig(mode="async"),
+                    prefetch=PrefetchConfig("reuse", stride=1, n_prefetch=facts.n_expert_used, in_graph=False))
+    with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4, run=cfg)) as eng:
         ids = eng.tokenize("The quick brown fox jumps over")
         eng.decode(ids)
         for _ in range(4):  # tops admitted and landed, then reuse's bottoms prefetched into the running graphs
@@ -283,7 +290,7 @@ def test_split_usage_errors(qwen3moe_model, cache_kw, message):
     facts = inspect_model(qwen3moe_model)
     kw = {"layer_theta": _all(facts, 0.5), **cache_kw}
     with pytest.raises((UsageError, EngineError), match=message):
-        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, cache=CacheConfig(n_slots=4, **kw)))
+        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, run=CacheConfig(n_slots=4, **kw)))
 
 
 def test_split_geometry_matches_the_slot_tensors(qwen3moe_model):
@@ -302,13 +309,15 @@ def test_reconfigure_between_requests_keeps_stock_logits(qwen3moe_model, stock_l
     the middle of one (the KV cache stays): every logit is stock's; the new configuration is the one in use."""
     facts = inspect_model(qwen3moe_model)
     ref = stock_logits(qwen3moe_model)
-    configs = [CacheConfig(n_slots=facts.n_expert_used, decode_mode="async"),
-               CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_mixed(facts), decode_mode="sync"),
-               CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5), decode_mode="async")]
+    configs = [RunConfig(CacheConfig(n_slots=facts.n_expert_used), decode=DecodeConfig(mode="async")),
+               RunConfig(CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=_mixed(facts)),
+                         decode=DecodeConfig(mode="sync")),
+               RunConfig(CacheConfig(n_slots=facts.n_expert, layer_theta=_all(facts, 0.5)),
+                         decode=DecodeConfig(mode="async"))]
     from test_cache_engine import N_DECODE, TEXTS
 
     with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4,
-                             cache=configs[0])) as eng:
+                             run=configs[0])) as eng:
         got = []
         for i, text in enumerate(TEXTS):
             eng.reset()
@@ -322,6 +331,6 @@ def test_reconfigure_between_requests_keeps_stock_logits(qwen3moe_model, stock_l
             eng.reconfigure(configs[(2 * i + 2) % len(configs)])
         assert eng.cache_slots == dict.fromkeys(facts.moe_layers, configs[(2 * len(TEXTS)) % 3].n_slots)
         with pytest.raises(UsageError, match="not MoE layers"):  # a bad plan leaves the cache as it was
-            eng.reconfigure(CacheConfig(n_slots=4, layer_theta={999: 0.5}))
+            eng.reconfigure(RunConfig(CacheConfig(n_slots=4, layer_theta={999: 0.5})))
         assert eng.cache_stats is not None
     _check(got, ref, "reconfigured")

@@ -17,8 +17,10 @@ from test_cache_engine import EXACT, run_sequences
 
 from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.planner import PlannerConfig
 from ggmoe.control.prefetch import PrefetchConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.inspect import inspect_model
@@ -29,9 +31,10 @@ pytestmark = pytest.mark.engine
 
 
 def _engine(path, n_slots, predictor, mode="async", stride=1, in_graph=True) -> Engine:
-    cache = CacheConfig(n_slots=n_slots, policy="lru", decode_mode=mode,
-                        prefetch=PrefetchConfig(str(predictor), stride=stride, in_graph=in_graph))
-    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cache))
+    cache = RunConfig(CacheConfig(n_slots=n_slots, policy="lru"),
+                      decode=DecodeConfig(mode=mode),
+                      prefetch=PrefetchConfig(str(predictor), stride=stride, in_graph=in_graph))
+    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, run=cache))
 
 
 def _spy(eng) -> list:
@@ -190,9 +193,11 @@ def test_a_bad_lockstep_value_is_refused(qwen3moe_model, monkeypatch, value):
 
 
 def _planned(path, n_slots, planner, mode="async", predictor=None) -> Engine:
-    cache = CacheConfig(n_slots=n_slots, policy="lru", decode_mode=mode, planner=PlannerConfig(str(planner)),
-                        prefetch=PrefetchConfig(predictor, stride=1) if predictor else None)
-    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, cache=cache))
+    cache = RunConfig(CacheConfig(n_slots=n_slots, policy="lru"),
+                      decode=DecodeConfig(mode=mode),
+                      planner=PlannerConfig(str(planner)),
+                      prefetch=PrefetchConfig(predictor, stride=1) if predictor else None)
+    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, run=cache))
 
 
 def test_the_mailbox_hands_the_planner_what_the_route_op_would(tmp_path):

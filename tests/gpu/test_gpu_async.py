@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.log import llama_log
 from ggmoe.inspect import inspect_model
@@ -66,7 +68,8 @@ def test_async_matches_all_in_vram(model, fills):
     for n_slots in sorted({facts.n_expert_used, facts.n_expert // 2, facts.n_expert}):
         mark = llama_log().count
         cfg = EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1,
-                           cache=CacheConfig(n_slots=n_slots, decode_mode="async", fills=fills))
+                           run=RunConfig(CacheConfig(n_slots=n_slots),
+                                         decode=DecodeConfig(mode="async", fills=fills)))
         with Engine(cfg) as eng:
             assert eng.decode_mode["decode_mode_in_effect"] == "async"
             assert eng.decode_mode["copy_stream"] == "events"  # readiness by event query, never a synchronize
@@ -101,7 +104,8 @@ def test_split_experts_match_all_in_vram(model, mode):
                   {il: 0.5 for j, il in enumerate(facts.moe_layers) if j % 2 == 0}):
         mark = llama_log().count
         cfg = EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1,
-                           cache=CacheConfig(n_slots=facts.n_expert_used + 2, decode_mode=mode, layer_theta=theta))
+                           run=RunConfig(CacheConfig(n_slots=facts.n_expert_used + 2, layer_theta=theta),
+                                         decode=DecodeConfig(mode=mode)))
         with Engine(cfg) as eng:
             assert eng.decode_mode["decode_mode_in_effect"] == mode
             got, toks = _decode_all(eng, ids, 16)

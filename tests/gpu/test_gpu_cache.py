@@ -11,7 +11,9 @@ import pytest
 
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.copy import StreamCopyBackend
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.prefetch import PrefetchConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 from tools.fixtures.make_fixtures import fixture_path
@@ -23,12 +25,17 @@ PROMPT = "The expert cache keeps the experts a model uses most on the device"
 # loan of 2026-11-26 aborted in "prefetch in background", F16 experts, which auto ran sync: its cause was
 # lost with pytest's captured stderr; the GPU tests now run uncaptured)
 CONFIGS = [
-    ("lru", lambda n, m: CacheConfig(n_slots=n, decode_mode=m), False, ("sync", "async")),
-    ("prefetch, wait", lambda n, m: CacheConfig(n_slots=n, decode_mode=m,
-                                                prefetch=PrefetchConfig("reuse", stride=1)), True, ("sync", "async")),
-    ("prefetch, cpu", lambda n, m: CacheConfig(n_slots=n, decode_mode=m, miss_policy="cpu",
-                                               prefetch=PrefetchConfig("reuse", stride=1)), True, ("sync",)),
-    ("prefetch in background", lambda n, m: CacheConfig(n_slots=n, decode_mode=m, prefetch=PrefetchConfig(
+    ("lru", lambda n, m: RunConfig(CacheConfig(n_slots=n),
+                                   decode=DecodeConfig(mode=m)), False, ("sync", "async")),
+    ("prefetch, wait", lambda n, m: RunConfig(CacheConfig(n_slots=n),
+                                              decode=DecodeConfig(mode=m),
+                                              prefetch=PrefetchConfig("reuse", stride=1)), True, ("sync", "async")),
+    ("prefetch, cpu", lambda n, m: RunConfig(CacheConfig(n_slots=n),
+                                             decode=DecodeConfig(mode=m, miss_policy="cpu"),
+                                             prefetch=PrefetchConfig("reuse", stride=1)), True, ("sync",)),
+    ("prefetch in background", lambda n, m: RunConfig(CacheConfig(n_slots=n),
+                                                      decode=DecodeConfig(mode=m),
+                                                      prefetch=PrefetchConfig(
         "reuse", stride=1, background=True)), True, ("sync", "async")),
 ]
 CASES = [(label, make, queued, mode) for label, make, queued, modes in CONFIGS for mode in modes]
@@ -41,7 +48,7 @@ def test_gpu_cache_tokens_equal_host_experts(label, make, queued, mode):
     facts = inspect_model(path)
     with Engine(EngineConfig(model_path=path, n_ctx=256)) as eng:
         want = eng.generate(PROMPT, 24).token_ids
-    cfg = EngineConfig(model_path=path, n_ctx=256, cache=make(facts.n_expert_used + 1, mode))
+    cfg = EngineConfig(model_path=path, n_ctx=256, run=make(facts.n_expert_used + 1, mode))
     with Engine(cfg) as eng:
         assert eng.decode_mode["decode_mode_in_effect"] == mode
         assert isinstance(eng._runtime.copies, StreamCopyBackend) == queued

@@ -8,7 +8,10 @@ import pytest
 
 from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.cache.tiers import TierConfig
 from ggmoe.control.prefetch import PrefetchConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 from tools.fixtures.make_fixtures import fixture_path
@@ -22,9 +25,10 @@ def test_gpu_disk_tier_tokens_equal_host_experts(prefetch):
     facts = inspect_model(path)
     with Engine(EngineConfig(model_path=path, n_ctx=256)) as eng:
         want = eng.generate(PROMPT, 24).token_ids
-    cache = CacheConfig(n_slots=facts.n_expert_used, prefetch=prefetch,
-                        host_ram=(facts.n_expert // 2) * facts.expert_bytes_per_slot)
-    with Engine(EngineConfig(model_path=path, n_ctx=256, cache=cache)) as eng:
+    cache = RunConfig(CacheConfig(n_slots=facts.n_expert_used),
+                      tiers=TierConfig(host_ram=(facts.n_expert // 2) * facts.expert_bytes_per_slot),
+                      prefetch=prefetch)
+    with Engine(EngineConfig(model_path=path, n_ctx=256, run=cache)) as eng:
         assert eng.decode_mode["decode_mode_in_effect"] == "sync"
         got = eng.generate(PROMPT, 24).token_ids
         tier = eng.report()["host_tier"]
@@ -35,7 +39,8 @@ def test_gpu_disk_tier_tokens_equal_host_experts(prefetch):
 def test_gpu_async_decode_is_refused_under_a_disk_tier():
     path = fixture_path("qwen3moe", expert_type="q8_0")
     facts = inspect_model(path)
-    cache = CacheConfig(n_slots=facts.n_expert_used, decode_mode="async",
-                        host_ram=facts.n_expert_used * facts.expert_bytes_per_slot)
+    cache = RunConfig(CacheConfig(n_slots=facts.n_expert_used),
+                      decode=DecodeConfig(mode="async"),
+                      tiers=TierConfig(host_ram=facts.n_expert_used * facts.expert_bytes_per_slot))
     with pytest.raises(UsageError, match="disk tier"):
-        Engine(EngineConfig(model_path=path, n_ctx=256, cache=cache))
+        Engine(EngineConfig(model_path=path, n_ctx=256, run=cache))

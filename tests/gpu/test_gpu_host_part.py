@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.host_part import HOST_ORDER_ENV
 from ggmoe.inspect import inspect_model
@@ -20,7 +22,7 @@ PROMPT = "The expert cache keeps the experts a model uses most on the device"
 
 
 def _tokens(path, cache=None):
-    with Engine(EngineConfig(model_path=path, n_ctx=256, cache=cache)) as eng:
+    with Engine(EngineConfig(model_path=path, n_ctx=256, run=cache)) as eng:
         got = eng.generate(PROMPT, 24).token_ids
         report = eng.pipeline.report() if cache is not None else {}
     return got, report
@@ -35,8 +37,9 @@ def test_gpu_host_part_tokens_equal_host_experts(threads, order, monkeypatch):
     path = fixture_path("qwen3moe", expert_type="q8_0")
     facts = inspect_model(path)
     want, _ = _tokens(path)
-    got, report = _tokens(path, CacheConfig(n_slots=facts.n_expert_used + 1, miss_policy="cpu",
-                                            decode_mode="sync", host_threads=threads))
+    got, report = _tokens(path, RunConfig(CacheConfig(n_slots=facts.n_expert_used + 1),
+                                          decode=DecodeConfig(miss_policy="cpu", mode="sync",
+                                                              host_threads=threads)))
     assert got == want, (threads, order)
     part = report["host_part"]
     assert report["total"]["host_computed"] > 0
@@ -50,8 +53,9 @@ def test_gpu_hybrid_splits_misses_between_link_and_cpu(even_profile):
     path = fixture_path("qwen3moe", expert_type="q8_0")
     facts = inspect_model(path)
     want, _ = _tokens(path)
-    got, report = _tokens(path, CacheConfig(n_slots=facts.n_expert // 2, miss_policy="auto", decode_mode="sync",
-                                            hw_profile=even_profile))
+    got, report = _tokens(path, RunConfig(CacheConfig(n_slots=facts.n_expert // 2),
+                                          decode=DecodeConfig(miss_policy="auto", mode="sync",
+                                                              hw_profile=even_profile)))
     assert got == want
     total = report["total"]
     assert report["host_part"]["beside_link"]

@@ -13,6 +13,8 @@ import pytest
 from test_gpu_async import _decode_all, _stock, _tg_splits
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.log import llama_log
 from ggmoe.inspect import inspect_model
@@ -31,7 +33,8 @@ def test_mxfp4_experts_through_the_table(arch):
                                 ("sync", "wait", facts.n_expert_used), ("sync", "cpu", facts.n_expert_used)):
         mark = llama_log().count
         cfg = EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1,
-                           cache=CacheConfig(n_slots=n_slots, decode_mode=mode, miss_policy=miss))
+                           run=RunConfig(CacheConfig(n_slots=n_slots),
+                                         decode=DecodeConfig(mode=mode, miss_policy=miss)))
         with Engine(cfg) as eng:
             assert eng.decode_mode["decode_mode_in_effect"] == mode, eng.decode_mode
             got, toks = _decode_all(eng, ids, 16)

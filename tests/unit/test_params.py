@@ -188,10 +188,10 @@ def test_plan_file_options_are_declared_and_bounded(tmp_path, body, error):
 
 def test_plan_file_policy_options_round_trip(tmp_path):
     cfg = read_plan(_plan(tmp_path, "[cache.policy_options]\nwindow = 16\n"))
-    assert cfg.policy_options == {"window": 16}
+    assert cfg.cache.policy_options == {"window": 16}
     again = tmp_path / "again.toml"
     again.write_text(render_plan(cfg, {}))
-    assert read_plan(again).policy_options == {"window": 16}
+    assert read_plan(again).cache.policy_options == {"window": 16}
 
 
 def test_huge_plan_slots_are_refused_when_read(tmp_path):

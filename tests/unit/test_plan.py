@@ -7,9 +7,11 @@ import pytest
 
 from ggmoe.base.errors import UsageError
 from ggmoe.cache.config import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.cache.hardware import load_profile
 from ggmoe.control.plan_file import read_plan, render_plan, write_plan
 from ggmoe.control.prefetch import PrefetchConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.simulate.plan import allocate, analytic_tpot, static_curves
 
 
@@ -48,12 +50,13 @@ def test_analytic_tpot_by_hand():
 
 
 def test_plan_file_round_trip(tmp_path):
-    cfg = CacheConfig(layer_slots={0: 8, 3: 12}, policy="lcp", miss_policy="auto", hw_profile="egpu",
-                      prefetch=PrefetchConfig(predictor="reuse", stride=1, n_prefetch=6))
+    cfg = RunConfig(CacheConfig(layer_slots={0: 8, 3: 12}, policy="lcp"),
+                    decode=DecodeConfig(miss_policy="auto", hw_profile="egpu"),
+                    prefetch=PrefetchConfig(predictor="reuse", stride=1, n_prefetch=6))
     path = write_plan(tmp_path / "p.toml", cfg, {"tpot_s": 0.01}, comment="a\nb")
     back = read_plan(path)
     assert back == cfg
-    assert back.slots({0: 1, 3: 1}, 16, 4) == {0: 8, 3: 12}
+    assert back.cache.slots({0: 1, 3: 1}, 16, 4) == {0: 8, 3: 12}
 
 
 BAD = [
@@ -85,5 +88,5 @@ def test_plan_slots_must_name_the_models_layers():
 
 
 def test_render_has_the_estimate():
-    text = render_plan(CacheConfig(layer_slots={0: 4}), {"tpot_s": 0.5})
+    text = render_plan(RunConfig(CacheConfig(layer_slots={0: 4})), {"tpot_s": 0.5})
     assert "[estimate]" in text and "tpot_s = 0.5" in text

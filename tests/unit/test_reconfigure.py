@@ -9,6 +9,7 @@ from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig, ExpertCache
 from ggmoe.cache.hardware import load_profile
 from ggmoe.cache.policies import make_policy
+from ggmoe.control.run_config import RunConfig
 from ggmoe.hook import RouteEvent
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
@@ -48,20 +49,20 @@ def _fed(r: Reconfigurer, facts, n_tokens: int, seed: int = 0) -> None:
 def test_a_lopsided_cache_is_reconfigured_within_its_bytes():
     facts = inspect_model(default_model_path())
     r = Reconfigurer(facts, load_profile("pcie4"), every_tokens=32)
-    assert r.propose(CacheConfig(n_slots=4), dict.fromkeys(facts.moe_layers, 4)) is None  # no routing yet
+    assert r.propose(RunConfig(CacheConfig(n_slots=4)), dict.fromkeys(facts.moe_layers, 4)) is None  # no routing yet
     _fed(r, facts, 40)
     assert r.due()
     first = facts.moe_layers[0]
     slots = {il: facts.n_expert if il == first else facts.n_expert_used for il in facts.moe_layers}
-    p = r.propose(CacheConfig(layer_slots=slots), slots)
+    p = r.propose(RunConfig(CacheConfig(layer_slots=slots)), slots)
     assert p is not None and not r.due()  # looked: the count starts again
     assert p.exposed_s < p.current_s and p.gain >= r.min_gain
     b = {il: facts.bytes_per_expert(il) for il in facts.moe_layers}
     budget = sum(n * b[il] for il, n in slots.items())
     from ggmoe.cache.split import model_split
 
-    split = model_split(facts, p.config.layer_theta)
-    used = sum(n * (split[il].top_bytes if il in split else b[il]) for il, n in p.config.layer_slots.items())
+    split = model_split(facts, p.config.cache.layer_theta)
+    used = sum(n * (split[il].top_bytes if il in split else b[il]) for il, n in p.config.cache.layer_slots.items())
     assert used <= budget  # the same VRAM (or less)
     p.config.check_model(facts)
 
@@ -71,7 +72,7 @@ def test_a_good_cache_is_left_alone():
     r = Reconfigurer(facts, load_profile("pcie4"), every_tokens=8, min_gain=0.5)
     _fed(r, facts, 16)
     slots = dict.fromkeys(facts.moe_layers, facts.n_expert)  # everything cached: nothing to win
-    assert r.propose(CacheConfig(layer_slots=slots), slots) is None
+    assert r.propose(RunConfig(CacheConfig(layer_slots=slots)), slots) is None
 
 
 @pytest.mark.parametrize("kw", [{"every_tokens": 0}, {"every_tokens": 4, "window_tokens": 0},

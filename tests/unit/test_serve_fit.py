@@ -121,7 +121,7 @@ def test_fit_serves_the_fastest_way_it_can_run_and_labels_every_estimate(toy, fr
     cfg = cache_config(out["cache_slots"], out["vram"], out["policy"], facts, out["miss_policy"], None, out["hw"],
                        None, out["decode_mode"])  # what serve then builds: the flags are valid for the model
     # a cache that serves misses admits by use (tinylfu); one that holds every expert has nothing to filter
-    assert cfg is not None and cfg.policy == ("lru" if way == "all experts in VRAM" else "tinylfu")
+    assert cfg is not None and cfg.cache.policy == ("lru" if way == "all experts in VRAM" else "tinylfu")
 
 
 def test_the_host_read_is_measured():

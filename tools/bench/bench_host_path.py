@@ -39,18 +39,22 @@ MODES = ("stock", "host", "sync-cached", "auto-cached", "cpu-cached")
 
 def _config(mode: str, path: Path, n_expert: int, k: int, threads: int):
     from ggmoe.cache import CacheConfig
+    from ggmoe.cache.decode_mode import DecodeConfig
+    from ggmoe.control.run_config import RunConfig
     from ggmoe.engine import EngineConfig
 
     base = dict(model_path=path, n_ctx=512, n_threads=threads)
     if mode == "stock":
         return EngineConfig(**base, gate_hook=False)
     if mode == "host":
-        cache = CacheConfig(n_slots=k, policy="on-demand", miss_policy="cpu", decode_mode="sync")
+        cache = RunConfig(CacheConfig(n_slots=k, policy="on-demand"),
+                          decode=DecodeConfig(miss_policy="cpu", mode="sync"))
     elif mode == "sync-cached":
-        cache = CacheConfig(n_slots=n_expert, decode_mode="sync")
+        cache = RunConfig(CacheConfig(n_slots=n_expert), decode=DecodeConfig(mode="sync"))
     else:
-        cache = CacheConfig(n_slots=n_expert, miss_policy=mode.split("-")[0], decode_mode="sync")
-    return EngineConfig(**base, cache=cache)
+        cache = RunConfig(CacheConfig(n_slots=n_expert),
+                          decode=DecodeConfig(miss_policy=mode.split("-")[0], mode="sync"))
+    return EngineConfig(**base, run=cache)
 
 
 def _tps(eng, tokens: list[int]) -> float:

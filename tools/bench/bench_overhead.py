@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect import ModelFacts, inspect_model
@@ -85,7 +87,8 @@ def _engines(model: Path, facts: ModelFacts, threads: int | None) -> dict[str, t
     half = max(facts.n_expert // 2, facts.n_expert_used)
 
     def cached(n_slots: int, mode: str) -> Engine:
-        return Engine(EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, decode_mode=mode)))
+        return Engine(EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots),
+                                                         decode=DecodeConfig(mode=mode))))
 
     return {
         "stock": (Engine(EngineConfig(**base, gate_hook=False)), None),

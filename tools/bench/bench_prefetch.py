@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.prefetch import PrefetchConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.record import RecordConfig, record_trace
 from ggmoe.models import default_model_path
@@ -34,7 +36,7 @@ from ggmoe.trace.prompts import read_prompts
 
 def _run(model: Path, docs: list[str], cache: CacheConfig) -> dict:
     cfg = RecordConfig(mode="teacher", max_tokens=64, prefill_tokens=64, keep_hidden=False)
-    with Engine(EngineConfig(model_path=model, n_ctx=512, cache=cache)) as eng, \
+    with Engine(EngineConfig(model_path=model, n_ctx=512, run=cache)) as eng, \
             tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         record_trace(eng, docs, cfg, Path(tmp) / "trace.npz")
@@ -54,7 +56,8 @@ def _speed(model: Path, predictor: str, stride: int, rounds: int = 7, tokens: in
     n = inspect_model(model).n_expert
 
     def engine(pre: PrefetchConfig | None) -> Engine:
-        return Engine(EngineConfig(model_path=model, n_ctx=512, cache=CacheConfig(n_slots=n, prefetch=pre)))
+        return Engine(EngineConfig(model_path=model, n_ctx=512, run=RunConfig(CacheConfig(n_slots=n),
+                                                                              prefetch=pre)))
 
     engines = {
         "cache-all": engine(None),
@@ -111,12 +114,16 @@ def main() -> int:
     for n in a.slots:
         pre = PrefetchConfig(a.predictor, stride=a.stride)
         mode = a.decode_mode
-        for label, cache in (("lru", CacheConfig(n_slots=n, decode_mode=mode)),
+        for label, cache in (("lru", RunConfig(CacheConfig(n_slots=n), decode=DecodeConfig(mode=mode))),
                              (f"lru + {Path(a.predictor).name} s{a.stride}",
-                              CacheConfig(n_slots=n, prefetch=pre, decode_mode=mode)),
+                              RunConfig(CacheConfig(n_slots=n),
+                                        decode=DecodeConfig(mode=mode),
+                                        prefetch=pre)),
                              (f"lru + {Path(a.predictor).name} s{a.stride} + cpu misses",
-                              CacheConfig(n_slots=n, prefetch=pre, miss_policy="cpu",
-                                          decode_mode="sync" if mode == "async" else mode))):
+                              RunConfig(CacheConfig(n_slots=n),
+                                        decode=DecodeConfig(miss_policy="cpu",
+                                                            mode="sync" if mode == "async" else mode),
+                                        prefetch=pre))):
             r = _run(a.model, docs, cache)
             rows.append({"slots": n, "config": label, **r})
             print(f"{n:>3} slots  {label:<40} hit {r['hit_rate']:.1%}  prefetch {r['prefetch_hits']}/"

@@ -34,9 +34,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from ggmoe.cache import CacheConfig  # noqa: E402
+from ggmoe.cache.decode_mode import DecodeConfig  # noqa: E402
 from ggmoe.cache.hardware import load_profile  # noqa: E402
 from ggmoe.cache.split import split_at, tops_in  # noqa: E402
 from ggmoe.control.prefetch import PrefetchConfig  # noqa: E402
+from ggmoe.control.run_config import RunConfig  # noqa: E402
 from ggmoe.engine import Engine, EngineConfig  # noqa: E402
 from ggmoe.engine.record import RecordConfig, record_trace  # noqa: E402
 from ggmoe.inspect import inspect_model  # noqa: E402
@@ -77,15 +79,16 @@ def cache_for(facts, fraction: float, row: Row, theta: float, k: int) -> tuple[C
         slots = {il: max(k, n) for il, n in tops_in(split, dict.fromkeys(slots, whole), bpe_of(facts),
                                                      facts.n_expert, reserved).items()}
     pre = PrefetchConfig("skip-gate", stride=1, n_prefetch=k) if row.prefetch else None
-    cfg = CacheConfig(layer_slots=slots, policy=row.policy, prefetch=pre,
-                      decode_mode=row.mode,
-                      layer_theta=dict.fromkeys(split, th) or None)
+    cfg = RunConfig(CacheConfig(layer_slots=slots, policy=row.policy,
+                                layer_theta=dict.fromkeys(split, th) or None),
+                    decode=DecodeConfig(mode=row.mode),
+                    prefetch=pre)
     return cfg, split, slots
 
 
 def live(path: str, cfg: CacheConfig, tokens: int) -> tuple[float, dict, int]:
     """(decode seconds, stats totals, decoded tokens) of greedy generation on every prompt."""
-    with Engine(EngineConfig(model_path=path, n_ctx=512, cache=cfg)) as eng:
+    with Engine(EngineConfig(model_path=path, n_ctx=512, run=cfg)) as eng:
         decode_s, n = 0.0, 0
         for p in PROMPTS:
             g = eng.generate(p, tokens)

@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 
 from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.prefetch import PrefetchConfig
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
@@ -61,7 +63,7 @@ def _teacher(eng: Engine, docs: list[str]) -> int:
 
 
 def _hits(model: Path, docs: list[str], cache: CacheConfig, threads: int) -> dict:
-    with Engine(EngineConfig(model_path=model, n_ctx=256, n_threads=threads, cache=cache)) as eng:
+    with Engine(EngineConfig(model_path=model, n_ctx=256, n_threads=threads, run=cache)) as eng:
         mode = eng.decode_mode
         t0 = time.perf_counter()
         steps = _teacher(eng, docs)
@@ -82,7 +84,10 @@ def hit_rows(model: Path, docs: list[str], predictor: str, share: float, stride:
     rows = []
     for label, mode, p in (("sync LRU", "sync", None), (f"sync LRU + {name} s{stride}", "sync", pre),
                            ("async LRU", "async", None), (f"async + {name} s{stride} (mailbox)", "async", pre)):
-        cache = CacheConfig(n_slots=n, policy="lru", decode_mode=mode, prefetch=p, copy_delay_s=link_s)
+        cache = RunConfig(CacheConfig(n_slots=n, policy="lru"),
+                          decode=DecodeConfig(mode=mode),
+                          prefetch=p,
+                          copy_delay_s=link_s)
         r = _hits(model, docs, cache, threads)
         rows.append({"config": label, "slots": n, **r})
         print(f"{label:<44} {r['mode']:<5} hit {r['hit_rate']:.1%}  prefetch used {r['prefetch_hits']} / "
@@ -95,12 +100,13 @@ def speed_rows(model: Path, predictor: str, stride: int, threads: int, rounds: i
     pre = PrefetchConfig(predictor, stride=stride, in_graph=False)
 
     def engine(cache: CacheConfig | None) -> Engine:
-        return Engine(EngineConfig(model_path=model, n_ctx=512, n_threads=threads, cache=cache))
+        return Engine(EngineConfig(model_path=model, n_ctx=512, n_threads=threads, run=cache))
 
     engines = {"stock (no cache)": engine(None),
-               "async, every expert cached": engine(CacheConfig(n_slots=n, decode_mode="async")),
+               "async, every expert cached": engine(RunConfig(CacheConfig(n_slots=n),
+                                                              decode=DecodeConfig(mode="async"))),
                "async + predictor (mailbox), every expert cached": engine(
-                   CacheConfig(n_slots=n, decode_mode="async", prefetch=pre))}
+                   RunConfig(CacheConfig(n_slots=n), decode=DecodeConfig(mode="async"), prefetch=pre))}
     ids = next(iter(engines.values())).tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n" * 4)
     names = list(engines)
     tps: dict[str, list[float]] = {k: [] for k in engines}

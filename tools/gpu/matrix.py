@@ -96,7 +96,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tools.* when run as a file
 from ggmoe.cache import CacheConfig  # noqa: E402
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.prefetch import PrefetchConfig  # noqa: E402
+from ggmoe.control.run_config import RunConfig
 from ggmoe.inspect import inspect_model  # noqa: E402
 from ggmoe.inspect.fingerprint import model_fingerprint  # noqa: E402
 from ggmoe.trace import load_trace  # noqa: E402
@@ -289,17 +291,21 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
         host = tuple(facts.moe_layers[n_gpu:])
         return EngineConfig(**base, experts_on_host=True, host_expert_layers=host, gate_hook=False), n_gpu
     if config in LRU_MISS:
-        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=LRU_MISS[config],
-                                                      decode_mode="sync",
-                                                      host_threads=HOST_THREADS.get(config))), n_slots
+        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"),
+                                                  decode=DecodeConfig(miss_policy=LRU_MISS[config],
+                                                                      mode="sync",
+                                                                      host_threads=HOST_THREADS.get(config)))), n_slots
     if config in ("async", "async-tinylfu", "async-fill", "async-fill-tinylfu"):
         policy = "tinylfu" if config.endswith("tinylfu") else "lru"
-        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy=policy, decode_mode="async",
-                                                      fills=config.startswith("async-fill"))), n_slots
+        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy),
+                                                  decode=DecodeConfig(mode="async",
+                                                                      fills=config.startswith("async-fill")))), n_slots
     if config in ("async-prefetch", "async-fill-prefetch"):
         pre = PrefetchConfig(predictor="reuse", stride=2)
-        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", decode_mode="async",
-                                                      prefetch=pre, fills=config == "async-fill-prefetch")), n_slots
+        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"),
+                                                  decode=DecodeConfig(mode="async",
+                                                                      fills=config == "async-fill-prefetch"),
+                                                  prefetch=pre)), n_slots
     if config in SPLIT:
         if not split:
             raise SystemExit(f"error: {config} needs the model's split geometry (split_layers)")
@@ -307,20 +313,23 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
         tops = split_slots(n_slots, split, bpe, facts.n_expert)
         mode = "async" if config == "split-async" else "sync"
         theta = {il: s.theta for il, s in split.items()}
-        return EngineConfig(**base, cache=CacheConfig(layer_slots=tops, policy="lru", decode_mode=mode,
-                                                      layer_theta=theta)), tops[facts.moe_layers[0]]
+        return EngineConfig(**base, run=RunConfig(CacheConfig(layer_slots=tops, policy="lru",
+                                                              layer_theta=theta),
+                                                  decode=DecodeConfig(mode=mode))), tops[facts.moe_layers[0]]
     if config == "prefetch-mlp":
         pre = PrefetchConfig(predictor=str(random_mlp(model)), stride=2)
-        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy="auto",
-                                                      prefetch=pre)), n_slots
+        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"),
+                                                  decode=DecodeConfig(miss_policy="auto"),
+                                                  prefetch=pre)), n_slots
     if config in ("prefetch", "prefetch-eam", "prefetch-bg", "prefetch-wait"):
         pre = {"prefetch": PrefetchConfig(predictor="reuse", stride=1),
                "prefetch-wait": PrefetchConfig(predictor="reuse", stride=1),
                "prefetch-bg": PrefetchConfig(predictor="reuse", stride=1, background=True),
                "prefetch-eam": PrefetchConfig(predictor="eam", stride=1, train=(str(train),))}[config]
         miss = "wait" if config == "prefetch-wait" else "auto"
-        return EngineConfig(**base, cache=CacheConfig(n_slots=n_slots, policy="lru", miss_policy=miss,
-                                                      prefetch=pre)), n_slots
+        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"),
+                                                  decode=DecodeConfig(miss_policy=miss),
+                                                  prefetch=pre)), n_slots
     raise SystemExit(f"error: unknown config {config!r}; choose from {', '.join(CONFIGS)}")
 
 

@@ -54,7 +54,9 @@ FLOOR = "cpu-experts"
 def engine_config(model: Path, mode: str | None, fraction: float, gpu: bool):
     """The engine configuration of ``mode`` (None: stock, no hook) at ``fraction`` of the experts cached."""
     from ggmoe.cache import CacheConfig
+    from ggmoe.cache.decode_mode import DecodeConfig
     from ggmoe.control.prefetch import PrefetchConfig
+    from ggmoe.control.run_config import RunConfig
     from ggmoe.engine import EngineConfig
     from ggmoe.inspect import inspect_model
 
@@ -64,15 +66,12 @@ def engine_config(model: Path, mode: str | None, fraction: float, gpu: bool):
                             gate_hook=False, n_batch=64, n_ubatch=4)
     facts = inspect_model(model)
     n = max(facts.n_expert_used + 1, round(fraction * facts.n_expert))
-    kw: dict = {"n_slots": n, "decode_mode": "async" if mode in ("async", "async-prefetch", "split-async") else "sync"}
-    if mode == "host":
-        kw["miss_policy"] = "cpu"
-    if mode in ("prefetch", "async-prefetch"):
-        kw["prefetch"] = PrefetchConfig("reuse", stride=1)
-    if mode.startswith("split"):
-        kw["layer_theta"] = {il: 0.5 for il in facts.moe_layers}
-    return EngineConfig(model_path=model, n_ctx=256, n_gpu_layers=layers, n_batch=64, n_ubatch=4,
-                        cache=CacheConfig(**kw))
+    decode = DecodeConfig(mode="async" if mode in ("async", "async-prefetch", "split-async") else "sync",
+                          miss_policy="cpu" if mode == "host" else "wait")
+    pre = PrefetchConfig("reuse", stride=1) if mode in ("prefetch", "async-prefetch") else None
+    theta = {il: 0.5 for il in facts.moe_layers} if mode.startswith("split") else None
+    run = RunConfig(CacheConfig(n_slots=n, layer_theta=theta), decode, prefetch=pre)
+    return EngineConfig(model_path=model, n_ctx=256, n_gpu_layers=layers, n_batch=64, n_ubatch=4, run=run)
 
 
 def greedy(model: Path, mode: str | None, fraction: float, tokens: int, gpu: bool,

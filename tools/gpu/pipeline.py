@@ -65,11 +65,12 @@ DEFAULT_RESULTS = Path("/tmp/ggmoe-results")
 # with the cache on (auto's decode mode and miss policy at half the experts: its choices and the measured costs
 # it chose by, which the matrix then checks), a few tokens decoded: the loan's first question is
 # whether ggmoe's own path runs, not only whether llama.cpp loads
-ENGINE_CHECK = ("import sys; from ggmoe.cache import CacheConfig; from ggmoe.engine import Engine, EngineConfig; "
+ENGINE_CHECK = ("import sys; from ggmoe.cache import CacheConfig; from ggmoe.cache.decode_mode import DecodeConfig; "
+                "from ggmoe.control.run_config import RunConfig; from ggmoe.engine import Engine, EngineConfig; "
                 "from ggmoe.inspect import inspect_model; f = inspect_model(sys.argv[1]); "
                 "eng = Engine(EngineConfig(model_path=sys.argv[1], n_ctx=64, n_gpu_layers=-1, "
-                "cache=CacheConfig(n_slots=max(f.n_expert_used + 1, f.n_expert // 2), decode_mode='auto', "
-                "miss_policy='auto'))); "
+                "run=RunConfig(CacheConfig(n_slots=max(f.n_expert_used + 1, f.n_expert // 2)), "
+                "DecodeConfig(mode='auto', miss_policy='auto')))); "
                 "[eng.decode([t]) for t in range(3, 11)]; st = eng.cache_stats.total(); "
                 "print('engine check: loaded', sys.argv[1], eng.decode_mode, 'miss policy', eng.miss_policy, "
                 "'hits', st.hits, 'misses', st.misses, 'on the CPU', st.host_computed); "
