@@ -21,7 +21,9 @@ from test_cache_engine import EXACT, run_sequences, zero_slots
 from ggmoe.base.errors import UsageError
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.copy import CopyHandle, Priority
+from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.prefetch import build_prefetch_config
+from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.hook import HookRequest, RouteRecorder
@@ -30,13 +32,13 @@ from ggmoe.inspect import inspect_model
 pytestmark = pytest.mark.engine
 
 
-def _engine(path, n_slots, policy="lru", mode="async", n_ubatch=4, **cache_kw) -> Engine:
+def _engine(path, n_slots, policy="lru", mode="async", n_ubatch=4, prefetch=None, miss_policy="wait") -> Engine:
     # n_ubatch 4 (n_batch 64): prefills run the route op per micro-batch, their last partial micro-batch and
     # every decode step read through the tables, so both paths share one cache. Fills off: this file holds the
     # reads in place and the admission copies racing the decodes (tests/engine/test_fills.py: the fills)
-    cache_kw.setdefault("fills", False)
-    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=n_ubatch,
-                               run=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode, **cache_kw)))
+    run = RunConfig(CacheConfig(n_slots=n_slots, policy=policy),
+                    decode=DecodeConfig(mode=mode, fills=False, miss_policy=miss_policy), prefetch=prefetch)
+    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=n_ubatch, run=run))
 
 
 @pytest.mark.parametrize("policy", ["lru", "test-random", "tinylfu"])  # tinylfu: the admission filter's path

@@ -113,11 +113,10 @@ def test_auto_chooses_wait_where_the_host_path_cannot_serve(arch_model, stock_lo
     cache (an asked-for async decode; MoEpic's split layers): it runs as wait and says why."""
     arch, path = arch_model
     facts = inspect_model(path)
-    extra = {"decode_mode": "async"} if case == "async" else {
-        "layer_theta": dict.fromkeys(facts.moe_layers, 0.5)}
+    theta = dict.fromkeys(facts.moe_layers, 0.5) if case == "split" else None
+    decode = DecodeConfig(mode="async" if case == "async" else "auto", miss_policy="auto", hw_profile="egpu")
     cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                       run=CacheConfig(n_slots=facts.n_expert_used, miss_policy="auto", hw_profile="egpu",
-                                         **extra))
+                       run=RunConfig(CacheConfig(n_slots=facts.n_expert_used, layer_theta=theta), decode=decode))
     with Engine(cfg) as eng:
         got = run_sequences(eng)
         in_effect, note = eng.miss_policy

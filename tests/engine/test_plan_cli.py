@@ -33,14 +33,14 @@ def test_plan_from_traces_runs(traced, tmp_path):
     d = json.loads(r.stdout)
     cfg = read_plan(out)
     facts = inspect_model(default_model_path())
-    slots = cfg.slots({il: facts.bytes_per_expert(il) for il in facts.moe_layers}, facts.n_expert,
+    slots = cfg.cache.slots({il: facts.bytes_per_expert(il) for il in facts.moe_layers}, facts.n_expert,
                       facts.n_expert_used)
     assert sum(n * facts.bytes_per_expert(il) for il, n in slots.items()) <= 4 << 20
     assert d["tpot_s_estimate"] <= d["baseline_tpot_s_estimate"]  # the baseline is among the candidates
     assert len(d["candidates"]) >= 10 and d["analytic"] is False
     stats = tmp_path / "s.json"
     ggmoe("run", "-p", "def f():", "-n", "8", "--config", str(out), "--stats-json", str(stats))
-    assert json.loads(stats.read_text())["policy"] == cfg.policy
+    assert json.loads(stats.read_text())["policy"] == cfg.cache.policy
     ggmoe("trace", "--prompts", str(traced / "p.jsonl"), "-o", str(tmp_path / "t2"), "--max-tokens", "4",
           "--config", str(out))
 
@@ -50,7 +50,7 @@ def test_plan_from_statistics(traced, tmp_path):
     r = ggmoe("plan", "--vram", "4MiB", "--stats", str(traced / "stats.npz"), "-o", str(out))
     assert "estimated TPOT" in r.stdout
     cfg = read_plan(out)
-    assert cfg.policy == "static" and "--stats-in" in out.read_text()
+    assert cfg.cache.policy == "static" and "--stats-in" in out.read_text()
     ggmoe("run", "-p", "def f():", "-n", "4", "--config", str(out), "--stats-in", str(traced / "stats.npz"))
 
 
@@ -91,11 +91,11 @@ def test_plan_writes_moepics_split_and_run_runs_it(traced, tmp_path, copy_stream
     assert d["vram_bytes"] == sum(x["used_bytes"] for x in m["layers"].values()) <= 4 << 20
     assert d["tpot_s_estimate"] > 0 and d["baseline_tpot_s_estimate"] > 0
     cfg = read_plan(out)
-    assert cfg.policy == "lcp" and cfg.miss_policy == "wait"
-    assert cfg.layer_theta and set(cfg.layer_theta.values()) == {0.5}  # the tiny model's only split share
-    assert {str(il): t for il, t in cfg.layer_theta.items()} == d["theta_per_layer"]
-    assert {str(il): n for il, n in cfg.layer_slots.items()} == d["slots_per_layer"]
-    assert all(k <= n <= facts.n_expert for n in cfg.layer_slots.values())
+    assert cfg.cache.policy == "lcp" and cfg.decode.miss_policy == "wait"
+    assert cfg.cache.layer_theta and set(cfg.cache.layer_theta.values()) == {0.5}  # the tiny model's only split share
+    assert {str(il): t for il, t in cfg.cache.layer_theta.items()} == d["theta_per_layer"]
+    assert {str(il): n for il, n in cfg.cache.layer_slots.items()} == d["slots_per_layer"]
+    assert all(k <= n <= facts.n_expert for n in cfg.cache.layer_slots.values())
     assert cfg.prefetch is not None and (cfg.prefetch.predictor, cfg.prefetch.stride) == ("skip-gate", 1)
     assert cfg.prefetch.n_prefetch == m["y"] > 0
     text = out.read_text()
@@ -105,7 +105,7 @@ def test_plan_writes_moepics_split_and_run_runs_it(traced, tmp_path, copy_stream
     ggmoe("run", "-p", "def f():", "-n", "8", "--config", str(out), "--stats-json", str(stats))
     run = json.loads(stats.read_text())
     assert run["policy"] == "lcp"
-    split = [str(il) for il in cfg.layer_theta]
+    split = [str(il) for il in cfg.cache.layer_theta]
     # 8 tokens: on the deferred stream the queue may land nothing in time, and the async decode prefetches a
     # bottom only beside a top that landed (both counts depend on the machine's speed there; CI under load
     # saw 0 bottoms). The deferred run shows the plan runs, on the stream that names itself
@@ -121,7 +121,7 @@ def test_plan_writes_moepics_split_and_run_runs_it(traced, tmp_path, copy_stream
               "--predictor-s", "0.00002", "--moepic")
     assert "no baseline" in r.stdout and "estimated TPOT" in r.stdout
     cfg = read_plan(small)
-    assert set(cfg.layer_theta) == layers and all(n >= k for n in cfg.layer_slots.values())
+    assert set(cfg.cache.layer_theta) == layers and all(n >= k for n in cfg.cache.layer_slots.values())
     ggmoe("run", "-p", "def f():", "-n", "4", "--config", str(small))
 
 

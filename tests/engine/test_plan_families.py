@@ -46,7 +46,7 @@ def test_every_written_plan_runs(traced, tmp_path, hw, source):
     cfg = read_plan(out)
     cfg.check_model(facts)
     stats = tmp_path / "s.json"
-    extra = ["--stats-in", str(d / "stats.npz")] if cfg.policy == "static" else []
+    extra = ["--stats-in", str(d / "stats.npz")] if cfg.cache.policy == "static" else []
     _ok("run", str(path), "-p", "def f():", "-n", "6", "--config", str(out), "--stats-json", str(stats), *extra)
     run = json.loads(stats.read_text())
-    assert run["policy"] == cfg.policy and run["miss_policy"] == cfg.miss_policy, arch
+    assert run["policy"] == cfg.cache.policy and run["miss_policy"] == cfg.decode.miss_policy, arch

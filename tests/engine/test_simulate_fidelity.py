@@ -67,14 +67,19 @@ def test_simulator_counts_equal_the_engine(qwen3moe_model, tmp_path, flags):
 
 
 def _engine_without_fills(monkeypatch) -> None:
-    """``ggmoe run``'s cache config with in-graph fills off (``CacheConfig(fills=False)``: the GPU matrix's
+    """``ggmoe run``'s run config with in-graph fills off (``DecodeConfig(fills=False)``: the GPU matrix's
     ``async`` row), for the run that follows in this process."""
     import dataclasses
 
     from ggmoe.cli import cache_flags as warm
 
-    made = warm.run_config
-    monkeypatch.setattr(warm, "cache_config", lambda *a, **k: dataclasses.replace(made(*a, **k), fills=False))
+    made = warm.cache_config
+
+    def without_fills(*a, **k):
+        run = made(*a, **k)
+        return dataclasses.replace(run, decode=dataclasses.replace(run.decode, fills=False))
+
+    monkeypatch.setattr(warm, "cache_config", without_fills)
 
 
 @pytest.mark.immediate_copies("the replay lands a copy when it is issued, as the immediate stream does")

@@ -29,11 +29,12 @@ from ggmoe.inspect import inspect_model
 pytestmark = pytest.mark.engine
 
 
-def _engine(path, n_slots, theta, mode="async", policy="lru", **cache_kw) -> Engine:
+def _engine(path, n_slots, theta, mode="async", policy="lru", prefetch=None, copy_delay_s=None) -> Engine:
     # n_ubatch 4: prefills run micro-batches of 4 tokens, which read split layers through their tables too
     return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4,
-                               run=CacheConfig(n_slots=n_slots, policy=policy, decode_mode=mode,
-                                                 layer_theta=theta, **cache_kw)))
+                               run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy, layer_theta=theta),
+                                             decode=DecodeConfig(mode=mode), prefetch=prefetch,
+                                             copy_delay_s=copy_delay_s)))
 
 
 def _all(facts, t: float) -> dict[int, float]:
@@ -289,8 +290,10 @@ def test_async_prefetched_bottom_buffers_feed_the_matmuls(qwen3moe_model, monkey
 def test_split_usage_errors(qwen3moe_model, cache_kw, message):
     facts = inspect_model(qwen3moe_model)
     kw = {"layer_theta": _all(facts, 0.5), **cache_kw}
+    miss = kw.pop("miss_policy", "wait")
     with pytest.raises((UsageError, EngineError), match=message):
-        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, run=CacheConfig(n_slots=4, **kw)))
+        run = RunConfig(CacheConfig(n_slots=4, **kw), decode=DecodeConfig(miss_policy=miss))
+        Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, run=run))
 
 
 def test_split_geometry_matches_the_slot_tensors(qwen3moe_model):
@@ -326,10 +329,10 @@ def test_reconfigure_between_requests_keeps_stock_logits(qwen3moe_model, stock_l
             for j, t in enumerate(ids[1: 1 + N_DECODE]):
                 if j == 2:  # mid-sequence: the next configuration
                     eng.reconfigure(configs[(2 * i + 1) % len(configs)])
-                    assert eng.config.cache is configs[(2 * i + 1) % len(configs)]
+                    assert eng.config.run is configs[(2 * i + 1) % len(configs)]
                 got.append(eng.decode([t]))
             eng.reconfigure(configs[(2 * i + 2) % len(configs)])
-        assert eng.cache_slots == dict.fromkeys(facts.moe_layers, configs[(2 * len(TEXTS)) % 3].n_slots)
+        assert eng.cache_slots == dict.fromkeys(facts.moe_layers, configs[(2 * len(TEXTS)) % 3].cache.n_slots)
         with pytest.raises(UsageError, match="not MoE layers"):  # a bad plan leaves the cache as it was
             eng.reconfigure(RunConfig(CacheConfig(n_slots=4, layer_theta={999: 0.5})))
         assert eng.cache_stats is not None

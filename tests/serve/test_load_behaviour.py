@@ -162,13 +162,13 @@ def test_load_takes_a_split_plan_and_reconfigures(tmp_path):
     plan.write_text("[cache]\npolicy = \"lcp\"\n[cache.slots]\n" + "".join(f'"{il}" = 12\n' for il in facts.moe_layers)
                     + "[cache.theta]\n" + "".join(f'"{il}" = 0.5\n' for il in facts.moe_layers))
     with ggmoe.load(config=str(plan), decode_mode="sync") as llm:
-        assert llm.run_config.layer_theta == dict.fromkeys(facts.moe_layers, 0.5)
+        assert llm.run_config.cache.layer_theta == dict.fromkeys(facts.moe_layers, 0.5)
         first = llm.create_completion("def fib(n):", max_tokens=12, temperature=0)["choices"][0]["text"]
         total = llm.stats()["cache"]["total"]
         assert total["top_hits"] > 0 and total["bottom_read_bytes"] > 0
         assert llm.stats()["cache"]["decode_mode_in_effect"] == "sync"
         llm.reconfigure(RunConfig(CacheConfig(n_slots=facts.n_expert_used + 4)))
-        assert llm.run_config.layer_theta is None
+        assert llm.run_config.cache.layer_theta is None
         again = llm.create_completion("def fib(n):", max_tokens=12, temperature=0)["choices"][0]["text"]
         assert again == first
         assert llm.stats()["cache"]["total"]["top_hits"] == 0  # whole experts now
