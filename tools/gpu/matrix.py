@@ -402,7 +402,7 @@ def vram_bytes(cfg: EngineConfig, config: str, slots: int | None, facts, split: 
         return 0
     if config == "n-cpu-moe":
         return sum(facts.n_expert * facts.bytes_per_expert(il) for il in facts.moe_layers[:slots])
-    c = cfg.cache
+    c = cfg.run.cache
     per = c.layer_slots or dict.fromkeys(facts.moe_layers, c.n_slots)
     top = split if config in SPLIT and split else {}
     return sum(n * (top[il].top_bytes if il in top else facts.bytes_per_expert(il)) for il, n in per.items())
@@ -426,13 +426,13 @@ def run_cell(model: Path, facts, config: str, fraction: float | None, routing: s
     try:
         with Engine(cfg) as eng:
             override = None
-            if routing == "trace" and cfg.cache is not None:
+            if routing == "trace" and cfg.run is not None:
                 override = TraceRouting(load_trace(held, hidden=False))
                 eng.set_routing_override(override)
-            if cfg.cache is not None:
+            if cfg.run is not None:
                 eng.record_hook_times()
             m = measure(eng, eng.n_vocab, args.prefill_tokens, args.decode_tokens, args.runs, args.seed)
-            hook = eng.hook_times if cfg.cache is not None else np.zeros(0)
+            hook = eng.hook_times if cfg.run is not None else np.zeros(0)
             mode = eng.decode_mode.get("decode_mode_in_effect")
             miss = eng.miss_policy[0] if eng.miss_policy is not None else None
             s = m.decode_stats
