@@ -236,19 +236,24 @@ class ThreadedCopyBackend:
         self._thread.join(timeout=5)
 
 
+class Marker(Protocol):
+    """A copy or a read in flight as the backend that started it knows it (a GPU event, a stream's ticket, a
+    future): opaque to the cache, handed back only to that backend's ``ready`` and ``wait``."""
+
+
 class CopyStream(Protocol):
     """One asynchronous copy stream (the engine's ``GgmlCopyBackend`` over a GPU's events or the CPU build's
     deferred stream). Readiness is a marker per issue, queried without blocking."""
 
     n_chunks: int  # chunks of one expert copy (one per expert tensor kind)
 
-    def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> object:
+    def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> Marker:
         """Put chunk ``i`` of the copy on the stream; returns its marker before it lands."""
 
-    def ready(self, marker: object) -> bool:
+    def ready(self, marker: Marker) -> bool:
         """Whether the chunk of ``marker`` has landed (never blocks)."""
 
-    def wait_marker(self, marker: object) -> None:
+    def wait_marker(self, marker: Marker) -> None:
         """Block until the chunk of ``marker`` has landed."""
 
     # Optional: ``issue(il, expert, slot, engine=False)`` puts the whole copy on the stream under one marker;
@@ -268,7 +273,7 @@ class LinkStreamCopyBackend(ThreadedCopyBackend):
 
     def __init__(self, stream: CopyStream, delay_s: float) -> None:
         self.stream = stream
-        self._markers: dict[int, list[object]] = {}  # handle id -> the markers of its chunks put so far
+        self._markers: dict[int, list[Marker]] = {}  # handle id -> the markers of its chunks put so far
         super().__init__(self._never, delay_s, chunks=stream.n_chunks, copy_chunk=self._never)
 
     @staticmethod
@@ -325,11 +330,11 @@ class StreamCopyBackend(ThreadedCopyBackend):
     def __init__(self, stream: CopyStream) -> None:
         self.stream = stream
         self._issue_lock = threading.Lock()  # one issuer at a time: stream order = issue order
-        self._inline: dict[int, list[object] | None] = {}  # demand handle id -> its chunks' markers (None: not
+        self._inline: dict[int, list[Marker] | None] = {}  # demand handle id -> its chunks' markers (None: not
         # yet on the stream, a promoted copy being issued)
         super().__init__(self._worker_copy, chunks=stream.n_chunks, copy_chunk=self._worker_chunk)
 
-    def _issue(self, il: int, expert: int, slot: int, chunks: range) -> list[object]:
+    def _issue(self, il: int, expert: int, slot: int, chunks: range) -> list[Marker]:
         with self._issue_lock:
             return [self.stream.issue_chunk(il, expert, slot, i) for i in chunks]
 

@@ -20,19 +20,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ggmoe.cache.copy import Marker
 from ggmoe.cache.policies import POLICIES
 
 
 class DiskReader(Protocol):
     """Reads one whole expert (every tensor kind) of a layer from the model file into a host slot."""
 
-    def submit(self, il: int, expert: int, slot: int) -> object:
+    def submit(self, il: int, expert: int, slot: int) -> Marker:
         """Start the read; returns at once with a marker."""
 
-    def done(self, marker: object) -> bool:
+    def done(self, marker: Marker) -> bool:
         """Whether the read has landed (raises the read's error, a ``DiskTierError``, if it failed)."""
 
-    def wait(self, marker: object) -> None:
+    def wait(self, marker: Marker) -> None:
         """Block until the read has landed (raises its error if it failed)."""
 
     def close(self) -> None:
@@ -67,7 +68,7 @@ class HostTierStats:
 class _Layer:
     slot_of: list[int]  # [n_expert] host slot of a readable expert, else -1
     expert_in: list[int]  # [n_slots] expert held (readable or being read), else -1
-    pending: dict[int, tuple[int, object, bool]] = field(default_factory=dict)  # expert -> (slot, marker, predicted)
+    pending: dict[int, tuple[int, Marker, bool]] = field(default_factory=dict)  # expert -> (slot, marker, predicted)
     predicted: set[int] = field(default_factory=set)  # readable experts read by a prediction, not yet asked for
 
 
@@ -99,7 +100,7 @@ class HostTier:
         """The host slot ``expert`` is read from, or -1 (read from the file in place)."""
         return self.layers[il].slot_of[expert]
 
-    def ensure(self, il: int, expert: int, predicted: bool = False) -> object | None:
+    def ensure(self, il: int, expert: int, predicted: bool = False) -> Marker | None:
         """Have ``expert`` read into the host tier: None when it is readable now or cannot get a slot (then it is
         read in place), else the marker of its read in flight (``wait_read`` blocks on it)."""
         lay, st = self.layers[il], self.stats[il]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from ggmoe.base.errors import UsageError
 from ggmoe.cache.cache import ExpertCache
 from ggmoe.hook import HookRequest, RouteEvent
 from ggmoe.predict.base import Predictor
+
+if TYPE_CHECKING:
+    from ggmoe.inspect.facts import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ def check_planner(spec: str) -> None:
                          "expert-map or a PRED.npz trained with `ggmoe train-predictor --mode token`")
 
 
-def make_planner(cache: ExpertCache, config: PlannerConfig, facts: object, model_path: str) -> NextTokenPlanner:
+def make_planner(cache: ExpertCache, config: PlannerConfig, facts: ModelFacts, model_path: str) -> NextTokenPlanner:
     """The planner for a loaded model: its predictor built (a PRED.npz must be of mode token) and fitted."""
     from ggmoe.control.prefetch import live_predictor
 

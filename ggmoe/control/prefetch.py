@@ -19,6 +19,7 @@ import queue
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from ggmoe.base.errors import UsageError
 from ggmoe.cache.cache import ExpertCache
 from ggmoe.hook import HookRequest, RouteEvent
 from ggmoe.predict.base import Predictor
+
+if TYPE_CHECKING:
+    from ggmoe.inspect.facts import ModelFacts
 
 IDLE_SKIP_MAX = 16  # decode tokens at most that an idle prefetcher leaves the mailbox unread
 BALANCE_WEIGHT = 1 / 8  # the newest token's weight in the prefetch budget's moving balance (about 8 tokens)
@@ -365,7 +369,7 @@ class Prefetcher:
                             if_calls=calls if self._queue is not None else None, free_only=self.free_only)
 
 
-def live_predictor(spec: str, facts: object, model_path: str, stride: int, train: tuple[str, ...] = (),
+def live_predictor(spec: str, facts: ModelFacts, model_path: str, stride: int, train: tuple[str, ...] = (),
                    state: Mapping[str, np.ndarray] | None = None, mode: str = "layer") -> Predictor:
     """A predictor for a loaded model, built (and fitted, if it learns) as the prefetcher and the planner need it;
     ``mode``: what a PRED.npz must have been trained for (layer: ``stride`` layers ahead; token: the next token)."""
@@ -395,7 +399,7 @@ def live_predictor(spec: str, facts: object, model_path: str, stride: int, train
     return pred
 
 
-def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: object, model_path: str) -> Prefetcher:
+def make_prefetcher(cache: ExpertCache, config: PrefetchConfig, facts: ModelFacts, model_path: str) -> Prefetcher:
     """The prefetcher for a loaded model: its predictor built (and fitted, if it learns) for the model."""
     pred = live_predictor(config.predictor, facts, model_path, config.stride, config.train, config.state)
     n = config.n_prefetch if config.n_prefetch is not None else \

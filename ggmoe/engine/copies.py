@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ggmoe.cache import CopyHandle, Priority
-from ggmoe.cache.copy import bottom_buffer
+from ggmoe.cache.copy import Marker, bottom_buffer
 from ggmoe.cache.miss import MissCosts
 from ggmoe.cache.split import Run
 from ggmoe.engine import ggml as B
@@ -52,7 +52,7 @@ class GgmlCopyBackend:
         self.pairs = slots.pairs
         self.stream = stream
         self._ids = itertools.count()
-        self._markers: dict[int, object] = {}  # handle id -> its stream marker, until seen landed
+        self._markers: dict[int, Marker] = {}  # handle id -> its stream marker, until seen landed
         # the async decode's stride prefetch: (il, kind index, expert, slot) -> (table tensor, byte offset, entry
         # value) of the expert-table entry to point at the slot once that kind's copy landed, written on the
         # stream right after it (stream order: a kernel that reads the entry then finds the copy landed); None
@@ -88,7 +88,7 @@ class GgmlCopyBackend:
                 B.libggml_base.ggml_backend_tensor_set_2d(t, src + r.src, at + r.dst, r.size, r.n, r.dst_stride,
                                                           r.src_stride)
 
-    def issue(self, il: int, expert: int, slot: int, chunks: range | None = None, engine: bool = False) -> object:
+    def issue(self, il: int, expert: int, slot: int, chunks: range | None = None, engine: bool = False) -> Marker:
         """Put expert tensor kinds ``chunks`` (default: all) of ``expert``'s copy into ``slot`` on the stream;
         returns the stream's marker for them. ``engine``: the caller is the stream's copy engine (the simulated
         link's thread, its link done with the copy): the stream's ``put_on_engine`` where it has one."""
@@ -120,14 +120,14 @@ class GgmlCopyBackend:
         else:
             B.libggml_base.ggml_backend_tensor_set(t, ctypes.addressof(v), offset, 8)
 
-    def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> object:
+    def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> Marker:
         """Put chunk ``i`` (expert tensor kind ``i``) of ``expert``'s copy on the stream; its marker."""
         return self.issue(il, expert, slot, range(i, i + 1))
 
-    def ready(self, marker: object) -> bool:
+    def ready(self, marker: Marker) -> bool:
         return self.stream.ready(marker)
 
-    def wait_marker(self, marker: object) -> None:
+    def wait_marker(self, marker: Marker) -> None:
         self.stream.wait(marker)
 
     def copy_now(self, il: int, expert: int, slot: int) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ggmoe.base.errors import DiskTierError
+from ggmoe.cache.copy import Marker
 from ggmoe.engine import ggml as B
 from ggmoe.engine.arena import TensorArena
 from ggmoe.inspect.names import CACHED_KINDS, expert_weight_name
@@ -140,14 +141,14 @@ class FileDiskReader:
     def submit(self, il: int, expert: int, slot: int) -> Future:
         return self._pool.submit(self._read_expert, il, expert, slot)
 
-    def done(self, marker: object) -> bool:
+    def done(self, marker: Marker) -> bool:
         assert isinstance(marker, Future)
         if not marker.done():
             return False
         marker.result()  # raises the read's error
         return True
 
-    def wait(self, marker: object) -> None:
+    def wait(self, marker: Marker) -> None:
         assert isinstance(marker, Future)
         marker.result()
 

@@ -39,6 +39,9 @@ from ggmoe.hook import RouteObserver
 
 if TYPE_CHECKING:
     from ggmoe.control.planner import PlannerConfig
+    from ggmoe.control.prefetch import Prefetcher
+    from ggmoe.engine.pipeline import CachePipeline
+    from ggmoe.engine.sequences import SeqEntry
     from ggmoe.inspect import ModelFacts
 
 # Used when the GGUF carries no chat template: plain "Role: text" turns, which a base
@@ -127,7 +130,7 @@ class GgmoeLlama(llama_cpp.Llama):
         self._chat_template = chat_template  # a Jinja chat template instead of the GGUF's
         self._n_seq_max = n_seq_max  # read by the context_params setter, before the context is made
         self._kv_unified = kv_unified
-        self._ggmoe = None  # LlamaAttachment, once the context exists
+        self._ggmoe: CachePipeline | None = None  # the pipeline on the context, once the context exists
         facts = inspect_model(Path(model_path)) if run is not None or observers else None
         run, on_disk = resolve_tiers(run, facts) if facts is not None else (run, False)
         self._placement = HostExpertOverride(on_disk=on_disk) if experts_on_host else None
@@ -186,7 +189,7 @@ class GgmoeLlama(llama_cpp.Llama):
 
         return n_ctx_seq(self._ctx.ctx)
 
-    def decode_sequences(self, entries: Sequence[Any]) -> list[np.ndarray]:
+    def decode_sequences(self, entries: Sequence[SeqEntry]) -> list[np.ndarray]:
         """One ``llama_decode`` of several sequences' tokens (``ggmoe.engine.sequences.SeqEntry``), the
         pipeline around it as around ``eval``'s; each entry's last logits row. On an error the caller
         forgets those sequences (their KV entries from this decode are meaningless)."""
@@ -349,12 +352,12 @@ class GgmoeLlama(llama_cpp.Llama):
         return {"cache": report or None}
 
     @property
-    def prefetcher(self):
-        """The cache's prefetcher (``ggmoe.control.prefetch.Prefetcher``), or None."""
+    def prefetcher(self) -> Prefetcher | None:
+        """The cache's prefetcher, or None."""
         return self._ggmoe.prefetcher if self._ggmoe is not None else None
 
     @property
-    def attachment(self):
+    def attachment(self) -> CachePipeline | None:
         """The engine-side attachment (route callback, cache runtime), or None without a cache."""
         return self._ggmoe
 

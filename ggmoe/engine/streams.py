@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from ggmoe.base.errors import EngineError, EngineNotPatchedError, UsageError
+from ggmoe.cache.copy import Marker
 from ggmoe.engine import ggml as B
 
 Work = Callable[[int | None], None]  # writes part of a copy: on the given backend (async), or at once (None)
@@ -49,13 +50,13 @@ class CopyStream(Protocol):
     name: str  # the stream in effect, as the statistics name it: immediate, deferred or events
     handle: int | None  # the ggml backend async copies are issued on (a GPU's copy stream), else None
 
-    def put(self, work: Work) -> object:
+    def put(self, work: Work) -> Marker:
         """Run ``work`` on the stream; returns its marker at once (the copy may land later)."""
 
-    def ready(self, marker: object) -> bool:
+    def ready(self, marker: Marker) -> bool:
         """Whether the work of ``marker`` has landed; never blocks on a device that can be queried."""
 
-    def wait(self, marker: object) -> None:
+    def wait(self, marker: Marker) -> None:
         """Block until the work of ``marker`` has landed."""
 
     def synchronize(self) -> None:
@@ -81,18 +82,18 @@ class ImmediateStream:
     def __init__(self) -> None:
         self._closed = False
 
-    def put(self, work: Work) -> object:
+    def put(self, work: Work) -> Marker:
         if self._closed:
             raise closed_stream(self.name)
         work(None)
         return None
 
-    def ready(self, marker: object) -> bool:
+    def ready(self, marker: Marker) -> bool:
         if self._closed:
             raise closed_stream(self.name)
         return True
 
-    def wait(self, marker: object) -> None:
+    def wait(self, marker: Marker) -> None:
         if self._closed:
             raise closed_stream(self.name)
 
@@ -120,7 +121,7 @@ class EventStream:
         self._made: list[int] = []  # every event created (freed at close, recycled or not)
         self._lock = threading.Lock()  # one issuer at a time: stream order is put order
 
-    def put(self, work: Work) -> object:
+    def put(self, work: Work) -> Marker:
         with self._lock:
             if not self.handle:
                 raise closed_stream(self.name)
@@ -135,7 +136,7 @@ class EventStream:
             B.libggml_base.ggml_backend_event_record(ev, self.handle)
             return [ev]  # a list, emptied (the event recycled) once seen landed
 
-    def ready(self, marker: object) -> bool:
+    def ready(self, marker: Marker) -> bool:
         if not self.handle:  # its events were freed with the stream: a query would read a destroyed event
             raise closed_stream(self.name)
         # the event read once (another thread may recycle the marker meanwhile: then it is empty, and landed)
@@ -147,7 +148,7 @@ class EventStream:
         self._recycle(marker)
         return True
 
-    def wait(self, marker: object) -> None:
+    def wait(self, marker: Marker) -> None:
         if not self.handle:
             raise closed_stream(self.name)
         ev = next(iter(marker), None)
@@ -199,7 +200,7 @@ class DeferredStream:
             threading.Event().wait(left)
         work(None)
 
-    def put(self, work: Work) -> object:
+    def put(self, work: Work) -> Marker:
         with self._lock:
             if self._closed:
                 raise closed_stream(self.name)
@@ -213,7 +214,7 @@ class DeferredStream:
         f.add_done_callback(self._forget)
         return f
 
-    def put_on_engine(self, work: Work) -> object:
+    def put_on_engine(self, work: Work) -> Marker:
         """``put`` from this stream's own copy engine: the simulated link's thread, once its link has moved the
         copy (``LinkStreamCopyBackend``). With no random delay of its own the work lands on that thread now,
         as a GPU's copy engine lands a copy when its last byte arrives, and its marker is ready from then:
@@ -233,7 +234,7 @@ class DeferredStream:
         with self._lock:
             self._pending.discard(f)
 
-    def ready(self, marker: object) -> bool:
+    def ready(self, marker: Marker) -> bool:
         if self._closed:
             raise closed_stream(self.name)
         if marker is None or not marker.done():
@@ -241,7 +242,7 @@ class DeferredStream:
         marker.result()  # a copy that raised: raised here
         return True
 
-    def wait(self, marker: object) -> None:
+    def wait(self, marker: Marker) -> None:
         if self._closed:
             raise closed_stream(self.name)
         if marker is not None:

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -62,6 +62,9 @@ from ggmoe.serve.schema import (
     NativeEmbeddingRequest,
     Tool,
 )
+
+if TYPE_CHECKING:
+    from ggmoe.serve.reconfigure import Reconfigurer
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
                     "/chat/completions", "/completions", "/models", "/v1/health", "/healthz", "/props",
@@ -114,7 +117,7 @@ class Server:
                                self.pool.batcher.stats if self.pool is not None else None)
         self._tasks = itertools.count()  # task ids, as /slots shows them
         self.version = _version()
-        self.reconfigurer = None  # ggmoe.serve.reconfigure.Reconfigurer when the settings ask for it
+        self.reconfigurer: Reconfigurer | None = None  # when the settings ask for it
         if settings.reconfigure_every:
             self.reconfigurer = _reconfigurer(llama, settings)
 
@@ -551,7 +554,7 @@ class _Authenticate:
                            headers={"WWW-Authenticate": "Bearer"})
 
 
-def _reconfigurer(llama: GgmoeLlama, settings: ServeSettings) -> Any:
+def _reconfigurer(llama: GgmoeLlama, settings: ServeSettings) -> Reconfigurer | None:
     """The Reconfigurer the settings ask for, observing the model's routing."""
     from ggmoe.cache.hardware import load_profile
     from ggmoe.inspect import inspect_model
