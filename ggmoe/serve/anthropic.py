@@ -16,12 +16,22 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ggmoe.serve import errors
 from ggmoe.serve.errors import APIError, plain_message
+from ggmoe.serve.framing import Sse, typed_event
 from ggmoe.serve.schema import ChatRequest
+
+if TYPE_CHECKING:
+    from ggmoe.engine.llama import GgmoeLlama
+    from ggmoe.serve.generation import ReadyRequest, Run, Watch
+
+# Anthropic's stream: named events, nothing after the last, an error as an ``error`` event
+SSE = Sse(typed_event, lambda last, watch: [],
+          lambda err: {"event": "error", "data": json.dumps(errors.anthropic_body(err.message, err.type, err.status))})
 
 
 class TextBlock(BaseModel):
@@ -287,3 +297,28 @@ class EventStream:
         yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                "usage": {"output_tokens": self.n_output()}}
         yield {"type": "message_stop"}
+
+
+class MessagesApi:
+    """``/v1/messages`` as a ``ChatShape``: the chat's answer as Anthropic's message, its chunks as Anthropic's
+    events, the stop reason from what was sampled."""
+
+    sse = SSE
+
+    def __init__(self, body: MessagesRequest, llama: GgmoeLlama) -> None:
+        self.body = body
+        self.llama = llama
+
+    def _stop(self, watch: Watch, finish: str | None) -> tuple[str, str | None]:
+        is_eog = self.llama.is_eog
+        text = self.llama.detokenize([t for t in watch.sampled if not is_eog(t)]).decode("utf-8", "replace")
+        ended = watch.last is not None and is_eog(watch.last)
+        return stop_of(finish, text, self.body.stop_sequences or [], ended)
+
+    def result(self, run: Run, watch: Watch, ready: ReadyRequest) -> dict[str, Any]:
+        r = run.result()
+        return message(r, self.body.model, self._stop(watch, r["choices"][0]["finish_reason"]))
+
+    def chunks(self, run: Run, watch: Watch, ready: ReadyRequest) -> Iterator[dict[str, Any]]:
+        return iter(EventStream(run.chunks(), self.body.model, len(ready.prompt),
+                                lambda finish: self._stop(watch, finish), lambda: watch.n_tokens))

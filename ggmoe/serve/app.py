@@ -1,6 +1,7 @@
 """The app: FastAPI over llama-cpp-python's request types and ``Llama`` calls, speaking OpenAI's API,
-llama-server's own routes (``ggmoe.serve.compat_routes``, ``native``, ``slots``) and Anthropic's Messages API
-(``ggmoe.serve.anthropic``).
+llama-server's own routes (``ggmoe.serve.compat_routes``, ``native``, ``slots``), and the APIs whose requests run
+as an OpenAI chat (Anthropic's Messages, OpenAI's Responses): ``Server.as_chat`` with the API's ``ChatShape``
+(``ggmoe.serve.framing``), which ``anthropic`` and ``responses`` implement.
 
 llama-cpp-python's own ``create_app`` keeps its model in module globals and
 builds the ``Llama`` itself from settings, so it cannot serve a ``GgmoeLlama``
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import hmac
 import itertools
-import json
 import logging
 import threading
 import time
@@ -41,18 +41,17 @@ from starlette.background import BackgroundTask
 from ggmoe.base.errors import UsageError
 from ggmoe.engine.llama import GgmoeLlama
 from ggmoe.engine.parallel import LanePool
-from ggmoe.serve import anthropic, errors, responses
-from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
+from ggmoe.serve import errors
 from ggmoe.serve.asgi import BodyLimit, JsonBodies, LoopbackHostOnly, RequestCounter, SameOriginOnly
 from ggmoe.serve.compat_routes import add_anthropic_routes, add_llama_server_routes, add_responses_routes
 from ggmoe.serve.errors import APIError
+from ggmoe.serve.framing import ChatShape, Sse, data, error_data
 from ggmoe.serve.generation import Run, Watch, api_error, check_request, prepare_chat, prepare_completion
 from ggmoe.serve.lanes import LaneState
 from ggmoe.serve.metrics import Metrics
 from ggmoe.serve.native import NativeRun, infill_tokens, processors, prompt_tokens
 from ggmoe.serve.pump import Pump
 from ggmoe.serve.request_queue import RequestQueue
-from ggmoe.serve.responses import ResponsesRequest
 from ggmoe.serve.schema import (
     ChatRequest,
     CompletionRequest,
@@ -192,67 +191,31 @@ class Server:
         return await self.execute(request, watch, body.stream, run.result, run.chunks, NATIVE_SSE,
                                   run.settings(), run, prompts[0], body.id_slot)
 
-    async def anthropic(self, request: Request, body: MessagesRequest) -> Any:
-        """Anthropic's ``/v1/messages``: the request run as an OpenAI chat, the answer in Anthropic's shapes."""
+    async def as_chat(self, request: Request, chat: ChatRequest, model: str, stream: bool, strict: bool,
+                      shape: ChatShape) -> Any:
+        """A request of another API run as an OpenAI chat, its answer in that API's ``shape`` (Anthropic's
+        Messages, OpenAI's Responses)."""
         arrival = time.monotonic()
-        chat = anthropic.chat_request(body)
         chat.chat_template_kwargs = self.template_kwargs(None)
-        check_request(chat, self.n_ctx, self.n_vocab, False)
+        check_request(chat, self.n_ctx, self.n_vocab, strict)
         try:
-            ready = prepare_chat(chat, self.llama, self.n_ctx, False)
+            ready = prepare_chat(chat, self.llama, self.n_ctx, strict)
         except Exception as e:  # a template that fails to render, a schema that does not convert
             raise api_error(e) from e
         watch = Watch(arrival, self.n_ctx, ready.kwargs["max_tokens"], self.llama.is_eog)
-        run = Run(ready, self.llama, watch, body.model)
-        is_eog = self.llama.is_eog
-
-        def stop(finish: str | None) -> tuple[str, str | None]:
-            text = self.llama.detokenize([t for t in watch.sampled if not is_eog(t)]).decode("utf-8", "replace")
-            ended = watch.last is not None and is_eog(watch.last)
-            return anthropic.stop_of(finish, text, body.stop_sequences or [], ended)
-
-        def result() -> dict[str, Any]:
-            r = run.result()
-            return anthropic.message(r, body.model, stop(r["choices"][0]["finish_reason"]))
-
-        def chunks() -> Iterator[dict[str, Any]]:
-            return iter(anthropic.EventStream(run.chunks(), body.model, len(ready.prompt), stop,
-                                              lambda: watch.n_tokens))
-
-        params = _shown(ready.kwargs)
-        return await self.execute(request, watch, body.stream, result, chunks, ANTHROPIC_SSE, params, run,
+        run = Run(ready, self.llama, watch, model)
+        return await self.execute(request, watch, stream, lambda: shape.result(run, watch, ready),
+                                  lambda: shape.chunks(run, watch, ready), shape.sse, _shown(ready.kwargs), run,
                                   ready.prompt)
 
-    async def responses(self, request: Request, body: ResponsesRequest) -> Any:
-        """OpenAI's ``/v1/responses``: the request run as a chat, the answer a ``response`` object or its events."""
-        arrival = time.monotonic()
-        chat = responses.chat_request(body)
-        chat.chat_template_kwargs = self.template_kwargs(None)
-        check_request(chat, self.n_ctx, self.n_vocab, self.settings.strict_openai)
-        try:
-            ready = prepare_chat(chat, self.llama, self.n_ctx, self.settings.strict_openai)
-        except Exception as e:  # a template that fails to render, a schema that does not convert
-            raise api_error(e) from e
-        watch = Watch(arrival, self.n_ctx, ready.kwargs["max_tokens"], self.llama.is_eog)
-        run = Run(ready, self.llama, watch, body.model)
-        shape = responses.Shape(body)
-
-        def chunks() -> Iterator[dict[str, Any]]:
-            return responses.numbered(responses.events(run.chunks(), shape, len(ready.prompt),
-                                                       lambda: watch.n_tokens))
-
-        return await self.execute(request, watch, body.stream, lambda: responses.response(run.result(), shape),
-                                  chunks, RESPONSES_SSE, _shown(ready.kwargs), run, ready.prompt)
-
-    def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
-        """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens (tools included), no generation."""
-        chat = anthropic.chat_request(body)
+    def prompt_size(self, chat: ChatRequest) -> int:
+        """Tokens of a chat's prompt as the template renders it (tools included), no generation."""
         chat.chat_template_kwargs = self.template_kwargs(None)
         try:
             ready = prepare_chat(chat, self.llama, 1 << 30, False)
         except Exception as e:
             raise api_error(e) from e
-        return {"input_tokens": len(ready.prompt)}
+        return len(ready.prompt)
 
     def template_kwargs(self, given: dict[str, Any] | None) -> dict[str, Any]:
         """The chat template's extra variables: ``--chat-template-kwargs``, then the request's own."""
@@ -448,15 +411,6 @@ class Server:
             m.tpot.observe(watch.tpot)
 
 
-@dataclass(frozen=True)
-class Sse:
-    """How a route frames its stream: each chunk, what follows the last one, an error after the 200."""
-
-    event: Callable[[dict[str, Any]], dict[str, str]]
-    tail: Callable[[dict[str, Any] | None, Watch], list[dict[str, str]]]
-    error: Callable[[APIError], dict[str, str]]
-
-
 def _shown(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The sampling settings /slots shows: numbers, strings and plain lists of them (not a
     ``StoppingCriteriaList`` of functions, which no JSON holds)."""
@@ -466,36 +420,20 @@ def _shown(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if plain(v)}
 
 
-def _data(chunk: dict[str, Any]) -> dict[str, str]:
-    return {"data": json.dumps(chunk)}
-
-
-def _error_data(err: APIError) -> dict[str, str]:
-    return {"data": json.dumps(errors.error_body(err.message, err.type, err.param, err.code, err.extra))}
-
-
 def _openai_sse(usage: bool) -> Sse:
     """OpenAI's: chunks, a usage chunk when asked, then ``[DONE]``."""
 
     def tail(last: dict[str, Any] | None, watch: Watch) -> list[dict[str, str]]:
         out = []
         if usage and last is not None:
-            out.append(_data({"id": last["id"], "object": last["object"], "created": last["created"],
+            out.append(data({"id": last["id"], "object": last["object"], "created": last["created"],
                               "model": last["model"], "choices": [], "usage": watch.usage()}))
         return [*out, {"data": "[DONE]"}]
 
-    return Sse(_data, tail, _error_data)
+    return Sse(data, tail, error_data)
 
 
-NATIVE_SSE = Sse(_data, lambda last, watch: [], _error_data)  # llama-server's native routes: no [DONE]
-ANTHROPIC_SSE = Sse(lambda c: {"event": c["type"], "data": json.dumps(c)}, lambda last, watch: [],
-                    lambda err: {"event": "error",
-                                 "data": json.dumps(errors.anthropic_body(err.message, err.type, err.status))})
-
-RESPONSES_SSE = Sse(lambda c: {"event": c["type"], "data": json.dumps(c)}, lambda last, watch: [],
-                    lambda err: {"event": "error", "data": json.dumps({
-                        "type": "error", "code": err.code or err.type, "message": err.message, "param": err.param,
-                        "sequence_number": 0})})
+NATIVE_SSE = Sse(data, lambda last, watch: [], error_data)  # llama-server's native routes: no [DONE]
 
 
 def _start(chunks_of: Callable[[], Iterator[dict[str, Any]]], cancel: threading.Event | None = None

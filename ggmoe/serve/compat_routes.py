@@ -16,13 +16,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from fastapi import FastAPI, Query, Request
 from fastapi.params import Depends
 
+from ggmoe.serve import anthropic, responses
 from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.errors import APIError
+from ggmoe.serve.framing import ChatShape
 from ggmoe.serve.lanes import LaneState, erase_lane, lane_file, restore_lane, save_lane
 from ggmoe.serve.native import tokenize_text
 from ggmoe.serve.responses import ResponsesRequest
 from ggmoe.serve.schema import (
     ApplyTemplateRequest,
+    ChatRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     InfillRequest,
@@ -44,6 +47,7 @@ class RouteSettings(Protocol):
     model_id: str  # the name /props reports
     model_path: str  # the GGUF
     slot_save_path: str | None  # where slot files go; None: saving and restoring are refused
+    strict_openai: bool  # OpenAI's refusals (a max_tokens beyond the context) instead of llama-server's clamps
 
 
 class RouteServer(Protocol):
@@ -58,11 +62,10 @@ class RouteServer(Protocol):
 
     async def native(self, request: Request, body: NativeCompletionRequest, infill: bool) -> Any: ...
 
-    async def anthropic(self, request: Request, body: MessagesRequest) -> Any: ...
+    async def as_chat(self, request: Request, chat: ChatRequest, model: str, stream: bool, strict: bool,
+                      shape: ChatShape) -> Any: ...
 
-    def count_tokens(self, body: CountTokensRequest) -> dict[str, int]: ...
-
-    async def responses(self, request: Request, body: ResponsesRequest) -> Any: ...
+    def prompt_size(self, chat: ChatRequest) -> int: ...
 
     def render(self, messages: list[Message], tools: list[Tool] | None,
                template_kwargs: dict[str, Any] | None = None) -> str: ...
@@ -103,11 +106,12 @@ def add_anthropic_routes(app: FastAPI, server: RouteServer, auth: list[Depends])
 
     @app.post("/v1/messages", dependencies=auth)
     async def messages(request: Request, body: MessagesRequest) -> Any:
-        return await server.anthropic(request, body)
+        return await server.as_chat(request, anthropic.chat_request(body), body.model, body.stream, False,
+                                    anthropic.MessagesApi(body, server.llama))
 
     @app.post("/v1/messages/count_tokens", dependencies=auth)
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
-        return server.count_tokens(body)
+        return {"input_tokens": server.prompt_size(anthropic.chat_request(body))}
 
 
 def add_responses_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) -> None:
@@ -115,7 +119,8 @@ def add_responses_routes(app: FastAPI, server: RouteServer, auth: list[Depends])
 
     @app.post("/v1/responses", dependencies=auth)
     async def create_response(request: Request, body: ResponsesRequest) -> Any:
-        return await server.responses(request, body)
+        return await server.as_chat(request, responses.chat_request(body), body.model, body.stream,
+                                    server.settings.strict_openai, responses.ResponsesApi(body))
 
 
 def add_llama_server_routes(app: FastAPI, server: RouteServer, auth: list[Depends]) -> None:

@@ -14,15 +14,26 @@ A stream sends OpenAI's events in its order: ``response.created``, ``response.in
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ggmoe.serve.errors import APIError, plain_message
+from ggmoe.serve.framing import Sse, typed_event
 from ggmoe.serve.schema import ChatRequest
+
+if TYPE_CHECKING:
+    from ggmoe.serve.generation import ReadyRequest, Run, Watch
+
+# the Responses stream: named events, nothing after the last, an error as an ``error`` event
+SSE = Sse(typed_event, lambda last, watch: [],
+          lambda err: {"event": "error", "data": json.dumps({
+              "type": "error", "code": err.code or err.type, "message": err.message, "param": err.param,
+              "sequence_number": 0})})
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -191,3 +202,19 @@ def numbered(events_: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """Each event with its ``sequence_number``, from 0."""
     for n, event in enumerate(events_):
         yield {**event, "sequence_number": n}
+
+
+class ResponsesApi:
+    """``/v1/responses`` as a ``ChatShape``: the chat's answer as a ``response`` object, its chunks as the
+    Responses API's numbered events."""
+
+    sse = SSE
+
+    def __init__(self, body: ResponsesRequest) -> None:
+        self.shape = Shape(body)
+
+    def result(self, run: Run, watch: Watch, ready: ReadyRequest) -> dict[str, Any]:
+        return response(run.result(), self.shape)
+
+    def chunks(self, run: Run, watch: Watch, ready: ReadyRequest) -> Iterator[dict[str, Any]]:
+        return numbered(events(run.chunks(), self.shape, len(ready.prompt), lambda: watch.n_tokens))

@@ -131,7 +131,7 @@ WHOLE_LRU = ("lru", "async")  # whole-expert LRU, the split rows' reference at t
 TRACE_ONLY = ("prefetch-eam",)  # learns from the tiled trace's training prompts
 PROMPT = "The expert cache keeps the experts a model uses most on the device"
 GOAL_FRACTION = 0.5
-SPLIT_GOAL_FRACTION = 0.25  # issue 18: at 25 % of the experts' bytes the split beats whole-expert LRU
+SPLIT_GOAL_FRACTION = 0.25  # the split's goal: at 25 % of the experts' bytes the split beats whole-expert LRU
 DEFAULT_SPLIT_THETA = 0.5
 # Generations sample: greedy decoding of a random-weight model soon repeats tokens, and repeated tokens route
 # to the same experts, which would flatter the cache under the model's own (random) router.

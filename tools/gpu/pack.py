@@ -50,8 +50,8 @@ WHEELS = ("gguf==0.19.0", "diskcache==5.6.3", "jinja2==3.1.6", "markupsafe==3.0.
           "click==8.5.1", "pyyaml==6.0.3", "tqdm==4.70.1", "prometheus-client==0.26.0",
           # the GPU tier (tests/gpu) runs there too
           "pytest==9.0.3", "pluggy==1.6.0", "iniconfig==2.3.0", "packaging==26.2", "pygments==2.20.0")
-# The real routing the GPU matrix's trace rows replay by default (issue 27: real-shape rows on real routing,
-# not the embedded model's tiled trace): DeepSeek-V2-Lite on public prompts, two domains
+# The real routing the GPU matrix's trace rows replay by default (real-shape rows on real routing, not the
+# embedded model's tiled trace): DeepSeek-V2-Lite on public prompts, two domains
 REAL_ROUTING_DIR = ROOT.parent / "shared" / "real-routing" / "deepseek-v2-lite-esft"
 DEFAULT_REAL_ROUTING = (REAL_ROUTING_DIR / "intent", REAL_ROUTING_DIR / "law")
 # manylinux tags pip must be told one by one (the device README's recipe)
