@@ -54,9 +54,9 @@ def test_graph_logits_equal_numpy(tmp_path, kind, stride):
     model = default_model_path()
     pred = random_predictor_file(model, tmp_path / "p.npz", kind=kind, stride=stride, hidden=48, seed=stride)
     rec = Recorder()
-    cfg = EngineConfig(model_path=model, n_ctx=256, run=RunConfig(CacheConfig(n_slots=8),
-                                                                  decode=DecodeConfig(mode="sync"),
-                                                                  prefetch=PrefetchConfig(str(pred), stride=stride)))
+    run = RunConfig(CacheConfig(n_slots=8), decode=DecodeConfig(mode="sync"),
+                    prefetch=PrefetchConfig(str(pred), stride=stride))
+    cfg = EngineConfig(model_path=model, n_ctx=256, run=run)
     with Engine(cfg, observer=rec) as eng:
         assert eng._graph_predictor is not None
         assert eng.prefetcher.request.hidden is False  # the graph computes from the input: no copy for it
@@ -77,10 +77,11 @@ def test_logits_stay_exact_with_the_predictor_in_the_graph(arch_model, stock_log
     facts = inspect_model(path)
     stride = min(2, len(facts.moe_layers) - 1)
     pred = random_predictor_file(path, tmp_path / "p.npz", stride=stride, hidden=32)
-    cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, run=RunConfig(CacheConfig(n_slots=facts.n_expert_used + 2),
-                                                                                         decode=DecodeConfig(miss_policy=miss_policy,
-                                                                                                             mode="sync"),
-                                                                                         prefetch=PrefetchConfig(str(pred), stride=stride)))  # the graph computes the nets for the route op's callback: the sync decode
+    # the graph computes the nets for the route op's callback: the sync decode
+    run = RunConfig(CacheConfig(n_slots=facts.n_expert_used + 2),
+                    decode=DecodeConfig(miss_policy=miss_policy, mode="sync"),
+                    prefetch=PrefetchConfig(str(pred), stride=stride))
+    cfg = EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, run=run)
     with Engine(cfg) as eng:
         assert eng._graph_predictor is not None
         got = run_sequences(eng)
@@ -96,9 +97,9 @@ def test_prefetches_follow_the_same_scores_in_the_graph_and_in_numpy(tmp_path):
     pred = random_predictor_file(model, tmp_path / "p.npz", stride=2, hidden=64, seed=7)
     counts = {}
     for in_graph in (True, False):
-        cfg = EngineConfig(model_path=model, n_ctx=256, run=RunConfig(CacheConfig(n_slots=8),
-                                                                      decode=DecodeConfig(mode="sync"),
-                                                                      prefetch=PrefetchConfig(str(pred), stride=2, in_graph=in_graph)))
+        run = RunConfig(CacheConfig(n_slots=8), decode=DecodeConfig(mode="sync"),
+                        prefetch=PrefetchConfig(str(pred), stride=2, in_graph=in_graph))
+        cfg = EngineConfig(model_path=model, n_ctx=256, run=run)
         with Engine(cfg) as eng:
             assert (eng._graph_predictor is not None) == in_graph
             tokens = eng.generate("The expert cache keeps", 24).token_ids
@@ -108,9 +109,9 @@ def test_prefetches_follow_the_same_scores_in_the_graph_and_in_numpy(tmp_path):
 
 
 def test_non_mlp_predictors_stay_in_python():
-    cfg = EngineConfig(model_path=default_model_path(), n_ctx=128, run=RunConfig(CacheConfig(n_slots=8),
-                                                                                 decode=DecodeConfig(mode="sync"),
-                                                                                 prefetch=PrefetchConfig("reuse", stride=1)))
+    run = RunConfig(CacheConfig(n_slots=8), decode=DecodeConfig(mode="sync"),
+                    prefetch=PrefetchConfig("reuse", stride=1))
+    cfg = EngineConfig(model_path=default_model_path(), n_ctx=128, run=run)
     with Engine(cfg) as eng:
         assert eng._graph_predictor is None
         eng.generate("hi", 4)

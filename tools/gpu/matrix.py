@@ -291,20 +291,16 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
         host = tuple(facts.moe_layers[n_gpu:])
         return EngineConfig(**base, experts_on_host=True, host_expert_layers=host, gate_hook=False), n_gpu
     if config in LRU_MISS:
-        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"),
-                                                  decode=DecodeConfig(miss_policy=LRU_MISS[config],
-                                                                      mode="sync",
-                                                                      host_threads=HOST_THREADS.get(config)))), n_slots
+        decode = DecodeConfig(mode="sync", miss_policy=LRU_MISS[config], host_threads=HOST_THREADS.get(config))
+        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"), decode)), n_slots
     if config in ("async", "async-tinylfu", "async-fill", "async-fill-tinylfu"):
         policy = "tinylfu" if config.endswith("tinylfu") else "lru"
-        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy),
-                                                  decode=DecodeConfig(mode="async",
-                                                                      fills=config.startswith("async-fill")))), n_slots
+        decode = DecodeConfig(mode="async", fills=config.startswith("async-fill"))
+        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy), decode)), n_slots
     if config in ("async-prefetch", "async-fill-prefetch"):
         pre = PrefetchConfig(predictor="reuse", stride=2)
-        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"),
-                                                  decode=DecodeConfig(mode="async",
-                                                                      fills=config == "async-fill-prefetch"),
+        decode = DecodeConfig(mode="async", fills=config == "async-fill-prefetch")
+        return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"), decode,
                                                   prefetch=pre)), n_slots
     if config in SPLIT:
         if not split:
@@ -313,9 +309,8 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
         tops = split_slots(n_slots, split, bpe, facts.n_expert)
         mode = "async" if config == "split-async" else "sync"
         theta = {il: s.theta for il, s in split.items()}
-        return EngineConfig(**base, run=RunConfig(CacheConfig(layer_slots=tops, policy="lru",
-                                                              layer_theta=theta),
-                                                  decode=DecodeConfig(mode=mode))), tops[facts.moe_layers[0]]
+        cache = CacheConfig(layer_slots=tops, policy="lru", layer_theta=theta)
+        return EngineConfig(**base, run=RunConfig(cache, DecodeConfig(mode=mode))), tops[facts.moe_layers[0]]
     if config == "prefetch-mlp":
         pre = PrefetchConfig(predictor=str(random_mlp(model)), stride=2)
         return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"),
