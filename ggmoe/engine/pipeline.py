@@ -23,8 +23,9 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -57,6 +58,11 @@ from ggmoe.inspect.facts import ModelFacts
 if TYPE_CHECKING:
     from ggmoe.control.planner import NextTokenPlanner
     from ggmoe.control.prefetch import Prefetcher
+
+# How far ``CachePipeline._teardown`` goes: "cache" takes the cache off the live context and frees it, the route hook
+# and observers staying (``reconfigure``); "context" takes everything off the context, memory kept until the context
+# that computed with it is gone (``detach``); "all" does both (``close``).
+TeardownStage = Literal["cache", "context", "all"]
 
 
 def table_max_tokens(n_batch: int, n_ubatch: int) -> int:
@@ -113,6 +119,7 @@ class CachePipeline:
         self.graph_predictor: GraphPredictor | None = None  # its nets in the graph, when it has any
         self.tables: ExpertTables | None = None
         self.planner: NextTokenPlanner | None = None  # when a cross-token predictor plans
+        self.tier_uses: HostTierUses | None = None  # the host tier's view of the routing, under a disk tier
         self.mailbox: Mailbox | None = None  # the async decode's mailbox (the stride reader's, the planner's rows)
         self.stride: StrideReader | None = None  # the async decode's stride prefetch (the mailbox's reader)
         self._reading = False  # the stride reader has a token of the decode in flight
@@ -129,8 +136,7 @@ class CachePipeline:
             if run is not None:
                 self._build_cache(run)
         except BaseException:
-            self.detach()
-            self.close()
+            self._teardown("all")
             raise
 
     def _build_cache(self, run: RunConfig) -> None:
@@ -199,7 +205,8 @@ class CachePipeline:
         if self.decode_mode.mode == "sync" and self.runtime.host_threads:
             self._beside_link(True)
         if self.runtime.tier is not None:
-            self.observers.add(HostTierUses(self.runtime.tier))
+            self.tier_uses = HostTierUses(self.runtime.tier)
+            self.observers.add(self.tier_uses)
             self.runtime.tier.predictions_evict = self.decode_mode.mode == "sync"
 
     def _beside_link(self, on: bool) -> None:
@@ -332,45 +339,12 @@ class CachePipeline:
         statistics. On an error the pipeline is left without a cache and the error is raised."""
         if not self._ctx_ptr:
             raise EngineError("the pipeline is detached from its context")
-        self._drop_cache()
+        self._teardown("cache")
         try:
             self._build_cache(run)
         except BaseException:
-            self._drop_cache()
+            self._teardown("cache")
             raise
-
-    def _drop_cache(self) -> None:
-        """Take the cache off the context (prefetcher, tables, in-graph predictor, slots) and free it; the route
-        hook and the observers stay."""
-        ctx = self._ctx_ptr
-        self._close_stride()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-            self.observers.remove(self.prefetcher)
-            self.prefetcher = None
-        if self.planner is not None:
-            self.observers.remove(self.planner)
-            self.planner = None
-        self.observers.on_change = self._route_inputs
-        tables, self.tables = self.tables, None
-        if tables is not None:
-            tables.detach()
-        if self.graph_predictor is not None:
-            self.graph_predictor.close(ctx_alive=True)
-            self.graph_predictor = None
-        if self.runtime is not None and self.runtime.cache.defer_wait:
-            self._beside_link(False)
-        self.hook.cache = None
-        self.hook.after_route = None
-        self.controller = None
-        self.decode_mode = None
-        if self.runtime is not None:
-            self.runtime.unregister(ctx, self.runtime.cache.n_slots)  # the context forgets them before they go
-            self.runtime.close()  # copies in flight land first: a copy may write a table entry after it lands
-            self.runtime = None
-        self.run_config = None
-        if tables is not None:
-            tables.close()
 
     # -- decode mode
     def _table_mode_wanted(self) -> bool:
@@ -672,28 +646,50 @@ class CachePipeline:
     # -- lifecycle
     def detach(self) -> None:
         """Stop the prefetch worker, land the copies in flight and stop the copy queue, and take the callback,
-        tables and predictor off the context (before it and the model are freed). Every step runs even when
-        an earlier one raises (an ExitStack, registered last to first): the driver frees the model next, and a
-        copy still in flight would read it (on a GPU, its copy engine)."""
-        with ExitStack() as stack:
-            if self._ctx_ptr:
-                stack.callback(self._leave_context)
-            if self.runtime is not None:  # copies read the model's host experts: landed before the model can go
-                stack.callback(self.runtime.quiesce)
-            if self.prefetcher is not None:
-                stack.callback(self.prefetcher.close)
-            stack.callback(self._close_stride)
+        tables and predictor off the context (before it and the model are freed: a copy still in flight would read
+        the model, on a GPU through its copy engine). Every step runs even when an earlier one raises; a second
+        call finds nothing left to do."""
+        self._teardown("context")
 
-    def _leave_context(self) -> None:
-        """The callback, tables and in-graph predictor off the context."""
+    def close(self) -> None:
+        """Free the tables, the slot tensors and the copy stream (after the context that computed with them): off
+        the context first when ``detach`` has not run, and the rest even when that raises (the runtime lands its
+        copies itself). Harmless after ``detach`` and when called again."""
+        self._teardown("all")
+
+    def _teardown(self, stage: TeardownStage) -> None:
+        """The one teardown path: the steps in the one order every stage (``TeardownStage``) follows, those the
+        stage takes in one ExitStack, so each runs even when an earlier one raises (the error is raised once the
+        last has run; of several, the last carries the earlier as its context). A step that has run leaves
+        nothing for the next pass to find: a stage run again, or "all" after "context", does only what is left."""
+        ctx, rt, tables, gp = self._ctx_ptr, self.runtime, self.tables, self.graph_predictor
+        keep_hook = stage == "cache"  # the route hook and the observers stay on the context for the next cache
+        free = stage != "context"  # else the context still computes with the slots and tables until it is freed
+        steps: list[Callable[[], object]] = [self._close_stride]  # the reader before the mailbox and the tables
+        if self.prefetcher is not None:
+            steps.append(self.prefetcher.close)
+        if keep_hook:
+            steps.append(self._forget_cache)
+        if rt is not None:  # copies read the model's host experts and write table entries: landed before either goes
+            steps.append(rt.quiesce)
+        if ctx:  # into the context only while it lives: a second pass after "context" finds it gone
+            if not keep_hook:
+                steps.append(partial(self.hook.uninstall, ctx))  # the route and wait callbacks
+            elif rt is not None and rt.cache.defer_wait:
+                steps.append(partial(self._beside_link, False))  # the wait hook only: the route hook stays
+            if tables is not None:
+                steps.append(tables.detach)
+        if gp is not None:  # out of the context's graphs (while it lives) before its tensors go
+            steps += [partial(gp.close, ctx_alive=bool(ctx)), partial(setattr, self, "graph_predictor", None)]
+        if not keep_hook:
+            steps.append(partial(setattr, self, "_ctx_ptr", 0))
+        if free and rt is not None:
+            steps.append(partial(self._free_runtime, ctx))
+        if free and tables is not None:  # after the runtime: a copy may write a table entry until it lands
+            steps += [tables.close, partial(setattr, self, "tables", None)]
         with ExitStack() as stack:
-            stack.callback(setattr, self, "_ctx_ptr", 0)
-            if self.graph_predictor is not None:  # out of the context's graphs before its tensors go
-                stack.callback(setattr, self, "graph_predictor", None)
-                stack.callback(self.graph_predictor.close, ctx_alive=True)
-            if self.tables is not None:
-                stack.callback(self.tables.detach)
-            stack.callback(self.hook.uninstall, self._ctx_ptr)
+            for step in reversed(steps):  # an ExitStack runs its callbacks last to first
+                stack.callback(step)
 
     def _close_stride(self) -> None:
         """Stop the mailbox's reader and take the mailbox off the context (before the context or the tables go)."""
@@ -710,21 +706,21 @@ class CachePipeline:
             self.runtime.stream.flip = None  # copies put from now on write no table entry
             self.runtime.cache.keep_free = {}
 
-    def close(self) -> None:
-        """Free the tables, the slot tensors and the copy stream (after the context that computed with them): off
-        the context first, and the rest even when that raises (the runtime lands its copies itself)."""
-        with ExitStack() as stack:
-            stack.callback(self._free)
-            stack.callback(self.detach)
+    def _forget_cache(self) -> None:
+        """The route hook and the observers, which stay, let go of the cache: its prefetcher, planner and host tier are no
+        longer observers, and the route inputs' changes no longer turn table mode on or off."""
+        own = [o for o in (self.prefetcher, self.planner, self.tier_uses) if o is not None]
+        self.prefetcher = self.planner = self.tier_uses = self.controller = self.decode_mode = self.run_config = None
+        self.hook.cache = self.hook.after_route = None
+        self.observers.on_change = self._route_inputs  # first: the removals below tell the hook, not the tables
+        for obs in own:
+            self.observers.remove(obs)
 
-    def _free(self) -> None:
-        """``close``'s second step: the in-graph predictor, the runtime (copies landed first), the tables."""
-        if self.graph_predictor is not None:
-            self.graph_predictor.close()
-            self.graph_predictor = None
-        if self.runtime is not None:  # copies in flight land first: a copy may write a table entry after it lands
-            self.runtime.close()
-            self.runtime = None
-        if self.tables is not None:
-            self.tables.close()
-            self.tables = None
+    def _free_runtime(self, ctx: int) -> None:
+        """Free the slot tensors and the copy stream (copies in flight land first), after a live context (``ctx``;
+        0: gone) forgot the slots: it would build its next graph over freed tensors. When it cannot forget them,
+        they are left allocated."""
+        rt, self.runtime = self.runtime, None
+        if ctx:
+            rt.unregister(ctx, rt.cache.n_slots)
+        rt.close()

@@ -82,6 +82,21 @@ def test_a_host_tier_above_the_gpu_tier_hits(qwen3moe_model):
     assert t["reads"] <= facts.n_expert * len(facts.moe_layers) + t["hits"], t
 
 
+def test_a_reconfigured_cache_leaves_no_observer_of_the_old_host_tier(qwen3moe_model):
+    """Reconfiguring under a disk tier: the new cache's host tier sees the routing, the old one's view is gone."""
+    facts = inspect_model(qwen3moe_model)
+    host = max(facts.n_expert // 4, facts.n_expert_used)
+    with _engine(qwen3moe_model, "sync", host) as eng:
+        old = eng.pipeline.tier_uses
+        assert old is not None and any(o is old for o in eng.observers.items)
+        eng.reconfigure(eng.config.run)
+        new = eng.pipeline.tier_uses
+        assert new is not None and new is not old and new.tier is eng._runtime.tier
+        assert [o for o in eng.observers.items if isinstance(o, type(old))] == [new]
+        run_sequences(eng)
+        assert eng.report()["host_tier"]["reads"] > 0
+
+
 def _copy(src, tmp_path):
     dst = tmp_path / "model.gguf"
     shutil.copyfile(src, dst)

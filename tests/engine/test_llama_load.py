@@ -144,24 +144,26 @@ def _engine():
 
 @pytest.mark.parametrize("driver", ["llama", "engine"])
 def test_teardown_runs_every_step_when_one_raises(driver):
-    """Both drivers tear down through one ExitStack: a step that raises (here the pipeline's detach) is raised
-    from ``close``, and every later step still runs: the cache's slot tensors are freed, the driver lets go."""
+    """Both drivers tear down through one ExitStack: a step that raises (here in the pipeline's detach, taking the
+    route hook off the context) is raised from ``close``, and every later step still runs: the pipeline leaves the
+    context, the driver frees it, the cache's slot tensors are freed, the driver lets go."""
     obj = ggmoe.load(n_ctx=64, cache_slots=8) if driver == "llama" else _engine()
     pipeline = obj.attachment if driver == "llama" else obj.pipeline
     closed = []
     real_close = pipeline.close
 
-    def broken_detach():
+    def broken_uninstall(ctx):
         raise EngineError("injected detach failure")
 
     def spied_close():
         closed.append(True)
         real_close()
 
-    pipeline.detach, pipeline.close = broken_detach, spied_close
+    pipeline.hook.uninstall, pipeline.close = broken_uninstall, spied_close
     with pytest.raises(EngineError, match="injected detach failure"):
         obj.close()
     assert closed == [True] and pipeline.runtime is None  # the slot tensors went after all
+    assert pipeline._ctx_ptr == 0  # detach let go of the context, so close never called into the freed one
     assert (obj.attachment if driver == "llama" else obj.pipeline) is None
     obj.close()  # and again: nothing left to do, nothing raised
 
