@@ -10,31 +10,18 @@ the counts and the predictor's state when the command ends, through
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import click
+from typing import TYPE_CHECKING
 
 from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import check_output
-from ggmoe.cli.options import cache_config, check_stats_json, planner_config, prefetch_config
+from ggmoe.cli.options import CacheFlags, check_stats_json, planner_config, prefetch_config, run_config
 from ggmoe.trace.routing_stats import RoutingStats, RoutingStatsCollector, load_stats, save_stats
 
 if TYPE_CHECKING:
     from ggmoe.control.prefetch import Prefetcher
     from ggmoe.control.run_config import RunConfig
     from ggmoe.inspect import ModelFacts
-
-
-def stats_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option("--stats-out", "stats_out_path", type=click.Path(dir_okay=False),
-                      help="When the command ends, save routing statistics here (.npz): per-layer expert "
-                           "counts, co-activation and the predictor's learnt state.")(fn)
-    fn = click.option("--stats-in", type=click.Path(dir_okay=False),
-                      help="Start warm from statistics saved by --stats-out: counts continue, --policy static "
-                           "pins their hottest experts, an eam or expert-map predictor keeps what it learnt.")(fn)
-    return fn
 
 
 def read_stats_in(path: str | None, facts: ModelFacts, model: Path) -> RoutingStats | None:
@@ -101,20 +88,18 @@ def with_host_threads(run: RunConfig | None, threads: int | None) -> RunConfig |
     return dataclasses.replace(run, decode=dataclasses.replace(run.decode, host_threads=threads))
 
 
-def cache_from_flags(path: Path, facts: ModelFacts, flags: Mapping[str, Any]
-                     ) -> tuple[RunConfig | None, StatsOut | None]:
-    """The cache that the flags of ``cache_options`` and ``stats_options`` (``flags``, by parameter name) ask for,
-    started warm from --stats-in, and the --stats-out writer: every flag checked before the model loads. The one
-    place ``run``, ``trace``, ``serve`` and ``chat`` build their cache."""
+def cache_from_flags(path: Path, facts: ModelFacts, flags: CacheFlags) -> tuple[RunConfig | None, StatsOut | None]:
+    """The run configuration the cache flags ask for, started warm from --stats-in, and the --stats-out writer:
+    every flag checked before the model loads. The one place ``run``, ``trace``, ``serve`` and ``chat`` build
+    their cache."""
     f = flags
-    prefetch = prefetch_config(f["predictor"], f["stride"], f["n_prefetch"], f["prefetch_threshold"],
-                               f["predictor_train"], f["predict_background"], f["plan_predictor"])
-    cache = cache_config(f["cache_slots"], f["vram"], f["policy"], facts, f["miss_policy"], prefetch, f["hw"],
-                         f["config"], f["decode_mode"], planner_config(f["plan_predictor"], f["predictor_train"]),
-                         f["host_ram"])
-    cache = with_host_threads(cache, f["host_threads"])
-    warm = read_stats_in(f["stats_in"], facts, path)
-    cache = warm_start(cache, warm)
-    out = stats_out(f["stats_out_path"], warm, facts, path)
-    check_stats_json(f["stats_json"], cache)
-    return cache, out
+    prefetch = prefetch_config(f.predictor, f.stride, f.n_prefetch, f.prefetch_threshold, f.predictor_train,
+                               f.predict_background, f.plan_predictor)
+    run = run_config(f.cache_slots, f.vram, f.policy, facts, f.miss_policy, prefetch, f.hw, f.config,
+                     f.decode_mode, planner_config(f.plan_predictor, f.predictor_train), f.host_ram)
+    run = with_host_threads(run, f.host_threads)
+    warm = read_stats_in(f.stats_in, facts, path)
+    run = warm_start(run, warm)
+    out = stats_out(f.stats_out_path, warm, facts, path)
+    check_stats_json(f.stats_json, run)
+    return run, out

@@ -31,6 +31,7 @@ import numpy as np
 from ggmoe.base.errors import UsageError
 
 if TYPE_CHECKING:
+    from ggmoe.cli.options import CacheFlags
     from ggmoe.inspect import ModelFacts
     from ggmoe.simulate.advise import Advice, Way
 
@@ -157,7 +158,7 @@ def plan_here(facts: ModelFacts, m: Machine) -> Advice:
 RUNNABLE = ("ggmoe, async decode", "ggmoe, sync decode + host path", "all experts in VRAM")
 
 
-def cache_flags(advice: Advice, facts: ModelFacts) -> tuple[dict[str, Any], Way | None]:
+def cache_flags(advice: Advice, facts: ModelFacts) -> tuple[dict[str, str | int], Way | None]:
     """The cache flags of the fastest way ``serve`` can run, and the way (None: no cache: every expert in
     host memory, as with no cache flag)."""
     ours = [w for w in advice.ways if w.name in RUNNABLE and w.decode_tok_s is not None]
@@ -173,19 +174,19 @@ def cache_flags(advice: Advice, facts: ModelFacts) -> tuple[dict[str, Any], Way 
             "policy": ADVISED_POLICY}, way
 
 
-def fit(facts: ModelFacts | None, cache: dict[str, Any], threads: int | None, echo: Callable[[str], None],
+def fit(facts: ModelFacts | None, cache: CacheFlags, threads: int | None, echo: Callable[[str], None],
         gpu_name: str | None, smi: tuple | None,
-        host_read: Callable[[int], float] = measure_host_read) -> dict[str, Any]:
+        host_read: Callable[[int], float] = measure_host_read) -> CacheFlags:
     """``serve --fit``: ``cache`` (the serve command's cache flags) with the plan's in place; ``echo`` says
     what was planned, every figure an estimate."""
-    given = [f"--{k.replace('_', '-')}" for k in CACHE_FLAGS if cache.get(k) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in CACHE_FLAGS if getattr(cache, k) is not None]
     if given:
         raise UsageError(f"--fit chooses the cache: leave out {', '.join(given)} (or leave out --fit)")
     if gpu_name is None:
         echo("ggmoe serve --fit: no GPU on this machine (CPU build): every expert stays in host memory, "
              "there is no expert cache to plan")
-        return {**cache, "hw": None}
-    m = this_machine(gpu_name, cache.get("hw"), threads or os.cpu_count() or 1, smi, host_read)
+        return replace(cache, hw=None)
+    m = this_machine(gpu_name, cache.hw, threads or os.cpu_count() or 1, smi, host_read)
     facts = cast("ModelFacts", facts)  # None only where it returned above (cache flags refused, or no GPU)
     a = plan_here(facts, m)
     flags, way = cache_flags(a, facts)
@@ -204,4 +205,4 @@ def fit(facts: ModelFacts | None, cache: dict[str, Any], threads: int | None, ec
     best = a.choice
     if way is None or (best.name not in RUNNABLE and best.decode_tok_s > way.decode_tok_s):
         echo(f"  note: {best.name} is estimated faster ({best.decode_tok_s:.1f} tok/s): {best.run}")
-    return {**cache, **flags, "hw": None}
+    return replace(cache, **flags, hw=None)

@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
 from ggmoe.base.context import check_prompt
 from ggmoe.base.errors import UsageError
-from ggmoe.cli.cache_flags import cache_from_flags, stats_options
+from ggmoe.cli.cache_flags import cache_from_flags
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
+    CacheFlags,
     FiniteFloat,
     cache_options,
     ctx_opt,
@@ -79,14 +80,13 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 @click.option("--trace-out", type=click.Path(),
               help="Also record this run's routing into DIR/trace.npz (prefill routes every token).")
 @cache_options
-@stats_options
 @ctx_opt
 @threads_opt
 @verbose_opt
 @edge
 def run(model: str | None, prompt: str | None, prompt_file: str | None, max_tokens: int, temp: float, seed: int,
         as_json: bool, trace_out: str | None, n_ctx: int | None, threads: int | None, verbose: bool,
-        **flags: Any) -> None:
+        cache: CacheFlags) -> None:
     """Generate text, streamed as it comes (the embedded default model when MODEL is omitted).
 
     \b
@@ -100,12 +100,12 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
     path = model_path(model)
     facts = model_facts(path)
     text = read_prompt(prompt, prompt_file)
-    run, routing_out = cache_from_flags(path, facts, flags)  # the cache and stats flags (**flags)
+    config, routing_out = cache_from_flags(path, facts, cache)
     if trace_out:
         check_output_dir(trace_out, "--trace-out", members=("trace.npz",))
     if not as_json:
         toy_notice(path)
-    with make_engine(path, n_ctx, threads, verbose, run) as eng:
+    with make_engine(path, n_ctx, threads, verbose, config) as eng:
         check_prompt(len(eng.tokenize(text)), eng.n_ctx)  # before llama.cpp sees it
         stream = None if as_json else _echo_stream(text)
         if routing_out is not None:
@@ -116,11 +116,11 @@ def run(model: str | None, prompt: str | None, prompt_file: str | None, max_toke
             gen = trace_generation(eng, text, max_tokens, temp, seed, Path(trace_out) / "trace.npz", on_text=stream)
         else:
             gen = eng.generate(text, max_tokens, temp=temp, seed=seed, on_text=stream)
-        write_stats(eng, flags["stats_json"], {"model": str(path), "prompt_tokens": len(gen.prompt_ids),
-                                       "generated_tokens": len(gen.token_ids)})
+        write_stats(eng, cache.stats_json, {"model": str(path), "prompt_tokens": len(gen.prompt_ids),
+                                            "generated_tokens": len(gen.token_ids)})
         summary = stats_summary(eng)
         if routing_out is not None:
-            routing_out.save(eng.prefetcher, run.prefetch.predictor if run and run.prefetch else None)
+            routing_out.save(eng.prefetcher, config.prefetch.predictor if config and config.prefetch else None)
     _report(gen, str(path), text, eng.n_ctx, summary, as_json)
 
 

@@ -15,6 +15,7 @@ import click
 from ggmoe.base.context import MAX_N_CTX
 from ggmoe.base.errors import ModelFileError, UsageError
 from ggmoe.base.outputs import check_output, write_text_atomic
+from ggmoe.cli.groups import option_group
 
 if TYPE_CHECKING:
     from ggmoe.control.planner import PlannerConfig
@@ -118,10 +119,10 @@ def make_engine(model: Path, n_ctx: int | None, threads: int | None, verbose: bo
     return eng
 
 
-def cache_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: ModelFacts | None = None,
-                 miss_policy: str | None = None, prefetch: PrefetchConfig | None = None, hw: str | None = None,
-                 config: str | None = None, decode_mode: str | None = None,
-                 planner: PlannerConfig | None = None, host_ram: str | None = None) -> RunConfig | None:
+def run_config(cache_slots: int | None, vram: str | None, policy: str | None, facts: ModelFacts | None = None,
+               miss_policy: str | None = None, prefetch: PrefetchConfig | None = None, hw: str | None = None,
+               config: str | None = None, decode_mode: str | None = None,
+               planner: PlannerConfig | None = None, host_ram: str | None = None) -> RunConfig | None:
     """A RunConfig from the flags or from a plan file (--config), or None when neither was given;
     --decode-mode, --plan-predictor and --host-ram apply to both."""
     from ggmoe.control.run_config import build_run_config
@@ -194,7 +195,45 @@ def check_stats_json(stats_json: str | None, run: RunConfig | None) -> None:
     check_output(stats_json, "--stats-json", suffixes=(".json",))
 
 
-def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+@dataclasses.dataclass(frozen=True)
+class CacheFlags:
+    """The cache flags of ``run``, ``trace``, ``serve`` and ``chat``, as given (None: not given); what
+    ``ggmoe.cli.cache_flags.cache_from_flags`` turns into a run configuration."""
+
+    cache_slots: int | None = None  # slots per MoE layer
+    vram: str | None = None  # a budget over all layers, e.g. "4GiB"
+    policy: str | None = None
+    stats_json: str | None = None  # where the cache statistics go (a .json path)
+    host_ram: str | None = None  # the host tier's budget, e.g. "16GiB"
+    decode_mode: str | None = None  # auto, async or sync
+    host_threads: int | None = None  # the host part's worker threads (0: in the main graph)
+    miss_policy: str | None = None  # wait, cpu or auto
+    predictor: str | None = None  # a registered name or a PRED.npz
+    plan_predictor: str | None = None  # a cross-token predictor for the planner
+    stride: int = 2  # MoE layers ahead
+    n_prefetch: int | None = None  # experts prefetched per layer
+    prefetch_threshold: float | None = None
+    predictor_train: tuple[str, ...] = ()  # training traces of a predictor that learns
+    predict_background: bool = False
+    hw: str | None = None  # auto's cost model: a profile name, GPU/LINK/HOST or a .toml file
+    config: str | None = None  # a plan file from ``ggmoe plan``
+    stats_in: str | None = None  # routing statistics to start warm from (.npz)
+    stats_out_path: str | None = None  # where the routing statistics go when the command ends (.npz)
+
+
+def _stats_flag_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--stats-in and --stats-out: routing statistics that make a restart start warm."""
+    fn = click.option("--stats-out", "stats_out_path", type=click.Path(dir_okay=False),
+                      help="When the command ends, save routing statistics here (.npz): per-layer expert "
+                           "counts, co-activation and the predictor's learnt state.")(fn)
+    fn = click.option("--stats-in", type=click.Path(dir_okay=False),
+                      help="Start warm from statistics saved by --stats-out: counts continue, --policy static "
+                           "pins their hottest experts, an eam or expert-map predictor keeps what it learnt.")(fn)
+    return fn
+
+
+def _cache_flag_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The cache's click options (``CacheFlags``'s fields but the statistics files)."""
     fn = click.option("--config", "config", type=click.Path(dir_okay=False),
                       help="A plan file from `ggmoe plan` (slots per layer, policy, predictor, miss policy) "
                            "instead of the cache flags.")(fn)
@@ -242,6 +281,10 @@ def cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--cache-slots", type=click.IntRange(min=1, max=1 << 16),
                       help="Expert cache slots per MoE layer (needs the patched engine).")(fn)
     return fn
+
+
+# the cache and statistics flags, handed to the command as ``cache: CacheFlags``
+cache_options = option_group(CacheFlags, "cache", _stats_flag_options, _cache_flag_options)
 
 
 def stats_summary(eng: Engine) -> str | None:

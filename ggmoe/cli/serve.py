@@ -8,7 +8,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,29 +16,26 @@ import click
 
 from ggmoe.base.errors import ContextLengthError, UsageError
 from ggmoe.base.outputs import write_text_atomic
-from ggmoe.cli.cache_flags import StatsOut, cache_from_flags, stats_options
+from ggmoe.cli.cache_flags import StatsOut, cache_from_flags
 from ggmoe.cli.edge import edge
-from ggmoe.cli.options import (
-    SEED,
-    FiniteFloat,
-    cache_options,
-    model_arg,
-    model_facts,
-    model_path,
-    threads_opt,
-    verbose_opt,
+from ggmoe.cli.options import SEED, CacheFlags, FiniteFloat, cache_options, model_arg, model_facts, model_path
+from ggmoe.cli.serve_flags import (
+    MAX_DEFAULT_CTX,
+    EngineFlags,
+    HttpFlags,
+    ServerFlags,
+    TemplateFlags,
+    engine_options,
+    http_options,
+    server_options,
+    template_options,
 )
 
 if TYPE_CHECKING:
     from ggmoe.engine.llama import GgmoeLlama
+    from ggmoe.serve.app import ServeSettings
 
-MAX_DEFAULT_CTX = 4096  # tokens: the default context is the model's training context, at most this
-MAX_PARALLEL = 64  # slots (ggmoe.engine.llama.MAX_SEQUENCES)
 MIN_LANE_CTX = 16  # tokens per slot at least (ggmoe.engine.parallel.MIN_LANE_CTX)
-
-_ctx = click.option("--n-ctx", type=click.IntRange(min=16, max=1 << 24),
-                    help=f"Context length in tokens, prompt and answer (default: the model's training "
-                         f"context, at most {MAX_DEFAULT_CTX}).")
 
 
 def default_n_ctx(path: Path) -> int:
@@ -55,10 +52,8 @@ class LoadOptions:
     """What serve and chat share: the model, its context and threads, and the cache flags."""
 
     model: str | None
-    n_ctx: int | None  # tokens; None: the model's training context, at most MAX_DEFAULT_CTX
-    threads: int | None
-    verbose: bool
-    cache: dict[str, Any]  # the cache_options flags (options.cache_options), by parameter name
+    engine: EngineFlags
+    cache: CacheFlags
 
 
 def _load(opts: LoadOptions, **extra: Any) -> tuple[GgmoeLlama, StatsOut | None]:
@@ -68,9 +63,10 @@ def _load(opts: LoadOptions, **extra: Any) -> tuple[GgmoeLlama, StatsOut | None]
     path = model_path(opts.model)
     facts = model_facts(path)
     run, out = cache_from_flags(path, facts, opts.cache)
-    kw: dict[str, Any] = {"n_ctx": opts.n_ctx or default_n_ctx(path), "verbose": opts.verbose, **extra}
-    if opts.threads:
-        kw.update(n_threads=opts.threads, n_threads_batch=opts.threads)
+    eng = opts.engine
+    kw: dict[str, Any] = {"n_ctx": eng.n_ctx or default_n_ctx(path), "verbose": eng.verbose, **extra}
+    if eng.threads:
+        kw.update(n_threads=eng.threads, n_threads_batch=eng.threads)
     if out is not None:
         kw["observers"] = [out.collector]
     return load(path, run=run, **kw), out
@@ -78,8 +74,8 @@ def _load(opts: LoadOptions, **extra: Any) -> tuple[GgmoeLlama, StatsOut | None]
 
 def _write_stats(llama: GgmoeLlama, opts: LoadOptions, out: StatsOut | None) -> None:
     """--stats-json (the cache statistics) and --stats-out (routing statistics) when serve or chat stops."""
-    if opts.cache["stats_json"] is not None:
-        write_text_atomic(opts.cache["stats_json"], json.dumps(llama.stats()["cache"], indent=2))
+    if opts.cache.stats_json is not None:
+        write_text_atomic(opts.cache.stats_json, json.dumps(llama.stats()["cache"], indent=2))
     if out is not None:
         run = llama.run_config
         out.save(llama.prefetcher, run.prefetch.predictor if run and run.prefetch else None)
@@ -101,10 +97,8 @@ def check_listen(host: str, port: int) -> None:
 
 
 def _model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """What serve and chat share: the cache and warm-start flags, the context, threads and the log."""
-    for option in (verbose_opt, threads_opt, _ctx, stats_options, cache_options):
-        fn = option(fn)
-    return fn
+    """What serve and chat share: the engine's flags (context, threads, the log), the cache and warm-start flags."""
+    return cache_options(engine_options(fn))
 
 
 class _Stopped(Exception):
@@ -129,12 +123,12 @@ def _run_until_stopped(run: Callable[[], object]) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _fit(path: Path, cache: dict[str, Any], threads: int | None) -> dict[str, Any]:
+def _fit(path: Path, cache: CacheFlags, threads: int | None) -> CacheFlags:
     """--fit: the cache flags ``ggmoe.cli.fit`` plans on this machine (it checks the flags first)."""
     from ggmoe.cli.fit import CACHE_FLAGS, fit, read_nvidia_smi
     from ggmoe.engine.loader import gpu_device_name
 
-    if any(cache.get(k) is not None for k in CACHE_FLAGS):
+    if any(getattr(cache, k) is not None for k in CACHE_FLAGS):
         return fit(None, cache, threads, click.echo, None, None)  # refuses them, before anything loads
     gpu = gpu_device_name()
     return fit(model_facts(path), cache, threads, click.echo, gpu, read_nvidia_smi() if gpu else None)
@@ -142,63 +136,17 @@ def _fit(path: Path, cache: dict[str, Any], threads: int | None) -> dict[str, An
 
 @click.command()
 @model_arg
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
-@click.option("--api-key", envvar="GGMOE_API_KEY", show_envvar=True,
-              help="Require 'Authorization: Bearer KEY' on every route but /health.")
-@click.option("--model-name", help="Model id listed first in /v1/models (default: the file's stem); requests "
-                                   "may name any model.")
-@click.option("--alias", "aliases", multiple=True, help="Another name /v1/models lists for the model (repeatable).")
-@click.option("--strict-openai", is_flag=True, help="Refuse (400) a max_tokens beyond the context, as OpenAI "
-                                                    "does, instead of clamping it as llama-server does.")
-@click.option("--max-queue", default=16, show_default=True, type=click.IntRange(min=0),
-              help="Requests that may wait while one generates; more get 429.")
-@click.option("--max-body", default="1MiB", show_default=True, help="Largest request body; larger gets 413.")
-@click.option("--cors-origin", multiple=True, help="Allow browser requests from this origin, such as "
-                                                   "http://localhost:3000 (repeatable; '*': any). Without it a "
-                                                   "request whose Origin is another site is refused (403).")
-@click.option("--logprobs", is_flag=True, help="Keep every position's logits so completions with echo may ask "
-                                               "for the prompt's logprobs (n_ctx x n_vocab x 4 bytes of RAM); "
-                                               "generated tokens' logprobs need no flag.")
-@click.option("--reconfigure-every", type=click.IntRange(min=1), metavar="TOKENS",
-              help="MoEpic's reconfiguration: every TOKENS generated tokens, between requests, run its configurator "
-                   "on the recent routing and replace the cache (slots and top shares per layer, same VRAM) when "
-                   "the estimate says it waits less. Needs a cache.")
-@click.option("--slot-save-path", type=click.Path(file_okay=False, dir_okay=True), metavar="DIR",
-              help="Directory where POST /slots/{id}?action=save|restore keeps slot files (llama-server's flag); "
-                   "created when missing. Without it, save and restore are refused.")
-@click.option("-np", "--parallel", default=1, show_default=True, type=click.IntRange(1, MAX_PARALLEL),
-              help="Slots: requests that decode together, one llama_decode per step for all of them (llama-server's "
-                   "flag); each slot holds n_ctx / N tokens. More requests wait in the queue.")
-@click.option("--kv-unified/--no-kv-unified", default=True, show_default=True,
-              help="With --parallel > 1: the slots' sequences share one KV cache (llama-server's --kv-unified), or "
-                   "each has its own stream of n_ctx / N cells (a slot's text at temperature 0 is then the same "
-                   "whatever the other slots do; see docs/serving.md).")
-@click.option("--reconfigure-hw", default="pcie4", show_default=True,
-              help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST, or a .toml) the reconfiguration estimates with.")
-@click.option("--chat-template", metavar="JINJA_TEMPLATE",
-              help="A Jinja chat template instead of the model's (llama-server's flag), or a name: chatml, llama3, "
-                   "mistral-v1.")
-@click.option("--chat-template-file", type=click.Path(dir_okay=False), metavar="FILE",
-              help="The chat template from a file (llama-server's flag).")
-@click.option("--chat-template-kwargs", metavar="JSON",
-              help="Variables every chat template rendering gets, as a JSON object, e.g. '{\"enable_thinking\": "
-                   "false}' (llama-server's flag); a request's chat_template_kwargs override them.")
-@click.option("--reasoning-budget", "thinking", type=int, default=-1, show_default=True, metavar="N",
-              help="llama-server's flag: -1 lets a reasoning model think; 0 turns thinking off (the chat template "
-                   "gets enable_thinking false). ggmoe cuts no thinking at a token budget, so only -1 and 0 are taken.")
+@http_options
+@server_options
+@template_options
 @click.option("--fit", is_flag=True,
               help="Choose the cache as `ggmoe plan MODEL --gpu` does, on this machine: the GPU found by name in the "
                    "parts file (or --hw GPU/LINK/HOST), its free VRAM and link from nvidia-smi, the CPU measured; "
                    "prints every way's estimate. Without a GPU it says so and serves from host memory.")
 @_model_options
 @edge
-def serve(model: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
-          aliases: tuple[str, ...], strict_openai: bool, max_queue: int, max_body: str, cors_origin: tuple[str, ...], logprobs: bool,
-          reconfigure_every: int | None, slot_save_path: str | None, parallel: int, kv_unified: bool,
-          reconfigure_hw: str, chat_template: str | None, chat_template_file: str | None,
-          chat_template_kwargs: str | None, thinking: int, fit: bool, n_ctx: int | None,
-          threads: int | None, verbose: bool, **cache: Any) -> None:
+def serve(model: str | None, http: HttpFlags, server: ServerFlags, template: TemplateFlags, fit: bool,
+          engine: EngineFlags, cache: CacheFlags) -> None:
     """Serve a model over HTTP: OpenAI's API, llama-server's routes, Anthropic's Messages API (--parallel N: N
     generations decoding together).
 
@@ -221,38 +169,46 @@ def serve(model: str | None, host: str, port: int, api_key: str | None, model_na
       curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
            -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
     """
-    from ggmoe.serve.app import ServeSettings, create_app
+    from ggmoe.serve.app import create_app
     from ggmoe.serve.runner import run_app
 
-    max_body_bytes = _check_http_options(api_key, model_name, max_body)
-    template, template_kwargs = _chat_template_options(chat_template, chat_template_file, chat_template_kwargs, thinking)
+    max_body_bytes = _check_http_options(http.api_key, http.model_name, http.max_body)
+    template_text, template_kwargs = _chat_template_options(template)
     path = model_path(model)
     if fit:
-        cache = _fit(path, cache, threads)
-    check_listen(host, port)
-    _check_server_side(reconfigure_every, reconfigure_hw, slot_save_path, cache)
-    n_ctx = n_ctx or default_n_ctx(path)
-    _check_parallel(parallel, reconfigure_every, n_ctx)
-    loopback = _loopback(host, api_key)
-    settings = ServeSettings(model_id=model_name or Path(path).stem, api_key=api_key, max_queue=max_queue,
-                             max_body_bytes=max_body_bytes, loopback_only=loopback,
-                             cors_origins=cors_origin, aliases=aliases, strict_openai=strict_openai,
-                             model_path=str(path), reconfigure_every=reconfigure_every or 0,
-                             reconfigure_hw=reconfigure_hw, slot_save_path=slot_save_path, parallel=parallel,
-                             chat_template_kwargs=template_kwargs)
-    opts = LoadOptions(str(path), n_ctx, threads, verbose, cache)
-    extra: dict[str, Any] = {"n_seq_max": parallel, "kv_unified": kv_unified} if parallel > 1 else {}
-    if template is not None:
-        extra["chat_template"] = template
-    llama, out = _load(opts, logits_all=logprobs, **extra)
+        cache = _fit(path, cache, engine.threads)
+    check_listen(http.host, http.port)
+    _check_server_side(server, cache)
+    engine = replace(engine, n_ctx=engine.n_ctx or default_n_ctx(path))
+    _check_parallel(server.parallel, server.reconfigure_every, engine.n_ctx)
+    settings = _settings(http, server, path, max_body_bytes, template_kwargs)
+    opts = LoadOptions(str(path), engine, cache)
+    extra: dict[str, Any] = {"n_seq_max": server.parallel, "kv_unified": server.kv_unified} if server.parallel > 1 else {}
+    if template_text is not None:
+        extra["chat_template"] = template_text
+    llama, out = _load(opts, logits_all=server.logprobs, **extra)
     with llama:
         app = create_app(llama, settings)
-        _announce(settings.model_id, host, port, api_key)
+        _announce(settings.model_id, http.host, http.port, http.api_key)
         _announce_cache(llama.stats().get("cache"))
-        _run_until_stopped(lambda: run_app(app, host, port, "info" if verbose else "warning"))
+        _run_until_stopped(lambda: run_app(app, http.host, http.port, "info" if engine.verbose else "warning"))
         app.state.server.close()
         _write_stats(llama, opts, out)
     click.echo("ggmoe serve: stopped")
+
+
+def _settings(http: HttpFlags, server: ServerFlags, path: Path, max_body_bytes: int,
+              template_kwargs: dict[str, Any]) -> ServeSettings:
+    """The app's settings from the checked flags."""
+    from ggmoe.serve.app import ServeSettings
+
+    return ServeSettings(model_id=http.model_name or Path(path).stem, api_key=http.api_key,
+                         max_queue=http.max_queue, max_body_bytes=max_body_bytes,
+                         loopback_only=_loopback(http.host, http.api_key), cors_origins=http.cors_origin,
+                         aliases=http.aliases, strict_openai=http.strict_openai, model_path=str(path),
+                         reconfigure_every=server.reconfigure_every or 0, reconfigure_hw=server.reconfigure_hw,
+                         slot_save_path=server.slot_save_path, parallel=server.parallel,
+                         chat_template_kwargs=template_kwargs)
 
 
 def _check_http_options(api_key: str | None, model_name: str | None, max_body: str) -> int:
@@ -282,10 +238,11 @@ def _reasoning(budget: int, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "enable_thinking": False}
 
 
-def _chat_template_options(template: str | None, path: str | None, kwargs: str | None, reasoning_budget: int = -1
-                           ) -> tuple[str | None, dict[str, Any]]:
+def _chat_template_options(flags: TemplateFlags) -> tuple[str | None, dict[str, Any]]:
     """--chat-template or --chat-template-file (a Jinja template, checked), and --chat-template-kwargs (a JSON
     object) with --reasoning-budget's, before anything loads."""
+    template, path, kwargs = flags.chat_template, flags.chat_template_file, flags.chat_template_kwargs
+    reasoning_budget = flags.thinking
     from ggmoe.engine.llama import chat_template_of, check_chat_template
     from ggmoe.serve.schema import check_template_kwargs
 
@@ -326,11 +283,11 @@ def _loopback(host: str, api_key: str | None) -> bool:
     return loopback
 
 
-def _check_server_side(reconfigure_every: int | None, reconfigure_hw: str, slot_save_path: str | None,
-                       cache: dict[str, Any]) -> None:
+def _check_server_side(server: ServerFlags, cache: CacheFlags) -> None:
     """What the server's own options need, checked (the slot directory made) before the model loads."""
-    if reconfigure_every is not None:
-        if all(cache[k] is None for k in ("cache_slots", "vram", "config")):
+    reconfigure_hw, slot_save_path = server.reconfigure_hw, server.slot_save_path
+    if server.reconfigure_every is not None:
+        if all(v is None for v in (cache.cache_slots, cache.vram, cache.config)):
             raise UsageError("--reconfigure-every needs a cache: --cache-slots N, --vram BYTES or --config FILE")
         from ggmoe.cache.hardware import load_profile
 
@@ -393,7 +350,7 @@ def _announce(model_id: str, host: str, port: int, api_key: str | None) -> None:
 @_model_options
 @edge
 def chat(model: str | None, max_tokens: int, temp: float, seed: int | None, system: str | None,
-         n_ctx: int | None, threads: int | None, verbose: bool, **cache: Any) -> None:
+         engine: EngineFlags, cache: CacheFlags) -> None:
     """Chat with a model in the terminal; answers stream as they are generated.
 
     \b
@@ -415,7 +372,7 @@ def chat(model: str | None, max_tokens: int, temp: float, seed: int | None, syst
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    opts = LoadOptions(model, n_ctx, threads, verbose, cache)
+    opts = LoadOptions(model, engine, cache)
     llama, out = _load(opts)
     with llama:
         try:

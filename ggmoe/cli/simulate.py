@@ -14,7 +14,17 @@ import click
 from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import atomic_write, check_output
 from ggmoe.cli.edge import edge
-from ggmoe.cli.options import FiniteFloat, model_path, planner_config
+from ggmoe.cli.options import model_path, planner_config
+from ggmoe.cli.simulate_flags import (
+    MachineFlags,
+    OutputFlags,
+    PredictorFlags,
+    SweepFlags,
+    machine_options,
+    output_options,
+    predictor_options,
+    sweep_options,
+)
 
 if TYPE_CHECKING:
     from ggmoe.cache.hardware import HardwareProfile
@@ -210,54 +220,13 @@ def trace_model(trace: Trace, model: str | None, need_bytes: bool,
 @click.argument("traces", nargs=-1, required=True, type=click.Path())
 @click.option("--model", "model", help="The GGUF the traces come from (bytes per expert); default: the "
                                        "embedded model.")
-@click.option("--cache-slots", multiple=True, help="Slots per layer (repeat or comma list).")
-@click.option("--cache-fraction", multiple=True,
-              help="Share of each layer's experts cacheable, e.g. 0.25,0.5 (repeat or comma list).")
-@click.option("--vram", multiple=True, help="Cache budget over all layers, e.g. 4GiB (repeat or comma list).")
-@click.option("--policy", multiple=True, help="Eviction policies (repeat or comma list; default lru).")
-@click.option("--predictor", multiple=True, help="Predictors (none, reuse, skip-gate, token, eam, expert-map, transition, "
-                                                 "oracle, PRED.npz); repeat or comma list; default none.")
-@click.option("--plan-predictor", "plan_predictor", multiple=True,
-              help="Planners between tokens (none, reuse, eam, expert-map, PRED.npz trained with --mode token); "
-                   "repeat or comma list; default none.")
-@click.option("--stride", default=2, show_default=True, type=click.IntRange(1, 1024))
-@click.option("--prefetch", "n_prefetch", type=click.IntRange(1, 4096),
-              help="Experts prefetched per layer (default 2 x top-k).")
-@click.option("--miss-policy", multiple=True, help="wait, cpu, auto (repeat or comma list; default wait).")
-@click.option("--decode-mode", multiple=True,
-              help="sync, async, async-fill (repeat or comma list; default sync): async reads misses over the link "
-                   "with no route hook and admits between tokens; async-fill is async with in-graph fills (each "
-                   "miss copied into a fill slot inside its layer and read there: one crossing, no admission); "
-                   "their rows need miss policy wait. hybrid is sync with each layer's misses split between the "
-                   "link and the CPU, both at once, so that both finish together; its rows need miss policy auto.")
-@click.option("--theta", multiple=True,
-              help="MoEpic's split: the top share θ of every MoE layer's experts that a slot holds, in (0, 1] "
-                   "(repeat or comma list; default 1, whole experts). At each size the split layers get as many "
-                   "tops as the whole experts' bytes hold.")
-@click.option("--hw", default="pcie4", show_default=True,
-              help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST e.g. rtx4090/pcie4x16/ddr5-5600x2, a .toml from ggmoe calibrate), or none: counts only.")
-@click.option("--predictor-train", multiple=True, type=click.Path(),
-              help="Training traces for predictors that learn (eam, expert-map, token, transition).")
-@click.option("--predictor-s", type=FiniteFloat(min=0.0),
-              help="Seconds per predictor call on the critical path (default: measured on this machine).")
-@click.option("--stats-in", type=click.Path(dir_okay=False),
-              help="Routing statistics saved by --stats-out: --policy static pins their hottest experts; the "
-                   "predictor they were saved with starts from what it learnt.")
-@click.option("--jobs", type=click.IntRange(1, 256),
-              help="Worker processes, one configuration each at a time (default: the CPUs this process may use).")
-@click.option("--host-ram", "host_ram", help="Host RAM for the experts, e.g. 24GiB: experts beyond it stay on disk "
-              "under a host tier of that size, read from the profile's disk (--hw .../nvme4); default: every "
-              "expert in host memory.")
-@click.option("--json", "as_json", is_flag=True, help="Print every result as JSON.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of hit rate and TPOT.")
+@sweep_options
+@predictor_options
+@machine_options
+@output_options
 @edge
-def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str, ...],
-             cache_fraction: tuple[str, ...], vram: tuple[str, ...], policy: tuple[str, ...],
-             predictor: tuple[str, ...], plan_predictor: tuple[str, ...], stride: int, n_prefetch: int | None,
-             miss_policy: tuple[str, ...],
-             decode_mode: tuple[str, ...], theta: tuple[str, ...], hw: str,
-             predictor_train: tuple[str, ...], predictor_s: float | None, stats_in: str | None, jobs: int | None,
-             host_ram: str | None, as_json: bool, plot_path: str | None) -> None:
+def simulate(traces: tuple[str, ...], model: str | None, sweep: SweepFlags, predictors: PredictorFlags,
+             machine: MachineFlags, output: OutputFlags) -> None:
     """Replay traces through the cache, copy queue and prefetcher on a hardware cost model.
 
     Every combination of the sizes, policies, predictors and miss policies given is simulated and shown
@@ -277,22 +246,23 @@ def simulate(traces: tuple[str, ...], model: str | None, cache_slots: tuple[str,
       ggmoe trace import esft/intent esft/law -o ds2/ --n-expert 64 --top-k 6 && \
         ggmoe simulate ds2/ --hw none --cache-fraction 0.125,0.25,0.5 --policy lru,belady --jobs 2
     """
+    sw, pr, plot_path = sweep, predictors, output.plot_path
     if plot_path is not None:
         check_output(plot_path, "--plot", suffixes=PLOT_SUFFIXES)
-    choices = _check_choices(policy, predictor, miss_policy, decode_mode, theta, plan_predictor)
-    inputs = _load_inputs(traces, model, hw, predictor_train, stats_in, bool(vram), choices.thetas)
-    tiers = _host_tiers(inputs, host_ram)
+    choices = _check_choices(sw.policy, sw.predictor, sw.miss_policy, sw.decode_mode, sw.theta, sw.plan_predictor)
+    inputs = _load_inputs(traces, model, machine.hw, pr.predictor_train, pr.stats_in, bool(sw.vram), choices.thetas)
+    tiers = _host_tiers(inputs, machine.host_ram)
     options = _policy_options(choices.policies, inputs.warm)
-    combos = _combinations(inputs.facts, cache_slots, cache_fraction, vram, choices)
-    _check_predictors(choices.predictors, choices.planners, combos, stride, inputs)
+    combos = _combinations(inputs.facts, sw.cache_slots, sw.cache_fraction, sw.vram, choices)
+    _check_predictors(choices.predictors, choices.planners, combos, pr.stride, inputs)
     if plot_path is not None:
         pyplot()  # matplotlib missing: say so before simulating, not after
-    configs = _sim_configs(combos, inputs, options, stride, n_prefetch, predictor_s)
+    configs = _sim_configs(combos, inputs, options, pr.stride, pr.n_prefetch, pr.predictor_s)
     if tiers is not None and tiers.disk:
         configs = [dataclasses.replace(c, host_slots=tiers.host_slots) for c in configs]
-    results = run_configs(configs, inputs.shared(), jobs)
-    _report(traces, hw, inputs, combos, results, plot_path, as_json)
-    if tiers is not None and not as_json:
+    results = run_configs(configs, inputs.shared(), machine.jobs)
+    _report(traces, machine.hw, inputs, combos, results, plot_path, output.as_json)
+    if tiers is not None and not output.as_json:
         click.echo("tiers (GPU slots: the rows' sizes):\n" + "\n".join(tiers.render_lines()[1:]))
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 import numpy as np
 
 from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import check_output_dir
-from ggmoe.cli.cache_flags import cache_from_flags, stats_options
+from ggmoe.cli.cache_flags import cache_from_flags
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import (
+    CacheFlags,
     FiniteFloat,
     cache_options,
     ctx_opt,
@@ -45,14 +45,13 @@ from ggmoe.cli.options import (
               help="Sample mode seed (prompt i uses seed+i).")
 @click.option("--no-hidden", is_flag=True, help="Do not store MoE input hidden states (smaller traces).")
 @cache_options
-@stats_options
 @ctx_opt
 @threads_opt
 @verbose_opt
 @edge
 def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode: str, prefill_tokens: int,
            temp: float, seed: int, no_hidden: bool, n_ctx: int | None, threads: int | None, verbose: bool,
-           **flags: Any) -> None:
+           cache: CacheFlags) -> None:
     """Record per-token routing (ids, router probabilities, MoE inputs) into OUT/trace.npz.
 
     With a cache that runs the async decode, the run is that decode (its stride prefetch included) and the
@@ -73,17 +72,17 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
     check_output_dir(out, "-o", members=("trace.npz",))
     cfg = RecordConfig(mode=mode, max_tokens=max_tokens, prefill_tokens=prefill_tokens, temp=temp, seed=seed,
                        keep_hidden=not no_hidden)
-    run, routing_out = cache_from_flags(path, facts, flags)  # the cache and stats flags (**flags)
-    with make_engine(path, n_ctx, threads, verbose, run) as eng:
+    config, routing_out = cache_from_flags(path, facts, cache)
+    with make_engine(path, n_ctx, threads, verbose, config) as eng:
         if routing_out is not None:
             eng.add_observer(routing_out.collector)
         if records_ids_only(eng):
             click.echo(f"note: {ASYNC_NOTE}", err=True)
         with click.progressbar(length=len(prompts), label="tracing", file=sys.stderr) as bar:
             written = record_trace(eng, prompts, cfg, Path(out) / "trace.npz", progress=bar.update)
-        write_stats(eng, flags["stats_json"], {"model": str(path), "prompts": len(prompts), "mode": mode})
+        write_stats(eng, cache.stats_json, {"model": str(path), "prompts": len(prompts), "mode": mode})
         if routing_out is not None:
-            routing_out.save(eng.prefetcher, run.prefetch.predictor if run and run.prefetch else None)
+            routing_out.save(eng.prefetcher, config.prefetch.predictor if config and config.prefetch else None)
     click.echo(str(written))
 
 

@@ -73,13 +73,13 @@ def _engine_without_fills(monkeypatch) -> None:
 
     from ggmoe.cli import cache_flags as warm
 
-    made = warm.cache_config
+    made = warm.run_config
 
     def without_fills(*a, **k):
         run = made(*a, **k)
         return dataclasses.replace(run, decode=dataclasses.replace(run.decode, fills=False))
 
-    monkeypatch.setattr(warm, "cache_config", without_fills)
+    monkeypatch.setattr(warm, "run_config", without_fills)
 
 
 @pytest.mark.immediate_copies("the replay lands a copy when it is issued, as the immediate stream does")

@@ -11,7 +11,7 @@ import pytest
 from ggmoe.base.errors import UsageError
 from ggmoe.cache.parts import load_parts
 from ggmoe.cli import fit as F
-from ggmoe.cli.options import cache_config
+from ggmoe.cli.options import CacheFlags, run_config
 from ggmoe.inspect import inspect_model
 from tools.gpu.realshape import write_model
 
@@ -21,12 +21,9 @@ KNOWN = sorted(load_parts()["gpu"])
 GB = 1e9
 
 
-def flags(**given) -> dict:
+def flags(**given) -> CacheFlags:
     """The serve command's cache flags, none given but ``given``."""
-    names = ("cache_slots", "vram", "policy", "miss_policy", "predictor", "stride", "n_prefetch", "prefetch_threshold",
-             "predictor_train", "predict_background", "hw", "config", "decode_mode", "stats_in", "stats_out_path",
-             "stats_json")
-    return {**dict.fromkeys(names), "stride": 2, "predictor_train": (), "predict_background": False, **given}
+    return CacheFlags(**given)
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +115,8 @@ def test_fit_serves_the_fastest_way_it_can_run_and_labels_every_estimate(toy, fr
         assert out == flags() and any("serving without a cache" in x for x in lines)
         return
     assert any(x.startswith(f"  serving: {way}") for x in lines)
-    cfg = cache_config(out["cache_slots"], out["vram"], out["policy"], facts, out["miss_policy"], None, out["hw"],
-                       None, out["decode_mode"])  # what serve then builds: the flags are valid for the model
+    cfg = run_config(out.cache_slots, out.vram, out.policy, facts, out.miss_policy, None, out.hw,
+                     None, out.decode_mode)  # what serve then builds: the flags are valid for the model
     # a cache that serves misses admits by use (tinylfu); one that holds every expert has nothing to filter
     assert cfg is not None and cfg.cache.policy == ("lru" if way == "all experts in VRAM" else "tinylfu")
 
