@@ -300,7 +300,7 @@ class EventStream:
 
 
 class MessagesApi:
-    """``/v1/messages`` as a ``ChatShape``: the chat's answer as Anthropic's message, its chunks as Anthropic's
+    """``/v1/messages`` as a ``ChatApi``: the chat's answer as Anthropic's message, its chunks as Anthropic's
     events, the stop reason from what was sampled."""
 
     sse = SSE

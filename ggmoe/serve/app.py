@@ -1,6 +1,6 @@
 """The app: FastAPI over llama-cpp-python's request types and ``Llama`` calls, speaking OpenAI's API,
 llama-server's own routes (``ggmoe.serve.compat_routes``, ``native``, ``slots``), and the APIs whose requests run
-as an OpenAI chat (Anthropic's Messages, OpenAI's Responses): ``Server.as_chat`` with the API's ``ChatShape``
+as an OpenAI chat (Anthropic's Messages, OpenAI's Responses): ``Server.as_chat`` with the API's ``ChatApi``
 (``ggmoe.serve.framing``), which ``anthropic`` and ``responses`` implement.
 
 llama-cpp-python's own ``create_app`` keeps its model in module globals and
@@ -45,7 +45,7 @@ from ggmoe.serve import errors
 from ggmoe.serve.asgi import BodyLimit, JsonBodies, LoopbackHostOnly, RequestCounter, SameOriginOnly
 from ggmoe.serve.compat_routes import add_anthropic_routes, add_llama_server_routes, add_responses_routes
 from ggmoe.serve.errors import APIError
-from ggmoe.serve.framing import ChatShape, Sse, data, error_data
+from ggmoe.serve.framing import ChatApi, Sse, data, error_data
 from ggmoe.serve.generation import Run, Watch, api_error, check_request, prepare_chat, prepare_completion
 from ggmoe.serve.lanes import LaneState
 from ggmoe.serve.metrics import Metrics
@@ -192,8 +192,8 @@ class Server:
                                   run.settings(), run, prompts[0], body.id_slot)
 
     async def as_chat(self, request: Request, chat: ChatRequest, model: str, stream: bool, strict: bool,
-                      shape: ChatShape) -> Any:
-        """A request of another API run as an OpenAI chat, its answer in that API's ``shape`` (Anthropic's
+                      api: ChatApi) -> Any:
+        """A request of another API run as an OpenAI chat, its answer in the shapes of that API (``api``: Anthropic's
         Messages, OpenAI's Responses)."""
         arrival = time.monotonic()
         chat.chat_template_kwargs = self.template_kwargs(None)
@@ -204,8 +204,8 @@ class Server:
             raise api_error(e) from e
         watch = Watch(arrival, self.n_ctx, ready.kwargs["max_tokens"], self.llama.is_eog)
         run = Run(ready, self.llama, watch, model)
-        return await self.execute(request, watch, stream, lambda: shape.result(run, watch, ready),
-                                  lambda: shape.chunks(run, watch, ready), shape.sse, _shown(ready.kwargs), run,
+        return await self.execute(request, watch, stream, lambda: api.result(run, watch, ready),
+                                  lambda: api.chunks(run, watch, ready), api.sse, _shown(ready.kwargs), run,
                                   ready.prompt)
 
     def prompt_size(self, chat: ChatRequest) -> int:

@@ -19,7 +19,7 @@ from fastapi.params import Depends
 from ggmoe.serve import anthropic, responses
 from ggmoe.serve.anthropic import CountTokensRequest, MessagesRequest
 from ggmoe.serve.errors import APIError
-from ggmoe.serve.framing import ChatShape
+from ggmoe.serve.framing import ChatApi
 from ggmoe.serve.lanes import LaneState, erase_lane, lane_file, restore_lane, save_lane
 from ggmoe.serve.native import tokenize_text
 from ggmoe.serve.responses import ResponsesRequest
@@ -63,7 +63,7 @@ class RouteServer(Protocol):
     async def native(self, request: Request, body: NativeCompletionRequest, infill: bool) -> Any: ...
 
     async def as_chat(self, request: Request, chat: ChatRequest, model: str, stream: bool, strict: bool,
-                      shape: ChatShape) -> Any: ...
+                      api: ChatApi) -> Any: ...
 
     def prompt_size(self, chat: ChatRequest) -> int: ...
 

@@ -1,5 +1,5 @@
 """How an API frames a chat's answer: its stream's events (``Sse``), and, for the APIs that run a request as an
-OpenAI chat (Anthropic's Messages, OpenAI's Responses), its answer and chunks in their own shapes (``ChatShape``)."""
+OpenAI chat (Anthropic's Messages, OpenAI's Responses), its answer and chunks in their own shapes (``ChatApi``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Sse:
     error: Callable[[APIError], dict[str, str]]
 
 
-class ChatShape(Protocol):
+class ChatApi(Protocol):
     """An API whose request runs as an OpenAI chat: its stream framing, and the chat's result and chunks in its
     own shapes."""
 

@@ -125,7 +125,7 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
         raise APIError(400, f"the request does not convert: {plain_message(e.errors()[0]['msg'])}") from e
 
 
-class Shape:
+class ResponseObject:
     """The ``response`` object of one request, built up as the generation goes."""
 
     def __init__(self, body: ResponsesRequest) -> None:
@@ -163,22 +163,22 @@ def _status(finish: str | None) -> str:
     return "incomplete" if finish == "length" else "completed"
 
 
-def response(result: dict[str, Any], shape: Shape) -> dict[str, Any]:
+def response(result: dict[str, Any], obj: ResponseObject) -> dict[str, Any]:
     """The ``response`` object of an OpenAI chat completion."""
     choice = result["choices"][0]
     usage = result["usage"]
-    return shape.response(_status(choice["finish_reason"]), [shape.item(choice["message"]["content"] or "", True)],
+    return obj.response(_status(choice["finish_reason"]), [obj.item(choice["message"]["content"] or "", True)],
                           _usage(usage["prompt_tokens"], usage["completion_tokens"]))
 
 
-def events(chunks: Iterator[dict[str, Any]], shape: Shape, n_input: int,
+def events(chunks: Iterator[dict[str, Any]], obj: ResponseObject, n_input: int,
            n_output: Callable[[], int]) -> Iterator[dict[str, Any]]:
     """OpenAI's Responses stream events (without their sequence numbers) from one generation's chat chunks."""
     first = next(chunks, None)  # the prefill and first token, before anything is sent
-    yield {"type": "response.created", "response": shape.response("in_progress", [], None)}
-    yield {"type": "response.in_progress", "response": shape.response("in_progress", [], None)}
-    where = {"item_id": shape.item_id, "output_index": 0}
-    yield {"type": "response.output_item.added", "output_index": 0, "item": shape.item("", False)}
+    yield {"type": "response.created", "response": obj.response("in_progress", [], None)}
+    yield {"type": "response.in_progress", "response": obj.response("in_progress", [], None)}
+    where = {"item_id": obj.item_id, "output_index": 0}
+    yield {"type": "response.output_item.added", "output_index": 0, "item": obj.item("", False)}
     empty = {"type": "output_text", "text": "", "annotations": []}
     yield {"type": "response.content_part.added", **where, "content_index": 0, "part": empty}
     text, finish, chunk = "", None, first
@@ -192,10 +192,10 @@ def events(chunks: Iterator[dict[str, Any]], shape: Shape, n_input: int,
         chunk = next(chunks, None)
     yield {"type": "response.output_text.done", **where, "content_index": 0, "text": text, "logprobs": []}
     yield {"type": "response.content_part.done", **where, "content_index": 0, "part": {**empty, "text": text}}
-    item = shape.item(text, True)
+    item = obj.item(text, True)
     yield {"type": "response.output_item.done", "output_index": 0, "item": item}
     status = _status(finish)
-    yield {"type": f"response.{status}", "response": shape.response(status, [item], _usage(n_input, n_output()))}
+    yield {"type": f"response.{status}", "response": obj.response(status, [item], _usage(n_input, n_output()))}
 
 
 def numbered(events_: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -205,16 +205,16 @@ def numbered(events_: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 class ResponsesApi:
-    """``/v1/responses`` as a ``ChatShape``: the chat's answer as a ``response`` object, its chunks as the
+    """``/v1/responses`` as a ``ChatApi``: the chat's answer as a ``response`` object, its chunks as the
     Responses API's numbered events."""
 
     sse = SSE
 
     def __init__(self, body: ResponsesRequest) -> None:
-        self.shape = Shape(body)
+        self.response_object = ResponseObject(body)
 
     def result(self, run: Run, watch: Watch, ready: ReadyRequest) -> dict[str, Any]:
-        return response(run.result(), self.shape)
+        return response(run.result(), self.response_object)
 
     def chunks(self, run: Run, watch: Watch, ready: ReadyRequest) -> Iterator[dict[str, Any]]:
-        return numbered(events(run.chunks(), self.shape, len(ready.prompt), lambda: watch.n_tokens))
+        return numbered(events(run.chunks(), self.response_object, len(ready.prompt), lambda: watch.n_tokens))

@@ -33,7 +33,7 @@ TOKENS = 256  # decoded tokens replayed per row (decode costs the same for every
 
 
 @dataclass(frozen=True)
-class Shape:
+class PublicModel:
     """A MoE model's shape, from its public configuration."""
 
     name: str
@@ -55,7 +55,7 @@ class Published:
     what: str  # the run, as published
     tok_s: float  # the published decode tok/s
     source: str  # URL
-    shape: Shape | None = None  # None: the run cannot be described (``cannot`` says why)
+    shape: PublicModel | None = None  # None: the run cannot be described (``cannot`` says why)
     quant: str = ""  # Q4_K_M | Q8_0 | MXFP4: the experts' llama.cpp file type
     hw: str = ""  # GPU/LINK/HOST (ggmoe.cache.parts)
     way: str = ""  # stock-cpu | n-cpu-moe
@@ -76,7 +76,7 @@ def _more_bits(i_layer: int, n_layer: int) -> bool:
     return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
 
 
-def expert_bytes(shape: Shape, quant: str, il: int) -> int:
+def expert_bytes(shape: PublicModel, quant: str, il: int) -> int:
     """Bytes of one routed expert of block ``il`` (gate, up and down) in llama.cpp's file type ``quant``."""
     n = shape.n_embd * shape.n_ff_exp
     T = GGMLQuantizationType
@@ -91,7 +91,7 @@ def expert_bytes(shape: Shape, quant: str, il: int) -> int:
 
 
 @lru_cache(maxsize=8)
-def _routing(shape: Shape) -> Trace:
+def _routing(shape: PublicModel) -> Trace:
     """The shipped routing sample mapped to ``shape``, ``TOKENS`` decoded tokens (one prompt)."""
     src = import_routing(SAMPLE_DIR, SAMPLE_SHAPE, "layer-files", SAMPLE_NOTE)
     tr = map_trace(src, shape.moe_layers, shape.n_expert, shape.n_expert_used, shape.n_layer)
@@ -152,15 +152,15 @@ def render_table(rows: tuple[Published, ...] | None = None) -> str:
     return "\n".join(out)
 
 
-QWEN35_35B = Shape("Qwen3.5-35B-A3B", 40, tuple(range(40)), 256, 8, 2048, 512, 80,
+QWEN35_35B = PublicModel("Qwen3.5-35B-A3B", 40, tuple(range(40)), 256, 8, 2048, 512, 80,
                    "huggingface.co/RESMP-DEV/Qwen3.5-35B-A3B-GPTQ-Hybrid (model card: 40 layers, 256 experts, "
                    "top-8, hidden 2048); expert width 512 from the post's Q8_0 size (36.9 GB)")
-QWEN3_30B = Shape("Qwen3-30B-A3B", 48, tuple(range(48)), 128, 8, 2048, 768, 48,
+QWEN3_30B = PublicModel("Qwen3-30B-A3B", 48, tuple(range(48)), 128, 8, 2048, 768, 48,
                   "Qwen3-30B-A3B config.json (48 layers, 128 experts, top-8, hidden 2048, expert width 768)")
-DSC2_LITE = Shape("DeepSeek-Coder-V2-Lite", 27, tuple(range(1, 27)), 64, 6, 2048, 1408, 53,
+DSC2_LITE = PublicModel("DeepSeek-Coder-V2-Lite", 27, tuple(range(1, 27)), 64, 6, 2048, 1408, 53,
                   "deepseek-ai/DeepSeek-Coder-V2-Lite config.json (27 layers, layer 0 dense, 64 experts + 2 shared, "
                   "top-6, hidden 2048, expert width 1408)")
-GPT_OSS_20B = Shape("gpt-oss-20b", 24, tuple(range(24)), 32, 4, 2880, 2880, 24,
+GPT_OSS_20B = PublicModel("gpt-oss-20b", 24, tuple(range(24)), 32, 4, 2880, 2880, 24,
                     "openai/gpt-oss-20b config.json (24 layers, 32 experts, top-4, hidden 2880, expert width 2880)")
 
 REDDIT_5080 = "reddit.com/r/LocalLLaMA/comments/1rei65v (snapshot: reddit.sentinel-team.org/posts/1rei65v)"
