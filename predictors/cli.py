@@ -92,12 +92,12 @@ def train_predictor(traces: tuple[str, ...], out: str, kind: str, mode: str, str
       ggmoe train-predictor traces/ -o next-token.npz --mode token
     """
     _check_dependencies(kind)
-    from ggmoe.predict.mlp_file import check_output
+    from ggmoe.predict.mlp_file import check_predictor_output
     from ggmoe.trace.data import load_traces
     from predictors.settings import FitSettings, LinearSettings
     from predictors.train import TrainConfig, export, train
 
-    check_output(out)  # before any training: a bad -o fails now, not after the run
+    check_predictor_output(out)  # before any training: a bad -o fails now, not after the run
     if alphas and kind != "linear":
         raise UsageError("--alpha is a setting of --kind linear")
     if mode == "token" and (multi or strides != (1,)):

@@ -47,7 +47,7 @@ SPLIT_PACKED = 1
 
 
 @dataclass(frozen=True)
-class Run:
+class Pieces:
     """Bytes of one expert moved as ``n`` equal pieces (a 2-D copy): piece i from ``src + i*src_stride`` of the
     expert's host bytes to ``dst + i*dst_stride`` of its destination."""
 
@@ -71,8 +71,8 @@ class KindSplit:
     axis: int  # SPLIT_ROWS (up, gate, gate_up) or SPLIT_COLS (down)
     split: int  # the table's split: rows per row group (rows) or quant blocks per row (cols)
     nb2: int  # bytes of one whole expert matrix of this kind
-    top: Run  # the top segment: host -> slot
-    bottom: tuple[Run, ...]  # the bottom segment: host -> bottom buffer (packed)
+    top: Pieces  # the top segment: host -> slot
+    bottom: tuple[Pieces, ...]  # the bottom segment: host -> bottom buffer (packed)
 
     @property
     def top_bytes(self) -> int:
@@ -148,16 +148,16 @@ def layer_split(layer: MoeLayer, theta: float) -> LayerSplit | None:
             kb = n_top // b_el  # blocks of each row in the top
             top_row = kb * b_bytes
             rows = shape[1]
-            top = Run(0, 0, top_row, rows, nb1, top_row)
-            bottom = (Run(top_row, 0, nb1 - top_row, rows, nb1, nb1 - top_row),)
+            top = Pieces(0, 0, top_row, rows, nb1, top_row)
+            bottom = (Pieces(top_row, 0, nb1 - top_row, rows, nb1, nb1 - top_row),)
             kinds.append(KindSplit(k, SPLIT_COLS, kb, nb2, top, bottom))
             continue
         halves = 2 if k == "gate_up" else 1  # gate_up: the gate half then the up half, n_ff rows each
         if shape[1] != halves * n_ff:
             raise UsageError(f"layer {layer.il}: ffn_{k}_exps has {shape[1]} rows, not {halves} x n_ff = "
                              f"{halves * n_ff}: its experts cannot be split")
-        top = Run(0, 0, n_top * nb1, halves, n_ff * nb1, n_top * nb1)
-        bottom = (Run(n_top * nb1, 0, (n_ff - n_top) * nb1, halves, n_ff * nb1, (n_ff - n_top) * nb1),)
+        top = Pieces(0, 0, n_top * nb1, halves, n_ff * nb1, n_top * nb1)
+        bottom = (Pieces(n_top * nb1, 0, (n_ff - n_top) * nb1, halves, n_ff * nb1, (n_ff - n_top) * nb1),)
         kinds.append(KindSplit(k, SPLIT_ROWS, n_top, nb2, top, bottom))
     return LayerSplit(layer.il, float(theta), n_ff, n_top, tuple(kinds))
 

@@ -22,7 +22,7 @@ FALLBACK_PROMPT = "def main():"  # the measured decode's prompt without --text
 
 
 @dataclass(frozen=True)
-class Measured:
+class DecodeMeasured:
     """A decode measured on this machine: tokens fed one at a time after a prompt."""
 
     decode_tokens: int
@@ -53,7 +53,7 @@ class LevelRun:
     """One level's live figures."""
 
     quality: Quality | None
-    measured: Measured | None
+    measured: DecodeMeasured | None
     reference: Reference | None  # the reference this level built (it was the reference level)
 
 
@@ -101,7 +101,7 @@ def quality_pass(engine: Engine, windows: Windows, spec: QualitySpec, ref: Refer
     return quality, scorer.reference(windows, meta)
 
 
-def measure(engine: Engine, run: RunConfig | None, text_ids: list[int] | None, n_tokens: int) -> Measured:
+def measure(engine: Engine, run: RunConfig | None, text_ids: list[int] | None, n_tokens: int) -> DecodeMeasured:
     """Decode ``n_tokens`` one at a time after a prompt, from a cold cache: the text's own tokens when it has
     enough (the same for every level), else the level's greedy ones after a fixed prompt."""
     if run is not None:
@@ -116,7 +116,7 @@ def measure(engine: Engine, run: RunConfig | None, text_ids: list[int] | None, n
     if not times:
         raise UsageError("--measure: the model stopped before decoding a token; give --text")
     stats = engine.cache_stats
-    return Measured(len(times), sum(times), statistics.median(times),
+    return DecodeMeasured(len(times), sum(times), statistics.median(times),
                     stats.total().hit_rate if stats is not None else None, forced)
 
 

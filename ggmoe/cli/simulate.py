@@ -409,16 +409,16 @@ def _mode_runs(mode: str, miss: str) -> bool:
 def _check_predictors(predictors: list[str | None], planners: list[str | None], combos: list[tuple], stride: int,
                       inputs: _Inputs) -> None:
     """Build every predictor once, unfitted: one that cannot run is refused before any is simulated."""
-    from ggmoe.simulate.des import SimConfig, build_predictor
+    from ggmoe.simulate.des import SimConfig, sim_predictor
 
     for pred in predictors:
         if pred is not None:
             check = SimConfig(n_slots=combos[0][0][1], predictor=pred, stride=stride,
                               predictor_state=inputs.learnt(pred))
-            build_predictor(check, inputs.trace, inputs.train, inputs.model(), fit=False)
+            sim_predictor(check, inputs.trace, inputs.train, inputs.model(), fit=False)
     for pl in planners:
         if pl is not None:
-            build_predictor(SimConfig(n_slots={}, planner=pl), inputs.trace, inputs.train, inputs.model(),
+            sim_predictor(SimConfig(n_slots={}, planner=pl), inputs.trace, inputs.train, inputs.model(),
                             fit=False, planner=True)
 
 

@@ -21,13 +21,13 @@ import numpy as np
 from ggmoe.cache import CopyHandle, Priority
 from ggmoe.cache.copy import Marker, bottom_buffer
 from ggmoe.cache.miss import MissCosts
-from ggmoe.cache.split import Run
+from ggmoe.cache.split import Pieces
 from ggmoe.engine import ggml as B
 from ggmoe.engine.slot_tensors import SlotPair, SlotTensors
-from ggmoe.engine.streams import CopyStream
+from ggmoe.engine.streams import WorkStream
 
 
-def _writes(p: SlotPair, expert: int, slot: int) -> list[tuple[int, int, Run]]:
+def _writes(p: SlotPair, expert: int, slot: int) -> list[tuple[int, int, Pieces]]:
     """What a copy of ``expert`` into ``slot`` of kind ``p`` writes: (tensor, byte offset of the expert there,
     run) for each 2-D piece; a negative ``slot`` names a bottom buffer (``ggmoe.cache.copy.bottom_target``)."""
     if p.split is None:
@@ -48,7 +48,7 @@ class GgmlCopyBackend:
     Copies, once put, cannot be cancelled.
     """
 
-    def __init__(self, slots: SlotTensors, stream: CopyStream) -> None:
+    def __init__(self, slots: SlotTensors, stream: WorkStream) -> None:
         self.pairs = slots.pairs
         self.stream = stream
         self._ids = itertools.count()

@@ -15,7 +15,7 @@ import ctypes
 from dataclasses import dataclass, field
 
 from ggmoe.base.errors import EngineError
-from ggmoe.cache.split import KindSplit, LayerSplit, Run
+from ggmoe.cache.split import KindSplit, LayerSplit, Pieces
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.arena import TensorArena
@@ -32,11 +32,11 @@ class SlotPair:
     nb2: int  # bytes of one expert slice (same in both)
     split: KindSplit | None = None  # a split layer's kind: the slot tensor holds top segments, packed
     bottom: int = 0  # ggml_tensor * of a split layer's bottom buffers, packed bottoms of this kind (0: none)
-    whole: Run = field(init=False, repr=False, compare=False)  # what a whole-expert copy writes (``__post_init__``)
+    whole: Pieces = field(init=False, repr=False, compare=False)  # what a whole-expert copy writes (``__post_init__``)
 
     def __post_init__(self) -> None:
         # a whole expert's one contiguous run, made once: every copy into the slot tensor writes it
-        object.__setattr__(self, "whole", Run(0, 0, self.nb2, 1, self.nb2, self.nb2))
+        object.__setattr__(self, "whole", Pieces(0, 0, self.nb2, 1, self.nb2, self.nb2))
 
     @property
     def slot_bytes(self) -> int:

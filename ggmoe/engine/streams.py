@@ -46,7 +46,7 @@ DEFERRED_DELAY_S = 0.0002  # s: the default largest delay of a deferred copy (a 
 DEFERRED_WORKERS = 2  # threads: copies overtake each other
 
 
-class CopyStream(Protocol):
+class WorkStream(Protocol):
     name: str  # the stream in effect, as the statistics name it: immediate, deferred or events
     handle: int | None  # the ggml backend async copies are issued on (a GPU's copy stream), else None
 
@@ -287,7 +287,7 @@ def deferred_delay_s() -> float:
     return ms / 1000.0
 
 
-def open_stream(gpu_backend: int | None, device: int | None) -> CopyStream:
+def open_stream(gpu_backend: int | None, device: int | None) -> WorkStream:
     """The copy stream for a cache: the GPU's events when there is a GPU copy backend, else the CPU build's
     stream named by the environment."""
     if gpu_backend:

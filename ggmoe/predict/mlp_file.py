@@ -346,7 +346,7 @@ load_mlp_file = read_predictor_file  # the same reader under the mlp predictor's
 # --- writing ----------------------------------------------------------------------------------
 
 
-def check_output(path: str | Path) -> Path:
+def check_predictor_output(path: str | Path) -> Path:
     """``path`` can take a predictor file (``ggmoe.base.outputs.check_output``: a regular file or nothing yet,
     in a writable directory). Called before any training starts, so a bad ``-o`` fails in a second."""
     return outputs.check_output(path, what="predictor file")
@@ -366,7 +366,7 @@ def write_predictor_file(path: str | Path, meta: dict, arrays: dict[str, np.ndar
     untouched and the temporary file removed. (Not ``ggmoe.base.outputs.atomic_write``: the
     read-back needs the temporary file's name before the rename.)
     """
-    path = check_output(path)
+    path = check_predictor_output(path)
     check_meta(meta, f"{path} (not written)")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

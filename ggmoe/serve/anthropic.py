@@ -242,7 +242,7 @@ def message(result: dict[str, Any], model: str, stop: tuple[str, str | None]) ->
             "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
 
 
-class EventStream:
+class MessageEvents:
     """Anthropic's stream events from the OpenAI chat chunks of one generation."""
 
     def __init__(self, chunks: Iterator[dict[str, Any]], model: str, n_input: int,
@@ -320,5 +320,5 @@ class MessagesApi:
         return message(r, self.body.model, self._stop(watch, r["choices"][0]["finish_reason"]))
 
     def chunks(self, run: Run, watch: Watch, ready: ReadyRequest) -> Iterator[dict[str, Any]]:
-        return iter(EventStream(run.chunks(), self.body.model, len(ready.prompt),
+        return iter(MessageEvents(run.chunks(), self.body.model, len(ready.prompt),
                                 lambda finish: self._stop(watch, finish), lambda: watch.n_tokens))

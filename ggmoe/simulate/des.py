@@ -83,7 +83,7 @@ from ggmoe.control.prefetch import Prefetcher, default_n_prefetch
 from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.base import Predictor, check_trace_inputs, is_predictor_file
-from ggmoe.simulate.disk import DiskLinkCopyBackend, DiskQueue, HostTier, TierCounts
+from ggmoe.simulate.disk import DiskLinkCopyBackend, DiskQueue, HostTierTimes, TierCounts
 from ggmoe.simulate.replay import micro_batches, next_uses_flat
 from ggmoe.simulate.timeline import FlagLinkCopyBackend, LinkCopyBackend
 from ggmoe.trace.format import STAGE_PREFILL, Trace
@@ -179,7 +179,7 @@ class SimResult:
     tiers: dict = field(default_factory=dict)  # the disk tier's: per-tier hits, misses and bytes (empty: none)
 
 
-def build_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
+def sim_predictor(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
                     fit: bool = True, planner: bool = False):
     """The predictor built as the engine's ``make_prefetcher`` builds it, from the traces' model shape;
     ``fit=False`` checks that it can be built (UsageError otherwise) without learning from ``train``.
@@ -328,7 +328,7 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert, m.n_expert_used)  # as the engine
     if config.decode_mode == "async" and miss_policy != "wait":
         raise UsageError("the async decode reads misses from host memory (miss policy wait), as the engine's")
-    pred = build_predictor(config, trace, train, model_path) if config.predictor else None
+    pred = sim_predictor(config, trace, train, model_path) if config.predictor else None
     n_pre = config.n_prefetch if config.n_prefetch is not None else default_n_prefetch(m.n_expert_used, m.n_expert)
     cache = assemble_cache(CacheSpec(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
                                       bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=miss_policy,
@@ -358,7 +358,7 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
 
 
 def _host_tier(config: SimConfig, trace: Trace, clock: ManualClock, profile: HardwareProfile | None,
-               bytes_per_expert: Mapping[int, int], layers: list[int]) -> HostTier | None:
+               bytes_per_expert: Mapping[int, int], layers: list[int]) -> HostTierTimes | None:
     """The host tier over the disk when the experts do not all fit it (``config.host_slots``), else None."""
     m = trace.meta
     if config.host_slots is None or config.host_slots >= m.n_expert:
@@ -371,11 +371,11 @@ def _host_tier(config: SimConfig, trace: Trace, clock: ManualClock, profile: Har
     n_pre = config.n_prefetch if config.n_prefetch is not None else default_n_prefetch(m.n_expert_used, m.n_expert)
     n_plan = config.n_protect if config.n_protect is not None else default_protect(m.n_expert, m.n_expert_used)
     disk = DiskQueue(clock, profile, TierCounts())
-    return HostTier(config.host_slots, m.n_expert, layers, bytes_per_expert, disk,
+    return HostTierTimes(config.host_slots, m.n_expert, layers, bytes_per_expert, disk,
                     n_prefetch=max(n_pre if config.predictor else 0, n_plan if config.planner else 0))
 
 
-def _disk_prefetch(cache: ExpertCache, host: HostTier) -> None:
+def _disk_prefetch(cache: ExpertCache, host: HostTierTimes) -> None:
     """The disk's prefetch from the routing: every prediction the cache is handed (the stride prefetcher's
     ``prefetch``, the planner's ``plan_next``) first reads its experts that are neither on the GPU nor in the
     host tier into the host tier, in the background; the cache then does what it always does with it."""
@@ -613,7 +613,7 @@ def _offer_fills(cache: ExpertCache, trace: Trace, rows: slice, starts: frozense
 def _planner(config: SimConfig, trace: Trace, train: Trace | None, model_path: str | None,
              cache: ExpertCache) -> NextTokenPlanner:
     """The engine's planner on the replay: its predictor built as ``make_planner`` builds it."""
-    pred = build_predictor(config, trace, train, model_path, planner=True)
+    pred = sim_predictor(config, trace, train, model_path, planner=True)
     if config.decode_mode == "async" and pred.needs_probs:
         raise UsageError(f"planner {config.planner!r} reads router probabilities, which the async decode does not "
                          "hand the host: simulate it with --decode-mode sync")

@@ -4,13 +4,13 @@ A model larger than ``--host-ram`` keeps its experts in the GGUF file (``ggmoe.c
 holds ``host_slots`` experts per layer under the cache's own policies (LRU by default); every access to it is
 a GPU-tier miss on its way up: a link copy (demand, admission, prefetch), an in-place read of the async
 decode, or an expert the CPU computes. Its policy ranks by every use of a layer's experts, GPU hits too
-(``HostTier.touch``), as the page cache sees every read. An expert that is not in the host tier is read from disk into a host
+(``HostTierTimes.touch``), as the page cache sees every read. An expert that is not in the host tier is read from disk into a host
 slot first, and only then may the link copy it (``DiskLinkCopyBackend``: the copy's job becomes ready when
 the read lands). The disk serves reads in order; several in flight hide each read's latency behind the
 transfer before it, so a read pays ``disk_latency_s`` only on an idle disk (``DiskQueue``).
 
 Disk prefetch reaches further ahead than the link's: the planner's experts for each layer's next call and the
-stride prefetcher's predictions are read into the host tier in the background (``HostTier.prefetch``), all of
+stride prefetcher's predictions are read into the host tier in the background (``HostTierTimes.prefetch``), all of
 them, not only those the GPU has a slot for. They are judged by bytes, as link prefetches are: a prefetched
 expert used before it leaves the host tier counts its bytes as used, one evicted unused as wasted; the number
 read per prediction falls while the wasted bytes outrun the used, rises otherwise, and a prediction finding the
@@ -90,7 +90,7 @@ class DiskQueue:
         return max(0.0, self.free_at - self.clock.t)
 
 
-class HostTier:
+class HostTierTimes:
     """``host_slots`` experts per layer in pinned host memory, each with the time its disk read lands."""
 
     def __init__(self, host_slots: int, n_expert: int, layers: list[int], bytes_per_expert: Mapping[int, int],
@@ -227,7 +227,7 @@ class DiskLinkCopyBackend(LinkCopyBackend):
     __slots__ = ("host",)
 
     def __init__(self, clock: ManualClock, bytes_per_expert: dict[int, int], profile: HardwareProfile | None,
-                 n_chunks: int, split: dict[int, LayerSplit] | None, host: HostTier) -> None:
+                 n_chunks: int, split: dict[int, LayerSplit] | None, host: HostTierTimes) -> None:
         super().__init__(clock, bytes_per_expert, profile, n_chunks, split)
         self.host = host
 

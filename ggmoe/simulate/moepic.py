@@ -258,13 +258,13 @@ def measure_curves(trace: Trace, predictor: str, stride: int, train: Trace | Non
     """H_i(C) by LRU replay for every C, P_i(y) as the predictor's recall at y for y = k .. 3k (``model_path``:
     the GGUF, for skip-gate's routers)."""
     from ggmoe.predict.evaluate import evaluate
-    from ggmoe.simulate.des import SimConfig, build_predictor
+    from ggmoe.simulate.des import SimConfig, sim_predictor
     from ggmoe.simulate.plan import hit_curves
 
     m = trace.meta
     hit = hit_curves(trace, range(m.n_expert_used, m.n_expert + 1))
     recall: dict[int, dict[int, float]] = {int(il): {} for il in trace.layers}
-    pred = build_predictor(SimConfig(n_slots={}, predictor=predictor, stride=stride), trace,
+    pred = sim_predictor(SimConfig(n_slots={}, predictor=predictor, stride=stride), trace,
                            train if train is not None else trace, model_path)
     lat_us = 0.0  # µs per call: observe + predict, median (evaluate's timing on this CPU)
     for y in range(m.n_expert_used, min(3 * m.n_expert_used, m.n_expert) + 1, m.n_expert_used):

@@ -12,17 +12,17 @@ from test_simulator import BPE, CHUNK, PROFILE, trace  # the simulator's hand-ma
 from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.copy import Priority
 from ggmoe.simulate.des import SimConfig, simulate
-from ggmoe.simulate.disk import DiskLinkCopyBackend, DiskQueue, HostTier, TierCounts
+from ggmoe.simulate.disk import DiskLinkCopyBackend, DiskQueue, HostTierTimes, TierCounts
 
 DISK = dataclasses.replace(PROFILE, disk_bytes_per_s=1e9, disk_latency_s=1e-4)
 READ = 1e-4 + BPE / 1e9  # s to read one expert on an idle disk
 GPU = 1e-3 + BPE / 1e12  # a layer and one expert on the GPU
 
 
-def host_tier(slots: int, profile=DISK, n_prefetch: int = 0) -> tuple[ManualClock, HostTier]:
+def host_tier(slots: int, profile=DISK, n_prefetch: int = 0) -> tuple[ManualClock, HostTierTimes]:
     clock = ManualClock()
     disk = DiskQueue(clock, profile, TierCounts())
-    return clock, HostTier(slots, 8, [0, 1], {0: BPE, 1: BPE}, disk, n_prefetch=n_prefetch)
+    return clock, HostTierTimes(slots, 8, [0, 1], {0: BPE, 1: BPE}, disk, n_prefetch=n_prefetch)
 
 
 @pytest.mark.parametrize("reads,gaps,want", [

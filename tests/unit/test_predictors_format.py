@@ -14,7 +14,12 @@ import pytest
 
 from ggmoe.base.errors import PredictorFileError, UsageError
 from ggmoe.predict import ModelShape, make_predictor
-from ggmoe.predict.mlp_file import MAX_META_BYTES, check_output, read_predictor_file, write_predictor_file
+from ggmoe.predict.mlp_file import (
+    MAX_META_BYTES,
+    check_predictor_output,
+    read_predictor_file,
+    write_predictor_file,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -210,16 +215,16 @@ def test_output_checks(tmp_path):
         write_predictor_file(tmp_path, _meta(), _arrays())
     if os.path.exists("/dev/null"):
         with pytest.raises(UsageError, match="predictor file /dev/null is a device"):
-            check_output("/dev/null")
+            check_predictor_output("/dev/null")
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="(?i)not a directory"):
-        check_output(tmp_path / "file" / "p.npz")
-    assert check_output(tmp_path / "new" / "deeper" / "p.npz") == tmp_path / "new" / "deeper" / "p.npz"
+        check_predictor_output(tmp_path / "file" / "p.npz")
+    assert check_predictor_output(tmp_path / "new" / "deeper" / "p.npz") == tmp_path / "new" / "deeper" / "p.npz"
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o555)
         with pytest.raises(UsageError, match="cannot write in"):
-            check_output(ro / "p.npz")
+            check_predictor_output(ro / "p.npz")
 
 
 @pytest.mark.parametrize("kind", ["mlp", "linear"])

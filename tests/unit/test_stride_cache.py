@@ -297,9 +297,9 @@ def test_the_controller_builds_no_events_for_an_observer_that_reads_the_mailbox(
 
 def _split_cache(n_slots=4, n_bottom=2):
     """A cache of one split layer (layer 0, 8 experts, top-2) over held copies: tops 40 bytes, bottoms 60."""
-    from ggmoe.cache.split import SPLIT_ROWS, KindSplit, LayerSplit, Run
+    from ggmoe.cache.split import SPLIT_ROWS, KindSplit, LayerSplit, Pieces
 
-    kind = KindSplit("up", SPLIT_ROWS, 2, 100, Run(0, 0, 40, 1, 40, 40), (Run(40, 0, 60, 1, 60, 60),))
+    kind = KindSplit("up", SPLIT_ROWS, 2, 100, Pieces(0, 0, 40, 1, 40, 40), (Pieces(40, 0, 60, 1, 60, 60),))
     split = {0: LayerSplit(0, 0.4, 5, 2, (kind,))}
     copies = HeldCopies()
     cache = ExpertCache(8, 2, {0: n_slots}, POLICIES.get("lru")(8, [0]), copies=copies,
