@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmoe.hook import RouteEvent
+from ggmoe.base.hook import RouteEvent
 from ggmoe.trace import STAGE_DECODE, STAGE_PREFILL, TraceMeta, TraceWriter
 
 

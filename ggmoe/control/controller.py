@@ -26,10 +26,10 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from ggmoe.base.hook import RouteEvent, RouteObserver
 from ggmoe.cache.cache import ExpertCache
 from ggmoe.cache.step import EMPTY_STEP, StepChanges
 from ggmoe.control.planner import NextTokenPlanner
-from ggmoe.hook import RouteEvent, RouteObserver
 
 
 class TokenController:

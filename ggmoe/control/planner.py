@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ggmoe.base.errors import UsageError
+from ggmoe.base.hook import HookRequest, RouteEvent
 from ggmoe.cache.cache import ExpertCache
-from ggmoe.hook import HookRequest, RouteEvent
 from ggmoe.predict.base import Predictor
 
 if TYPE_CHECKING:

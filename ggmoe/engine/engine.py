@@ -30,6 +30,7 @@ from llama_cpp import _internals
 
 from ggmoe.base.context import decode_batch
 from ggmoe.base.errors import EngineError, ModelFileError, UsageError
+from ggmoe.base.hook import RouteObserver
 from ggmoe.cache import CacheStats
 from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import ggml as B
@@ -46,7 +47,6 @@ from ggmoe.engine.loader import (
 from ggmoe.engine.log import llama_log
 from ggmoe.engine.pipeline import CachePipeline
 from ggmoe.engine.runtime import CacheRuntime
-from ggmoe.hook import RouteObserver
 from ggmoe.inspect import ModelFacts, inspect_model
 
 llama_cpp = B.llama_cpp

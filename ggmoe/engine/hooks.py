@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from ggmoe.base.errors import EngineError
+from ggmoe.base.hook import HookRequest, RouteEvent, RouteObserver
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
-from ggmoe.hook import HookRequest, RouteEvent, RouteObserver
 from ggmoe.inspect.gating import Gating, true_probs
 
 _NAME_OFFSET = B.ggml_tensor.name.offset  # bytes from a ggml_tensor * to its name

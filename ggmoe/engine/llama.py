@@ -34,8 +34,8 @@ import numpy as np
 
 from ggmoe.base.context import check_prompt, context_tokens
 from ggmoe.base.errors import ModelFileError, UsageError
+from ggmoe.base.hook import RouteObserver
 from ggmoe.control.run_config import RunConfig
-from ggmoe.hook import RouteObserver
 
 if TYPE_CHECKING:
     from ggmoe.control.planner import PlannerConfig

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from ggmoe.base.errors import EngineError, UsageError
+from ggmoe.base.hook import HookRequest, RouteEvent, RouteObserver
 from ggmoe.cache import CacheStats
 from ggmoe.cache.decode_mode import (
     TABLE_MAX_TOKENS,
@@ -52,7 +53,6 @@ from ggmoe.engine.mailbox import Mailbox, lockstep_from_env
 from ggmoe.engine.runtime import CacheRuntime
 from ggmoe.engine.stride import StrideReader
 from ggmoe.engine.tables import ExpertTables
-from ggmoe.hook import HookRequest, RouteEvent, RouteObserver
 from ggmoe.inspect.facts import ModelFacts
 
 if TYPE_CHECKING:

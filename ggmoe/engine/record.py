@@ -16,9 +16,9 @@ from pathlib import Path
 
 from ggmoe.base.context import check_prompt
 from ggmoe.base.errors import UsageError
+from ggmoe.base.hook import HookRequest, RouteRecorder
 from ggmoe.base.version import __version__
 from ggmoe.engine.engine import Engine, Generation, StepCallback
-from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect.fingerprint import model_fingerprint
 from ggmoe.trace.format import STAGE_DECODE, STAGE_PREFILL, TraceMeta, TraceWriter
 

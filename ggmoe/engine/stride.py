@@ -17,10 +17,10 @@ import threading
 import time
 from collections.abc import Sequence
 
+from ggmoe.base.hook import RouteEvent
 from ggmoe.cache.cache import ExpertCache
 from ggmoe.control.prefetch import Prefetcher
 from ggmoe.engine.mailbox import Mailbox
-from ggmoe.hook import RouteEvent
 
 POLL_S = 20e-6  # s between looks at a count not yet written (a sleep: the decode's threads keep the cores)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggmoe.base.hook import HookRequest, RouteRecorder
 from ggmoe.engine.engine import Engine
-from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect.router import Router
 
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggmoe.base.errors import UsageError
+from ggmoe.base.hook import HookRequest, RouteEvent
 from ggmoe.cache.hardware import HardwareProfile
 from ggmoe.cache.split import layer_split
 from ggmoe.control.run_config import RunConfig
-from ggmoe.hook import HookRequest, RouteEvent
 from ggmoe.inspect.facts import ModelFacts
 from ggmoe.simulate.moepic import Curves, Share, configure, layer_cost, layer_shares, layer_window_s
 

@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 
 from ggmoe.base.errors import UsageError
+from ggmoe.base.hook import RouteEvent
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.assemble import CacheSpec, assemble_cache
 from ggmoe.cache.clock import ManualClock
@@ -80,7 +81,6 @@ from ggmoe.cache.split import LayerSplit
 from ggmoe.control import TokenController
 from ggmoe.control.planner import NextTokenPlanner, check_planner, default_protect
 from ggmoe.control.prefetch import Prefetcher, default_n_prefetch
-from ggmoe.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.base import Predictor, check_trace_inputs, is_predictor_file
 from ggmoe.simulate.disk import DiskLinkCopyBackend, DiskQueue, HostTierTimes, TierCounts

@@ -42,9 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.base.errors import TraceFormatError
+from ggmoe.base.hook import RouteEvent
 from ggmoe.base.npzfile import NpzMembers
 from ggmoe.base.outputs import atomic_write
-from ggmoe.hook import RouteEvent
 from ggmoe.inspect.gating import GATING_FUNCS, gating_from_kv, softmax
 
 FORMAT = "ggmoe-trace"

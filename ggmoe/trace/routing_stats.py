@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from ggmoe.base.errors import GgmoeError, UsageError
+from ggmoe.base.hook import HookRequest, RouteEvent
 from ggmoe.base.npzfile import NpzMembers
 from ggmoe.base.outputs import atomic_write
-from ggmoe.hook import HookRequest, RouteEvent
 
 FORMAT = "ggmoe-routing-stats"
 VERSION = 1

@@ -19,6 +19,7 @@ import pytest
 from test_cache_engine import EXACT, run_sequences, zero_slots
 
 from ggmoe.base.errors import UsageError
+from ggmoe.base.hook import HookRequest, RouteRecorder
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.copy import CopyHandle, Priority
 from ggmoe.cache.decode_mode import DecodeConfig
@@ -26,7 +27,6 @@ from ggmoe.control.prefetch import build_prefetch_config
 from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
-from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect import inspect_model
 
 pytestmark = pytest.mark.engine

@@ -9,10 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from ggmoe.base.errors import ModelFileError, UsageError
+from ggmoe.base.hook import HookRequest, RouteRecorder
 from ggmoe.cli import main
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine.verify import check_hook
-from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect import inspect_model
 from ggmoe.inspect.router import load_routers
 from ggmoe.trace import load_trace

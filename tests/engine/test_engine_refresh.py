@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
+from ggmoe.base.hook import HookRequest, RouteRecorder
 from ggmoe.engine import Engine, EngineConfig
-from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect import inspect_model
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_cache_engine import EXACT, run_sequences
 
+from ggmoe.base.hook import HookRequest
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.prefetch import PrefetchConfig
@@ -21,7 +22,6 @@ from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
 from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
-from ggmoe.hook import HookRequest
 from ggmoe.inspect import inspect_model
 from ggmoe.inspect.fingerprint import model_fingerprint
 from ggmoe.models import default_model_path

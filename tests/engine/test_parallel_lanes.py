@@ -11,9 +11,9 @@ import pytest
 
 import ggmoe
 from ggmoe.base.errors import ContextLengthError
+from ggmoe.base.hook import HookRequest, RouteRecorder
 from ggmoe.engine.parallel import LanePool
 from ggmoe.engine.sequences import SeqEntry
-from ggmoe.hook import HookRequest, RouteRecorder
 
 N_SLOTS = 4
 N_CTX = 256 * N_SLOTS  # tokens: 256 per slot

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ggmoe.base.hook import HookRequest
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.cli.main import main
@@ -25,7 +26,6 @@ from ggmoe.control import prefetch as prefetch_mod
 from ggmoe.control.prefetch import PrefetchConfig
 from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
-from ggmoe.hook import HookRequest
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
 from ggmoe.predict.base import ModelShape, Predictor
@@ -174,7 +174,7 @@ def test_a_predictor_that_knows_the_routing_beats_async_lru(model, monkeypatch):
     """In lockstep (the CPU build's benchmark mode: each layer waits for the mailbox's reader, as a host beside a
     GPU keeps pace), so the count does not depend on how many of this machine's cores the decode leaves the
     reader; the deferred stream's copies still land late and out of order."""
-    from ggmoe.hook import RouteRecorder
+    from ggmoe.base.hook import RouteRecorder
 
     monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
 

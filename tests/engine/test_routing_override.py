@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from ggmoe.base.errors import UsageError
+from ggmoe.base.hook import HookRequest, RouteRecorder
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
-from ggmoe.hook import HookRequest, RouteRecorder
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

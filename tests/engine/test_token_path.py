@@ -17,7 +17,7 @@ PACKAGES = {"engine", "control", "cache"}  # the driver (GgmoeLlama) is the engi
 # the only call from a lower package into a higher one: the cache's copies through the copy backend it was
 # given (a port the cache owns, ``ggmoe.cache.copy.CopyBackend``)
 UPWARD_OK = {("cache", "engine")}
-ORDER = ["base", "hook", "inspect", "trace", "cache", "predict", "control", "engine", "simulate", "serve", "cli"]
+ORDER = ["base", "inspect", "trace", "cache", "predict", "control", "engine", "simulate", "serve", "cli"]
 
 
 def _walk(llm, token: int) -> tuple[list[str], set[tuple[str, str]]]:

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from ggmoe.base.errors import UsageError
+from ggmoe.base.hook import RouteEvent
 from ggmoe.cache import ExpertCache
 from ggmoe.cache.copy import CopyHandle, Priority
 from ggmoe.cache.decode_mode import choose_decode_mode, miss_share, sync_reasons, table_type_note, weigh_modes
 from ggmoe.cache.policies import POLICIES
 from ggmoe.cache.step import StepChanges
 from ggmoe.control import TokenController
-from ggmoe.hook import RouteEvent
 
 pytestmark = pytest.mark.unit
 

@@ -99,7 +99,7 @@ def test_ctypes_only_in_the_engine():
 # it: ``engine.record``); the root package ``ggmoe`` (its version, the lazy ``load``) is a facade any module
 # may import.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("base", "models", "hook"),
+    ("base", "models"),
     ("inspect",),
     ("trace",),
     ("cache",),

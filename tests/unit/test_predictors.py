@@ -245,7 +245,7 @@ def test_expert_map_threshold_and_deduplication():
 
 def _router_trace(tmp_path, noise: float, seed: int = 0):
     """Hidden state shared by all layers (plus noise); each layer's ids = its router's top-k."""
-    from ggmoe.hook import RouteEvent
+    from ggmoe.base.hook import RouteEvent
     from ggmoe.trace import TraceWriter
 
     meta = synthetic_meta(n_layer=4, n_expert=8, k=2, n_embd=16)
@@ -311,7 +311,7 @@ class _Fixed(Predictor):
 
 
 def test_metrics_count_overlaps(tmp_path):
-    from ggmoe.hook import RouteEvent
+    from ggmoe.base.hook import RouteEvent
     from ggmoe.trace import TraceWriter
 
     meta = synthetic_meta(n_layer=3, n_expert=8, k=2, n_embd=4)

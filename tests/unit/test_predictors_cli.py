@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ggmoe.base.hook import RouteEvent
 from ggmoe.cli import main
-from ggmoe.hook import RouteEvent
 from ggmoe.trace import STAGE_DECODE, STAGE_PREFILL, TraceWriter
 from predictors.synthetic import planted_trace, synthetic_meta
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from ggmoe.base.errors import UsageError
+from ggmoe.base.hook import RouteEvent
 from ggmoe.cache import CacheConfig, ExpertCache
 from ggmoe.cache.hardware import load_profile
 from ggmoe.cache.policies import make_policy
 from ggmoe.control.run_config import RunConfig
-from ggmoe.hook import RouteEvent
 from ggmoe.inspect import inspect_model
 from ggmoe.models import default_model_path
 from ggmoe.serve.reconfigure import Reconfigurer, lru_hit_curve

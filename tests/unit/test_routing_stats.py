@@ -9,7 +9,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from ggmoe.hook import RouteEvent
+from ggmoe.base.hook import RouteEvent
 from ggmoe.predict import ModelShape, make_predictor
 from ggmoe.predict.evaluate import evaluate
 from ggmoe.trace import load_trace

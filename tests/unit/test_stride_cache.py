@@ -248,7 +248,7 @@ def test_an_idle_prefetcher_leaves_the_mailbox_unread_for_longer_and_longer():
 
 
 def test_a_prefetch_threshold_filters_the_guesses_and_protects_nothing_else():
-    from ggmoe.hook import RouteEvent
+    from ggmoe.base.hook import RouteEvent
     from ggmoe.predict import ModelShape
 
     cache, _ = _cache(n_slots=4)

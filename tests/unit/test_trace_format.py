@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ggmoe.base.errors import TraceFormatError
-from ggmoe.hook import RouteEvent, RouteRecorder
+from ggmoe.base.hook import RouteEvent, RouteRecorder
 from ggmoe.trace import STAGE_DECODE, STAGE_PREFILL, TraceMeta, TraceWriter, load_trace
 
 E, K, D, LAYERS = 8, 2, 16, (0, 2, 3)

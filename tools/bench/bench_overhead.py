@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
+from ggmoe.base.hook import HookRequest, RouteRecorder
 from ggmoe.cache import CacheConfig
 from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
-from ggmoe.hook import HookRequest, RouteRecorder
 from ggmoe.inspect import ModelFacts, inspect_model
 from ggmoe.models import default_model_path
 
