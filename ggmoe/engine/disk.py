@@ -50,7 +50,7 @@ class HostSlots:
     def __init__(self, model_ptr: int, layers: tuple[int, ...], n_host: int, buft: int) -> None:
         from ggmoe.engine import patch as _patched
 
-        get = _patched.load().llama_ggmoe_model_get_tensor
+        get = _patched.symbols().llama_ggmoe_model_get_tensor
         self.arena = TensorArena(len(layers) * len(CACHED_KINDS), "the host tier")
         self.tensors: dict[int, dict[str, int]] = {}
         try:

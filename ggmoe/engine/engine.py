@@ -228,7 +228,7 @@ class Engine:
         if config.run is not None and config.hook_path == "cb_eval":
             raise UsageError("the expert cache runs on the route op, not on cb_eval")
         if (config.run is not None or config.hook_path == "route") and not self.patched:
-            _patched.load()  # raises EngineNotPatchedError with the fix in its message
+            _patched.symbols()  # raises EngineNotPatchedError with the fix in its message
         if config.run is not None and not config.gate_hook:
             raise UsageError("the expert cache needs the gate hook (gate_hook=True)")
         if not config.gate_hook:

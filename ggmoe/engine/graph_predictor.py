@@ -59,7 +59,7 @@ class GraphPredictor:
             for ptr, a in arrays:
                 B.libggml_base.ggml_backend_tensor_set(ctypes.cast(ptr, B.ggml_tensor_p),
                                                        a.ctypes.data_as(ctypes.c_void_p), 0, a.nbytes)
-            P = _patched.load()
+            P = _patched.symbols()
             for il, (w1, b1, w2, b2) in per_layer.items():
                 rc = P.llama_ggmoe_set_predictor(ctx_ptr, il, w1, b1, w2, b2)
                 if rc != _patched.LLAMA_GGMOE_OK:
@@ -72,7 +72,7 @@ class GraphPredictor:
     def close(self, ctx_alive: bool = False) -> None:
         """Free the tensors; with ``ctx_alive``, first take the predictor out of the context's graphs."""
         if ctx_alive and self._ctx_ptr:
-            P = _patched.load()
+            P = _patched.symbols()
             for il in self.layers:
                 P.llama_ggmoe_set_predictor(self._ctx_ptr, il, None, None, None, None)
         self._ctx_ptr = None

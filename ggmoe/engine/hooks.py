@@ -122,7 +122,7 @@ class RouteOpHook:
     def install(self, ctx_ptr: int) -> None:
         """The callback on every MoE layer of ``ctx_ptr``; the route op then takes the router probabilities and
         the MoE input only while an observer reads them (on a GPU each is a copy to the host per layer)."""
-        P = _patched.load()
+        P = _patched.symbols()
         P.llama_ggmoe_set_route_cb(ctx_ptr, self.c_callback, None)
         self.error_code = P.llama_ggmoe_get_error
 
@@ -135,7 +135,7 @@ class RouteOpHook:
     def uninstall(self, ctx_ptr: int) -> None:
         """Take the callbacks (route and wait) off the context (before it is freed)."""
         self.observers.on_change = None
-        P = _patched.load()
+        P = _patched.symbols()
         P.llama_ggmoe_set_route_cb(ctx_ptr, _patched.route_cb(), None)
         P.llama_ggmoe_set_wait_cb(ctx_ptr, _patched.wait_cb(), None)
 
@@ -143,7 +143,7 @@ class RouteOpHook:
         """The wait hook on (the cache's calls with CPU entries wait for their copies there, while the CPU part
         runs) or off."""
         cb = self.c_wait if on else _patched.wait_cb()
-        _patched.load().llama_ggmoe_set_wait_cb(ctx_ptr, cb, None)
+        _patched.symbols().llama_ggmoe_set_wait_cb(ctx_ptr, cb, None)
 
     def _wait(self, user_data: int, il: int) -> int:
         try:

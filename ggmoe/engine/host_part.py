@@ -61,7 +61,7 @@ def host_threads(n_threads: int, on_gpu: bool, asked: int | None = None) -> tupl
 
 def set_host_threads(ctx_ptr: int, threads: int, order: int) -> None:
     """Start (threads > 0) or stop the context's host-part worker."""
-    rc = _patched.load().llama_ggmoe_set_host_threads(ctx_ptr, threads, order)
+    rc = _patched.symbols().llama_ggmoe_set_host_threads(ctx_ptr, threads, order)
     if rc != _patched.LLAMA_GGMOE_OK:
         raise UsageError(f"the host path's worker with {threads} threads was refused "
                          f"({_patched.ERROR_NAMES.get(rc, rc)})")
@@ -70,5 +70,5 @@ def set_host_threads(ctx_ptr: int, threads: int, order: int) -> None:
 def host_part_stats(ctx_ptr: int) -> HostPartStats:
     """The context's worker counters."""
     out = (ctypes.c_int64 * 4)()
-    _patched.load().llama_ggmoe_get_host_stats(ctx_ptr, out)
+    _patched.symbols().llama_ggmoe_get_host_stats(ctx_ptr, out)
     return HostPartStats(*(int(v) for v in out))

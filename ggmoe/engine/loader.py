@@ -135,11 +135,11 @@ def no_read_ahead(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    was = _patched.load().llama_ggmoe_set_mmap_prefetch(False)
+    was = _patched.symbols().llama_ggmoe_set_mmap_prefetch(False)
     try:
         yield
     finally:
-        _patched.load().llama_ggmoe_set_mmap_prefetch(was)
+        _patched.symbols().llama_ggmoe_set_mmap_prefetch(was)
 
 
 def resolve_tiers(run: RunConfig | None, facts: ModelFacts) -> tuple[RunConfig | None, bool]:
@@ -208,7 +208,7 @@ def expert_placement(model: LoadedModel, facts: ModelFacts) -> dict[str, str] | 
     """
     if not _patched.is_patched():
         return None
-    get = _patched.load().llama_ggmoe_model_get_tensor
+    get = _patched.symbols().llama_ggmoe_model_get_tensor
     out = {}
     for layer in facts.layers:
         for t in layer.cached:

@@ -96,7 +96,7 @@ class Mailbox:
 
     def attach(self) -> None:
         """Register with the context: after table mode came on (turning it off drops the mailbox)."""
-        rc = _patched.load().llama_ggmoe_set_mailbox(self.ctx_ptr, *self._args)
+        rc = _patched.symbols().llama_ggmoe_set_mailbox(self.ctx_ptr, *self._args)
         if rc != _patched.LLAMA_GGMOE_OK:
             raise EngineError(f"registering the mailbox failed: {_patched.ERROR_NAMES.get(rc, rc)}")
 
@@ -134,7 +134,7 @@ class Mailbox:
         """Take the mailbox off the context (before its memory is freed)."""
         self.release_all()
         if self.ctx_ptr:
-            _patched.load().llama_ggmoe_set_mailbox(self.ctx_ptr, None, None, None, None, 0, 0)
+            _patched.symbols().llama_ggmoe_set_mailbox(self.ctx_ptr, None, None, None, None, 0, 0)
             self.ctx_ptr = 0
 
     def close(self) -> None:

@@ -3,12 +3,12 @@
 The lowest layer for the expert cache: each function carries its C prototype
 as a comment, nothing here owns memory or holds policy. The symbols live in
 llama-cpp-python's ``libllama``; a library built without ``patches/`` lacks
-them, and ``load()`` then raises ``EngineNotPatchedError`` naming the first
+them, and ``symbols()`` then raises ``EngineNotPatchedError`` naming the first
 missing symbol.
 
 Usage (engine layer only)::
 
-    P = _patched.load()
+    P = _patched.symbols()
     P.llama_ggmoe_set_route_cb(ctx, P.route_cb(fn), None)
 """
 
@@ -187,7 +187,7 @@ def bind(lib: ctypes.CDLL) -> PatchedLib:
 _loaded: PatchedLib | None = None
 
 
-def load() -> PatchedLib:
+def symbols() -> PatchedLib:
     """The patched symbols of llama-cpp-python's libllama (bound once, then cached)."""
     global _loaded
     if _loaded is None:
@@ -198,7 +198,7 @@ def load() -> PatchedLib:
 def is_patched() -> bool:
     """True if the installed libllama exports every symbol ggmoe's patches add."""
     try:
-        load()
+        symbols()
     except EngineNotPatchedError:
         return False
     return True

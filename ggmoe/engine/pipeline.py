@@ -108,7 +108,7 @@ class CachePipeline:
     def __init__(self, model_ptr: int, ctx_ptr: int, facts: ModelFacts, model_path: Path,
                  run: RunConfig | None, observers: Observers | Sequence[RouteObserver] = (),
                  n_threads: int | None = None, n_batch: int = 512, n_ubatch: int = 512) -> None:
-        _patched.load()  # EngineNotPatchedError names the fix when the engine lacks the patch
+        _patched.symbols()  # EngineNotPatchedError names the fix when the engine lacks the patch
         self._ctx_ptr = ctx_ptr
         self.facts = facts
         self.hook = RouteOpHook(observers if isinstance(observers, Observers) else None, facts.gating)

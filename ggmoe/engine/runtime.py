@@ -183,7 +183,7 @@ class CacheRuntime:
 
     def _register(self, ctx_ptr: int, n_slots: dict[int, int], host_path: bool) -> None:
         """Hand every layer's slot tensors (and the host path) to the context; raises on a refusal."""
-        P = _patched.load()
+        P = _patched.symbols()
         for il, n in n_slots.items():
             t = self.slots.tensors[il]
             rc = P.llama_ggmoe_set_layer_cache(ctx_ptr, il, self.slots.registered[il],
@@ -201,7 +201,7 @@ class CacheRuntime:
         """Take ``layers``' slot tensors off the context, before they are freed: a context left pointing at
         freed tensors builds its next graph over them (on a GPU an illegal address; a refusal of a later layer
         left the earlier ones registered)."""
-        P = _patched.load()
+        P = _patched.symbols()
         for il in layers:
             P.llama_ggmoe_set_layer_cache(ctx_ptr, il, 0, None, None, None, None)
         P.llama_ggmoe_set_host_threads(ctx_ptr, 0, 0)  # the worker's thread, stopped with its cache

@@ -53,7 +53,7 @@ class SlotTensors:
         ``split``: layers whose slots hold top segments (MoEpic); their slot tensors are ``[ne0, ne1, m]`` with
         m whole experts' bytes enough for every top (``registered``), and ``n_bottom`` packed bottom buffers each."""
         split = split or {}
-        P = _patched.load()
+        P = _patched.symbols()
         self.buft = buft  # the slots' buffer type (the expert tables go on the same device)
         self.pairs: dict[int, list[SlotPair]] = {}
         found: dict[int, dict[str, int]] = {}

@@ -228,7 +228,7 @@ class ExpertTables:
         """Hand every layer's tables to the patched context, by kind (a kind the layer lacks: none)."""
         from ggmoe.inspect.names import CACHED_KINDS
 
-        P = _patched.load()
+        P = _patched.symbols()
         for il, kind_list in kinds.items():
             by_kind = dict(zip(kind_list, made[il], strict=True))
             rc = P.llama_ggmoe_set_layer_table(self.ctx_ptr, il, *(by_kind.get(k) for k in CACHED_KINDS))
@@ -306,7 +306,7 @@ class ExpertTables:
         self._mode(0, None)
 
     def _mode(self, max_tokens: int, routing: int | None) -> None:
-        rc = _patched.load().llama_ggmoe_set_table_mode(self.ctx_ptr, max_tokens, routing)
+        rc = _patched.symbols().llama_ggmoe_set_table_mode(self.ctx_ptr, max_tokens, routing)
         if rc != _patched.LLAMA_GGMOE_OK:
             raise EngineError(f"switching table mode failed: {_patched.ERROR_NAMES.get(rc, rc)}")
         if routing is not None and self.forcing:  # table mode off dropped it: set it again
@@ -318,7 +318,7 @@ class ExpertTables:
         self.forcing = on
         if not self.enabled:
             return  # applied when table mode comes on (table mode off drops it)
-        rc = _patched.load().llama_ggmoe_set_forced_routing(self.ctx_ptr, self.forced if on else None)
+        rc = _patched.symbols().llama_ggmoe_set_forced_routing(self.ctx_ptr, self.forced if on else None)
         if rc != _patched.LLAMA_GGMOE_OK:
             raise EngineError(f"setting the forced routing failed: {_patched.ERROR_NAMES.get(rc, rc)}")
 
@@ -369,7 +369,7 @@ class ExpertTables:
     def detach(self) -> None:
         """Take the tables out of the context (before it is freed or the slots change)."""
         if self.ctx_ptr:
-            P = _patched.load()
+            P = _patched.symbols()
             P.llama_ggmoe_set_table_mode(self.ctx_ptr, 0, None)  # also drops a forced routing
             for il in self.layers:  # (a layer's fill words go with its tables)
                 P.llama_ggmoe_set_layer_table(self.ctx_ptr, il, None, None, None, None)
@@ -399,7 +399,7 @@ class FillWords:
         self._back = np.zeros_like(self.words)  # read back after a decode
 
     def register(self, ctx_ptr: int) -> None:
-        P = _patched.load()
+        P = _patched.symbols()
         self._p = ctypes.cast(self.tensor, B.ggml_tensor_p)  # cast once: written and read every token
         self.write(())  # defined words (no targets) before any graph can read them: device memory starts undefined
         for il, view in zip(self.row, self.views, strict=True):

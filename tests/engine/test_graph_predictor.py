@@ -127,7 +127,7 @@ def test_set_predictor_checks_its_arguments():
     from tools.fixtures.make_fixtures import fixture_path
 
     E = _patched
-    P = _patched.load()
+    P = _patched.symbols()
     path = fixture_path("deepseek2")
     facts = inspect_model(path)
     il = facts.moe_layers[0]
@@ -203,7 +203,7 @@ def test_the_route_op_takes_only_the_inputs_an_observer_reads():
 
         hook._route = spy  # the C callback calls through the bound attribute
         hook.c_callback = _patched.route_cb(lambda *a: hook._route(*a))
-        _patched.load().llama_ggmoe_set_route_cb(eng.ctx_ptr, hook.c_callback, None)
+        _patched.symbols().llama_ggmoe_set_route_cb(eng.ctx_ptr, hook.c_callback, None)
         ids = eng.tokenize("The expert cache keeps")
         plain = eng.decode(ids).copy()
         assert set(calls) == {(False, False)}

@@ -141,7 +141,7 @@ class HostSession:
 
 @pytest.fixture
 def P():
-    return _patched.load()
+    return _patched.symbols()
 
 
 @pytest.fixture

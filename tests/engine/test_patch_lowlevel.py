@@ -38,7 +38,7 @@ DECODE = [int(t) for t in _rng.integers(3, 250, size=4)]  # one decode step each
 
 @pytest.fixture(scope="module")
 def P() -> _patched.PatchedLib:
-    return _patched.load()
+    return _patched.symbols()
 
 
 # --------------------------------------------------------------------------- helpers

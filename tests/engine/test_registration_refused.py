@@ -52,8 +52,8 @@ CASES = [  # (the call refused, the cache asked for)
 @pytest.mark.parametrize(("name", "config"), CASES, ids=["slots", "tables"])
 def test_a_refused_layer_takes_back_the_layers_registered_before_it(name, config, qwen3moe_model, monkeypatch):
     with Engine(EngineConfig(model_path=qwen3moe_model, n_ctx=256, run=RunConfig(CacheConfig(n_slots=3)))) as eng:
-        fake = Refusing(_patched.load(), name)
-        monkeypatch.setattr(_patched, "load", lambda: fake)
+        fake = Refusing(_patched.symbols(), name)
+        monkeypatch.setattr(_patched, "symbols", lambda: fake)
         with pytest.raises(EngineError, match=f"failed: {REFUSED}"):
             eng.reconfigure(config)
         monkeypatch.undo()

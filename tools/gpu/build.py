@@ -43,7 +43,7 @@ READY, STALE, FAILED, RUNNING, NEVER = 0, 1, 2, 3, 4
 _PROGRESS = re.compile(r"\[(\d+)/(\d+)\]")  # ninja's "[done/total]"
 
 # Checks the installed engine from a fresh interpreter: the patched C API, and the GPU ggml sees.
-_CHECK = ("import json; from ggmoe.engine import patch; patch.load(); "
+_CHECK = ("import json; from ggmoe.engine import patch; patch.symbols(); "
           "from ggmoe.engine.loader import gpu_device_name; import llama_cpp; "
           "print(json.dumps({'gpu': gpu_device_name(), 'llama_cpp': llama_cpp.__file__}))")
 
