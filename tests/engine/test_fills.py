@@ -181,7 +181,7 @@ def test_set_layer_fill_refuses_what_the_graph_cannot_fill(qwen3moe_model):
 
     facts = inspect_model(qwen3moe_model)
     with _engine(qwen3moe_model, facts.n_expert // 2) as eng:
-        lib, ctx, tables = P.load(), eng.pipeline._ctx_ptr, eng.pipeline.tables
+        lib, ctx, tables = P.symbols(), eng.pipeline._ctx_ptr, eng.pipeline.tables
         il = facts.moe_layers[0]
         assert lib.llama_ggmoe_set_layer_fill(ctx, il, tables.routing) == P.LLAMA_GGMOE_ERR_SHAPE  # I32
         assert lib.llama_ggmoe_set_layer_fill(ctx, -1, tables.fills.views[0]) == P.LLAMA_GGMOE_ERR_LAYER
