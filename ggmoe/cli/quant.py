@@ -12,6 +12,16 @@ from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import check_output
 from ggmoe.cli.edge import edge
 from ggmoe.cli.options import model_path, threads_opt
+from ggmoe.cli.quant_flags import (
+    BudgetFlags,
+    MeasureFlags,
+    QualityFlags,
+    budget_options,
+    measure_options,
+    output_options,
+    quality_options,
+)
+from ggmoe.cli.simulate_flags import OutputFlags
 
 if TYPE_CHECKING:
     from ggmoe.cache.hardware import HardwareProfile
@@ -145,38 +155,13 @@ def _quality_plot(path: str, names: list[str], points: list[tuple[float, float] 
 @click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--traces", multiple=True, required=True, type=click.Path(),
               help="Traces of one of the models (routing is taken as shared by the quantization levels).")
-@click.option("--vram", required=True, help="Budget for cached experts over all layers, e.g. 4GiB.")
-@click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST e.g. rtx4090/pcie4x16/ddr5-5600x2, a .toml).")
-@click.option("--policy", default="lru", show_default=True)
-@click.option("--miss-policy", default="wait", show_default=True)
-@click.option("--text", "text_path", type=click.Path(dir_okay=False),
-              help="A text file: each level's perplexity on it and KL divergence against the reference level.")
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=8),
-              help="Window in tokens; the second half of each is scored [default: 512, or the model's training "
-                   "context when shorter].")
-@click.option("--chunks", type=click.IntRange(min=1), help="At most this many windows [default: all the text fills].")
-@click.option("--reference", help="The level the KL divergence is measured against [default: the one with the "
-                                  "most bytes per expert].")
-@click.option("--kl-base", type=click.Path(dir_okay=False),
-              help="A reference written by --save-kl-base, instead of a reference level's pass.")
-@click.option("--save-kl-base", type=click.Path(dir_okay=False),
-              help="Write the reference level's top tokens here (.npz), for another run's --kl-base.")
-@click.option("--kl-top", type=click.IntRange(min=1, max=1 << 16), default=64, show_default=True,
-              help="The reference's most likely tokens kept per position (the rest is one outcome).")
-@click.option("--measure", is_flag=True, help="Also decode on this machine at the budget: TPOT and hit rate "
-                                              "measured, beside the estimate.")
-@click.option("--measure-tokens", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Tokens decoded one at a time by --measure.")
-@threads_opt
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
-              help="Write a PNG: quality against speed with --text (Pareto levels marked), else hit rate and TPOT.")
+@budget_options
+@quality_options
+@measure_options
+@output_options
 @edge
-def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, hw: str, policy: str,
-                   miss_policy: str, text_path: str | None, n_ctx: int | None, chunks: int | None,
-                   reference: str | None, kl_base: str | None, save_kl_base: str | None, kl_top: int,
-                   measure: bool, measure_tokens: int, threads: int | None, as_json: bool,
-                   plot_path: str | None) -> None:
+def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], budget: BudgetFlags, quality: QualityFlags,
+                   measured: MeasureFlags, output: OutputFlags) -> None:
     """Quantization levels of one model at one VRAM budget: bytes per expert, experts that fit, hit rate,
     estimated TPOT; with --text, perplexity and KL divergence; with --measure, TPOT measured here.
 
@@ -200,26 +185,28 @@ def compare_quants(models: tuple[str, ...], traces: tuple[str, ...], vram: str, 
     from ggmoe.cache.hardware import load_profile
     from ggmoe.trace import load_traces
 
-    _check_outputs(plot_path, save_kl_base, text_path, reference, kl_base)
-    _check_names(policy, miss_policy)
-    profile = load_profile(hw)
-    budget = parse_bytes(vram)
+    q, b, plot_path = quality, budget, output.plot_path
+    _check_outputs(plot_path, q.save_kl_base, q.text_path, q.reference, q.kl_base)
+    _check_names(b.policy, b.miss_policy)
+    profile = load_profile(b.hw)
+    n_bytes = parse_bytes(b.vram)
     paths = [model_path(m, "MODELS") for m in models]
     facts = _same_model(paths)
     trace = load_traces(list(traces))
     rows, results, out = [], [], []
     for path in paths:
-        row, r, record = _level(path, trace, budget, (policy, miss_policy), profile)
+        row, r, record = _level(path, trace, n_bytes, (b.policy, b.miss_policy), profile)
         rows.append(row)
         out.append(record)
         results.append(r)
-    spec = _live_spec(paths, facts, text_path, n_ctx, chunks, kl_top, reference, kl_base,
-                      measure_tokens if measure else None, threads)
-    runs = _run_live(paths, facts, out, spec, (policy, miss_policy), save_kl_base)
+    spec = _live_spec(paths, facts, q.text_path, q.n_ctx, q.chunks, q.kl_top, q.reference, q.kl_base,
+                      measured.measure_tokens if measured.measure else None, measured.threads)
+    runs = _run_live(paths, facts, out, spec, (b.policy, b.miss_policy), q.save_kl_base)
     ref_name = (paths[spec.reference].name if spec.reference is not None else
-                f"{(spec.kl_base.meta.get('model') or {}).get('name')} (--kl-base {kl_base})" if spec.kl_base else "")
-    points, measured = _live_rows(rows, out, runs, ref_name) if runs else ([], False)
-    _report(rows, out, results, points, measured, plot_path, as_json, (vram, budget, hw, policy, miss_policy, trace.n_tokens))
+                f"{(spec.kl_base.meta.get('model') or {}).get('name')} (--kl-base {q.kl_base})" if spec.kl_base else "")
+    points, measured_rows = _live_rows(rows, out, runs, ref_name) if runs else ([], False)
+    _report(rows, out, results, points, measured_rows, plot_path, output.as_json,
+            (b.vram, n_bytes, b.hw, b.policy, b.miss_policy, trace.n_tokens))
 
 
 def _check_outputs(plot_path: str | None, save_kl_base: str | None, text_path: str | None,

@@ -11,6 +11,14 @@ import pytest
 from click.testing import CliRunner
 
 from ggmoe.cli.options import CacheFlags, cache_options
+from ggmoe.cli.quant_flags import (
+    BudgetFlags,
+    MeasureFlags,
+    QualityFlags,
+    budget_options,
+    measure_options,
+    quality_options,
+)
 from ggmoe.cli.serve_flags import (
     EngineFlags,
     HttpFlags,
@@ -51,6 +59,12 @@ CASES = [
     (machine_options, "machine", MachineFlags, ["--hw", "h100", "--jobs", "2"],
      {"hw": "h100", "jobs": 2, "host_ram": None}),
     (output_options, "output", OutputFlags, ["--json"], {"as_json": True, "plot_path": None}),
+    (budget_options, "budget", BudgetFlags, ["--vram", "4MiB"],
+     {"vram": "4MiB", "hw": "pcie4", "policy": "lru", "miss_policy": "wait"}),
+    (quality_options, "quality", QualityFlags, ["--text", "t.txt", "--ctx", "64"],
+     {"text_path": "t.txt", "n_ctx": 64, "kl_top": 64, "reference": None}),
+    (measure_options, "measured", MeasureFlags, ["--measure", "--threads", "1"],
+     {"measure": True, "measure_tokens": 64, "threads": 1}),
 ]
 
 
@@ -87,11 +101,13 @@ def test_help_lists_every_flag_of_the_group(group, name, record, argv, want):
         assert p.opts[-1] in out, p.opts
 
 
-def test_serve_and_simulate_take_a_few_groups_not_twenty_parameters():
+def test_the_largest_commands_take_a_few_groups_not_twenty_parameters():
+    from ggmoe.cli.quant import compare_quants
     from ggmoe.cli.serve import serve
     from ggmoe.cli.simulate import simulate
 
     for cmd, want in ((serve, ["model", "http", "server", "template", "fit", "engine", "cache"]),
-                      (simulate, ["traces", "model", "sweep", "predictors", "machine", "output"])):
+                      (simulate, ["traces", "model", "sweep", "predictors", "machine", "output"]),
+                      (compare_quants, ["models", "traces", "budget", "quality", "measured", "output"])):
         fn = inspect.unwrap(cmd.callback)
         assert list(inspect.signature(fn).parameters) == want
