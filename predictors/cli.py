@@ -11,7 +11,9 @@ import click
 
 from ggmoe.base.errors import UsageError
 from ggmoe.cli.edge import edge
+from ggmoe.cli.groups import option_group
 from ggmoe.cli.options import SEED, FiniteFloat
+from predictors.settings import FitSettings
 
 
 def _int_list(text: str | None) -> tuple[int, ...] | None:
@@ -39,6 +41,23 @@ def _check_dependencies(kind: str) -> None:
                              "(pip install 'ggmoe[train]')") from None
 
 
+# The MLP's training settings, handed to the command as one ``FitSettings`` (weight decay keeps its default)
+_FIT = (
+    click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(min=0.0, min_open=True),
+                 help="Adam learning rate."),
+    click.option("--batch-size", default=256, show_default=True, type=click.IntRange(min=1), help="Tokens per step."),
+    click.option("--patience", default=3, show_default=True, type=click.IntRange(min=1),
+                 help="Epochs without a better validation loss before stopping."),
+    click.option("--epochs", "max_epochs", default=20, show_default=True, type=click.IntRange(min=1),
+                 help="Most epochs per net (early stopping usually ends sooner)."),
+    click.option("--dropout", default=0.5, show_default=True, type=FiniteFloat(0.0, 1.0, max_open=True),
+                 help="Dropout after the hidden layer (mlp)."),
+    click.option("--hidden", default=1024, show_default=True, type=click.IntRange(min=1, max=65536),
+                 help="Hidden units (mlp)."),
+)
+fit_options = option_group(FitSettings, "fit", *_FIT)
+
+
 @click.command("train-predictor")
 @click.argument("traces", nargs=-1, required=True, type=click.Path())
 @click.option("-o", "--out", required=True, type=click.Path(), help="Predictor file to write (.npz).")
@@ -53,17 +72,7 @@ def _check_dependencies(kind: str) -> None:
               help="Predict MoE layer l+S from layer l; repeat for several strides in one file (--mode layer).")
 @click.option("--multi", is_flag=True, help="Multi-target nets: layers l+1..l+6 from layer l (ignores --stride).")
 @click.option("--layers", help="Source MoE layers il, comma-separated (default: all).")
-@click.option("--hidden", default=1024, show_default=True, type=click.IntRange(min=1, max=65536),
-              help="Hidden units (mlp).")
-@click.option("--dropout", default=0.5, show_default=True, type=FiniteFloat(0.0, 1.0, max_open=True),
-              help="Dropout after the hidden layer (mlp).")
-@click.option("--epochs", default=20, show_default=True, type=click.IntRange(min=1),
-              help="Most epochs per net (early stopping usually ends sooner).")
-@click.option("--patience", default=3, show_default=True, type=click.IntRange(min=1),
-              help="Epochs without a better validation loss before stopping.")
-@click.option("--batch-size", default=256, show_default=True, type=click.IntRange(min=1), help="Tokens per step.")
-@click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(min=0.0, min_open=True),
-              help="Adam learning rate.")
+@fit_options
 @click.option("--val-frac", default=0.1, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True,
               max_open=True), help="Share of the prompts held out for early stopping (split by prompt).")
 @click.option("--alpha", "alphas", multiple=True, type=FiniteFloat(min=0.0, min_open=True),
@@ -76,9 +85,8 @@ def _check_dependencies(kind: str) -> None:
               help="torch (mlp) or BLAS (linear) CPU threads (more only on an otherwise idle machine).")
 @edge
 def train_predictor(traces: tuple[str, ...], out: str, kind: str, mode: str, strides: tuple[int, ...], multi: bool,
-                    layers: str | None, hidden: int, dropout: float, epochs: int, patience: int, batch_size: int,
-                    lr: float, val_frac: float, alphas: tuple[float, ...], seed: int, dtype: str,
-                    threads: int) -> None:
+                    layers: str | None, fit: FitSettings, val_frac: float, alphas: tuple[float, ...], seed: int,
+                    dtype: str, threads: int) -> None:
     """Train ProMoE MLP (or linear baseline) predictors on TRACES (trace files or directories) into OUT.
 
     The file records the model, the mode and the strides; a run that needs another refuses it in one line.
@@ -94,7 +102,7 @@ def train_predictor(traces: tuple[str, ...], out: str, kind: str, mode: str, str
     _check_dependencies(kind)
     from ggmoe.predict.mlp_file import check_predictor_output
     from ggmoe.trace.data import load_traces
-    from predictors.settings import FitSettings, LinearSettings
+    from predictors.settings import LinearSettings
     from predictors.train import TrainConfig, export, train
 
     check_predictor_output(out)  # before any training: a bad -o fails now, not after the run
@@ -103,9 +111,7 @@ def train_predictor(traces: tuple[str, ...], out: str, kind: str, mode: str, str
     if mode == "token" and (multi or strides != (1,)):
         raise UsageError("--mode token predicts the next token of each layer: --stride and --multi are --mode layer's")
     trace = load_traces(list(traces))
-    cfg = TrainConfig(fit=FitSettings(hidden=hidden, dropout=dropout, lr=lr, batch_size=batch_size,
-                                      max_epochs=epochs, patience=patience),
-                      kind=kind, linear=LinearSettings(alphas=alphas) if alphas else LinearSettings(),
+    cfg = TrainConfig(fit=fit, kind=kind, linear=LinearSettings(alphas=alphas) if alphas else LinearSettings(),
                       strides=strides, multi=multi, mode=mode, sources=_int_list(layers), val_frac=val_frac, seed=seed,
                       dtype=dtype, threads=threads)
     arrays, meta = train(trace, cfg, progress=True)
