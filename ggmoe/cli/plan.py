@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ import click
 from ggmoe.base.errors import UsageError
 from ggmoe.base.outputs import check_output
 from ggmoe.cli.edge import edge
+from ggmoe.cli.groups import option_group
 from ggmoe.cli.options import FiniteFloat, model_arg, model_path
 
 if TYPE_CHECKING:
@@ -20,38 +22,67 @@ if TYPE_CHECKING:
     from ggmoe.trace.format import Trace
 
 
+@dataclass(frozen=True)
+class GpuFlags:
+    """``plan --gpu``: the machine named by its parts, what to run on it answered from the GGUF header alone."""
+
+    gpu: str | None  # a GPU of the parts file (None: the other mode, a plan file from routing)
+    ram: str | None  # the host's RAM, e.g. "64GiB"
+    disk: str | None  # the disk under the host tier
+    link: str | None  # the link to the GPU (None: the card's own)
+    host: str  # the host memory
+
+
+@dataclass(frozen=True)
+class RoutingFlags:
+    """The routing a plan file is chosen for: traces (simulated) or saved statistics (estimated)."""
+
+    traces: tuple[str, ...]
+    stats_path: str | None
+    predictor_s: float | None  # seconds per predictor call (None: measured while simulating)
+
+
+_GPU = (
+    click.option("--host", default="ddr5-5600x2", show_default=True,
+                 help="With --gpu: the host memory (ddr4-3200x2, ddr5-5600x2, ddr5-6000x2, epyc7742)."),
+    click.option("--link", help="With --gpu: the link to the GPU, e.g. pcie4x16, pcie3x4, tb4 (default: the card's own)."),
+    click.option("--disk", help="With --gpu: the disk under the host tier (nvme5, nvme4, nvme3, sata; default nvme4)."),
+    click.option("--ram", help="With --gpu: the host's RAM, e.g. 64GiB: a model larger than it plans three tiers "
+                               "(GPU, host RAM less the OS's margin, disk)."),
+    click.option("--gpu", help="What to run on this GPU (rtx3090, rtx4090, rtx5090, rtx4060ti16, rtx5060ti16, a6000, "
+                               "l40s, h100): from the GGUF header alone, estimated beside llama.cpp's ways."),
+)
+_ROUTING = (
+    click.option("--predictor-s", type=FiniteFloat(min=0.0),
+                 help="Seconds per predictor call (default: measured on this machine while simulating)."),
+    click.option("--stats", "stats_path", type=click.Path(dir_okay=False),
+                 help="Routing statistics (--stats-out) instead of traces: a static plan, estimated analytically."),
+    click.option("--traces", multiple=True, type=click.Path(),
+                 help="Traces of the model (what ggmoe trace -o wrote: the directory or its trace.npz): "
+                      "candidates are simulated on them."),
+)
+gpu_options = option_group(GpuFlags, "machine", *_GPU)
+routing_options = option_group(RoutingFlags, "routing", *_ROUTING)
+
+
 @click.command()
 @model_arg
-@click.option("--gpu", help="What to run on this GPU (rtx3090, rtx4090, rtx5090, rtx4060ti16, rtx5060ti16, a6000, "
-                            "l40s, h100): from the GGUF header alone, estimated beside llama.cpp's ways.")
-@click.option("--ram", help="With --gpu: the host's RAM, e.g. 64GiB: a model larger than it plans three tiers "
-                            "(GPU, host RAM less the OS's margin, disk).")
+@gpu_options
 @click.option("--host-ram", "host_ram", help="The host tier for experts, e.g. 24GiB: experts beyond it stay on "
                                              "disk (the three tiers are shown; with --gpu, estimated).")
-@click.option("--disk", help="With --gpu: the disk under the host tier (nvme5, nvme4, nvme3, sata; default nvme4).")
-@click.option("--link", help="With --gpu: the link to the GPU, e.g. pcie4x16, pcie3x4, tb4 (default: the card's own).")
-@click.option("--host", default="ddr5-5600x2", show_default=True,
-              help="With --gpu: the host memory (ddr4-3200x2, ddr5-5600x2, ddr5-6000x2, epyc7742).")
 @click.option("--vram", help="Budget for cached experts over all layers, e.g. 4GiB; with --gpu: the GPU's VRAM "
                              "to use (default: all of it).")
 @click.option("--hw", default="pcie4", show_default=True, help="Hardware profile (pcie4, h100, egpu, GPU/LINK/HOST e.g. rtx4090/pcie4x16/ddr5-5600x2, a .toml).")
-@click.option("--traces", multiple=True, type=click.Path(),
-              help="Traces of the model (what ggmoe trace -o wrote: the directory or its trace.npz): "
-                   "candidates are simulated on them.")
-@click.option("--stats", "stats_path", type=click.Path(dir_okay=False),
-              help="Routing statistics (--stats-out) instead of traces: a static plan, estimated analytically.")
+@routing_options
 @click.option("-o", "--out", type=click.Path(dir_okay=False), help="The plan file (.toml); not with --gpu.")
-@click.option("--predictor-s", type=FiniteFloat(min=0.0),
-              help="Seconds per predictor call (default: measured on this machine while simulating).")
 @click.option("--moepic", is_flag=True,
               help="Plan MoEpic's expert split instead: per-layer top shares and slots from its configurator, "
                    "policy lcp, bottoms prefetched by skip-gate (reuse when the traces have no hidden states); "
                    "simulated beside the even LRU split. Needs --traces.")
 @click.option("--json", "as_json", is_flag=True, help="Print the choice and every candidate as JSON.")
 @edge
-def plan(model: str | None, gpu: str | None, ram: str | None, host_ram: str | None, disk: str | None,
-         link: str | None, host: str, vram: str | None, hw: str, traces: tuple[str, ...], stats_path: str | None,
-         out: str | None, predictor_s: float | None, moepic: bool, as_json: bool) -> None:
+def plan(model: str | None, machine: GpuFlags, host_ram: str | None, vram: str | None, hw: str,
+         routing: RoutingFlags, out: str | None, moepic: bool, as_json: bool) -> None:
     """Choose slots per layer, policy, predictor and miss policy for a VRAM budget, by simulation.
 
     The plan is written as TOML that run, trace, serve and chat take with --config FILE; the estimated
@@ -72,8 +103,9 @@ def plan(model: str | None, gpu: str | None, ram: str | None, host_ram: str | No
     from ggmoe.cache.hardware import load_profile
     from ggmoe.inspect import inspect_model
 
-    if _gpu_mode(gpu, ram, link, disk, vram, out, bool(traces or stats_path or moepic)):
-        _advise(model, gpu, vram, ram, link, host, as_json, host_ram, disk)
+    m, traces, stats_path, predictor_s = machine, routing.traces, routing.stats_path, routing.predictor_s
+    if _gpu_mode(m.gpu, m.ram, m.link, m.disk, vram, out, bool(traces or stats_path or moepic)):
+        _advise(model, m.gpu, vram, m.ram, m.link, m.host, as_json, host_ram, m.disk)
         return
     check_output(out, "-o", suffixes=(".toml",))
     if bool(traces) == (stats_path is not None):
