@@ -9,7 +9,12 @@ from typing import Any
 
 from ggmoe.base.version import __version__
 
-__all__ = ["__version__", "load", "models"]
+__all__ = ["CacheConfig", "DecodeConfig", "RunConfig", "TierConfig", "__version__", "load", "models"]
+
+# ``ggmoe.load(path, run=ggmoe.RunConfig(ggmoe.CacheConfig(...), decode=ggmoe.DecodeConfig(...)))``: the run
+# configuration's records, each from the module that owns it
+_RECORDS = {"RunConfig": "ggmoe.control.run_config", "CacheConfig": "ggmoe.cache.config",
+            "DecodeConfig": "ggmoe.cache.decode_mode", "TierConfig": "ggmoe.cache.tiers"}
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +23,8 @@ def __getattr__(name: str) -> Any:
         from ggmoe.engine.llama import load
 
         return load
+    if name in _RECORDS:
+        return getattr(importlib.import_module(_RECORDS[name]), name)
     if name == "models":  # the embedded model's path (a pathlib import, nothing heavier)
         return importlib.import_module("ggmoe.models")
     raise AttributeError(f"module 'ggmoe' has no attribute {name!r}")

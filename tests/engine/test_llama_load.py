@@ -71,6 +71,20 @@ def test_same_greedy_tokens_as_plain_llama(model, stock_tokens, make_options):
         assert stats is None
 
 
+def test_a_run_config_from_the_package_root_runs_as_its_options_do(model, stock_tokens):
+    """``ggmoe.load(run=ggmoe.RunConfig(...))``: the records from the package root, the same run as the options."""
+    facts = inspect_model(model)
+    run = ggmoe.RunConfig(ggmoe.CacheConfig(n_slots=facts.n_expert_used + 2),
+                          decode=ggmoe.DecodeConfig(mode="sync", miss_policy="cpu"))
+    with ggmoe.load(model, n_ctx=128, run=run) as llm:
+        assert llm.run_config is run
+        assert greedy(llm) == stock_tokens
+        stats = llm.stats()["cache"]
+    assert stats["decode_mode_in_effect"] == "sync" and stats["total"]["host_computed"] > 0
+    with pytest.raises(UsageError, match="run=RunConfig"):
+        ggmoe.load(model, cache=run.cache)  # the cache alone is not a run: one clear error, nothing loaded
+
+
 def test_llama_api_works_unchanged():
     with ggmoe.load(n_ctx=256, cache_slots=8, seed=1) as llm:
         c = llm.create_completion("def main():", max_tokens=8, temperature=0)
