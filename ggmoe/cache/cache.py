@@ -115,6 +115,9 @@ class ExpertCache(Admission, PrefetchBook):
         # in-graph fills (the async decode, patch 0012): slots per layer and token the graph may fill (0: none), the targets
         # handed to the graph before a decode, and what it read back as filled, settled by after_token
         self.fill_slots = 0
+        # the async decode's host part (patch 0016): per layer, [n_expert] True for the experts its graph computes
+        # on the CPU whenever no slot holds them (``ggmoe.cache.miss.async_cpu_experts``); no entry: none
+        self.cpu_of: dict[int, list[bool]] = {}
         self.fill_targets: dict[int, FillTargets] = {}
         self._filled: dict[int, list[Fill]] = {}
         self._build_layers(dict(split or {}), n_bottom)
@@ -690,8 +693,11 @@ class WholeLayer:
             n_miss = len(missing)
         if n_miss:  # (a token whose experts were all readable skips the host-read counts: the hot path)
             st.misses += n_miss
-            st.host_reads += n_miss
-            st.host_read_bytes += n_miss * self.slot_bytes
+            cpu = c.cpu_of.get(il) if c.cpu_of else None
+            on_cpu = sum(1 for e in missing if cpu[e]) if cpu is not None else 0  # the graph's host part's
+            st.host_computed += on_cpu
+            st.host_reads += n_miss - on_cpu
+            st.host_read_bytes += (n_miss - on_cpu) * self.slot_bytes
         loading = table.n_loading
         if loading:
             c.land_done(table)

@@ -1,12 +1,12 @@
 """Which decode mode runs: ``sync`` (the route op answers every MoE layer from Python) or ``async``.
 
 ``async`` keeps the decode graph whole: the device reads each selected expert through the expert table
-(its cache slot, or its host copy over the link), the routing leaves the device once per token, and the
-cache is managed between tokens (``ggmoe.control.TokenController``). ``sync`` stays for what needs the
-CPU's answer inside a layer: the host path (a slow link, where the CPU computes a miss sooner than a copy
-brings it), predictors that read router probabilities, observers that read router probabilities or hidden
-states (tracing), benchmarks' routing overrides, and backends without ``mul_mat_id_table``. ``auto``
-takes ``async`` unless one of those holds, and says why.
+(its cache slot, or its host copy over the link; with the host path, the experts the CPU computes in the
+graph's host part), the routing leaves the device once per token, and the cache is managed between tokens
+(``ggmoe.control.TokenController``). ``sync`` stays for what needs the CPU's answer inside a layer:
+predictors that read router probabilities, observers that read router probabilities or hidden states
+(tracing), benchmarks' routing overrides, and backends without ``mul_mat_id_table``; on a GPU, ``auto`` also
+keeps the host path there. ``auto`` takes ``async`` unless one of those holds, and says why.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ggmoe.base.errors import UsageError
 from ggmoe.base.registry import check_choice
+from ggmoe.cache.miss import miss_share
 
 DECODE_MODES = ("auto", "async", "sync")
 
@@ -93,12 +94,17 @@ class DecodeMode:
     reason: str  # why this mode
 
 
-def sync_reasons(miss_policy: str, prefetch_note: str | None, backend_note: str | None) -> list[str]:
+def sync_reasons(miss_policy: str, prefetch_note: str | None, backend_note: str | None,
+                 gpu_auto: bool = False) -> list[str]:
     """What needs the sync mode, from the configuration (miss policy as it runs, after ``auto``);
-    ``prefetch_note``: why the predictor cannot run on the async decode's mailbox (None: it can)."""
+    ``prefetch_note``: why the predictor cannot run on the async decode's mailbox (None: it can). ``gpu_auto``:
+    ``auto`` on a GPU, which keeps the host path in the sync decode: there each layer call's misses are split
+    between the link and the CPU by the copies in flight, where the async decode's host part splits by expert,
+    between tokens (``ggmoe.cache.miss.async_cpu_experts``). Both modes run the host path when asked for."""
     out = []
-    if miss_policy != "wait":
-        out.append(f"the host path (miss policy {miss_policy}) computes misses on the CPU inside a layer")
+    if miss_policy != "wait" and gpu_auto:
+        out.append(f"the host path (miss policy {miss_policy}) on a GPU splits each layer call's misses between "
+                   "the link and the CPU in the sync decode")
     if prefetch_note:
         out.append(prefetch_note)
     if backend_note:
@@ -149,16 +155,6 @@ def weigh_modes(bytes_per_expert: Mapping[int, int], n_slots: Mapping[int, int],
     if fills:
         source += "; async fills each miss once"
     return ModeEstimate(sync, read, source)
-
-
-def miss_share(n_slots: int, n_expert: int, counts: Sequence[int] | None) -> float:
-    """The share of a layer's expert selections a cache of ``n_slots`` misses: with routing statistics
-    (``counts`` [n_expert], tokens that chose each expert), what its ``n_slots`` most chosen experts do not
-    cover; without them (or with none counted), ``1 - slots / n_expert``, uniform routing."""
-    total = sum(counts) if counts is not None else 0
-    if not total:
-        return max(0.0, 1.0 - n_slots / n_expert)
-    return max(0.0, 1.0 - sum(sorted(counts, reverse=True)[:n_slots]) / total)
 
 
 def choose_decode_mode(asked: str, reasons: list[str], weighed: ModeEstimate | None = None,

@@ -21,7 +21,7 @@ The host path exists only for micro-batches of at most ``HOST_MAX_TOKENS`` token
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ggmoe.base.registry import check_choice
@@ -145,12 +145,50 @@ def without_host_path_when_full(policy: str, n_slots: Mapping[int, int], n_exper
 
 def host_path_refusal(split: bool, decode_mode: str) -> str | None:
     """Why the host path cannot serve a cache (None: it can): ``split``, whether some layer's experts are split
-    (MoEpic); ``decode_mode``, the one asked for (sync, async, auto)."""
+    (MoEpic). Any decode mode can: the async decode computes its CPU experts in the graph's host part (patch
+    0016)."""
+    del decode_mode  # every mode has a host path
     if split:
         return "split experts read what is not cached from host memory through the expert table"
-    if decode_mode == "async":
-        return "--decode-mode async reads a miss from host memory over the link, never on the CPU inside a layer"
     return None
+
+
+def async_cpu_experts(policy: str, costs: MissCosts | None, nbytes: int, n_slots: int, n_expert: int,
+                      n_expert_used: int, counts: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The experts of one layer that the async decode computes on the CPU whenever no slot holds them (its host
+    part in table mode, patch 0016); every other miss is filled into a slot by the graph (or read in place).
+
+    The async decode decides between tokens, before the routing is known, so it splits by expert, not by call:
+    ``cpu``, every expert; ``wait``, none; ``auto``, a share of them so that a token's expected misses (from
+    ``counts``, else uniform routing: ``miss_share``) keep the link and the CPU equally busy (where
+    ``split_misses``' two finishes cross).
+    The share goes to the experts the routing chooses least (``counts``; else the highest ids): a fill also
+    leaves its expert cached, which pays most for the experts that come back."""
+    policy = check_miss_policy(policy)
+    if policy == "wait" or n_slots >= n_expert:
+        return ()
+    if policy == "cpu" or costs is None:
+        return tuple(range(n_expert))
+    misses = n_expert_used * miss_share(n_slots, n_expert, counts)  # expected a token (a fraction)
+    link_s, cpu_s = costs.copy_s(nbytes) + costs.gpu_s(nbytes), costs.cpu_s(nbytes)
+    # where split_misses' two finishes cross, for the expected misses: the CPU's share of them
+    share = min(max((misses * link_s - costs.host_split_s) / (link_s + cpu_s) / misses, 0.0), 1.0) if misses else 0.0
+    n_cpu = round(n_expert * share)
+    if n_cpu <= 0:
+        return ()
+    order = (sorted(range(n_expert), key=lambda e: (counts[e], -e)) if counts is not None and sum(counts)
+             else list(range(n_expert - 1, -1, -1)))
+    return tuple(sorted(order[:min(n_cpu, n_expert)]))
+
+
+def miss_share(n_slots: int, n_expert: int, counts: Sequence[int] | None) -> float:
+    """The share of a layer's expert selections a cache of ``n_slots`` misses: with routing statistics
+    (``counts`` [n_expert], tokens that chose each expert), what its ``n_slots`` most chosen experts do not
+    cover; without them (or with none counted), ``1 - slots / n_expert``, uniform routing."""
+    total = sum(counts) if counts is not None else 0
+    if not total:
+        return max(0.0, 1.0 - n_slots / n_expert)
+    return max(0.0, 1.0 - sum(sorted(counts, reverse=True)[:n_slots]) / total)
 
 
 def auto_without_host_path(policy: str, split: bool, decode_mode: str) -> tuple[str, str | None]:

@@ -41,7 +41,7 @@ from ggmoe.cache.decode_mode import (
 )
 from ggmoe.cache.fill import Fill
 from ggmoe.cache.host_tier import HostTier
-from ggmoe.cache.miss import auto_without_host_path
+from ggmoe.cache.miss import async_cpu_experts, auto_without_host_path
 from ggmoe.cache.split import model_split
 from ggmoe.control import TokenController
 from ggmoe.control.run_config import RunConfig
@@ -169,7 +169,8 @@ class CachePipeline:
         split = bool(self.runtime.split)  # MoEpic's split layers read through their tables in both modes
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
-        reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note)
+        reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note,
+                               gpu_auto=on_gpu and decode.mode == "auto")
         reasons += self._disk_reasons(on_gpu, decode.mode)
         idle = self._prefetch_idle_note()  # the async decode's stride prefetch would never find a free slot
         if idle is not None and decode.mode == "auto":
@@ -193,6 +194,8 @@ class CachePipeline:
             self._make_tables(self.decode_mode.mode == "async" and decode.fills, max(max_tokens, 1))
             # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
             self.hook.after_route = self._tables_follow
+        if self.decode_mode.mode == "async" and self.runtime.miss_policy != "wait":
+            self._async_host_part(run)
         if self.decode_mode.mode == "async":
             self._start_async(max_tokens, route_inputs)
         if self.planner is not None:  # the sync decode's route events; in async, while table mode is off
@@ -242,6 +245,23 @@ class CachePipeline:
 
         self.observers.on_change = on_change
         self._update_table_mode()
+
+    def _async_host_part(self, run: RunConfig) -> None:
+        """The async decode's host part (patch 0016): per layer, the experts the graph computes on the CPU whenever
+        no slot holds them, chosen from the miss policy and the cost model (``async_cpu_experts``)."""
+        cache, facts = self.runtime.cache, self.facts
+        counts = run.decode.routing_counts or {}
+        cpu_of: dict[int, list[bool]] = {}
+        for il, n in cache.n_slots.items():
+            experts = async_cpu_experts(self.runtime.miss_policy, cache.costs, cache.bytes_per_expert.get(il, 0), n,
+                                        facts.n_expert, facts.n_expert_used, counts.get(il))
+            if experts:
+                mask = [False] * facts.n_expert
+                for e in experts:
+                    mask[e] = True
+                cpu_of[il] = mask
+        cache.cpu_of = cpu_of
+        self.tables.set_host_part(cpu_of)
 
     def _make_tables(self, fill: bool, max_tokens: int) -> None:
         """The expert tables the cache's steps write, with the fill words where the graph fills misses (patch
@@ -599,8 +619,10 @@ class CachePipeline:
             return {}
         from ggmoe.engine.host_part import host_part_stats
 
+        # the async decode's host part: per layer, the experts its graph computes on the CPU while no slot holds them
+        cpu_experts = {str(il): sum(mask) for il, mask in rt.cache.cpu_of.items()}
         return {"host_part": {"threads": rt.host_threads, "beside_link": rt.cache.cpu_beside_link,
-                              **asdict(host_part_stats(self._ctx_ptr))}}
+                              "async_cpu_experts": cpu_experts, **asdict(host_part_stats(self._ctx_ptr))}}
 
     def _host_tier_report(self) -> dict[str, object]:
         """Under a disk tier: the host tier's size and counters, totals and per layer (else nothing)."""

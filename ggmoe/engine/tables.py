@@ -24,7 +24,7 @@ controller reads it once per decode (after the logits, so the device is done).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -87,6 +87,11 @@ class _LayerTable:
             if any((a | b | int(np.bitwise_or.reduce(h))) & SPLIT_PACKED for a, b, h in
                    zip(bottom_data, self.bottom_bytes, self.host, strict=True)):
                 raise EngineError("a split layer's bottom addresses are odd: the packed flag has no bit to go in")
+        # the host part (patch 0016): the experts the CPU computes whenever no slot holds them (None: none), and
+        # what the graph's host part reads, I32 [n_expert]: 1 where such an expert is unmapped (its entries 0)
+        self.cpu: Sequence[bool] | None = None
+        self.flags = np.zeros(n_expert, dtype=np.int32)
+        self.is_mapped = np.zeros(n_expert, dtype=bool)  # [expert] an entry points at its slot
         for k, v in enumerate(views):  # every expert starts whole in host memory
             v[0] = self.host[k]
             if self.is_split:
@@ -112,6 +117,8 @@ class _LayerTable:
         return (self.bottom_data[k] + buffer * self.bottom_bytes[k]) | SPLIT_PACKED
 
     def mapped(self, expert: int, slot: int) -> None:
+        self.is_mapped[expert] = True
+        self.flags[expert] = 0  # read from its slot: the host part leaves it to the device
         for k in range(len(self.views)):
             if self.is_split:  # bottom and split before the top: the old top was host memory, whole
                 addr, split = self._bottom(k, expert)
@@ -120,8 +127,11 @@ class _LayerTable:
             self._write(k, 0, expert, self.slot_data[k] + slot * self.slot_bytes[k])
 
     def unmapped(self, expert: int) -> None:
-        for k in range(len(self.views)):
-            self._write(k, 0, expert, int(self.host[k][expert]))
+        self.is_mapped[expert] = False
+        on_cpu = self.cpu is not None and self.cpu[expert]
+        self.flags[expert] = int(on_cpu)
+        for k in range(len(self.views)):  # an expert the CPU computes: 0, which the device part skips
+            self._write(k, 0, expert, 0 if on_cpu else int(self.host[k][expert]))
             if self.is_split:
                 self._write(k, 2, expert, -1)
 
@@ -365,6 +375,24 @@ class ExpertTables:
     def writes(self) -> int:
         """Table entries changed since load (each sent to the device by the next flush)."""
         return self.changed + self.dirty
+
+    def set_host_part(self, cpu_of: Mapping[int, Sequence[bool]]) -> None:
+        """The async decode's host part (patch 0016): per layer, the experts the CPU computes whenever no slot
+        holds them (``ExpertCache.cpu_of``). Their entries become 0 while unmapped, which the device part skips,
+        and the layer's flags, which the graph's host part reads, say so."""
+        P = _patched.symbols()
+        for il, cpu in cpu_of.items():
+            lt = self.layers[il]
+            if lt.is_split:
+                raise EngineError(f"layer {il}'s experts are split: the host part reads whole experts")
+            lt.cpu = cpu
+            for e in np.flatnonzero(~lt.is_mapped):
+                lt.unmapped(int(e))
+            rc = P.llama_ggmoe_set_layer_table_host(self.ctx_ptr, il, lt.flags.ctypes.data)
+            if rc != _patched.LLAMA_GGMOE_OK:
+                raise EngineError(f"registering the host part of layer {il} failed: "
+                                  f"{_patched.ERROR_NAMES.get(rc, rc)}")
+        self.flush()
 
     def detach(self) -> None:
         """Take the tables out of the context (before it is freed or the slots change)."""

@@ -47,16 +47,11 @@ def test_run_in_every_mode_and_miss_policy(traced, tmp_path, mode, miss):
             "--decode-mode", mode, "--miss-policy", miss, "--stats-json", str(stats)]
     if miss == "auto":
         args += ["--hw", "egpu"]  # a slow link: the cost model favours the CPU
-    if (mode, miss) == ("async", "cpu"):  # asked for both explicitly: one line says why not
-        out = _cli(*args, code=2)
-        assert out.startswith("error: --decode-mode async cannot run here") and out.count("\n") == 1
-        return
     _cli(*args)
     d = json.loads(stats.read_text())
-    want = "wait" if miss == "wait" or (mode, miss) == ("async", "auto") else miss
-    assert d["miss_policy_in_effect"] == want, (arch, d["miss_policy_note"])
-    assert d["decode_mode_in_effect"] == ("async" if mode == "async" or (mode, want) == ("auto", "wait")
-                                          else "sync")
+    assert d["miss_policy_in_effect"] == miss, (arch, d["miss_policy_note"])
+    # the CPU build: the async decode runs every miss policy (the host part in its graph, patch 0016)
+    assert d["decode_mode_in_effect"] == ("sync" if mode == "sync" else "async")
 
 
 def test_inspect_verify_train_simulate(traced, tmp_path):

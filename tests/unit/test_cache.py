@@ -202,7 +202,7 @@ def test_inspect_figures_and_vram_budgets_are_inverse():
     ("auto", False, "auto", "auto", None),
     ("auto", False, "sync", "auto", None),
     ("auto", True, "auto", "wait", "split experts"),
-    ("auto", False, "async", "wait", "--decode-mode async"),
+    ("auto", False, "async", "auto", None),  # the async decode's host part (patch 0016)
     ("cpu", True, "async", "cpu", None),  # asked for explicitly: the engine refuses it, auto never errors
     ("wait", True, "async", "wait", None),
 ])

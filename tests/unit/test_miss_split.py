@@ -154,3 +154,40 @@ def test_a_deferred_call_left_unfinished_ends_before_the_next_call():
     assert spy.waited == [] and 0 in cache.deferred
     cache.route_flat(0, [3, 1, 7, 5])  # every expert resident or on the CPU now: nothing new to wait for
     assert len(spy.waited) == 1
+
+
+def _mib_costs(copy_us: float, cpu_us: float):
+    from ggmoe.cache.miss import MissCosts
+
+    nb = 1 << 20  # one expert of 1 MiB: its times are the fixed costs plus nothing measurable
+    return MissCosts(copy_bytes_per_s=nb / (copy_us * US), copy_latency_s=0.0, cpu_bytes_per_s=nb / (cpu_us * US)), nb
+
+
+@pytest.mark.parametrize("policy, copy_us, cpu_us, slots, want", [
+    ("wait", 100, 1, 4, 0),      # never the CPU
+    ("cpu", 100, 1000, 4, 16),   # every expert, whatever it costs
+    ("cpu", 100, 1000, 16, 0),   # a slot for every expert: no miss to serve
+    ("auto", 100, 100, 4, 8),    # as fast as a copy: half of the misses, so half of the experts
+    ("auto", 100, 10000, 4, 0),  # the CPU far slower: none
+    ("auto", 10000, 100, 4, 16),  # the link far slower: all
+])
+def test_async_cpu_experts_share(policy, copy_us, cpu_us, slots, want):
+    """The async decode's host part: the share of a layer's experts the CPU computes while no slot holds them."""
+    from ggmoe.cache.miss import async_cpu_experts
+
+    costs, nb = _mib_costs(copy_us, cpu_us)
+    got = async_cpu_experts(policy, costs, nb, slots, 16, 4)
+    assert len(got) == want and list(got) == sorted(set(got))
+    if 0 < want < 16:
+        assert got == tuple(range(16 - want, 16))  # without routing counts, the highest ids
+
+
+def test_async_cpu_experts_take_the_coldest_with_counts():
+    """With routing counts the CPU takes the experts the routing chooses least: a fill pays most for the experts
+    that come back."""
+    from ggmoe.cache.miss import async_cpu_experts
+
+    costs, nb = _mib_costs(100, 100)
+    counts = [100 - 5 * e for e in range(16)][::-1]  # expert 0 the coldest, 15 the hottest
+    got = async_cpu_experts("auto", costs, nb, 4, 16, 4, counts)
+    assert got and got == tuple(range(len(got)))

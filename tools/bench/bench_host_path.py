@@ -5,6 +5,8 @@ Modes, each an engine of its own on the same model, decoding the same teacher-fo
 - ``stock``: no hook, every expert computed by llama.cpp on the CPU (the CPU build's ``cpu-experts`` reference);
 - ``host``: ``--cache-slots K --policy on-demand --miss-policy cpu --decode-mode sync``: every selected
   expert computed by the host path (K = n_expert_used, nothing ever resident);
+- ``host-async``: the same in the async decode (``--decode-mode async``): the graph's host part (patch 0016)
+  computes every selected expert, with no route callback per layer;
 - ``sync-cached``: a slot for every expert, the sync decode, no host path (the route op's own cost);
 - ``auto-cached``: a slot for every expert with ``--miss-policy auto`` (how a user turns the host path on):
   every expert fits, so auto leaves the host path off (what it costs when unused);
@@ -34,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("stock", "host", "sync-cached", "auto-cached", "cpu-cached")
+MODES = ("stock", "host", "host-async", "sync-cached", "auto-cached", "cpu-cached")
 
 
 def _config(mode: str, path: Path, n_expert: int, k: int, threads: int):
@@ -46,9 +48,9 @@ def _config(mode: str, path: Path, n_expert: int, k: int, threads: int):
     base = dict(model_path=path, n_ctx=512, n_threads=threads)
     if mode == "stock":
         return EngineConfig(**base, gate_hook=False)
-    if mode == "host":
+    if mode in ("host", "host-async"):
         cache = RunConfig(CacheConfig(n_slots=k, policy="on-demand"),
-                          decode=DecodeConfig(miss_policy="cpu", mode="sync"))
+                          decode=DecodeConfig(miss_policy="cpu", mode="async" if mode == "host-async" else "sync"))
     elif mode == "sync-cached":
         cache = RunConfig(CacheConfig(n_slots=n_expert), decode=DecodeConfig(mode="sync"))
     else:

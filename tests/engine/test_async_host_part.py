@@ -1,0 +1,101 @@
+"""The async decode's host part (patch 0016): the CPU beside in-graph fills, with no route op on the decode path.
+
+Between tokens the cache names, per layer, the experts the CPU computes whenever no slot holds them
+(``ExpertCache.cpu_of``). Their table entries are 0, which the device part's matmuls skip (a zero row) and a
+fill never takes; the layer's flags tell the graph's host part, a ``mul_mat_id`` over the model's own expert
+tensors, to compute exactly those entries. The two parts are added before the routing weights, so the logits
+equal stock's, on every fixture family and both copy streams (the engine tier's conftest), with the host part
+in the main graph or on a worker in either forced order (``GGMOE_HOST_ORDER``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_cache_engine import EXACT, run_sequences
+
+from ggmoe.cache import CacheConfig
+from ggmoe.cache.decode_mode import DecodeConfig
+from ggmoe.control.run_config import RunConfig
+from ggmoe.engine import Engine, EngineConfig
+from ggmoe.engine.host_part import HOST_ORDER_ENV, HOST_THREADS_ENV, host_part_stats
+from ggmoe.inspect import inspect_model
+
+
+def _engine(path, run: RunConfig) -> Engine:
+    return Engine(EngineConfig(model_path=path, n_ctx=256, n_batch=64, n_ubatch=4, n_threads=2, run=run))
+
+
+def _check_tables(eng: Engine) -> int:
+    """Every table entry of a CPU expert that no slot holds is 0, exactly where the layer's flags say the host
+    part computes it; the experts in slots are never flagged. Returns the flagged experts."""
+    flagged = 0
+    for il, lt in eng.pipeline.tables.layers.items():
+        cpu = eng.pipeline.runtime.cache.cpu_of.get(il)
+        for e in range(len(lt.flags)):
+            want = bool(cpu is not None and cpu[e] and not lt.is_mapped[e])
+            assert bool(lt.flags[e]) == want, (il, e)
+            assert all((int(v[0, e]) == 0) == want for v in lt.views), (il, e)
+            flagged += want
+    return flagged
+
+
+@pytest.mark.parametrize("threads,order,counter", [
+    ("0", "free", None),
+    ("1", "device-first", "after_device"),
+    ("1", "host-first", "before_device"),
+])
+def test_every_miss_on_the_cpu_gives_stock_logits(arch_model, stock_logits, monkeypatch, threads, order, counter):
+    """``--miss-policy cpu --decode-mode async``: every expert no slot holds is computed by the graph's host
+    part; nothing is read in place or filled, and the misses are admitted for later tokens."""
+    arch, path = arch_model
+    facts = inspect_model(path)
+    monkeypatch.setenv(HOST_THREADS_ENV, threads)
+    monkeypatch.setenv(HOST_ORDER_ENV, order)
+    n_slots = (facts.n_expert_used + facts.n_expert) // 2
+    with _engine(path, RunConfig(CacheConfig(n_slots=n_slots), decode=DecodeConfig(miss_policy="cpu",
+                                                                                   mode="async"))) as eng:
+        got = run_sequences(eng)
+        st, hp = eng.cache_stats.total(), host_part_stats(eng.ctx_ptr)
+        assert eng.pipeline.decode_mode.mode == "async"
+        assert _check_tables(eng) > 0
+    for a, b in zip(got, stock_logits(path), strict=True):
+        assert np.abs(a - b).max() <= EXACT, (arch, order)
+    assert st.host_computed > 0 and st.host_reads == 0 and st.fills == 0
+    if counter is not None:
+        assert hp.jobs > 0 and getattr(hp, counter) == hp.jobs
+    else:
+        assert hp.jobs == 0
+
+
+def test_auto_splits_a_layers_misses_between_fills_and_the_cpu(qwen3moe_model, stock_logits, even_profile):
+    """``auto`` with the CPU as fast as a copy: a share of each layer's experts goes to the CPU, the rest are
+    filled by the graph. Both servers take misses in one run, and the logits are stock's."""
+    facts = inspect_model(qwen3moe_model)
+    run = RunConfig(CacheConfig(n_slots=facts.n_expert_used + 1),
+                    decode=DecodeConfig(miss_policy="auto", mode="async", hw_profile=even_profile))
+    with _engine(qwen3moe_model, run) as eng:
+        got = run_sequences(eng)
+        st = eng.cache_stats.total()
+        report = eng.pipeline.report()
+        assert 0 < _check_tables(eng)
+    for a, b in zip(got, stock_logits(qwen3moe_model), strict=True):
+        assert np.abs(a - b).max() <= EXACT
+    shares = report["host_part"]["async_cpu_experts"]
+    assert shares and all(0 < n < facts.n_expert for n in shares.values())
+    assert st.host_computed > 0 and st.fills > 0
+
+
+def test_a_slot_for_every_expert_builds_no_host_part(stock_logits):
+    """With a slot for every expert nothing is flagged: the graph has no host part to pay for."""
+    from ggmoe.models import default_model_path
+
+    model = default_model_path()
+    facts = inspect_model(model)
+    run = RunConfig(CacheConfig(n_slots=facts.n_expert), decode=DecodeConfig(miss_policy="cpu", mode="async"))
+    with _engine(model, run) as eng:
+        got = run_sequences(eng)
+        assert eng.pipeline.runtime.cache.cpu_of == {}
+        assert _check_tables(eng) == 0
+    for a, b in zip(got, stock_logits(model), strict=True):
+        assert np.abs(a - b).max() <= EXACT
