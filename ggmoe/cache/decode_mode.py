@@ -5,8 +5,8 @@
 graph's host part), the routing leaves the device once per token, and the cache is managed between tokens
 (``ggmoe.control.TokenController``). ``sync`` stays for what needs the CPU's answer inside a layer:
 predictors that read router probabilities, observers that read router probabilities or hidden states
-(tracing), benchmarks' routing overrides, and backends without ``mul_mat_id_table``; on a GPU, ``auto`` also
-keeps the host path there. ``auto`` takes ``async`` unless one of those holds, and says why.
+(tracing), benchmarks' routing overrides, and backends without ``mul_mat_id_table``; ``auto`` also keeps the
+host path there. ``auto`` takes ``async`` unless one of those holds, and says why.
 """
 
 from __future__ import annotations
@@ -95,16 +95,16 @@ class DecodeMode:
 
 
 def sync_reasons(miss_policy: str, prefetch_note: str | None, backend_note: str | None,
-                 gpu_auto: bool = False) -> list[str]:
+                 auto: bool = False) -> list[str]:
     """What needs the sync mode, from the configuration (miss policy as it runs, after ``auto``);
-    ``prefetch_note``: why the predictor cannot run on the async decode's mailbox (None: it can). ``gpu_auto``:
-    ``auto`` on a GPU, which keeps the host path in the sync decode: there each layer call's misses are split
-    between the link and the CPU by the copies in flight, where the async decode's host part splits by expert,
-    between tokens (``ggmoe.cache.miss.async_cpu_experts``). Both modes run the host path when asked for."""
+    ``prefetch_note``: why the predictor cannot run on the async decode's mailbox (None: it can). ``auto``: the
+    decode mode is ``auto``, which keeps the host path in the sync decode: there each layer call's misses are
+    split by the copies in flight, where the async decode's host part splits by expert, between tokens
+    (``ggmoe.cache.miss.async_cpu_experts``). ``--decode-mode async`` runs the host path in its graph."""
     out = []
-    if miss_policy != "wait" and gpu_auto:
-        out.append(f"the host path (miss policy {miss_policy}) on a GPU splits each layer call's misses between "
-                   "the link and the CPU in the sync decode")
+    if miss_policy != "wait" and auto:
+        out.append(f"the host path (miss policy {miss_policy}) splits each layer call's misses by the copies in "
+                   "flight in the sync decode (--decode-mode async computes them in its graph's host part)")
     if prefetch_note:
         out.append(prefetch_note)
     if backend_note:

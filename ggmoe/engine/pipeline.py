@@ -170,7 +170,7 @@ class CachePipeline:
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
         reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note,
-                               gpu_auto=on_gpu and decode.mode == "auto")
+                               auto=decode.mode == "auto")
         reasons += self._disk_reasons(on_gpu, decode.mode)
         idle = self._prefetch_idle_note()  # the async decode's stride prefetch would never find a free slot
         if idle is not None and decode.mode == "auto":
@@ -194,8 +194,6 @@ class CachePipeline:
             self._make_tables(self.decode_mode.mode == "async" and decode.fills, max(max_tokens, 1))
             # sync-path slot changes reach the tables at once (a split layer reads them in the same call)
             self.hook.after_route = self._tables_follow
-        if self.decode_mode.mode == "async" and self.runtime.miss_policy != "wait":
-            self._async_host_part(run)
         if self.decode_mode.mode == "async":
             self._start_async(max_tokens, route_inputs)
         if self.planner is not None:  # the sync decode's route events; in async, while table mode is off
@@ -204,7 +202,9 @@ class CachePipeline:
 
     def _after_mode(self) -> None:
         """What follows the decode mode: the CPU beside the link (the sync decode with a host-part worker), the
-        host tier's uses."""
+        host tier's uses, the async decode's host part."""
+        if self.decode_mode.mode == "async" and self.runtime.miss_policy != "wait":
+            self._async_host_part(self.run_config)
         if self.decode_mode.mode == "sync" and self.runtime.host_threads:
             self._beside_link(True)
         if self.runtime.tier is not None:

@@ -250,6 +250,8 @@ def _miss_policy(config: SimConfig, split: bool, costs: MissCosts | None, bytes_
     ``auto`` as ``wait`` where the cost model never prefers the CPU (in the hybrid decode: where the split never
     sends a token's misses to the CPU)."""
     asked, _ = auto_without_host_path(config.miss_policy, split, config.decode_mode)
+    if config.decode_mode == "async" and asked == "auto":  # the replay has no async host part (patch 0016)
+        asked = "wait"
     beside = n_expert_used if config.hybrid else None
     return effective_miss_policy(asked, costs, bytes_per_expert, beside)[0]
 
@@ -327,7 +329,8 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
     miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert, m.n_expert_used)  # as the engine
     if config.decode_mode == "async" and miss_policy != "wait":
-        raise UsageError("the async decode reads misses from host memory (miss policy wait), as the engine's")
+        raise UsageError("the simulator's async decode reads misses from host memory (miss policy wait): it does "
+                         "not model the engine's async host part")
     pred = sim_predictor(config, trace, train, model_path) if config.predictor else None
     n_pre = config.n_prefetch if config.n_prefetch is not None else default_n_prefetch(m.n_expert_used, m.n_expert)
     cache = assemble_cache(CacheSpec(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,

@@ -68,12 +68,19 @@ def test_every_miss_on_the_cpu_gives_stock_logits(arch_model, stock_logits, monk
         assert hp.jobs == 0
 
 
-def test_auto_splits_a_layers_misses_between_fills_and_the_cpu(qwen3moe_model, stock_logits, even_profile):
-    """``auto`` with the CPU as fast as a copy: a share of each layer's experts goes to the CPU, the rest are
-    filled by the graph. Both servers take misses in one run, and the logits are stock's."""
+def test_auto_splits_a_layers_misses_between_fills_and_the_cpu(qwen3moe_model, stock_logits, even_profile, tmp_path):
+    """``auto`` with the CPU as fast as a copy, and no fixed cost for a layer's CPU part: a share of each layer's
+    experts goes to the CPU, the rest are filled by the graph. Both servers take misses in one run, and the
+    logits are stock's."""
+    import dataclasses
+
+    from ggmoe.cache.hardware import load_profile, render_profile
+
+    free_split = tmp_path / "free-split.toml"
+    free_split.write_text(render_profile(dataclasses.replace(load_profile(even_profile), hook_s=0.0), {}))
     facts = inspect_model(qwen3moe_model)
     run = RunConfig(CacheConfig(n_slots=facts.n_expert_used + 1),
-                    decode=DecodeConfig(miss_policy="auto", mode="async", hw_profile=even_profile))
+                    decode=DecodeConfig(miss_policy="auto", mode="async", hw_profile=str(free_split)))
     with _engine(qwen3moe_model, run) as eng:
         got = run_sequences(eng)
         st = eng.cache_stats.total()

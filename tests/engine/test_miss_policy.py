@@ -105,12 +105,12 @@ def test_auto_follows_the_hardware_profile(stock_logits, tmp_path, hw, on_cpu):
 
 
 @pytest.mark.parametrize("case, why", [
-    ("async", "--decode-mode async reads a miss from host memory"),
     ("split", "split experts read what is not cached"),
 ])
 def test_auto_chooses_wait_where_the_host_path_cannot_serve(arch_model, stock_logits, case, why):
     """auto on a slow link (egpu: the CPU is sooner) never errors out where the host path cannot serve the
-    cache (an asked-for async decode; MoEpic's split layers): it runs as wait and says why."""
+    cache (MoEpic's split layers): it runs as wait and says why. (The async decode's host part serves an
+    asked-for async decode: tests/engine/test_async_host_part.py.)"""
     arch, path = arch_model
     facts = inspect_model(path)
     theta = dict.fromkeys(facts.moe_layers, 0.5) if case == "split" else None

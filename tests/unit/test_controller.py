@@ -135,10 +135,10 @@ def test_a_victims_entry_goes_back_to_host_before_its_slot_is_rewritten():
 
 def test_decode_mode_choice_is_explained():
     assert choose_decode_mode("auto", []).mode == "async"
-    why = sync_reasons("cpu", None, None, gpu_auto=True)
+    why = sync_reasons("cpu", None, None, auto=True)
     m = choose_decode_mode("auto", why)
     assert m.mode == "sync" and "host path" in m.reason
-    assert sync_reasons("cpu", None, None) == []  # the async decode's host part (patch 0016) serves it
+    assert sync_reasons("cpu", None, None) == []  # asked for: the async decode's host part (patch 0016)
     assert choose_decode_mode("sync", []).mode == "sync"
     with pytest.raises(UsageError, match="async cannot run here"):
         choose_decode_mode("async", sync_reasons("wait", "predictor 'expert-map' reads router probabilities", None))
