@@ -143,11 +143,10 @@ def without_host_path_when_full(policy: str, n_slots: Mapping[int, int], n_exper
                     "path is off (each expert's first use waits for its copy)")
 
 
-def host_path_refusal(split: bool, decode_mode: str) -> str | None:
+def host_path_refusal(split: bool) -> str | None:
     """Why the host path cannot serve a cache (None: it can): ``split``, whether some layer's experts are split
-    (MoEpic). Any decode mode can: the async decode computes its CPU experts in the graph's host part (patch
-    0016)."""
-    del decode_mode  # every mode has a host path
+    (MoEpic). Every decode mode has a host path: the async decode computes its CPU experts in the graph's host
+    part (patch 0016)."""
     if split:
         return "split experts read what is not cached from host memory through the expert table"
     return None
@@ -195,7 +194,8 @@ def auto_without_host_path(policy: str, split: bool, decode_mode: str) -> tuple[
     """The miss policy to build a cache with, before any cost model: ``auto`` becomes ``wait`` where the host
     path cannot serve the cache, and says why (``cpu`` asked for explicitly is left to be refused)."""
     policy = check_miss_policy(policy)
-    why = host_path_refusal(split, decode_mode) if policy == "auto" else None
+    del decode_mode  # every decode mode has a host path (the callers' signature predates patch 0016)
+    why = host_path_refusal(split) if policy == "auto" else None
     if why is None:
         return policy, None
     return "wait", f"auto: {why}, so misses are not computed on the CPU (the host path is off)"
