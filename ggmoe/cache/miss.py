@@ -180,6 +180,23 @@ def async_cpu_experts(policy: str, costs: MissCosts | None, nbytes: int, n_slots
     return tuple(sorted(order[:min(n_cpu, n_expert)]))
 
 
+def async_cpu_masks(policy: str, costs: MissCosts | None, bytes_per_expert: Mapping[int, int],
+                    n_slots: Mapping[int, int], n_expert: int, n_expert_used: int,
+                    counts: Mapping[int, Sequence[int]] | None = None) -> dict[int, list[bool]]:
+    """``ExpertCache.cpu_of`` for the async decode's host part, as the engine's pipeline and the simulator set it:
+    il -> [n_expert] flags of the experts ``async_cpu_experts`` sends to the CPU; a layer with none is left out."""
+    masks: dict[int, list[bool]] = {}
+    for il, n in n_slots.items():
+        experts = async_cpu_experts(policy, costs, bytes_per_expert.get(il, 0), n, n_expert, n_expert_used,
+                                    (counts or {}).get(il))
+        if experts:
+            mask = [False] * n_expert
+            for e in experts:
+                mask[e] = True
+            masks[il] = mask
+    return masks
+
+
 def miss_share(n_slots: int, n_expert: int, counts: Sequence[int] | None) -> float:
     """The share of a layer's expert selections a cache of ``n_slots`` misses: with routing statistics
     (``counts`` [n_expert], tokens that chose each expert), what its ``n_slots`` most chosen experts do not
@@ -190,11 +207,10 @@ def miss_share(n_slots: int, n_expert: int, counts: Sequence[int] | None) -> flo
     return max(0.0, 1.0 - sum(sorted(counts, reverse=True)[:n_slots]) / total)
 
 
-def auto_without_host_path(policy: str, split: bool, decode_mode: str) -> tuple[str, str | None]:
+def auto_without_host_path(policy: str, split: bool) -> tuple[str, str | None]:
     """The miss policy to build a cache with, before any cost model: ``auto`` becomes ``wait`` where the host
     path cannot serve the cache, and says why (``cpu`` asked for explicitly is left to be refused)."""
     policy = check_miss_policy(policy)
-    del decode_mode  # every decode mode has a host path (the callers' signature predates patch 0016)
     why = host_path_refusal(split) if policy == "auto" else None
     if why is None:
         return policy, None

@@ -386,24 +386,23 @@ def _policy_options(policies: list[str], warm: RoutingStats | None) -> dict[str,
 def _combinations(facts: ModelFacts | TraceShape, cache_slots: tuple[str, ...], cache_fraction: tuple[str, ...],
                   vram: tuple[str, ...], choices: _Choices) -> list[tuple]:
     """Every (size, policy, predictor, miss policy, decode mode, θ) that can run, in the order of the flags."""
-    # async reads misses from host memory (miss policy wait), as the engine's; a predictor there prefetches
-    # from the mailbox (the engine's stride prefetch into free slots); split layers (θ < 1) read what is not
-    # cached from host memory, so they too need wait
+    # async reads misses over the link (wait) or computes some on the CPU in its host part (cpu, auto), as the
+    # engine's; a predictor there prefetches from the mailbox (the engine's stride prefetch into free slots);
+    # split layers (θ < 1) read what is not cached from host memory, so they need wait
     c = choices
     combos = [k for k in itertools.product(sizes(facts, cache_slots, cache_fraction, vram), c.policies,
                                            c.predictors, c.misses, c.modes, c.thetas, c.planners)
               if _mode_runs(k[4], k[3]) and (k[5] == 1.0 or k[3] == "wait")]
     for mode in c.modes:
         if mode != "sync" and not any(k[4] == mode for k in combos):
-            need = "auto" if mode == "hybrid" else "wait"
-            raise UsageError(f"--decode-mode {mode} needs --miss-policy {need} among the choices")
+            raise UsageError(f"--decode-mode {mode} needs --miss-policy auto among the choices")
     return combos
 
 
 def _mode_runs(mode: str, miss: str) -> bool:
-    """Whether a decode mode runs with a miss policy: async reads misses over the link (wait), hybrid splits them
-    between the link and the CPU (auto), sync runs every policy."""
-    return mode == "sync" or miss == ("auto" if mode == "hybrid" else "wait")
+    """Whether a decode mode runs with a miss policy: hybrid splits a layer's misses between the link and the CPU
+    (auto); sync and async run every policy (async computes the CPU's share in its host part)."""
+    return mode != "hybrid" or miss == "auto"
 
 
 def _check_predictors(predictors: list[str | None], planners: list[str | None], combos: list[tuple], stride: int,

@@ -63,7 +63,8 @@ _SWEEP = (
                  help="sync, async, async-fill (repeat or comma list; default sync): async reads misses over the link "
                       "with no route hook and admits between tokens; async-fill is async with in-graph fills (each "
                       "miss copied into a fill slot inside its layer and read there: one crossing, no admission); "
-                      "their rows need miss policy wait. hybrid is sync with each layer's misses split between the "
+                      "with miss policy cpu or auto their host part computes some misses on the CPU beside the "
+                      "GPU (the engine's patch 0016). hybrid is sync with each layer's misses split between the "
                       "link and the CPU, both at once, so that both finish together; its rows need miss policy auto."),
     click.option("--miss-policy", multiple=True, help="wait, cpu, auto (repeat or comma list; default wait)."),
     click.option("--plan-predictor", "plan_predictor", multiple=True,

@@ -41,7 +41,7 @@ from ggmoe.cache.decode_mode import (
 )
 from ggmoe.cache.fill import Fill
 from ggmoe.cache.host_tier import HostTier
-from ggmoe.cache.miss import async_cpu_experts, auto_without_host_path
+from ggmoe.cache.miss import async_cpu_masks, auto_without_host_path
 from ggmoe.cache.split import model_split
 from ggmoe.control import TokenController
 from ggmoe.control.run_config import RunConfig
@@ -145,8 +145,7 @@ class CachePipeline:
         route_inputs = self._route_inputs
         # auto never asks for a host path that cannot serve this cache: it runs as wait and says why
         decode = run.decode
-        miss, why = auto_without_host_path(decode.miss_policy, bool(model_split(facts, run.cache.layer_theta)),
-                                           decode.mode)
+        miss, why = auto_without_host_path(decode.miss_policy, bool(model_split(facts, run.cache.layer_theta)))
         self.runtime = CacheRuntime.for_model(self._model_ptr, ctx_ptr,
                                               replace(run, decode=replace(decode, miss_policy=miss)), facts,
                                               self._n_threads, model_path)
@@ -250,18 +249,9 @@ class CachePipeline:
         """The async decode's host part (patch 0016): per layer, the experts the graph computes on the CPU whenever
         no slot holds them, chosen from the miss policy and the cost model (``async_cpu_experts``)."""
         cache, facts = self.runtime.cache, self.facts
-        counts = run.decode.routing_counts or {}
-        cpu_of: dict[int, list[bool]] = {}
-        for il, n in cache.n_slots.items():
-            experts = async_cpu_experts(self.runtime.miss_policy, cache.costs, cache.bytes_per_expert.get(il, 0), n,
-                                        facts.n_expert, facts.n_expert_used, counts.get(il))
-            if experts:
-                mask = [False] * facts.n_expert
-                for e in experts:
-                    mask[e] = True
-                cpu_of[il] = mask
-        cache.cpu_of = cpu_of
-        self.tables.set_host_part(cpu_of)
+        cache.cpu_of = async_cpu_masks(self.runtime.miss_policy, cache.costs, cache.bytes_per_expert, cache.n_slots,
+                                       facts.n_expert, facts.n_expert_used, run.decode.routing_counts)
+        self.tables.set_host_part(cache.cpu_of)
 
     def _make_tables(self, fill: bool, max_tokens: int) -> None:
         """The expert tables the cache's steps write, with the fill words where the graph fills misses (patch

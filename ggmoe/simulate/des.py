@@ -37,6 +37,13 @@ link inside the layer at the zero-copy rate, as a read in place does, and are th
 cache takes them (``take_fills``) and the controller settles them with no admission copy. Misses beyond the
 fill slots are read in place and admitted as without fills.
 
+The async decode's host part (miss policy ``cpu`` or ``auto`` with decode mode async; the engine's patch 0016):
+between tokens the cache names per layer the experts the CPU computes whenever no slot holds them
+(``ggmoe.cache.miss.async_cpu_masks``, as the engine's pipeline sets ``ExpertCache.cpu_of``; without routing
+counts, the highest ids). Such a miss is neither filled nor read over the link: the CPU computes it beside the
+device part, after a graph split that a layer with a host part pays every token (``hook_s``), and the layer ends
+when both parts have: ``max(GPU experts + link reads, hook_s + CPU experts)``.
+
 With a planner (``SimConfig.planner``: a cross-token predictor, ``ggmoe.control.planner``), the engine's own
 ``NextTokenPlanner`` plans each layer's next call as in the engine: in the async replay the controller shows it
 every layer between tokens (the MoE input rows from the trace, as the engine's mailbox hands them), in the sync
@@ -74,7 +81,13 @@ from ggmoe.cache.clock import ManualClock
 from ggmoe.cache.decode_mode import TABLE_MAX_TOKENS
 from ggmoe.cache.fill import Fill, FillTargets, assign
 from ggmoe.cache.hardware import COPIES_PER_EXPERT, HardwareProfile
-from ggmoe.cache.miss import SLOT_HOST, MissCosts, auto_without_host_path, effective_miss_policy
+from ggmoe.cache.miss import (
+    SLOT_HOST,
+    MissCosts,
+    async_cpu_masks,
+    auto_without_host_path,
+    effective_miss_policy,
+)
 from ggmoe.cache.policies import make_policy
 from ggmoe.cache.policies.base import Policy
 from ggmoe.cache.split import LayerSplit
@@ -249,10 +262,9 @@ def _miss_policy(config: SimConfig, split: bool, costs: MissCosts | None, bytes_
     """The miss policy the engine would run: ``auto`` without a host path that cannot serve the cache, then
     ``auto`` as ``wait`` where the cost model never prefers the CPU (in the hybrid decode: where the split never
     sends a token's misses to the CPU)."""
-    asked, _ = auto_without_host_path(config.miss_policy, split, config.decode_mode)
-    if config.decode_mode == "async" and asked == "auto":  # the replay has no async host part (patch 0016)
-        asked = "wait"
-    beside = n_expert_used if config.hybrid else None
+    asked, _ = auto_without_host_path(config.miss_policy, split)
+    # the CPU beside the link: the hybrid decode, and the async decode's host part (its own branch of the graph)
+    beside = n_expert_used if config.hybrid or config.decode_mode == "async" else None
     return effective_miss_policy(asked, costs, bytes_per_expert, beside)[0]
 
 
@@ -328,9 +340,9 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
     miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert, m.n_expert_used)  # as the engine
-    if config.decode_mode == "async" and miss_policy != "wait":
-        raise UsageError("the simulator's async decode reads misses from host memory (miss policy wait): it does "
-                         "not model the engine's async host part")
+    if config.decode_mode == "async" and miss_policy != "wait" and (split or host is not None):
+        raise UsageError("the async decode's host part computes misses from host memory: split experts and a "
+                         "disk tier need --miss-policy wait")
     pred = sim_predictor(config, trace, train, model_path) if config.predictor else None
     n_pre = config.n_prefetch if config.n_prefetch is not None else default_n_prefetch(m.n_expert_used, m.n_expert)
     cache = assemble_cache(CacheSpec(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
@@ -344,6 +356,9 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     if config.fills:  # as the engine's pipeline sets it where the graph fills
         cache.fill_slots = m.n_expert_used
     cache.cpu_beside_link = config.hybrid
+    if config.decode_mode == "async" and miss_policy != "wait":  # the host part's experts, as the pipeline sets them
+        cache.cpu_of = async_cpu_masks(miss_policy, miss_costs, bytes_per_expert, config.n_slots, m.n_expert,
+                                       m.n_expert_used)
     if host is not None and (pred is not None or config.planner):
         _disk_prefetch(cache, host)
     ids = trace.ids.astype(np.int32)
@@ -567,6 +582,7 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
     layer_s = costs.layer(sel.shape[0])
     split = cache.split
     host = getattr(link, "host", None)  # the disk tier's host tier (None: every expert in host memory)
+    cpu_of = cache.cpu_of  # the host part's experts per layer (patch 0016; empty: none)
     filled: list[Fill] = []
     # as the engine's pipeline decides before a token launches: read the mailbox only where a prefetch could go
     read = (mailbox is not None and sel.shape[0] == 1 and cache.has_free_slot()
@@ -584,21 +600,26 @@ def _async_step(clock: ManualClock, cache: ExpertCache, link: LinkCopyBackend, c
         table = cache.tables[il]
         slot_of, copy = table.slot_of_list, table.copy
         readable = [e for e in need if slot_of[e] >= 0 and copy[slot_of[e]] is None]
+        cpu = cpu_of.get(il) if cpu_of else None
+        on_cpu = [e for e in need.difference(readable) if cpu[e]] if cpu is not None else []
         if il in split:
             nbytes = _read_in_place(cache, il, need)
         else:  # a whole expert for each one not ready in a slot (filled or read in place: one crossing)
-            nbytes = (len(need) - len(readable)) * cache.bytes_per_expert.get(il, 0)
+            nbytes = (len(need) - len(readable) - len(on_cpu)) * cache.bytes_per_expert.get(il, 0)
             if host is not None and nbytes:  # from a host slot: a miss there reads the disk first
                 clock.advance(host.wait_s(il, need.difference(readable)))
         t = targets.get(il) if targets else None
         n_filled = 0
         if t is not None:  # the graph's assignment: its misses copied into fill slots, read there
-            got = assign(t, need, readable)
+            got = assign(t, need.difference(on_cpu), readable)  # a host-part expert's entry is 0: never filled
             filled += got
             n_filled = len(got)
         read_s = link.occupy(costs.zero_copy(nbytes))  # shared with the copies in flight
         # what is read over the link is bound by the link; a filled expert is then computed from its slot
-        clock.advance(costs.experts(il, len(readable) + n_filled) + read_s)
+        gpu_s = costs.experts(il, len(readable) + n_filled) + read_s
+        # a layer with a host part pays its graph split every token (activations to the host, results back),
+        # then the CPU's experts, beside the device part; the two meet at the layer's sum
+        clock.advance(max(gpu_s, costs.hook() + costs.cpu(il, len(on_cpu))) if cpu is not None else gpu_s)
     link.settle()  # what landed by now, before the controller asks (FlagLinkCopyBackend)
     if filled:
         cache.take_fills(filled)  # as the engine hands the read-back words to the cache

@@ -83,14 +83,17 @@ def _engine_without_fills(monkeypatch) -> None:
 
 
 @pytest.mark.immediate_copies("the replay lands a copy when it is issued, as the immediate stream does")
-@pytest.mark.parametrize(("policy", "predictor", "slots", "planner", "fills"), [
-    ("lru", None, 3, None, False), ("lfu", None, 3, None, False), ("tinylfu", None, 3, None, False),
-    ("lru", "reuse", 5, None, False), ("lru", None, 4, "token.npz", False), ("lru", "reuse", 5, "reuse", False),
+@pytest.mark.parametrize(("policy", "predictor", "slots", "planner", "fills", "miss"), [
+    ("lru", None, 3, None, False, "wait"), ("lfu", None, 3, None, False, "wait"),
+    ("tinylfu", None, 3, None, False, "wait"), ("lru", "reuse", 5, None, False, "wait"),
+    ("lru", None, 4, "token.npz", False, "wait"), ("lru", "reuse", 5, "reuse", False, "wait"),
     # in-graph fills (the engine's default): the graph fills what assign computes, the controller settles it
-    ("lru", None, 3, None, True), ("tinylfu", None, 3, None, True), ("lru", "reuse", 5, None, True),
-    ("lru", "reuse", 5, "reuse", True)])
+    ("lru", None, 3, None, True, "wait"), ("tinylfu", None, 3, None, True, "wait"),
+    ("lru", "reuse", 5, None, True, "wait"), ("lru", "reuse", 5, "reuse", True, "wait"),
+    # the host part (patch 0016): every miss computed on the CPU, then admitted by the controller
+    ("lru", None, 3, None, True, "cpu"), ("tinylfu", None, 3, None, True, "cpu")])
 def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, monkeypatch, policy, predictor, slots,
-                                                 planner, fills):
+                                                 planner, fills, miss):
     """The async decode replayed: the engine's counts (decode steps read through the tables, the controller
     between tokens, prefill on the route op; with a predictor, the mailbox's stride prefetch into free slots;
     with fills, the misses the graph filled, settled without admissions) equal the simulator's in async mode on
@@ -104,7 +107,8 @@ def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, monke
     prompt = "The" if fills and predictor else "The quick brown fox jumps over"
     if predictor:
         monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
-    run = ["run", str(qwen3moe_model), "-p", prompt, "-n", "24", "--cache-slots", str(slots), "--policy", policy]
+    run = ["run", str(qwen3moe_model), "-p", prompt, "-n", "24", "--cache-slots", str(slots), "--policy", policy,
+           "--miss-policy", miss]
     pre = ["--predictor", predictor, "--stride", "1"] if predictor else []
     if planner == "token.npz":  # a cross-token mlp: its input rows from the mailbox live, from the trace replayed
         from tools.fixtures.random_predictor import random_predictor_file
@@ -118,15 +122,18 @@ def test_simulator_counts_equal_the_async_engine(qwen3moe_model, tmp_path, monke
         r = CliRunner().invoke(main, [*run, *pre, "--decode-mode", "async", "--stats-json", str(stats)])
     assert r.exit_code == 0, r.output
     d = json.loads(stats.read_text())
-    assert d["decode_mode_in_effect"] == "async" and d["total"]["fills" if fills else "host_reads"] > 0
-    assert (d["total"]["fills"] > 0) == fills
+    assert d["decode_mode_in_effect"] == "async"
+    if miss == "cpu":  # every miss on the CPU: none filled, none read in place
+        assert d["total"]["host_computed"] > 0 and d["total"]["fills"] == d["total"]["host_reads"] == 0
+    else:
+        assert d["total"]["fills" if fills else "host_reads"] > 0 and (d["total"]["fills"] > 0) == fills
     if predictor:
         assert d["total"]["prefetch_issued"] > 0
     r = CliRunner().invoke(main, [*run, "--decode-mode", "sync", "--trace-out", str(tr)])
     assert r.exit_code == 0, r.output
     facts = inspect_model(qwen3moe_model)
     cfg = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, slots), policy=policy, decode_mode="async",
-                    predictor=predictor, stride=1, planner=planner, fills=fills)
+                    predictor=predictor, stride=1, planner=planner, fills=fills, miss_policy=miss)
     sim = simulate(load_trace(tr), cfg, {il: facts.bytes_per_expert(il) for il in facts.moe_layers}, None)
     fields = (*FIELDS, "host_reads", "host_read_bytes", "evictions", "prefetch_issued", "prefetch_hits",
               "prefetch_late", "prefetch_wasted", "plan_total", "plan_correct", "admission_copies", "fills",
@@ -244,7 +251,8 @@ def test_a_learning_predictor_counts_equal_the_engine(qwen3moe_model, tmp_path, 
 
 def test_simulate_both_decode_modes(tmp_path):
     """`ggmoe simulate --decode-mode sync,async`: both rows side by side, with and without a predictor (async:
-    the mailbox's stride prefetch); async refuses a host-path-only choice."""
+    the mailbox's stride prefetch); async with miss policy cpu computes misses in its host part; hybrid refuses
+    a policy other than auto."""
     tr = _trace(tmp_path, ["def main():"], 12)
     r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.5", "--decode-mode", "sync,async",
                                   "--predictor", "none,reuse", "--hw", "h100", "--json"])
@@ -256,8 +264,13 @@ def test_simulate_both_decode_modes(tmp_path):
     assert by[("async", None)]["stats"]["total"]["host_reads"] > 0 and by[("async", None)]["tpot_s"] > 0
     assert by[("async", "reuse")]["stats"]["total"]["prefetch_issued"] > 0
     r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.5", "--decode-mode", "async",
-                                  "--miss-policy", "cpu"])
-    assert r.exit_code == 2 and "needs --miss-policy wait" in r.output
+                                  "--miss-policy", "cpu", "--hw", "h100", "--json"])  # the async host part
+    assert r.exit_code == 0, r.output
+    total = json.loads(r.output[r.output.index("{"):])["results"][0]["stats"]["total"]
+    assert total["host_computed"] > 0 and total["host_reads"] == 0
+    r = CliRunner().invoke(main, ["simulate", str(tr), "--cache-fraction", "0.5", "--decode-mode", "hybrid",
+                                  "--miss-policy", "wait"])
+    assert r.exit_code == 2 and "needs --miss-policy auto" in r.output
 
 
 SPLIT_FIELDS = (*FIELDS, "top_hits", "bottom_hits", "bottom_read_bytes", "bottom_prefetches",

@@ -198,17 +198,15 @@ def test_inspect_figures_and_vram_budgets_are_inverse():
                                         facts.n_expert_used).values()) == {n - 1}
 
 
-@pytest.mark.parametrize("policy, split, mode, want, why", [
-    ("auto", False, "auto", "auto", None),
-    ("auto", False, "sync", "auto", None),
-    ("auto", True, "auto", "wait", "split experts"),
-    ("auto", False, "async", "auto", None),  # the async decode's host part (patch 0016)
-    ("cpu", True, "async", "cpu", None),  # asked for explicitly: the engine refuses it, auto never errors
-    ("wait", True, "async", "wait", None),
+@pytest.mark.parametrize("policy, split, want, why", [
+    ("auto", False, "auto", None),  # every decode mode has a host path (the async one: patch 0016)
+    ("auto", True, "wait", "split experts"),
+    ("cpu", True, "cpu", None),  # asked for explicitly: the engine refuses it, auto never errors
+    ("wait", True, "wait", None),
 ])
-def test_auto_without_host_path(policy, split, mode, want, why):
+def test_auto_without_host_path(policy, split, want, why):
     from ggmoe.cache.miss import auto_without_host_path
 
-    got, note = auto_without_host_path(policy, split, mode)
+    got, note = auto_without_host_path(policy, split)
     assert got == want
     assert (note is None) if why is None else (why in note and note.startswith("auto: "))

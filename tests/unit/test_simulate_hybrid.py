@@ -68,7 +68,7 @@ def test_hybrid_is_the_sync_decode_with_auto(config):
 
 @pytest.mark.parametrize("mode, miss, runs", [
     ("sync", "wait", True), ("sync", "auto", True), ("sync", "cpu", True),
-    ("async", "wait", True), ("async", "auto", False), ("async-fill", "wait", True),
+    ("async", "wait", True), ("async", "auto", True), ("async-fill", "cpu", True),  # async: its host part
     ("hybrid", "auto", True), ("hybrid", "wait", False), ("hybrid", "cpu", False),
 ])
 def test_which_rows_simulate_runs(mode, miss, runs):

@@ -166,8 +166,10 @@ def test_auto_picks_the_cheaper():
     mid_cpu = dataclasses.replace(PROFILE, cpu_bytes_per_s=BPE / 3e-3)
     r = simulate(tr, SimConfig({0: 2}, miss_policy="auto"), {0: BPE}, mid_cpu)
     assert r.host_computed == 3 and r.exposed_copy_s == 0.0
-    # where the host path cannot serve (an async decode; split layers) auto reads misses as the engine does
+    # the async decode weighs the same costs for its host part: a fast CPU takes every miss, a slow one none
     assert simulate(tr, SimConfig({0: 2}, miss_policy="auto", decode_mode="async"), {0: BPE}, fast_cpu
+                    ).host_computed == 3
+    assert simulate(tr, SimConfig({0: 2}, miss_policy="auto", decode_mode="async"), {0: BPE}, slow_cpu
                     ).host_computed == 0
 
 
@@ -408,8 +410,9 @@ def test_simulate_names_async_with_fills_async_fill():
 
 def test_the_async_decode_refuses_what_needs_the_sync_mode():
     tr = trace([[[0]], [[1]]])
-    with pytest.raises(UsageError, match="async decode"):
-        simulate(tr, SimConfig({0: 2}, decode_mode="async", miss_policy="cpu"), {0: BPE}, PROFILE)
+    with pytest.raises(UsageError, match="host part"):  # the host part reads host memory: no disk tier
+        simulate(tr, SimConfig({0: 2}, decode_mode="async", miss_policy="cpu", host_slots=2), {0: BPE},
+                 dataclasses.replace(PROFILE, disk_bytes_per_s=1e9))
     with pytest.raises(UsageError, match="decode mode"):
         simulate(tr, SimConfig({0: 2}, decode_mode="fast"), {0: BPE}, PROFILE)
 
