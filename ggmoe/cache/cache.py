@@ -744,9 +744,13 @@ class WholeLayer:
     def _reclaim_admissions(self) -> None:
         """Admissions still queued (not started) are cancelled before a fill offer and their slots freed: a fill
         brings a miss in the graph with one crossing, where an admission is its second; and a layer whose slots
-        all wait for admissions would have no fill slot, read every miss in place, admit it again, and so on."""
+        all wait for admissions would have no fill slot, read every miss in place, admit it again, and so on.
+        An expert of the async decode's host part (``cpu_of``) is never filled: its admission is its only way into
+        a slot, and stays queued."""
         c, il, table = self.cache, self.il, self.table
-        dropped = c._cancel_where(table.copy, Priority.ADMISSION, lambda h: True)
+        cpu = c.cpu_of.get(il) if c.cpu_of else None
+        dropped = c._cancel_where(table.copy, Priority.ADMISSION,
+                                  (lambda h: True) if cpu is None else (lambda h: not cpu[h.expert]))
         if dropped:
             c.stats.layers[il].admissions_dropped += len(dropped)
             for slot in dropped:

@@ -86,11 +86,11 @@ class HardwareProfile:
         """The profile as the ``auto`` miss policy's cost model: an expert is ``n_copies`` copies (one per
         tensor kind), each paying the per-copy latency, as the link charges them; a layer whose experts the CPU
         computes beside the link pays one graph split with a device sync (``hook_s``); the GPU computes a copied
-        expert at its matvec rate."""
+        expert at its matvec rate, and reads one in place at its zero-copy rate."""
         return MissCosts(copy_bytes_per_s=self.copy_bytes_per_s, copy_latency_s=n_copies * self.copy_latency_s,
                          cpu_bytes_per_s=self.cpu_bytes_per_s, cpu_latency_s=self.cpu_latency_s,
                          host_split_s=self.hook_s, gpu_bytes_per_s=self.gpu_bytes_per_s,
-                         gpu_latency_s=self.gpu_launch_s)
+                         gpu_latency_s=self.gpu_launch_s, zero_copy_bytes_per_s=self.zero_copy_bytes_per_s)
 
 
 _FIELDS = {  # attribute -> (table, key, smallest allowed value)

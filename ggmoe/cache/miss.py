@@ -50,9 +50,16 @@ class MissCosts:
     # computed after its copy lands, beside the hits): None, the GPU's time is left out
     gpu_bytes_per_s: float | None = None
     gpu_latency_s: float = 0.0  # s
+    # what the GPU's kernels read of pinned host memory per second (the async decode's fills and reads in place,
+    # no per-copy latency); None: the copy engine's rate (HardwareProfile.zero_copy_s's fallback)
+    zero_copy_bytes_per_s: float | None = None
 
     def copy_s(self, nbytes: int) -> float:
         return self.copy_latency_s + nbytes / self.copy_bytes_per_s
+
+    def zero_copy_s(self, nbytes: int) -> float:
+        """A miss the async decode's graph reads over the link (filled into a slot, or read in place)."""
+        return nbytes / (self.zero_copy_bytes_per_s or self.copy_bytes_per_s)  # no per-copy latency: a kernel reads
 
     def gpu_s(self, nbytes: int) -> float:
         return self.gpu_latency_s + nbytes / self.gpu_bytes_per_s if self.gpu_bytes_per_s else 0.0
@@ -157,27 +164,23 @@ def async_cpu_experts(policy: str, costs: MissCosts | None, nbytes: int, n_slots
     """The experts of one layer that the async decode computes on the CPU whenever no slot holds them (its host
     part in table mode, patch 0016); every other miss is filled into a slot by the graph (or read in place).
 
-    The async decode decides between tokens, before the routing is known, so it splits by expert, not by call:
-    ``cpu``, every expert; ``wait``, none; ``auto``, a share of them so that a token's expected misses (from
-    ``counts``, else uniform routing: ``miss_share``) keep the link and the CPU equally busy (where
-    ``split_misses``' two finishes cross).
-    The share goes to the experts the routing chooses least (``counts``; else the highest ids): a fill also
-    leaves its expert cached, which pays most for the experts that come back."""
+    The async decode decides between tokens, before the routing is known, so it decides by expert, not by call:
+    ``cpu``, every expert; ``wait``, none; ``auto``, every expert where a miss is sooner on the CPU than read over
+    the link by the graph (``zero_copy_s``, then computed on the GPU), counting its share of the layer's graph split (``host_split_s``, paid every token by a layer with
+    a host part) over a token's expected misses (``counts``, else uniform routing: ``miss_share``), else none.
+    A fixed share of the experts does not balance the two per token: the real routing's misses of a layer fall
+    on either side unevenly, and the simulator put such a share behind both choices on the shared
+    DeepSeek-V2-Lite routing (docs/policies.md). The per-token balance is the sync decode's (``split_misses``)."""
     policy = check_miss_policy(policy)
     if policy == "wait" or n_slots >= n_expert:
         return ()
     if policy == "cpu" or costs is None:
         return tuple(range(n_expert))
     misses = n_expert_used * miss_share(n_slots, n_expert, counts)  # expected a token (a fraction)
-    link_s, cpu_s = costs.copy_s(nbytes) + costs.gpu_s(nbytes), costs.cpu_s(nbytes)
-    # where split_misses' two finishes cross, for the expected misses: the CPU's share of them
-    share = min(max((misses * link_s - costs.host_split_s) / (link_s + cpu_s) / misses, 0.0), 1.0) if misses else 0.0
-    n_cpu = round(n_expert * share)
-    if n_cpu <= 0:
+    if misses <= 0.0:
         return ()
-    order = (sorted(range(n_expert), key=lambda e: (counts[e], -e)) if counts is not None and sum(counts)
-             else list(range(n_expert - 1, -1, -1)))
-    return tuple(sorted(order[:min(n_cpu, n_expert)]))
+    link_s, cpu_s = costs.zero_copy_s(nbytes) + costs.gpu_s(nbytes), costs.cpu_s(nbytes)
+    return tuple(range(n_expert)) if cpu_s + costs.host_split_s / misses < link_s else ()
 
 
 def async_cpu_masks(policy: str, costs: MissCosts | None, bytes_per_expert: Mapping[int, int],

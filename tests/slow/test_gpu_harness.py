@@ -57,12 +57,12 @@ def test_gpu_smoke(tmp_path):
     assert {(r, "async-prefetch") for r in (True, False)} <= configs
     assert {(r, "async-tinylfu") for r in (True, False)} <= configs
     assert {(r, c) for r in (True, False) for c in ("async-fill", "async-fill-prefetch", "async-fill-tinylfu")} <= configs
-    assert {(r, "hybrid") for r in (True, False)} <= configs
-    assert len(cells) == 2 + 3 * 11 + 3 * 11 + 2 * 2 * 2  # 3 fractions; the split rows at 50 and 25 % only
+    assert {(r, c) for r in (True, False) for c in ("hybrid", "async-fill-host")} <= configs
+    assert len(cells) == 2 + 3 * 12 + 3 * 12 + 2 * 2 * 2  # 3 fractions; the split rows at 50 and 25 % only
     # the async rows ran the async decode (trace rows through the forced routing), the lru rows the sync one
     assert all(c["decode_mode"] == "async" for c in cells if c["config"] in (
         "async", "async-prefetch", "split-async", "async-tinylfu", "async-fill", "async-fill-prefetch",
-        "async-fill-tinylfu"))
+        "async-fill-tinylfu", "async-fill-host"))
     assert all(c["decode_mode"] == "sync" for c in cells if c["config"] in ("lru", "split", "hybrid"))
     # MoEpic's split (θ 1/2 of the toy's 512 neurons): twice the slots in the lru row's VRAM, the bottoms read
     # from host memory, tops found

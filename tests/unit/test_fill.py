@@ -144,3 +144,24 @@ def test_an_offer_reclaims_queued_admissions_for_fill_slots():
         assert len(targets.slots) == K and cache.stats.layers[0].admissions_dropped > 0
     finally:
         copies.close()
+
+
+def test_an_offer_keeps_the_queued_admissions_of_the_host_parts_experts():
+    """An expert of the async decode's host part (``cpu_of``) is never filled: its admission is its only way
+    into a slot, so an offer leaves it queued and reclaims only the others'."""
+    from ggmoe.cache.copy import ThreadedCopyBackend
+
+    copies = ThreadedCopyBackend(lambda il, e, s: None, delay_s=60.0)  # nothing lands while the test runs
+    try:
+        cache = ExpertCache(N_EXPERT, K, {0: K}, POLICIES.get("lru")(N_EXPERT, [0]), copies)
+        cache.follow_tables()
+        cache.cpu_of = {0: [e == 1 for e in range(N_EXPERT)]}  # expert 1 on the CPU, 0 filled
+        cache.after_token(0, [0, 1])  # both misses admitted, queued behind the slow link
+        table = cache.tables[0]
+        cache.fill_slots = K
+        (targets,) = cache.offer_fills()
+        loading = [table.expert_in_list[s] for s, h in enumerate(table.copy) if h is not None]
+        assert loading == [1] and cache.stats.layers[0].admissions_dropped == 1
+        assert len(targets.slots) == 1  # the other slot waits for expert 1's admission
+    finally:
+        copies.close()

@@ -183,6 +183,8 @@ SIM_MISS = [
     ("async", None, "wait"), ("prefetch-wait", None, "wait"),
     ("lru-auto", "wait", "wait"),  # the engine's auto dropped the host path: simulated without it too
     ("prefetch", "auto", "auto"),
+    ("async-fill", None, "wait"), ("async-fill-host", None, "cpu"), ("async-fill-auto", None, "auto"),
+    ("async-fill-auto", "wait", "wait"),
 ]
 
 
@@ -724,3 +726,18 @@ def test_cpu_us_per_expert_by_hand():
     md = table([vram, cpu, _cell("random", "lru", 0.5, 0.0, error="OOM")])
     assert f"| {5e3 / 96:.0f} |" in md
     assert all(line.count("|") == md.splitlines()[0].count("|") for line in md.splitlines())
+
+
+@pytest.mark.parametrize("config, miss", [("async-fill", "wait"), ("async-fill-host", "cpu"),
+                                          ("async-fill-auto", "auto"), ("async", "wait")])
+def test_the_async_rows_name_their_miss_policy(config, miss):
+    """The async rows run the engine's async decode with fills (all but ``async``), and the host part's rows
+    name the miss policy that turns it on; the other async rows run without a host part."""
+    from types import SimpleNamespace
+
+    from tools.gpu.matrix import engine_config
+
+    facts = SimpleNamespace(n_expert=32, n_expert_used=4, moe_layers=[0, 1])
+    cfg, slots = engine_config(Path("m.gguf"), config, 0.5, facts, 2, 256, None)
+    decode = cfg.run.decode
+    assert (decode.mode, decode.miss_policy, decode.fills, slots) == ("async", miss, config != "async", 16)

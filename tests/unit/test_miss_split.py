@@ -156,38 +156,42 @@ def test_a_deferred_call_left_unfinished_ends_before_the_next_call():
     assert len(spy.waited) == 1
 
 
-def _mib_costs(copy_us: float, cpu_us: float):
+def _mib_costs(copy_us: float, cpu_us: float, split_us: float = 0.0, zero_copy_us: float | None = None):
     from ggmoe.cache.miss import MissCosts
 
     nb = 1 << 20  # one expert of 1 MiB: its times are the fixed costs plus nothing measurable
-    return MissCosts(copy_bytes_per_s=nb / (copy_us * US), copy_latency_s=0.0, cpu_bytes_per_s=nb / (cpu_us * US)), nb
+    zc = nb / (zero_copy_us * US) if zero_copy_us is not None else None
+    return MissCosts(copy_bytes_per_s=nb / (copy_us * US), copy_latency_s=0.0, cpu_bytes_per_s=nb / (cpu_us * US),
+                     host_split_s=split_us * US, zero_copy_bytes_per_s=zc), nb
 
 
-@pytest.mark.parametrize("policy, copy_us, cpu_us, slots, want", [
-    ("wait", 100, 1, 4, 0),      # never the CPU
-    ("cpu", 100, 1000, 4, 16),   # every expert, whatever it costs
-    ("cpu", 100, 1000, 16, 0),   # a slot for every expert: no miss to serve
-    ("auto", 100, 100, 4, 8),    # as fast as a copy: half of the misses, so half of the experts
-    ("auto", 100, 10000, 4, 0),  # the CPU far slower: none
-    ("auto", 10000, 100, 4, 16),  # the link far slower: all
+@pytest.mark.parametrize("policy, copy_us, cpu_us, split_us, zero_copy_us, slots, want", [
+    ("wait", 100, 1, 0, None, 4, 0),      # never the CPU
+    ("cpu", 100, 1000, 0, None, 4, 16),   # every expert, whatever it costs
+    ("cpu", 100, 1000, 0, None, 16, 0),   # a slot for every expert: no miss to serve
+    ("auto", 100, 100, 0, None, 4, 0),    # as fast as the link: the link (a fill also caches the expert)
+    ("auto", 100, 99, 0, None, 4, 16),    # a hair faster: every expert
+    ("auto", 100, 10000, 0, None, 4, 0),  # the CPU far slower: none
+    ("auto", 100, 60, 100, None, 4, 16),  # 3 misses a token expected: 60 + 100 / 3 < 100
+    ("auto", 100, 70, 100, None, 4, 0),   # 70 + 100 / 3 > 100: the split costs more than the CPU saves
+    ("auto", 100, 70, 0, 50, 4, 0),       # the graph reads a miss at twice the copy engine's rate
 ])
-def test_async_cpu_experts_share(policy, copy_us, cpu_us, slots, want):
-    """The async decode's host part: the share of a layer's experts the CPU computes while no slot holds them."""
+def test_async_cpu_experts_choice(policy, copy_us, cpu_us, split_us, zero_copy_us, slots, want):
+    """The async decode's host part: a layer's experts the CPU computes while no slot holds them, all or none."""
     from ggmoe.cache.miss import async_cpu_experts
 
-    costs, nb = _mib_costs(copy_us, cpu_us)
-    got = async_cpu_experts(policy, costs, nb, slots, 16, 4)
-    assert len(got) == want and list(got) == sorted(set(got))
-    if 0 < want < 16:
-        assert got == tuple(range(16 - want, 16))  # without routing counts, the highest ids
+    costs, nb = _mib_costs(copy_us, cpu_us, split_us, zero_copy_us)
+    assert async_cpu_experts(policy, costs, nb, slots, 16, 4) == tuple(range(want))
 
 
-def test_async_cpu_experts_take_the_coldest_with_counts():
-    """With routing counts the CPU takes the experts the routing chooses least: a fill pays most for the experts
-    that come back."""
+def test_async_cpu_experts_expect_misses_from_counts():
+    """With routing counts the expected misses are what the hottest experts leave: a layer whose 4 slots cover
+    nearly every choice misses too rarely for its split to pay, where uniform routing pays it."""
     from ggmoe.cache.miss import async_cpu_experts
 
-    costs, nb = _mib_costs(100, 100)
-    counts = [100 - 5 * e for e in range(16)][::-1]  # expert 0 the coldest, 15 the hottest
-    got = async_cpu_experts("auto", costs, nb, 4, 16, 4, counts)
-    assert got and got == tuple(range(len(got)))
+    costs, nb = _mib_costs(100, 60, 100)
+    hot = [1000] * 4 + [1] * 12  # four experts take nearly every choice
+    assert async_cpu_experts("auto", costs, nb, 4, 16, 4) == tuple(range(16))
+    assert async_cpu_experts("auto", costs, nb, 4, 16, 4, hot) == ()
+
+

@@ -19,6 +19,10 @@ routing, benchmark only, see trace_routing.py) and each configuration:
                  are hits, the rest fills
     async-fill-tinylfu  async-fill under tinylfu: a miss takes a victim's fill slot only when the layer used
                  it more often than the victim (the simulator's fastest row on the shared real routing)
+    async-fill-host  async-fill with --miss-policy cpu: the graph's host part computes every miss on the CPU
+                 beside the device part's hits (patch 0016), the misses admitted after the token
+    async-fill-auto  async-fill with --miss-policy auto: each layer's misses go to the host part where the
+                 engine's measured costs put the CPU ahead of the graph's read over the link, else filled
     split        MoEpic's expert split in the sync decode, LRU: each slot holds an expert's top segment (a share
                  θ of its neurons, --split-theta), as many tops as fit the VRAM of the lru row's whole experts;
                  a top-only hit reads the bottom, a miss the whole expert, from pinned host memory (zero-copy);
@@ -111,21 +115,23 @@ if TYPE_CHECKING:
 
 CONFIGS = ("stock-vram", "stock-cpu", "n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async",
            "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host",
-           "async-tinylfu", "async-fill", "async-fill-prefetch", "async-fill-tinylfu", "hybrid")
+           "async-tinylfu", "async-fill", "async-fill-prefetch", "async-fill-tinylfu", "hybrid", "async-fill-host",
+           "async-fill-auto")
 DEFAULT_CONFIGS = (*CONFIGS[:10], "prefetch-mlp", "async-tinylfu", "async-fill", "async-fill-prefetch",
-                   "async-fill-tinylfu", "hybrid")
+                   "async-fill-tinylfu", "hybrid", "async-fill-host")
 BASELINES = ("stock-vram", "stock-cpu", "n-cpu-moe")  # stock llama.cpp: no hook, measured under random only
 PER_FRACTION = ("n-cpu-moe", "lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg",
                 "lru-auto", "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu", "async-fill",
-                "async-fill-prefetch", "async-fill-tinylfu", "hybrid")
+                "async-fill-prefetch", "async-fill-tinylfu", "hybrid", "async-fill-host", "async-fill-auto")
 GGMOE = ("lru", "async", "async-prefetch", "split", "split-async", "prefetch", "prefetch-eam", "prefetch-bg", "lru-auto",
          "prefetch-wait", "prefetch-mlp", "lru-host", "async-tinylfu", "async-fill", "async-fill-prefetch",
-         "async-fill-tinylfu", "hybrid")
+         "async-fill-tinylfu", "hybrid", "async-fill-host", "async-fill-auto")
 LRU_MISS = {"lru": "wait", "lru-auto": "auto", "lru-host": "cpu", "hybrid": "auto"}  # the lru rows' --miss-policy
 # the host part's worker (CacheConfig.host_threads; None: the engine's default, the context's threads on a GPU): the
 # lru-auto and lru-host rows keep the host part in the main graph after the device part (in turn), hybrid runs
 # it beside the device part and splits a layer's misses between the link and the CPU
 HOST_THREADS = {"lru-auto": 0, "lru-host": 0}
+ASYNC_MISS = {"async-fill-host": "cpu", "async-fill-auto": "auto"}  # the async host part's rows (patch 0016)
 SPLIT = ("split", "split-async")  # MoEpic's split: only below 100 % (with every expert cacheable it is moot)
 WHOLE_LRU = ("lru", "async")  # whole-expert LRU, the split rows' reference at the same VRAM
 TRACE_ONLY = ("prefetch-eam",)  # learns from the tiled trace's training prompts
@@ -293,9 +299,10 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
     if config in LRU_MISS:
         decode = DecodeConfig(mode="sync", miss_policy=LRU_MISS[config], host_threads=HOST_THREADS.get(config))
         return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"), decode)), n_slots
-    if config in ("async", "async-tinylfu", "async-fill", "async-fill-tinylfu"):
+    if config in ("async", "async-tinylfu", "async-fill", "async-fill-tinylfu", *ASYNC_MISS):
         policy = "tinylfu" if config.endswith("tinylfu") else "lru"
-        decode = DecodeConfig(mode="async", fills=config.startswith("async-fill"))
+        decode = DecodeConfig(mode="async", fills=config.startswith("async-fill"),
+                              miss_policy=ASYNC_MISS.get(config, "wait"))
         return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy), decode)), n_slots
     if config in ("async-prefetch", "async-fill-prefetch"):
         pre = PrefetchConfig(predictor="reuse", stride=2)
@@ -472,6 +479,8 @@ def sim_miss_policy(cell: Cell) -> str:
         return cell.miss_policy
     if cell.config in LRU_MISS:
         return LRU_MISS[cell.config]
+    if cell.config in ASYNC_MISS:
+        return ASYNC_MISS[cell.config]
     return "wait" if cell.config in ("async", "async-tinylfu", "async-prefetch", "prefetch-wait", "async-fill",
                                      "async-fill-prefetch", "async-fill-tinylfu") else "auto"
 
@@ -501,7 +510,8 @@ def simulate_cell(cell: Cell, facts, trace, train, profile, split: dict | None =
     pred = {"lru": None, "async": None, "async-tinylfu": None, "lru-auto": None, "lru-host": None, "hybrid": None,
             "prefetch": "reuse", "prefetch-bg": "reuse",
             "prefetch-wait": "reuse", "prefetch-eam": "eam", "async-prefetch": "reuse", "async-fill": None,
-            "async-fill-prefetch": "reuse", "async-fill-tinylfu": None}[cell.config]
+            "async-fill-prefetch": "reuse", "async-fill-tinylfu": None, "async-fill-host": None,
+            "async-fill-auto": None}[cell.config]
     miss = sim_miss_policy(cell)
     sim = SimConfig(n_slots=dict.fromkeys(facts.moe_layers, cell.slots),
                     policy="tinylfu" if cell.config.endswith("tinylfu") else "lru", predictor=pred,

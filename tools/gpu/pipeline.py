@@ -77,7 +77,8 @@ ENGINE_CHECK = ("import sys; from ggmoe.cache import CacheConfig; from ggmoe.cac
                 "eng.close()")
 DEFAULT_MODELS = "gpt-oss-20b"  # 15 minutes hold one model (the CUDA build alone takes about 250 s)
 # the rows that matter most at 50 % and with every expert cached, each matrix command capped (seconds)
-DEFAULT_MATRIX_ARGS = ("--configs stock-vram,n-cpu-moe,lru,hybrid,async-fill,async-fill-tinylfu,async-fill-prefetch,"
+DEFAULT_MATRIX_ARGS = ("--configs stock-vram,n-cpu-moe,lru,hybrid,async-fill,async-fill-host,async-fill-tinylfu,"
+                       "async-fill-prefetch,"
                        "async,lru-host,stock-cpu,async-tinylfu,async-prefetch,lru-auto --fractions 0.5,1.0 --runs 2 "
                        "--budget-s 150")
 FINISHED, FAILED, RUNNING, NEVER = 0, 2, 3, 4
