@@ -60,3 +60,38 @@ def test_gpu_hybrid_splits_misses_between_link_and_cpu(even_profile):
     total = report["total"]
     assert report["host_part"]["beside_link"]
     assert total["host_computed"] > 0 and total["demand_copies"] > 0 and total["deferred_waits"] > 0
+
+
+@pytest.mark.parametrize("threads", [0, None], ids=["main-graph", "worker"])
+def test_gpu_async_host_part_tokens_equal_host_experts(threads):
+    """The async decode's host part (patch 0016): every expert no slot holds is computed on the CPU beside the
+    GPU's table matmuls, whose 0 entries MMVQ skips; nothing is filled or read in place."""
+    path = fixture_path("qwen3moe", expert_type="q8_0")
+    facts = inspect_model(path)
+    want, _ = _tokens(path)
+    got, report = _tokens(path, RunConfig(CacheConfig(n_slots=facts.n_expert_used + 1),
+                                          decode=DecodeConfig(miss_policy="cpu", mode="async",
+                                                              host_threads=threads)))
+    assert got == want, threads
+    total = report["total"]
+    assert report["decode_mode_in_effect"] == "async"
+    assert total["host_computed"] > 0 and total["fills"] == 0
+
+
+def test_gpu_async_fills_beside_the_host_part(monkeypatch):
+    """Half of each layer's experts flagged for the CPU: the fill kernel takes only the others' misses (never a 0
+    entry), MMVQ skips the flagged ones, and the host part computes them; the tokens are stock's."""
+    import ggmoe.engine.pipeline as pipeline
+
+    def half(policy, costs, bpe, n_slots, n_expert, k, counts=None):  # the odd experts of every layer
+        return {il: [e % 2 == 1 for e in range(n_expert)] for il in n_slots}
+
+    monkeypatch.setattr(pipeline, "async_cpu_masks", half)
+    path = fixture_path("qwen3moe", expert_type="q8_0")
+    facts = inspect_model(path)
+    want, _ = _tokens(path)
+    got, report = _tokens(path, RunConfig(CacheConfig(n_slots=facts.n_expert_used + 1),
+                                          decode=DecodeConfig(miss_policy="cpu", mode="async")))
+    assert got == want
+    total = report["total"]
+    assert total["host_computed"] > 0 and total["fills"] > 0
