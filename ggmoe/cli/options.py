@@ -307,9 +307,27 @@ def stats_summary(eng: Engine) -> str | None:
              "prefetched)" if t.top_hits or t.bottom_prefetches else "")
     return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.top_hits + t.misses} expert uses){split}, "
             f"{format_bytes(t.bytes_copied)} copied{host}{reads}{pre}, {t.native_calls} native calls"
-            + (f"; {note}" if note else "") + _host_tier_line(eng)
+            + (f"; {note}" if note else "") + _host_tier_line(eng) + _reader_behind_line(eng)
             + (f"\ndecode mode: {mode['decode_mode_in_effect']} ({mode['decode_mode_reason']}); copy stream: "
                f"{mode['copy_stream']}" if mode else ""))
+
+
+# the mailbox reader's share of layers read too late to prefetch above which a run says so
+BEHIND_SHARE = 0.25
+
+
+def _reader_behind_line(eng: Engine) -> str:
+    """Where the async decode's predictor read a quarter or more of its layers only after the layer it predicts
+    had started (those issue nothing): one more line saying so, since its hits then fall to LRU's (else empty)."""
+    pre = eng.report().get("prefetch")
+    if not pre or pre.get("runs_on") != "mailbox" or not pre.get("layers_targeted"):
+        return ""
+    behind, total = pre["layers_behind"], pre["layers_targeted"]
+    if behind < BEHIND_SHARE * total:
+        return ""
+    return (f"\npredictor: read {behind} of {total} layers only after the layer it predicts had started, so those "
+            "prefetched nothing (the decode ran ahead of the mailbox's reader: no core was free for it; "
+            "--decode-mode sync runs the predictor in the route op instead)")
 
 
 def _host_tier_line(eng: Engine) -> str:

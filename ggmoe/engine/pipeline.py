@@ -652,6 +652,7 @@ class CachePipeline:
                              "keep_free": dict(self.runtime.cache.keep_free) if self.stride is not None else {},
                              # the mailbox's reader: layers read only after the layer they predict had started
                              "layers_behind": self.stride.layers_behind if self.stride is not None else 0,
+                             "layers_targeted": self.stride.layers_targeted if self.stride is not None else 0,
                              # benchmarks only (GGMOE_MAILBOX_LOCKSTEP): the device waited for the host per layer
                              "lockstep": bool(self.stride is not None and self.stride.mailbox.lockstep)}}
 

@@ -42,6 +42,7 @@ class StrideReader:
         # layers read only after the layer they predict had started (the device ran ahead of this thread): their
         # predictions issue nothing, since a prefetch would land after the read it was for
         self.layers_behind = 0
+        self.layers_targeted = 0  # layers read that predict a later layer (the share behind is of these)
         self._go = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -107,7 +108,10 @@ class StrideReader:
     def _target_started(self, il: int) -> bool:
         """Whether the layer that layer ``il`` predicts has already started (or the decode has ended)."""
         target = self.prefetcher.target(il)
-        return target is not None and (self._decode_done or self.mailbox.written(target)[0] > 0)
+        if target is None:
+            return False
+        self.layers_targeted += 1
+        return self._decode_done or self.mailbox.written(target)[0] > 0
 
     def close(self) -> None:
         """Stop the thread (between tokens)."""

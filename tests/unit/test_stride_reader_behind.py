@@ -54,6 +54,7 @@ def test_a_layer_read_after_its_target_started_prefetches_nothing():
     reader._read_token()
     reader.close()
     assert reader.layers_behind == 1 and cache.stats.total().prefetch_issued == 0
+    assert reader.layers_targeted == 1  # layer 1 predicts none (the last): not counted
 
 
 def test_a_layer_read_before_its_target_started_prefetches():
@@ -69,3 +70,31 @@ def test_after_the_decode_ended_nothing_is_prefetched():
     reader._read_token()
     reader.close()
     assert cache.stats.total().prefetch_issued == 0
+
+
+class _Eng:
+    """What the run's summary line reads of an engine: its report's prefetch entry."""
+
+    def __init__(self, prefetch: dict | None) -> None:
+        self._prefetch = prefetch
+
+    def report(self) -> dict:
+        return {"prefetch": self._prefetch} if self._prefetch is not None else {}
+
+
+def _line(runs_on: str, behind: int, targeted: int) -> str:
+    from ggmoe.cli.options import _reader_behind_line
+
+    return _reader_behind_line(_Eng({"runs_on": runs_on, "layers_behind": behind, "layers_targeted": targeted}))
+
+
+def test_a_run_says_when_its_reader_fell_behind():
+    """``ggmoe run``'s summary names a mailbox reader that read a quarter or more of its layers too late."""
+    line = _line("mailbox", 60, 100)
+    assert line.startswith("\npredictor: read 60 of 100 layers only after") and "--decode-mode sync" in line
+    assert _line("mailbox", 24, 100) == ""  # under a quarter: nothing to say
+    assert _line("route op", 60, 100) == ""  # the sync decode's predictor has no reader
+    assert _line("mailbox", 0, 0) == ""
+    from ggmoe.cli.options import _reader_behind_line
+
+    assert _reader_behind_line(_Eng(None)) == ""  # no predictor
