@@ -307,7 +307,7 @@ def stats_summary(eng: Engine) -> str | None:
              "prefetched)" if t.top_hits or t.bottom_prefetches else "")
     return (f"cache: {t.hit_rate:.1%} hits ({t.hits} of {t.hits + t.top_hits + t.misses} expert uses){split}, "
             f"{format_bytes(t.bytes_copied)} copied{host}{reads}{pre}, {t.native_calls} native calls"
-            + (f"; {note}" if note else "") + _host_tier_line(eng) + _reader_behind_line(eng)
+            + (f"; {note}" if note else "") + _host_tier_line(eng) + reader_behind_line(eng)
             + (f"\ndecode mode: {mode['decode_mode_in_effect']} ({mode['decode_mode_reason']}); copy stream: "
                f"{mode['copy_stream']}" if mode else ""))
 
@@ -316,7 +316,7 @@ def stats_summary(eng: Engine) -> str | None:
 BEHIND_SHARE = 0.25
 
 
-def _reader_behind_line(eng: Engine) -> str:
+def reader_behind_line(eng: Engine) -> str:
     """Where the async decode's predictor read a quarter or more of its layers only after the layer it predicts
     had started (those issue nothing): one more line saying so, since its hits then fall to LRU's (else empty)."""
     pre = eng.report().get("prefetch")

@@ -22,6 +22,7 @@ from ggmoe.cli.options import (
     model_arg,
     model_facts,
     model_path,
+    reader_behind_line,
     threads_opt,
     verbose_opt,
     write_stats,
@@ -81,6 +82,9 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
         with click.progressbar(length=len(prompts), label="tracing", file=sys.stderr) as bar:
             written = record_trace(eng, prompts, cfg, Path(out) / "trace.npz", progress=bar.update)
         write_stats(eng, cache.stats_json, {"model": str(path), "prompts": len(prompts), "mode": mode})
+        behind = reader_behind_line(eng)  # a predictor on the mailbox that mostly read too late: said once
+        if behind:
+            click.echo(behind.strip(), err=True)
         if routing_out is not None:
             routing_out.save(eng.prefetcher, config.prefetch.predictor if config and config.prefetch else None)
     click.echo(str(written))

@@ -83,9 +83,9 @@ class _Eng:
 
 
 def _line(runs_on: str, behind: int, targeted: int) -> str:
-    from ggmoe.cli.options import _reader_behind_line
+    from ggmoe.cli.options import reader_behind_line
 
-    return _reader_behind_line(_Eng({"runs_on": runs_on, "layers_behind": behind, "layers_targeted": targeted}))
+    return reader_behind_line(_Eng({"runs_on": runs_on, "layers_behind": behind, "layers_targeted": targeted}))
 
 
 def test_a_run_says_when_its_reader_fell_behind():
@@ -95,6 +95,6 @@ def test_a_run_says_when_its_reader_fell_behind():
     assert _line("mailbox", 24, 100) == ""  # under a quarter: nothing to say
     assert _line("route op", 60, 100) == ""  # the sync decode's predictor has no reader
     assert _line("mailbox", 0, 0) == ""
-    from ggmoe.cli.options import _reader_behind_line
+    from ggmoe.cli.options import reader_behind_line
 
-    assert _reader_behind_line(_Eng(None)) == ""  # no predictor
+    assert reader_behind_line(_Eng(None)) == ""  # no predictor
