@@ -341,8 +341,9 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
     miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert, m.n_expert_used)  # as the engine
     if config.decode_mode == "async" and miss_policy != "wait" and (split or host is not None):
-        raise UsageError("the async decode's host part computes misses from host memory: split experts and a "
-                         "disk tier need --miss-policy wait")
+        what = "split experts read their bottoms" if split else "under a disk tier most experts are not there"
+        raise UsageError(f"the async decode's host part computes misses from host memory, and {what}: use "
+                         "--miss-policy wait")
     pred = sim_predictor(config, trace, train, model_path) if config.predictor else None
     n_pre = config.n_prefetch if config.n_prefetch is not None else default_n_prefetch(m.n_expert_used, m.n_expert)
     cache = assemble_cache(CacheSpec(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,
