@@ -340,10 +340,14 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
     miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert, m.n_expert_used)  # as the engine
-    if config.decode_mode == "async" and miss_policy != "wait" and (split or host is not None):
-        what = "split experts read their bottoms" if split else "under a disk tier most experts are not there"
-        raise UsageError(f"the async decode's host part computes misses from host memory, and {what}: use "
-                         "--miss-policy wait")
+    if host is not None and miss_policy != "wait":  # as the engine: most experts are not in host memory
+        if config.miss_policy == "cpu":
+            raise UsageError("--miss-policy cpu computes misses from host memory, and with a disk tier "
+                             "(--host-ram below the experts' size) most experts are not there: use --miss-policy wait")
+        miss_policy = "wait"  # auto runs as wait under a disk tier
+    if config.decode_mode == "async" and miss_policy != "wait" and split:
+        raise UsageError("the async decode's host part computes misses from host memory, and split experts read "
+                         "their bottoms there through the expert table: use --miss-policy wait")
     pred = sim_predictor(config, trace, train, model_path) if config.predictor else None
     n_pre = config.n_prefetch if config.n_prefetch is not None else default_n_prefetch(m.n_expert_used, m.n_expert)
     cache = assemble_cache(CacheSpec(m.n_expert, m.n_expert_used, dict(config.n_slots), policy, copies=link,

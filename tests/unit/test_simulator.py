@@ -410,9 +410,12 @@ def test_simulate_names_async_with_fills_async_fill():
 
 def test_the_async_decode_refuses_what_needs_the_sync_mode():
     tr = trace([[[0]], [[1]]])
-    with pytest.raises(UsageError, match="host part"):  # the host part reads host memory: no disk tier
-        simulate(tr, SimConfig({0: 2}, decode_mode="async", miss_policy="cpu", host_slots=2), {0: BPE},
-                 dataclasses.replace(PROFILE, disk_bytes_per_s=1e9))
+    disk = dataclasses.replace(PROFILE, disk_bytes_per_s=1e9)
+    for mode in ("sync", "async"):  # as the engine: cpu refused under a disk tier, auto run as wait
+        with pytest.raises(UsageError, match="disk tier"):
+            simulate(tr, SimConfig({0: 2}, decode_mode=mode, miss_policy="cpu", host_slots=2), {0: BPE}, disk)
+        r = simulate(tr, SimConfig({0: 2}, decode_mode=mode, miss_policy="auto", host_slots=2), {0: BPE}, disk)
+        assert r.host_computed == 0
     with pytest.raises(UsageError, match="decode mode"):
         simulate(tr, SimConfig({0: 2}, decode_mode="fast"), {0: BPE}, PROFILE)
 
