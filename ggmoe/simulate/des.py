@@ -51,7 +51,7 @@ replay it is a route observer.
 
 A model larger than its host budget (``SimConfig.host_slots``, from ``--host-ram`` through
 ``ggmoe.cache.tiers``) adds a disk link under the host link (``ggmoe.simulate.disk``): every GPU-tier miss
-(a copy, an in-place read, a CPU expert) reads the expert from disk into a host slot first when the host tier
+(a copy, an in-place read) reads the expert from disk into a host slot first when the host tier
 does not hold it, and the predictions the cache is handed read their experts into the host tier ahead.
 
 The cache, the policies, the miss policy, the planner and the prefetcher are the engine's own objects; only the copy
