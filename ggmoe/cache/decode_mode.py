@@ -31,6 +31,9 @@ class DecodeConfig:
     # the async decode's in-graph fills (patch 0012): the graph copies a layer's misses into free slots and reads
     # them there, so a miss crosses the link once; False: misses are read in place, then admitted (twice)
     fills: bool = True
+    # a warmed cache with a slot for every expert read with stock's matmuls on its slots, no table (patch 0017);
+    # False: through the tables, as a smaller cache is (benchmarks: the two side by side)
+    identity: bool = True
     # an expert not on the device: wait for its copy, compute it on the CPU, or whichever the measured cost model
     # says is sooner (ggmoe.cache.miss)
     miss_policy: str = "wait"

@@ -119,6 +119,8 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
     ("llama_ggmoe_set_layer_fill", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p], ctypes.c_int32),
     # int32_t llama_ggmoe_set_layer_table_host(struct llama_context * ctx, int32_t il, int32_t * flags);
     ("llama_ggmoe_set_layer_table_host", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p], ctypes.c_int32),
+    # int32_t llama_ggmoe_set_layer_identity(struct llama_context * ctx, int32_t il, bool on);
+    ("llama_ggmoe_set_layer_identity", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool], ctypes.c_int32),
     # bool llama_ggmoe_set_mmap_prefetch(bool prefetch);
     ("llama_ggmoe_set_mmap_prefetch", [ctypes.c_bool], ctypes.c_bool),
     # int32_t llama_ggmoe_set_host_threads(struct llama_context * ctx, int32_t n_threads, int32_t order);
@@ -150,6 +152,7 @@ class PatchedLib:
     llama_ggmoe_set_mailbox: Any
     llama_ggmoe_set_layer_fill: Any
     llama_ggmoe_set_layer_table_host: Any
+    llama_ggmoe_set_layer_identity: Any
     llama_ggmoe_set_mmap_prefetch: Any
     llama_ggmoe_set_host_threads: Any
     llama_ggmoe_get_host_stats: Any

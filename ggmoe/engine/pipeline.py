@@ -237,6 +237,7 @@ class CachePipeline:
             self._tables_follow()
         self.controller = TokenController(self.runtime.cache, None, self.planner)
         self._async_predictors(max_tokens)
+        self._identity()
 
         def on_change(request: HookRequest) -> None:
             route_inputs(request)
@@ -244,6 +245,16 @@ class CachePipeline:
 
         self.observers.on_change = on_change
         self._update_table_mode()
+
+    def _identity(self) -> None:
+        """A warmed cache with a slot for every expert, each expert in its own, and no predictor reading the
+        mailbox: its layers' graphs read the slots with stock's matmuls, no table (patch 0017). A later flip of
+        a layer turns it off again (``ExpertTables.apply``)."""
+        cache = self.runtime.cache
+        if (self.tables is None or not self.run_config.decode.identity or not cache.roomy or cache.policy_releases
+                or self.mailbox is not None or self.planner is not None):
+            return
+        self.tables.set_identity([il for il in cache.n_slots if self.tables.is_identity(il)], True)
 
     def _async_host_part(self, run: RunConfig) -> None:
         """The async decode's host part (patch 0016): per layer, the experts the graph computes on the CPU whenever

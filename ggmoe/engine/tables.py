@@ -24,7 +24,7 @@ controller reads it once per decode (after the logits, so the device is done).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -167,6 +167,7 @@ class ExpertTables:
         self.n_layer = n_layer
         self.max_tokens = max_tokens
         self.enabled = False
+        self.identity: set[int] = set()  # the layers read with stock's matmuls (patch 0017)
         pairs = slots.pairs  # il -> [SlotPair] in the order of slots.tensors[il]'s kinds
         n_tables = sum(len(p) for p in pairs.values())
         rows_of = {il: 3 if ps[0].split is not None else 1 for il, ps in pairs.items()}  # split layers: 3
@@ -276,8 +277,11 @@ class ExpertTables:
         self.flush()
 
     def apply(self, step: StepChanges) -> None:
-        """Write a step's flips into the mirror, in order (``flush`` sends them)."""
+        """Write a step's flips into the mirror, in order (``flush`` sends them). A flip of an identity layer
+        turns its identity off first: its graph then reads the tables again."""
         layers = self.layers
+        if self.identity and step.flips:
+            self.set_identity(self.identity.intersection(f[0] for f in step.flips), False)
         for il, expert, slot, bottom in step.flips:
             lt = layers[il]
             if bottom:
@@ -376,6 +380,27 @@ class ExpertTables:
         """Table entries changed since load (each sent to the device by the next flush)."""
         return self.changed + self.dirty
 
+    def is_identity(self, il: int) -> bool:
+        """Whether layer ``il``'s every expert is ready in its own slot (slot e holds expert e), with no host part:
+        what identity needs (patch 0017)."""
+        lt = self.layers.get(il)
+        if lt is None or lt.is_split or lt.cpu is not None or not lt.is_mapped.all():
+            return False
+        n_expert = lt.is_mapped.size
+        own = np.arange(n_expert, dtype=np.int64)
+        return all(np.array_equal(v[0], data + own * nb) for v, data, nb in zip(lt.views, lt.slot_data, lt.slot_bytes,
+                                                                                strict=True))
+
+    def set_identity(self, layers: Iterable[int], on: bool) -> None:
+        """Identity on or off for ``layers`` (patch 0017): on, a layer's graph reads its slot tensors at the
+        selected ids with stock's matmuls, no table; the caller has checked ``is_identity``."""
+        P = _patched.symbols()
+        for il in sorted(layers):
+            rc = P.llama_ggmoe_set_layer_identity(self.ctx_ptr, il, on)
+            if rc != _patched.LLAMA_GGMOE_OK:
+                raise EngineError(f"identity of layer {il} failed: {_patched.ERROR_NAMES.get(rc, rc)}")
+            (self.identity.add if on else self.identity.discard)(il)
+
     def set_host_part(self, cpu_of: Mapping[int, Sequence[bool]]) -> None:
         """The async decode's host part (patch 0016): per layer, the experts the CPU computes whenever no slot
         holds them (``ExpertCache.cpu_of``). Their entries become 0 while unmapped, which the device part skips,
@@ -399,8 +424,9 @@ class ExpertTables:
         if self.ctx_ptr:
             P = _patched.symbols()
             P.llama_ggmoe_set_table_mode(self.ctx_ptr, 0, None)  # also drops a forced routing
-            for il in self.layers:  # (a layer's fill words go with its tables)
+            for il in self.layers:  # (a layer's fill words and identity go with its tables)
                 P.llama_ggmoe_set_layer_table(self.ctx_ptr, il, None, None, None, None)
+            self.identity.clear()
             self.ctx_ptr = 0
 
     def close(self) -> None:

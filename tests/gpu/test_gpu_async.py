@@ -67,11 +67,15 @@ def test_async_matches_all_in_vram(model, fills):
     ref, ref_toks, stock_splits = _stock(path, ids)
     for n_slots in sorted({facts.n_expert_used, facts.n_expert // 2, facts.n_expert}):
         mark = llama_log().count
+        # with a slot for every expert: identity (patch 0017, stock's matmuls on the slots) with fills, the
+        # tables without (both ways of reading a full cache, in the same two runs)
         cfg = EngineConfig(model_path=path, n_ctx=256, n_gpu_layers=-1,
                            run=RunConfig(CacheConfig(n_slots=n_slots),
-                                         decode=DecodeConfig(mode="async", fills=fills)))
+                                         decode=DecodeConfig(mode="async", fills=fills, identity=fills)))
         with Engine(cfg) as eng:
             assert eng.decode_mode["decode_mode_in_effect"] == "async"
+            full = n_slots >= facts.n_expert and fills
+            assert eng.pipeline.tables.identity == (set(facts.moe_layers) if full else set()), (model, n_slots)
             assert eng.decode_mode["copy_stream"] == "events"  # readiness by event query, never a synchronize
             got, toks = _decode_all(eng, ids, 16)
             st = eng.cache_stats.total()

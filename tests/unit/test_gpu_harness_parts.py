@@ -741,3 +741,4 @@ def test_the_async_rows_name_their_miss_policy(config, miss):
     cfg, slots = engine_config(Path("m.gguf"), config, 0.5, facts, 2, 256, None)
     decode = cfg.run.decode
     assert (decode.mode, decode.miss_policy, decode.fills, slots) == ("async", miss, config != "async", 16)
+    assert decode.identity == (config != "async")  # async measures the tables with every expert cached

@@ -12,7 +12,8 @@ routing, benchmark only, see trace_routing.py) and each configuration:
                  (llama.cpp's --moe-cache-mib design)
     async        ggmoe's async decode without fills: experts read through the device-side table (misses by the
                  GPU from pinned host memory), LRU admissions between tokens, one graph per token (each miss
-                 crosses the link twice: read in place, then admitted)
+                 crosses the link twice: read in place, then admitted); at 100 % still through the tables
+                 (DecodeConfig(identity=False)), where the async-fill rows read every slot with stock's matmuls
     async-fill   the async decode with in-graph fills (patch 0012, the default): the graph copies a layer's
                  misses into fill slots chosen between tokens and reads them there (one crossing per miss)
     async-fill-prefetch  async-fill with the mailbox's stride prefetch (reuse, stride 2): prefetched experts
@@ -301,8 +302,10 @@ def engine_config(model: Path, config: str, fraction: float | None, facts, n_thr
         return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy="lru"), decode)), n_slots
     if config in ("async", "async-tinylfu", "async-fill", "async-fill-tinylfu", *ASYNC_MISS):
         policy = "tinylfu" if config.endswith("tinylfu") else "lru"
+        # async (no fills) keeps reading through the tables with every expert cached: beside async-fill, whose
+        # warmed cache is read with stock's matmuls (identity, patch 0017), it measures what the tables cost
         decode = DecodeConfig(mode="async", fills=config.startswith("async-fill"),
-                              miss_policy=ASYNC_MISS.get(config, "wait"))
+                              miss_policy=ASYNC_MISS.get(config, "wait"), identity=config != "async")
         return EngineConfig(**base, run=RunConfig(CacheConfig(n_slots=n_slots, policy=policy), decode)), n_slots
     if config in ("async-prefetch", "async-fill-prefetch"):
         pre = PrefetchConfig(predictor="reuse", stride=2)
