@@ -113,8 +113,10 @@ def _ggmoe_ways(tr: Trace, facts: ModelFacts, bpe: dict[int, int], budget: int, 
     slots = slots_for_budget(budget, bpe, facts.n_expert, facts.n_expert_used)
     n = next(iter(slots.values()))
     out = []
-    for name, mode, miss in (("ggmoe, async decode", "async", "wait"), ("ggmoe, sync decode + host path", "sync",
-                                                                          "auto"),
+    # the async decode with auto: its host part takes a layer's misses where the CPU beats the graph's read over
+    # the link (all or none, docs/engine.md), else it is the async decode alone
+    for name, mode, miss in (("ggmoe, async decode", "async", "auto"), ("ggmoe, sync decode + host path", "sync",
+                                                                         "auto"),
                              ("llama.cpp --moe-cache-mib (LRU, sync, misses copied)", "sync", "wait")):
         policy = "lru" if name.startswith("llama.cpp") else ADVISED_POLICY
         # the async decode as serve runs it: in-graph fills on (DecodeConfig.fills)
