@@ -742,3 +742,19 @@ def test_the_async_rows_name_their_miss_policy(config, miss):
     decode = cfg.run.decode
     assert (decode.mode, decode.miss_policy, decode.fills, slots) == ("async", miss, config != "async", 16)
     assert decode.identity == (config != "async")  # async measures the tables with every expert cached
+
+
+def test_the_cpu_beside_the_link_and_the_full_cache_goals_by_hand():
+    """At 50 %: the fastest CPU-beside-the-link row against the fastest without the CPU, async-fill included.
+    Every expert cached: async-fill (identity) against stock-vram, and against the tables (async)."""
+    cells = [_cell("random", "lru", 0.5, 60.0), _cell("random", "async", 0.5, 70.0),
+             _cell("random", "async-fill", 0.5, 100.0), _cell("random", "hybrid", 0.5, 90.0),
+             _cell("random", "async-fill-host", 0.5, 130.0), _cell("random", "stock-vram", None, 200.0),
+             _cell("random", "async-fill", 1.0, 196.0), _cell("random", "async", 1.0, 180.0)]
+    g = {x["goal"]: x for x in goals(cells) if x["routing"] == "random"}
+    beside = g["decode at 50 %: the CPU beside the link (async-fill-host) / the best without it (async-fill)"]
+    assert beside["value"] == pytest.approx(1.3) and beside["met"]
+    assert g["decode, every expert cached: async-fill / stock-vram"]["value"] == pytest.approx(0.98)
+    identity = g["decode, every expert cached: identity (async-fill) / the tables (async)"]
+    assert identity["value"] == pytest.approx(196 / 180) and identity["met"]
+    assert not [x for x in goals(cells[:3]) if "CPU beside" in x["goal"]]  # no CPU row: no goal
