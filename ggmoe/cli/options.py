@@ -258,7 +258,9 @@ def _cache_flag_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                            "from `ggmoe train-predictor`.")(fn)
     fn = click.option("--miss-policy", type=click.Choice(["wait", "cpu", "auto"]),
                       help="An expert not on the device: wait for its copy (default), compute it on the CPU "
-                           "(the host path), or whichever is sooner by the measured cost model.")(fn)
+                           "(the host path), or whichever is sooner by the measured cost model (the sync decode "
+                           "splits each layer call's misses; the async decode gives a layer's misses all to the CPU "
+                           "or none).")(fn)
     fn = click.option("--host-threads", type=click.IntRange(min=0, max=MAX_THREADS),
                       help="Threads of the worker that computes the host path's CPU part beside the GPU's part of "
                            "each layer (0: after it, in llama.cpp's graph). Default: --threads on a GPU build, 0 on "
