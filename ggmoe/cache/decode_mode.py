@@ -101,9 +101,10 @@ def sync_reasons(miss_policy: str, prefetch_note: str | None, backend_note: str 
                  auto: bool = False) -> list[str]:
     """What needs the sync mode, from the configuration (miss policy as it runs, after ``auto``);
     ``prefetch_note``: why the predictor cannot run on the async decode's mailbox (None: it can). ``auto``: the
-    decode mode is ``auto``, which keeps the host path in the sync decode: there each layer call's misses are
-    split by the copies in flight, where the async decode's host part splits by expert, between tokens
-    (``ggmoe.cache.miss.async_cpu_experts``). ``--decode-mode async`` runs the host path in its graph."""
+    decode mode is ``auto`` and the async decode's host part would take some layer, so auto keeps the host path
+    in the sync decode: there each layer call's misses are split by the copies in flight, where the async
+    decode's host part takes a layer's misses all or none, between tokens (``ggmoe.cache.miss.async_cpu_experts``).
+    ``--decode-mode async`` runs the host path in its graph."""
     out = []
     if miss_policy != "wait" and auto:
         out.append(f"the host path (miss policy {miss_policy}) splits each layer call's misses by the copies in "

@@ -185,11 +185,13 @@ def async_cpu_experts(policy: str, costs: MissCosts | None, nbytes: int, n_slots
 
 def async_cpu_masks(policy: str, costs: MissCosts | None, bytes_per_expert: Mapping[int, int],
                     n_slots: Mapping[int, int], n_expert: int, n_expert_used: int,
-                    counts: Mapping[int, Sequence[int]] | None = None) -> dict[int, list[bool]]:
+                    counts: Mapping[int, Sequence[int]] | None = None, keeps: bool = True) -> dict[int, list[bool]]:
     """``ExpertCache.cpu_of`` for the async decode's host part, as the engine's pipeline and the simulator set it:
-    il -> [n_expert] flags of the experts ``async_cpu_experts`` sends to the CPU; a layer with none is left out."""
+    il -> [n_expert] flags of the experts ``async_cpu_experts`` sends to the CPU; a layer with none is left out.
+    ``keeps``: the eviction policy keeps what it loads (False: on-demand, every use a miss, whatever the slots)."""
     masks: dict[int, list[bool]] = {}
     for il, n in n_slots.items():
+        n = n if keeps else 0
         experts = async_cpu_experts(policy, costs, bytes_per_expert.get(il, 0), n, n_expert, n_expert_used,
                                     (counts or {}).get(il))
         if experts:

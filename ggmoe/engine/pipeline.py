@@ -168,8 +168,9 @@ class CachePipeline:
         split = bool(self.runtime.split)  # MoEpic's split layers read through their tables in both modes
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
+        # auto keeps the host path in the sync decode only where the async decode's host part would take a layer
         reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note,
-                               auto=decode.mode == "auto")
+                               auto=decode.mode == "auto" and bool(self._cpu_masks(run)))
         reasons += self._disk_reasons(on_gpu, decode.mode)
         idle = self._prefetch_idle_note()  # the async decode's stride prefetch would never find a free slot
         if idle is not None and decode.mode == "auto":
@@ -256,13 +257,31 @@ class CachePipeline:
             return
         self.tables.set_identity([il for il in cache.n_slots if self.tables.is_identity(il)], True)
 
+    def _cpu_masks(self, run: RunConfig) -> dict[int, list[bool]]:
+        """Per layer, the experts the async decode's host part would compute whenever no slot holds them (none
+        for a layer it leaves to the link), from the miss policy in effect and the cost model."""
+        cache, facts = self.runtime.cache, self.facts
+        if self.runtime.miss_policy == "wait":
+            return {}
+        return async_cpu_masks(self.runtime.miss_policy, cache.costs, cache.bytes_per_expert, cache.n_slots,
+                               facts.n_expert, facts.n_expert_used, run.decode.routing_counts,
+                               keeps=not cache.policy_releases)
+
     def _async_host_part(self, run: RunConfig) -> None:
         """The async decode's host part (patch 0016): per layer, the experts the graph computes on the CPU whenever
-        no slot holds them, chosen from the miss policy and the cost model (``async_cpu_experts``)."""
-        cache, facts = self.runtime.cache, self.facts
-        cache.cpu_of = async_cpu_masks(self.runtime.miss_policy, cache.costs, cache.bytes_per_expert, cache.n_slots,
-                                       facts.n_expert, facts.n_expert_used, run.decode.routing_counts)
+        no slot holds them, chosen from the miss policy and the cost model (``async_cpu_experts``); where ``auto``
+        gives every layer to the link, the run says so."""
+        cache = self.runtime.cache
+        cache.cpu_of = self._cpu_masks(run)
         self.tables.set_host_part(cache.cpu_of)
+        if cache.cpu_of or self.runtime.miss_policy_note:
+            return
+        if cache.roomy and not cache.policy_releases:  # said once: the flag the user gave has nothing to do
+            self.runtime.miss_policy_note = (f"{self.runtime.miss_policy}: every expert has a slot, warmed before the "
+                                             "first token, so no miss is left for the CPU")
+        else:
+            self.runtime.miss_policy_note = ("auto: the async decode's graph reads a miss over the link sooner than "
+                                             "the CPU computes it, so its host part takes no layer")
 
     def _make_tables(self, fill: bool, max_tokens: int) -> None:
         """The expert tables the cache's steps write, with the fill words where the graph fills misses (patch

@@ -363,7 +363,7 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
     cache.cpu_beside_link = config.hybrid
     if config.decode_mode == "async" and miss_policy != "wait":  # the host part's experts, as the pipeline sets them
         cache.cpu_of = async_cpu_masks(miss_policy, miss_costs, bytes_per_expert, config.n_slots, m.n_expert,
-                                       m.n_expert_used)
+                                       m.n_expert_used, keeps=not cache.policy_releases)
     if host is not None and (pred is not None or config.planner):
         _disk_prefetch(cache, host)
     ids = trace.ids.astype(np.int32)

@@ -74,7 +74,7 @@ def test_fills_and_the_cpu_in_one_layer_give_stock_logits(qwen3moe_model, stock_
     half is set by hand: the graph's mechanism does not depend on the share."""
     import ggmoe.engine.pipeline as pipeline
 
-    def half(policy, costs, bpe, n_slots, n_expert, k, counts=None):  # the odd experts of every layer
+    def half(policy, costs, bpe, n_slots, n_expert, k, counts=None, keeps=True):  # the odd experts of every layer
         return {il: [e % 2 == 1 for e in range(n_expert)] for il in n_slots}
 
     monkeypatch.setattr(pipeline, "async_cpu_masks", half)
@@ -132,3 +132,28 @@ def test_a_slot_for_every_expert_builds_no_host_part(stock_logits):
         assert _check_tables(eng) == 0
     for a, b in zip(got, stock_logits(model), strict=True):
         assert np.abs(a - b).max() <= EXACT
+
+
+@pytest.mark.parametrize("cpu_faster, mode", [(True, "sync"), (False, "async")])
+def test_auto_keeps_the_sync_host_path_only_where_the_async_host_part_would_work(qwen3moe_model, tmp_path,
+                                                                                 cpu_faster, mode):
+    """``--decode-mode auto --miss-policy auto``: where the CPU is the cheaper server the host path stays in the
+    sync decode, which splits each call's misses; where the link is, the async decode's host part would take no
+    layer, so nothing holds the decode in sync, and the run says why the CPU computes nothing."""
+    import dataclasses
+
+    from ggmoe.cache.hardware import load_profile, render_profile
+
+    base = load_profile("h100")
+    rate = base.zero_copy_bytes_per_s * (4.0 if cpu_faster else 0.25)
+    prof = tmp_path / "p.toml"
+    prof.write_text(render_profile(dataclasses.replace(base, cpu_bytes_per_s=rate, cpu_latency_s=0.0, hook_s=0.0,
+                                                       gpu_launch_s=0.0, cpu_type_bytes_per_s=()), {}))
+    facts = inspect_model(qwen3moe_model)
+    run = RunConfig(CacheConfig(n_slots=facts.n_expert_used + 1),
+                    decode=DecodeConfig(miss_policy="auto", mode="auto", hw_profile=str(prof)))
+    with _engine(qwen3moe_model, run) as eng:
+        assert eng.decode_mode["decode_mode_in_effect"] == mode
+        in_effect, note = eng.miss_policy
+        if mode == "async":
+            assert eng.pipeline.runtime.cache.cpu_of == {} and "host part takes no layer" in note

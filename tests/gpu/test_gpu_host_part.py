@@ -83,7 +83,7 @@ def test_gpu_async_fills_beside_the_host_part(monkeypatch):
     entry), MMVQ skips the flagged ones, and the host part computes them; the tokens are stock's."""
     import ggmoe.engine.pipeline as pipeline
 
-    def half(policy, costs, bpe, n_slots, n_expert, k, counts=None):  # the odd experts of every layer
+    def half(policy, costs, bpe, n_slots, n_expert, k, counts=None, keeps=True):  # the odd experts of every layer
         return {il: [e % 2 == 1 for e in range(n_expert)] for il in n_slots}
 
     monkeypatch.setattr(pipeline, "async_cpu_masks", half)

@@ -26,7 +26,7 @@ def _read_s(n: int) -> float:
     return PROFILE.zero_copy_s(n * BPE)
 
 
-def _odd(policy, costs, bpe, n_slots, n_expert, k, counts=None):
+def _odd(policy, costs, bpe, n_slots, n_expert, k, counts=None, keeps=True):
     """A host part of the odd experts of every layer (``auto`` flags all or none; the replay takes any mask)."""
     return {il: [e % 2 == 1 for e in range(n_expert)] for il in n_slots}
 
