@@ -40,6 +40,7 @@ def test_plan_gpu_ram_plans_three_tiers_for_a_model_larger_than_ram(qwen, ram_gi
     assert all(w["decode_tok_s"] > 0 for n, w in ways.items() if n != "all experts in VRAM")
     serve = ways["ggmoe, async decode"]["run"]
     assert ("--host-ram" in serve) is disk
+    assert "--decode-mode async --miss-policy auto" in serve  # its host part where the CPU beats the link
     assert any("do not fit the host tier" in n for n in d["notes"]) is disk
     if disk:  # 16 GiB less the 4 GiB margin: 12 GiB of host tier, 101 of 128 experts per layer
         assert t["host_ram"] == 12 * GIB and t["host_slots"] == 101
