@@ -168,9 +168,9 @@ class CachePipeline:
         split = bool(self.runtime.split)  # MoEpic's split layers read through their tables in both modes
         if split and note:
             raise UsageError(f"split experts (top share θ < 1) are read through the expert table: {note}")
-        # auto keeps the host path in the sync decode only where the async decode's host part would take a layer
+        masks = self._cpu_masks(run)  # the async host part's: auto keeps a host path in sync only for some layer
         reasons = sync_reasons(self.runtime.miss_policy, self._prefetch_note(), note,
-                               auto=decode.mode == "auto" and bool(self._cpu_masks(run)))
+                               auto=decode.mode == "auto" and bool(masks))
         reasons += self._disk_reasons(on_gpu, decode.mode)
         idle = self._prefetch_idle_note()  # the async decode's stride prefetch would never find a free slot
         if idle is not None and decode.mode == "auto":
@@ -198,13 +198,13 @@ class CachePipeline:
             self._start_async(max_tokens, route_inputs)
         if self.planner is not None:  # the sync decode's route events; in async, while table mode is off
             self.observers.add(self.planner)
-        self._after_mode()
+        self._after_mode(masks)
 
-    def _after_mode(self) -> None:
+    def _after_mode(self, masks: dict[int, list[bool]]) -> None:
         """What follows the decode mode: the CPU beside the link (the sync decode with a host-part worker), the
-        host tier's uses, the async decode's host part."""
+        host tier's uses, the async decode's host part (``masks``: its experts per layer, ``_cpu_masks``)."""
         if self.decode_mode.mode == "async" and self.runtime.miss_policy != "wait":
-            self._async_host_part(self.run_config)
+            self._async_host_part(masks)
         if self.decode_mode.mode == "sync" and self.runtime.host_threads:
             self._beside_link(True)
         if self.runtime.tier is not None:
@@ -267,12 +267,12 @@ class CachePipeline:
                                facts.n_expert, facts.n_expert_used, run.decode.routing_counts,
                                keeps=not cache.policy_releases)
 
-    def _async_host_part(self, run: RunConfig) -> None:
+    def _async_host_part(self, masks: dict[int, list[bool]]) -> None:
         """The async decode's host part (patch 0016): per layer, the experts the graph computes on the CPU whenever
-        no slot holds them, chosen from the miss policy and the cost model (``async_cpu_experts``); where ``auto``
-        gives every layer to the link, the run says so."""
+        no slot holds them (``masks``, from the miss policy and the cost model); where none does, the run says
+        why."""
         cache = self.runtime.cache
-        cache.cpu_of = self._cpu_masks(run)
+        cache.cpu_of = masks
         self.tables.set_host_part(cache.cpu_of)
         if cache.cpu_of or self.runtime.miss_policy_note:
             return

@@ -28,19 +28,25 @@ def _tokens(path, cache=None):
     return got, report
 
 
+def _against_stock(decode: DecodeConfig, slots: str = "k+1", why: object = None) -> dict:
+    """The qwen3moe fixture (q8_0 experts) run with ``decode`` on a cache of n_expert_used + 1 slots (``k+1``) or
+    half the experts (``half``): its greedy tokens equal stock's; returns the pipeline's report."""
+    path = fixture_path("qwen3moe", expert_type="q8_0")
+    facts = inspect_model(path)
+    n_slots = facts.n_expert_used + 1 if slots == "k+1" else facts.n_expert // 2
+    want, _ = _tokens(path)
+    got, report = _tokens(path, RunConfig(CacheConfig(n_slots=n_slots), decode=decode))
+    assert got == want, why
+    return report
+
+
 @pytest.mark.parametrize("threads", [0, None], ids=["main-graph", "worker"])
 @pytest.mark.parametrize("order", ["free", "device-first", "host-first"])
 def test_gpu_host_part_tokens_equal_host_experts(threads, order, monkeypatch):
     if threads == 0 and order != "free":
         pytest.skip("the order is the worker's")
     monkeypatch.setenv(HOST_ORDER_ENV, order)
-    path = fixture_path("qwen3moe", expert_type="q8_0")
-    facts = inspect_model(path)
-    want, _ = _tokens(path)
-    got, report = _tokens(path, RunConfig(CacheConfig(n_slots=facts.n_expert_used + 1),
-                                          decode=DecodeConfig(miss_policy="cpu", mode="sync",
-                                                              host_threads=threads)))
-    assert got == want, (threads, order)
+    report = _against_stock(DecodeConfig(miss_policy="cpu", mode="sync", host_threads=threads), why=(threads, order))
     part = report["host_part"]
     assert report["total"]["host_computed"] > 0
     assert (part["jobs"] > 0) == (threads is None)
@@ -50,13 +56,7 @@ def test_gpu_host_part_tokens_equal_host_experts(threads, order, monkeypatch):
 
 
 def test_gpu_hybrid_splits_misses_between_link_and_cpu(even_profile):
-    path = fixture_path("qwen3moe", expert_type="q8_0")
-    facts = inspect_model(path)
-    want, _ = _tokens(path)
-    got, report = _tokens(path, RunConfig(CacheConfig(n_slots=facts.n_expert // 2),
-                                          decode=DecodeConfig(miss_policy="auto", mode="sync",
-                                                              hw_profile=even_profile)))
-    assert got == want
+    report = _against_stock(DecodeConfig(miss_policy="auto", mode="sync", hw_profile=even_profile), "half")
     total = report["total"]
     assert report["host_part"]["beside_link"]
     assert total["host_computed"] > 0 and total["demand_copies"] > 0 and total["deferred_waits"] > 0
@@ -66,13 +66,7 @@ def test_gpu_hybrid_splits_misses_between_link_and_cpu(even_profile):
 def test_gpu_async_host_part_tokens_equal_host_experts(threads):
     """The async decode's host part (patch 0016): every expert no slot holds is computed on the CPU beside the
     GPU's table matmuls, whose 0 entries MMVQ skips; nothing is filled or read in place."""
-    path = fixture_path("qwen3moe", expert_type="q8_0")
-    facts = inspect_model(path)
-    want, _ = _tokens(path)
-    got, report = _tokens(path, RunConfig(CacheConfig(n_slots=facts.n_expert_used + 1),
-                                          decode=DecodeConfig(miss_policy="cpu", mode="async",
-                                                              host_threads=threads)))
-    assert got == want, threads
+    report = _against_stock(DecodeConfig(miss_policy="cpu", mode="async", host_threads=threads), why=threads)
     total = report["total"]
     assert report["decode_mode_in_effect"] == "async"
     assert total["host_computed"] > 0 and total["fills"] == 0
@@ -87,11 +81,6 @@ def test_gpu_async_fills_beside_the_host_part(monkeypatch):
         return {il: [e % 2 == 1 for e in range(n_expert)] for il in n_slots}
 
     monkeypatch.setattr(pipeline, "async_cpu_masks", half)
-    path = fixture_path("qwen3moe", expert_type="q8_0")
-    facts = inspect_model(path)
-    want, _ = _tokens(path)
-    got, report = _tokens(path, RunConfig(CacheConfig(n_slots=facts.n_expert_used + 1),
-                                          decode=DecodeConfig(miss_policy="cpu", mode="async")))
-    assert got == want
+    report = _against_stock(DecodeConfig(miss_policy="cpu", mode="async"))
     total = report["total"]
     assert total["host_computed"] > 0 and total["fills"] > 0
