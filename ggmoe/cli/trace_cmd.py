@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import numpy as np
@@ -28,6 +29,10 @@ from ggmoe.cli.options import (
     write_stats,
 )
 
+if TYPE_CHECKING:
+    from ggmoe.control.run_config import RunConfig
+    from ggmoe.engine import Engine
+
 
 @click.command("record")
 @model_arg
@@ -45,14 +50,19 @@ from ggmoe.cli.options import (
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0, max=2**31),
               help="Sample mode seed (prompt i uses seed+i).")
 @click.option("--no-hidden", is_flag=True, help="Do not store MoE input hidden states (smaller traces).")
+@click.option("--lockstep/--no-lockstep", default=None,
+              help="With --predictor in the async decode: each MoE layer waits until the predictor's reader has "
+                   "read it, so the hit rate measures the predictor, not whether this machine had a core free "
+                   "for it (the default on the CPU build; a GPU never waits). --no-lockstep: free-running, as "
+                   "`ggmoe serve` runs it.")
 @cache_options
 @ctx_opt
 @threads_opt
 @verbose_opt
 @edge
 def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode: str, prefill_tokens: int,
-           temp: float, seed: int, no_hidden: bool, n_ctx: int | None, threads: int | None, verbose: bool,
-           cache: CacheFlags) -> None:
+           temp: float, seed: int, no_hidden: bool, lockstep: bool | None, n_ctx: int | None, threads: int | None,
+           verbose: bool, cache: CacheFlags) -> None:
     """Record per-token routing (ids, router probabilities, MoE inputs) into OUT/trace.npz.
 
     With a cache that runs the async decode, the run is that decode (its stride prefetch included) and the
@@ -74,6 +84,7 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
     cfg = RecordConfig(mode=mode, max_tokens=max_tokens, prefill_tokens=prefill_tokens, temp=temp, seed=seed,
                        keep_hidden=not no_hidden)
     config, routing_out = cache_from_flags(path, facts, cache)
+    config = _with_lockstep(config, lockstep)
     with make_engine(path, n_ctx, threads, verbose, config) as eng:
         if routing_out is not None:
             eng.add_observer(routing_out.collector)
@@ -82,12 +93,47 @@ def record(model: str | None, prompts_file: str, out: str, max_tokens: int, mode
         with click.progressbar(length=len(prompts), label="tracing", file=sys.stderr) as bar:
             written = record_trace(eng, prompts, cfg, Path(out) / "trace.npz", progress=bar.update)
         write_stats(eng, cache.stats_json, {"model": str(path), "prompts": len(prompts), "mode": mode})
-        behind = reader_behind_line(eng)  # a predictor on the mailbox that mostly read too late: said once
-        if behind:
-            click.echo(behind.strip(), err=True)
+        for line in (reader_behind_line(eng), _lockstep_line(eng, lockstep)):  # each said once, if at all
+            if line:
+                click.echo(line.strip(), err=True)
         if routing_out is not None:
             routing_out.save(eng.prefetcher, config.prefetch.predictor if config and config.prefetch else None)
     click.echo(str(written))
+
+
+def _with_lockstep(config: RunConfig | None, lockstep: bool | None) -> RunConfig | None:
+    """The predictor's reader in lockstep with the decode unless --no-lockstep, or on a GPU (whose kernels never
+    wait for the host: there GGMOE_MAILBOX_LOCKSTEP stays in charge, and --lockstep is refused by the engine).
+    A teacher-forced trace measures what a predictor is worth: on a 2-core machine whose decode threads take
+    both cores, the free-running reader read 60 % of its layers too late and the mlp's gain over LRU fell
+    from 25 points to none (docs/predictors.md)."""
+    if config is None or config.prefetch is None:
+        if lockstep is not None:
+            raise UsageError("--lockstep and --no-lockstep set how the predictor's reader runs: they need "
+                             "--predictor and a cache (--cache-slots or --vram)")
+        return config
+    if lockstep is None:
+        from ggmoe.engine.loader import gpu_device
+
+        if gpu_device() is not None:
+            return config
+        lockstep = True
+    return dataclasses.replace(config, prefetch=dataclasses.replace(config.prefetch, lockstep=lockstep))
+
+
+def _lockstep_line(eng: Engine, lockstep: bool | None) -> str:
+    """How the predictor's reader ran, when the trace measured one on the mailbox (else empty); a --lockstep
+    or --no-lockstep that did nothing (the sync decode runs the predictor in the route op) said so."""
+    pre = eng.report().get("prefetch") or {}
+    if pre.get("runs_on") != "mailbox":
+        if lockstep is None:
+            return ""
+        flag = "--lockstep" if lockstep else "--no-lockstep"
+        return f"note: {flag} does nothing here: the predictor runs in the route op (the sync decode), in step"
+    if pre.get("lockstep"):
+        return ("predictor: measured in lockstep (each MoE layer waited for its reader, as a host that keeps pace "
+                "with the device); --no-lockstep measures this machine's free-running reader")
+    return ""
 
 
 class _TraceGroup(click.Group):

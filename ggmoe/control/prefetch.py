@@ -62,6 +62,11 @@ class PrefetchConfig:
     # True: the engine computes the predictor's nets inside the decode graph when it has them (the mlp
     # predictor; llama_ggmoe_set_predictor), and the callback only ranks; False: numpy in the callback
     in_graph: bool = True
+    # the async decode's mailbox reader. True: each MoE layer's matmuls wait until the reader has handled the layer
+    # (the CPU build only), so what the predictor is worth does not depend on whether this machine had a core
+    # free for it (`ggmoe trace`'s default there); False: free-running, as a server runs it; None: from
+    # GGMOE_MAILBOX_LOCKSTEP (off unless set)
+    lockstep: bool | None = None
 
 
 class Prefetcher:

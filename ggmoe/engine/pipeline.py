@@ -340,12 +340,23 @@ class CachePipeline:
             self.mailbox = Mailbox(self._ctx_ptr, facts.n_layer, max(max_tokens, 1), facts.n_expert_used,
                                    facts.n_embd, hidden=any(p.needs_hidden for p in readers),
                                    # lockstep waits for the reader's acknowledgements: only with a reader
-                                   lockstep=self.prefetcher is not None
-                                   and lockstep_from_env(bool(self.runtime.stream.backend)))
+                                   lockstep=self.prefetcher is not None and self._lockstep())
         if self.planner is not None:  # its inputs come from the mailbox (a request would turn table mode off)
             self.planner.request = HookRequest(probs=False, hidden=False)
         if self.prefetcher is not None:
             self._stride_prefetch()
+
+    def _lockstep(self) -> bool:
+        """Whether the mailbox's reader runs in lockstep with the decode (``PrefetchConfig.lockstep``, else
+        ``GGMOE_MAILBOX_LOCKSTEP``); refused on a GPU, whose kernels never wait for the host."""
+        on_gpu = bool(self.runtime.stream.backend)
+        asked = self.run_config.prefetch.lockstep if self.run_config.prefetch is not None else None
+        if asked is None:
+            return lockstep_from_env(on_gpu)
+        if asked and on_gpu:
+            raise UsageError("lockstep (each layer waits for the predictor's reader) is the CPU build's: a GPU "
+                             "never waits for the host; measure without it")
+        return asked
 
     def _mailbox_rows(self) -> dict[int, np.ndarray]:
         """Between tokens: il -> the MoE input row [n_embd] float32 of the last token the decode just ran at each

@@ -34,7 +34,12 @@ def files(tmp_path_factory) -> dict[str, str]:
             "LAYER": str(random_predictor_file(model, tmp / "layer.npz", hidden=8, stride=1)),
             "TOKEN": str(random_predictor_file(model, tmp / "token.npz", hidden=8, mode="token")),
             "OTHER": str(random_predictor_file(default_model_path(), tmp / "other.npz", hidden=8, mode="token")),
-            "TMP": str(tmp)}
+            "PROMPTS": str(_prompts(tmp / "p1.jsonl")), "TMP": str(tmp)}
+
+
+def _prompts(path: Path) -> Path:
+    path.write_text(json.dumps({"prompt": "def fib(n):"}) + "\n")
+    return path
 
 
 def _subst(args: tuple[str, ...], files: dict[str, str]) -> list[str]:
@@ -57,6 +62,9 @@ REFUSED = {  # the engine reads the file: one line naming what differs
     "--plan-predictor without a cache": (("run", "MODEL", "-p", "hi", "--plan-predictor", "reuse"),
                                          "--plan-predictor needs a cache size"),
     "--plan-predictor that learns, no traces": (RUN + ("--plan-predictor", "eam"), "learns from traces"),
+    "trace --lockstep without a predictor": (("trace", "MODEL", "--prompts", "PROMPTS", "-o", "TMP/lk",
+                                              "--cache-slots", "4", "--lockstep"),
+                                             "--lockstep and --no-lockstep set how the predictor's reader runs"),
 }
 
 

@@ -56,13 +56,38 @@ def _cli(*args: object) -> object:
     return r
 
 
-def _trace(model, tmp_path, name: str, *flags: str) -> tuple[dict, object]:
+def _trace(model, tmp_path, name: str, *flags: str, said: list[str] | None = None) -> tuple[dict, object]:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     stats = tmp_path / f"{name}.json"
-    _cli("trace", model, "--prompts", prompts, "-o", tmp_path / name, "--mode", "teacher", "--prefill-tokens", "8",
-         "--max-tokens", "24", "--stats-json", stats, *flags)
+    r = _cli("trace", model, "--prompts", prompts, "-o", tmp_path / name, "--mode", "teacher", "--prefill-tokens",
+             "8", "--max-tokens", "24", "--stats-json", stats, *flags)
+    if said is not None:
+        said.append(r.output)
     return json.loads(stats.read_text()), load_trace(tmp_path / name, hidden=False)
+
+
+@pytest.mark.parametrize("flags, lockstep, line", [
+    ((), True, "measured in lockstep"),  # the CPU build's default: the figure does not depend on a free core
+    (("--no-lockstep",), False, None),
+    (("--lockstep", "--decode-mode", "sync"), None, "--lockstep does nothing here"),
+])
+def test_trace_measures_the_predictor_in_lockstep_by_default(model, mlp_s2, tmp_path, monkeypatch, flags, lockstep,
+                                                              line):
+    """``ggmoe trace`` holds each layer for the predictor's reader on the CPU build unless told not to (the
+    environment's setting does not turn that default off); a flag that changes nothing says so."""
+    monkeypatch.delenv("GGMOE_MAILBOX_LOCKSTEP", raising=False)
+    said: list[str] = []
+    got, _ = _trace(model, tmp_path, "t", "--cache-slots", inspect_model(model).n_expert_used + 4, "--predictor",
+                    mlp_s2, *flags, said=said)
+    pre = got["prefetch"]
+    if lockstep is None:
+        assert pre["runs_on"] != "mailbox"
+    else:
+        assert pre["runs_on"] == "mailbox" and pre["lockstep"] is lockstep
+    if lockstep:
+        assert pre["layers_behind"] == 0 and pre["layers_targeted"] > 0
+    assert (line in said[0]) if line else ("lockstep" not in said[0]), said[0]
 
 
 @pytest.mark.parametrize("mode", ["async", "auto"])
