@@ -273,19 +273,36 @@ class ExpertCache(Admission, PrefetchBook):
         only ranks victims, is not told of the accesses here: nothing will ever ask for its ranks. A model
         whose experts all fit so decodes at close to stock speed (the per-layer calls cost it about 4 %)."""
         with self.lock:
-            stats, predicted, tables, n_prefetched = self.stats.layers, self.predicted, self.tables, self.n_prefetched
+            predicted, tables, n_prefetched = self.predicted, self.tables, self.n_prefetched
             for il in layers:
                 flat = rows_of[il][0]
                 table = tables[il]
                 if table.n_loading or n_prefetched[il] or -1 in map(table.slot_of_list.__getitem__, flat):
                     self.layers[il].after_token(flat)
                     continue
-                self.clock += 1
-                st = stats[il]
-                st.calls += 1
-                st.hits += len(set(flat))
+                st = self._count_resident(il, len(set(flat)))
                 if predicted and il in predicted:  # the stride prefetcher's guess, scored as in sync
                     self._score_guess(st, predicted.pop(il), sorted(set(flat)))
+
+    def after_identity_token(self, layers: Iterable[int]) -> None:
+        """``after_roomy_token`` of one decoded token whose ``layers`` were all read with identity (patch 0017:
+        every expert resident in its own slot, nothing loading): each layer's ``n_expert_used`` experts were
+        hits, whichever they were (a token's top-k are distinct), so the routing need not be read."""
+        k, stats = self.n_expert_used, self.stats.layers
+        with self.lock:  # inlined ``_count_resident``: once per token, on the decode's critical path
+            self.clock += len(layers)
+            for il in layers:
+                st = stats[il]
+                st.calls += 1
+                st.hits += k
+
+    def _count_resident(self, il: int, n_hits: int) -> LayerStats:
+        """One call of layer ``il`` whose ``n_hits`` distinct experts were all resident (lock held)."""
+        self.clock += 1
+        st = self.stats.layers[il]
+        st.calls += 1
+        st.hits += n_hits
+        return st
 
     @property
     def fill_layers(self) -> tuple[int, ...]:

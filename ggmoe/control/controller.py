@@ -22,7 +22,7 @@ copy into it landed: the cache writes each change as a flip, in order, and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -89,6 +89,20 @@ class TokenController:
                 for obs in observers:
                     obs.on_route(event)
         return cache.take_step() if cache is not None else EMPTY_STEP
+
+    def on_identity_token(self, layers: Sequence[int], observers: Iterable[RouteObserver]) -> StepChanges | None:
+        """``on_routing`` of a one-token decode whose cached ``layers`` were all read with identity (every expert
+        in its own slot), where nothing reads the routing (no planner, no observer that wants it): the cache
+        counts the hits without the routing being read. None where something does: call ``on_routing``."""
+        cache = self.cache
+        if (cache is None or not cache.roomy or self.planner is not None
+                or any(getattr(o, "wants_routing", True) for o in observers)):
+            return None
+        self.tokens += 1
+        cache.token += 1
+        self.calls += len(layers)
+        cache.after_identity_token(layers)
+        return cache.take_step()
 
     def wants_hidden(self, n_tokens: int) -> bool:
         """Whether ``on_routing`` of a micro-batch of ``n_tokens`` reads the MoE input rows (a planner whose

@@ -53,7 +53,7 @@ def test_a_warm_cache_of_every_expert_reads_its_slots_with_stock_matmuls(arch_mo
         poisoned = run_sequences(eng)
     for a, b in zip(got, stock_logits(path), strict=True):
         assert np.abs(a - b).max() <= EXACT, arch
-    assert st.misses == 0 and st.hits > 0  # warmed: every expert use a hit, counted from the routing output
+    assert st.misses == 0 and st.hits > 0  # warmed: every expert use a hit
     assert any(np.abs(a - b).max() > EXACT for a, b in zip(poisoned, got, strict=True)), arch
 
 
@@ -67,6 +67,39 @@ def test_no_identity_where_the_tables_are_needed(qwen3moe_model, case):
     prefetch = build_prefetch_config("reuse", 1) if case == "predictor" else None
     with _engine(qwen3moe_model, n_slots, policy, prefetch, identity=case != "asked off") as eng:
         assert eng.pipeline.tables.identity == set()
+
+
+def _layer_counts(eng: Engine) -> dict[int, tuple[int, int, int]]:
+    return {il: (st.calls, st.hits, st.misses) for il, st in eng.cache_stats.layers.items()}
+
+
+def test_identity_counts_its_hits_without_reading_the_routing(qwen3moe_model):
+    """After a one-token decode that read every layer with identity, the controller counts each layer's top-k as
+    hits without reading the routing back: the same per-layer counts as the tables' decode, which reads it. An
+    observer that wants the routing gets it read, every decode token, and identity stays on."""
+    from ggmoe.base.hook import HookRequest, RouteRecorder
+
+    facts = inspect_model(qwen3moe_model)
+    with _engine(qwen3moe_model, facts.n_expert) as fast, \
+            _engine(qwen3moe_model, facts.n_expert, identity=False) as tabled:
+        reads = []
+        read = fast.pipeline.tables.read_routing
+        fast.pipeline.tables.read_routing = lambda n: reads.append(n) or read(n)
+        run_sequences(fast)
+        run_sequences(tabled)
+        assert _layer_counts(fast) == _layer_counts(tabled)
+        assert fast.pipeline.controller.calls == tabled.pipeline.controller.calls
+        assert 1 not in reads  # only a prefill's last micro-batch of several tokens read it
+        rec = RouteRecorder(HookRequest(probs=False, hidden=False))
+        with fast.observing(rec):
+            ids = fast.tokenize("The lazy dog")
+            fast.reset()
+            fast.decode(ids)
+            rec.take()
+            reads.clear()
+            fast.decode(ids[:1])
+            assert reads == [1] and sorted(rec.take()) == sorted(facts.moe_layers)
+        assert fast.pipeline.tables.identity == set(facts.moe_layers)
 
 
 def test_a_flip_turns_a_layers_identity_off(qwen3moe_model, stock_logits):
