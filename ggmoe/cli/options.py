@@ -314,22 +314,12 @@ def stats_summary(eng: Engine) -> str | None:
                f"{mode['copy_stream']}" if mode else ""))
 
 
-# the mailbox reader's share of layers read too late to prefetch above which a run says so
-BEHIND_SHARE = 0.25
-
-
 def reader_behind_line(eng: Engine) -> str:
-    """Where the async decode's predictor read a quarter or more of its layers only after the layer it predicts
-    had started (those issue nothing): one more line saying so, since its hits then fall to LRU's (else empty)."""
-    pre = eng.report().get("prefetch")
-    if not pre or pre.get("runs_on") != "mailbox" or not pre.get("layers_targeted"):
-        return ""
-    behind, total = pre["layers_behind"], pre["layers_targeted"]
-    if behind < BEHIND_SHARE * total:
-        return ""
-    return (f"\npredictor: read {behind} of {total} layers only after the layer it predicts had started, so those "
-            "prefetched nothing (the decode ran ahead of the mailbox's reader: no core was free for it; "
-            "--decode-mode sync runs the predictor in the route op instead)")
+    """``reader_behind_note`` of the run as one more line of its summary (else empty)."""
+    from ggmoe.control.prefetch import reader_behind_note
+
+    note = reader_behind_note(eng.report().get("prefetch"))
+    return f"\n{note}" if note else ""
 
 
 def _host_tier_line(eng: Engine) -> str:

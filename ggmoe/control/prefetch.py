@@ -19,7 +19,7 @@ import queue
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,24 @@ BALANCE_WEIGHT = 1 / 8  # the newest token's weight in the prefetch budget's mov
 # decode tokens a prefetcher that turned itself off waits before it tries one prefetch a layer again: doubled
 # each time it turns off again, back to the shortest once it runs at its whole budget
 PROBE_AFTER, PROBE_MAX = 32, 1024
+
+
+# the mailbox reader's share of layers read too late to prefetch at or above which a run says so
+BEHIND_SHARE = 0.25
+
+
+def reader_behind_note(prefetch: Mapping[str, Any] | None) -> str | None:
+    """From a run's ``prefetch`` report (``Pipeline.describe``): where the async decode's predictor read a quarter
+    or more of its layers only after the layer it predicts had started (those issue nothing, so its hits fall to
+    LRU's), one line saying so; else None. ``ggmoe run`` and ``trace`` print it, ``serve`` logs it once."""
+    if not prefetch or prefetch.get("runs_on") != "mailbox" or not prefetch.get("layers_targeted"):
+        return None
+    behind, total = prefetch["layers_behind"], prefetch["layers_targeted"]
+    if behind < BEHIND_SHARE * total:
+        return None
+    return (f"predictor: read {behind} of {total} layers only after the layer it predicts had started, so those "
+            "prefetched nothing (the decode ran ahead of the mailbox's reader: no core was free for it; "
+            "--decode-mode sync runs the predictor in the route op instead)")
 
 
 def default_n_prefetch(n_expert_used: int, n_expert: int) -> int:

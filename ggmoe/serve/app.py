@@ -39,6 +39,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from ggmoe.base.errors import UsageError
+from ggmoe.control.prefetch import reader_behind_note
 from ggmoe.engine.llama import GgmoeLlama
 from ggmoe.engine.parallel import LanePool
 from ggmoe.serve import errors
@@ -117,6 +118,7 @@ class Server:
         self._tasks = itertools.count()  # task ids, as /slots shows them
         self.version = _version()
         self.reconfigurer: Reconfigurer | None = None  # when the settings ask for it
+        self._reader_noted = False  # the predictor's reader said to lag (once per server)
         if settings.reconfigure_every:
             self.reconfigurer = _reconfigurer(llama, settings)
 
@@ -132,6 +134,16 @@ class Server:
         """Stop the slots' batcher (before the model is closed)."""
         if self.pool is not None:
             self.pool.close()
+
+    def note_reader(self) -> None:
+        """After a request: the first time the async decode's predictor has read a quarter or more of its layers
+        too late to prefetch (``reader_behind_note``), one warning in the log; /metrics has the counts."""
+        if self._reader_noted or self.llama.run_config is None or self.llama.run_config.prefetch is None:
+            return
+        note = reader_behind_note((self.llama.stats()["cache"] or {}).get("prefetch"))
+        if note is not None:
+            self._reader_noted = True
+            log.warning("%s", note)
 
     def maybe_reconfigure(self) -> None:
         """Between requests, holding the model, no one waiting: MoEpic's configurator on the recent routing
@@ -467,6 +479,7 @@ class _Lease:
         self.llama.watch = None
         server._live.discard(self.watch)
         server.lanes[self.lane].end()
+        server.note_reader()
         if server.reconfigurer is not None:
             await anyio.to_thread.run_sync(server.maybe_reconfigure)  # still holding the model
         server._busy.difference_update(range(server.queue.n_lanes) if self.n > 1 else (self.lane,))

@@ -39,6 +39,26 @@ class CacheCollector(Collector):
         yield from families.values()
         yield from _mode_families(cache)
         yield from _host_tier_families(cache.get("host_tier"))
+        yield from _reader_families(cache.get("prefetch"))
+
+
+def _reader_families(prefetch: dict[str, Any] | None) -> Iterator[Any]:
+    """The stride prefetcher's budget, and on the async decode its mailbox reader's layers: those read that
+    predict a later layer, and those read only after that layer had started (they prefetched nothing)."""
+    if not prefetch:
+        return
+    budget = GaugeMetricFamily("ggmoe_prefetch_budget", "Experts per layer the stride prefetcher may prefetch "
+                               "now (0: it turned itself off, its prefetches having cost more than they saved)")
+    budget.add_metric([], prefetch["experts_per_layer"])
+    yield budget
+    if prefetch.get("runs_on") != "mailbox":
+        return
+    reader = CounterMetricFamily("ggmoe_prefetch_reader_layers", "Layers the mailbox's reader read that predict "
+                                 "a later layer (read), and those it read only after that layer had started "
+                                 "(behind: the decode ran ahead of it)", labels=["state"])
+    reader.add_metric(["read"], prefetch["layers_targeted"])
+    reader.add_metric(["behind"], prefetch["layers_behind"])
+    yield reader
 
 
 def _host_tier_families(tier: dict[str, Any] | None) -> Iterator[Any]:

@@ -171,8 +171,13 @@ def test_metrics_are_prometheus_text(server):
     for name in ("ggmoe_requests_total", "ggmoe_completion_tokens_total", "ggmoe_time_to_first_token_seconds_bucket",
                  "ggmoe_time_per_output_token_seconds_bucket", "ggmoe_queue_length", "ggmoe_cache_hit_rate",
                  "ggmoe_prefetch_precision", "ggmoe_cache_copied_bytes_total", "ggmoe_cache_host_computed_total",
-                 "ggmoe_cache_occupancy", "ggmoe_cache_host_read_bytes_total", "ggmoe_cache_admission_lag_tokens"):
+                 "ggmoe_cache_occupancy", "ggmoe_cache_host_read_bytes_total", "ggmoe_cache_admission_lag_tokens",
+                 "ggmoe_prefetch_budget"):
         assert name in text, name
+    # the prefetch on the mailbox: its reader's layers, those read too late among them
+    read, behind = (float(re.search(rf'^ggmoe_prefetch_reader_layers_total\{{state="{s}"\}} (\S+)$', text, re.M)
+                          .group(1)) for s in ("read", "behind"))
+    assert 0 <= behind <= read
     # the decode mode in effect, as a labelled gauge: this server prefetches with a predictor, for which auto
     # weighs the two modes on this machine (the CPU build: async, no sync per layer), and it says why
     line = re.search(r'^ggmoe_decode_mode\{(.*)\} 1\.0$', text, re.M)

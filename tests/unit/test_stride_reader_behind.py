@@ -5,7 +5,11 @@ async decode with a trained mlp hit 5.7 points under async LRU."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import numpy as np
+import pytest
 from test_stride_cache import Fixed, _cache
 
 from ggmoe.control.prefetch import Prefetcher
@@ -98,3 +102,50 @@ def test_a_run_says_when_its_reader_fell_behind():
     from ggmoe.cli.options import reader_behind_line
 
     assert reader_behind_line(_Eng(None)) == ""  # no predictor
+
+
+READER_NOTES = [  # (prefetch report, said?)
+    (None, False),
+    ({"runs_on": "route op", "layers_targeted": 8, "layers_behind": 8}, False),  # the sync decode reads in step
+    ({"runs_on": "mailbox", "layers_targeted": 0, "layers_behind": 0}, False),  # never read
+    ({"runs_on": "mailbox", "layers_targeted": 100, "layers_behind": 24}, False),
+    ({"runs_on": "mailbox", "layers_targeted": 100, "layers_behind": 25}, True),
+    ({"runs_on": "mailbox", "layers_targeted": 100, "layers_behind": 100}, True),
+]
+
+
+@pytest.mark.parametrize("report, said", READER_NOTES)
+def test_a_reader_a_quarter_behind_is_said(report, said):
+    from ggmoe.control.prefetch import reader_behind_note
+
+    note = reader_behind_note(report)
+    assert (note is not None) is said
+    if said:
+        assert f"read {report['layers_behind']} of {report['layers_targeted']} layers" in note
+
+
+class _Llama:
+    """What ``Server.note_reader`` reads of the model: its run configuration and its statistics."""
+
+    def __init__(self, behind: int) -> None:
+        self.run_config = SimpleNamespace(prefetch=object())
+        self.behind = behind
+
+    def stats(self) -> dict:
+        return {"cache": {"prefetch": {"runs_on": "mailbox", "layers_targeted": 40, "layers_behind": self.behind}}}
+
+
+def test_serve_logs_a_lagging_reader_once(caplog):
+    from ggmoe.serve.app import Server
+
+    server = Server.__new__(Server)  # its state but the model: only note_reader runs
+    server.llama, server._reader_noted = _Llama(behind=2), False
+    with caplog.at_level(logging.WARNING, logger="ggmoe.serve"):
+        server.note_reader()  # 2 of 40: nothing said
+        server.llama.behind = 30
+        server.note_reader()
+        server.note_reader()
+    said = [r.getMessage() for r in caplog.records if "predictor: read" in r.getMessage()]
+    assert said == ["predictor: read 30 of 40 layers only after the layer it predicts had started, so those "
+                    "prefetched nothing (the decode ran ahead of the mailbox's reader: no core was free for it; "
+                    "--decode-mode sync runs the predictor in the route op instead)"]
