@@ -35,7 +35,7 @@ from ggmoe.cache.miss import (
     prefer_host,
     split_misses,
 )
-from ggmoe.cache.policies.base import Policy
+from ggmoe.cache.policies.base import Policy, releases
 from ggmoe.cache.prefetch_book import PrefetchBook
 from ggmoe.cache.slots import BottomTable, SlotTable
 from ggmoe.cache.split import LayerSplit
@@ -150,7 +150,7 @@ class ExpertCache(Admission, PrefetchBook):
         """The policy's and the copy backend's optional hooks, looked up once rather than per call."""
         policy, copies = self.policy, self.copies
         # whether the policy drops experts after a call (on-demand)
-        self.policy_releases = type(policy).release is not Policy.release
+        self.policy_releases = releases(policy)
         # the policy's insert and evict hooks, None where it keeps the base class's (which does nothing): the
         # hottest loops skip the call
         self._on_insert = policy.on_insert if type(policy).on_insert is not Policy.on_insert else None

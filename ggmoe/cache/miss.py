@@ -139,15 +139,17 @@ def effective_miss_policy(policy: str, costs: MissCosts | None, bytes_per_expert
                     f"({costs.cpu_s(nb) * 1e6:.0f} us), so misses wait for copies and the host path is off")
 
 
-def without_host_path_when_full(policy: str, n_slots: Mapping[int, int], n_expert: int) -> tuple[str, str | None]:
-    """``auto`` on a cache with a slot for every expert of every layer: nothing is computed on the CPU once each
-    expert was used once, while the host path would still split every MoE layer's graph and keep a zero slot
-    (one expert too few, so a miss every few tokens). It runs as ``wait`` and says so (one line for the user).
-    ``cpu``, asked for by name, is left as it is."""
-    if policy != "auto" or not n_slots or min(n_slots.values()) < n_expert:
+def without_host_path_when_full(policy: str, n_slots: Mapping[int, int], n_expert: int,
+                                keeps: bool = True) -> tuple[str, str | None]:
+    """``auto`` or ``cpu`` on a cache with a slot for every expert of every layer, under a policy that ``keeps``
+    what it loads (not on-demand): every decode mode warms such a cache before the first token
+    (``ExpertCache.preload``), so no miss is ever left for the CPU, while the host path would still split every
+    MoE layer's graph and keep a zero slot (one expert too few: a miss every few tokens). It runs as ``wait`` and
+    says so (one line for the user: the flag given has nothing to do)."""
+    if policy == "wait" or not keeps or not n_slots or min(n_slots.values()) < n_expert:
         return policy, None
-    return "wait", ("auto: every expert has a slot, so nothing is computed on the CPU once cached and the host "
-                    "path is off (each expert's first use waits for its copy)")
+    return "wait", (f"{policy}: every expert has a slot, warmed before the first token, so no miss is left for the "
+                    "CPU and the host path is off")
 
 
 def host_path_refusal(split: bool) -> str | None:

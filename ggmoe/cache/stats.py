@@ -32,7 +32,7 @@ class LayerStats:
     host_reads: int = 0  # async decode: distinct experts per call the device read from host memory (misses)
     host_read_bytes: int = 0  # bytes those reads moved over the link
     fills: int = 0  # async decode: misses the graph copied into a fill slot and read there (patch 0012)
-    preloaded: int = 0  # experts copied in when the cache was built (a slot for every expert: the async decode)
+    preloaded: int = 0  # experts copied in when the cache was built (a slot for every expert, either decode mode)
     evictions: int = 0  # experts evicted to make room (every mode)
     landed: int = 0  # copies seen landed between tokens (async decode)
     lag_tokens: int = 0  # async decode: tokens from each landed copy's submission to its slot being readable

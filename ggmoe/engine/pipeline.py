@@ -202,7 +202,11 @@ class CachePipeline:
 
     def _after_mode(self, masks: dict[int, list[bool]]) -> None:
         """What follows the decode mode: the CPU beside the link (the sync decode with a host-part worker), the
-        host tier's uses, the async decode's host part (``masks``: its experts per layer, ``_cpu_masks``)."""
+        host tier's uses, the async decode's host part (``masks``: its experts per layer, ``_cpu_masks``). A cache
+        with a slot for every expert is warm in the sync decode too (``_start_async`` warms it in async): its host
+        path was left off on that promise (``without_host_path_when_full``)."""
+        if self.decode_mode.mode == "sync":
+            self.runtime.cache.preload()
         if self.decode_mode.mode == "async" and self.runtime.miss_policy != "wait":
             self._async_host_part(masks)
         if self.decode_mode.mode == "sync" and self.runtime.host_threads:

@@ -24,6 +24,7 @@ from ggmoe.cache.decode_mode import ModeEstimate, weigh_modes
 from ggmoe.cache.host_tier import HostTier
 from ggmoe.cache.miss import MissCosts, check_miss_policy, effective_miss_policy, without_host_path_when_full
 from ggmoe.cache.policies import POLICIES
+from ggmoe.cache.policies.base import releases
 from ggmoe.cache.split import LayerSplit, model_split
 from ggmoe.cache.tier_copy import TieredCopyBackend
 from ggmoe.cache.tiers import tier_sizes
@@ -95,7 +96,7 @@ class CacheRuntime:
         self._ggml: GgmlCopyBackend | None = None
         self.slots: SlotTensors | None = None
         asked = check_miss_policy(config.decode.miss_policy)
-        asked, full_note = without_host_path_when_full(asked, n_slots, n_expert)
+        asked, full_note = without_host_path_when_full(asked, n_slots, n_expert, keeps=not releases(policy))
         if disk is not None and asked == "auto":
             asked, full_note = "wait", ("auto runs as wait: under a disk tier most experts are not in host memory "
                                         "for the CPU to compute")

@@ -87,9 +87,10 @@ from ggmoe.cache.miss import (
     async_cpu_masks,
     auto_without_host_path,
     effective_miss_policy,
+    without_host_path_when_full,
 )
 from ggmoe.cache.policies import make_policy
-from ggmoe.cache.policies.base import Policy
+from ggmoe.cache.policies.base import Policy, releases
 from ggmoe.cache.split import LayerSplit
 from ggmoe.control import TokenController
 from ggmoe.control.planner import NextTokenPlanner, check_planner, default_protect
@@ -258,11 +259,13 @@ class _Costs:
 
 
 def _miss_policy(config: SimConfig, split: bool, costs: MissCosts | None, bytes_per_expert: Mapping[int, int],
-                 n_expert_used: int) -> str:
-    """The miss policy the engine would run: ``auto`` without a host path that cannot serve the cache, then
+                 n_expert_used: int, n_expert: int, keeps: bool) -> str:
+    """The miss policy the engine would run: ``auto`` without a host path that cannot serve the cache, ``auto``
+    and ``cpu`` as ``wait`` on a warm cache of every expert (``keeps``: the policy keeps what it loads), then
     ``auto`` as ``wait`` where the cost model never prefers the CPU (in the hybrid decode: where the split never
     sends a token's misses to the CPU)."""
     asked, _ = auto_without_host_path(config.miss_policy, split)
+    asked, _ = without_host_path_when_full(asked, config.n_slots, n_expert, keeps)
     # the CPU beside the link: the hybrid decode, and the async decode's host part (its own branch of the graph)
     beside = n_expert_used if config.hybrid or config.decode_mode == "async" else None
     return effective_miss_policy(asked, costs, bytes_per_expert, beside)[0]
@@ -339,7 +342,8 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
             else DiskLinkCopyBackend(clock, dict(bytes_per_expert), profile, n_chunks, split, host))
     policy = make_policy(config.policy, m.n_expert, layers, config.policy_options)
     miss_costs = profile.miss_costs(n_chunks) if profile is not None else None
-    miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert, m.n_expert_used)  # as the engine
+    miss_policy = _miss_policy(config, bool(split), miss_costs, bytes_per_expert, m.n_expert_used,  # as the engine
+                               m.n_expert, not releases(policy))
     if host is not None and miss_policy != "wait":  # as the engine: most experts are not in host memory
         if config.miss_policy == "cpu":
             raise UsageError("--miss-policy cpu computes misses from host memory, and with a disk tier "
@@ -354,6 +358,7 @@ def _build(trace: Trace, config: SimConfig, bytes_per_expert: Mapping[int, int],
                                       bytes_per_expert=dict(bytes_per_expert), clock=clock, miss_policy=miss_policy,
                                       costs=miss_costs, split=split,
                                       n_bottom=n_pre if pred is not None and split else 0))
+    cache.preload()  # as the engine: a cache with a slot for every expert starts warm, in either decode mode
     prefetcher = Prefetcher(cache, pred, layers, n_pre, config.threshold) if pred is not None else None
     planner = _planner(config, trace, train, model_path, cache) if config.planner else None
     if config.decode_mode == "async" and prefetcher is not None:

@@ -43,6 +43,28 @@ def test_logits_equal_stock_with_misses_on_the_cpu(arch_model, stock_logits, mis
             assert st.misses == st.host_computed == 0 and "no miss is left for the CPU" in note
 
 
+@pytest.mark.parametrize("miss_policy", ["cpu", "auto"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_cache_of_every_expert_is_warm_and_leaves_the_host_path_off(qwen3moe_model, stock_logits, miss_policy,
+                                                                       mode):
+    """A slot for every expert: either decode mode copies every expert in before the first token, so no miss is
+    ever left for the CPU; the host path stays off (no graph split, no zero slot taking a slot), and the run says
+    the flag had nothing to do."""
+    facts = inspect_model(qwen3moe_model)
+    cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256, n_batch=64, n_ubatch=4,
+                       run=RunConfig(CacheConfig(n_slots=facts.n_expert),
+                                     decode=DecodeConfig(miss_policy=miss_policy, mode=mode)))
+    with Engine(cfg) as eng:
+        got = run_sequences(eng)
+        st = eng.cache_stats.total()
+        in_effect, note = eng.miss_policy
+    for a, b in zip(got, stock_logits(qwen3moe_model), strict=True):
+        assert np.abs(a - b).max() <= EXACT
+    assert in_effect == "wait" and note.startswith(f"{miss_policy}: every expert has a slot, warmed")
+    assert st.preloaded == facts.n_expert * len(facts.moe_layers)
+    assert st.misses == st.host_computed == st.demand_copies == 0 and st.hits > 0
+
+
 def test_cpu_misses_never_wait_for_a_slow_link(qwen3moe_model, stock_logits):
     """Copies take 20 ms each on a worker thread: the CPU computes the misses, nothing waits for them."""
     ref = stock_logits(qwen3moe_model)

@@ -9,9 +9,9 @@ Modes, each an engine of its own on the same model, decoding the same teacher-fo
   computes every selected expert, with no route callback per layer;
 - ``sync-cached``: a slot for every expert, the sync decode, no host path (the route op's own cost);
 - ``auto-cached``: a slot for every expert with ``--miss-policy auto`` (how a user turns the host path on):
-  every expert fits, so auto leaves the host path off (what it costs when unused);
-- ``cpu-cached``: the same with ``--miss-policy cpu``, the host path kept on as asked: its graph and its zero
-  slot cost something even when nothing goes to the CPU.
+  the cache is warmed before the first token, so auto leaves the host path off (what it costs when unused);
+- ``cpu-cached``: the same with ``--miss-policy cpu``: no miss is ever left for the CPU either, so the host
+  path is off too, and the run says so.
 
 Rounds alternate the modes (stock, host, ... stock, host, ...), so a drift of the machine's speed reaches every
 mode alike; each figure is the median over rounds of decode tokens per second, and each ratio is the median of

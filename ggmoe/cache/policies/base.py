@@ -85,3 +85,9 @@ def make_policy(name: str, n_expert: int, layers: list[int], options: Mapping[st
     """The policy ``name`` for these layers, its ``options`` checked against its ``PARAMS`` first."""
     cls = POLICIES.get(name)
     return cls(n_expert, layers, **check_params(f"policy {name!r}", cls.PARAMS, options))
+
+
+def releases(policy: Policy) -> bool:
+    """Whether ``policy`` drops what it loaded at the end of a call (on-demand): every use is then a miss, whatever
+    the slots, and a cache under it never warms."""
+    return type(policy).release is not Policy.release
