@@ -231,6 +231,19 @@ def test_the_hybrid_goal_by_hand(hybrid_tps, met):
     assert not [x for x in goals(cells[:2]) if "hybrid" in x["goal"]]  # no hybrid cell: no goal
 
 
+def test_the_host_path_free_goals_by_hand():
+    """Every expert cached: a row with the host path asked for against the same row without it, >= 0.97x."""
+    cells = [_cell("random", "lru", 1.0, 100.0), _cell("random", "lru-host", 1.0, 98.0),
+             _cell("random", "hybrid", 1.0, 90.0), _cell("random", "async-fill", 1.0, 200.0),
+             _cell("random", "async-fill-host", 0.5, 50.0)]  # not at 100 %: no goal
+    g = {x["goal"]: x for x in goals(cells) if "host path unused" in x["goal"]}
+    assert sorted(g) == ["decode, every expert cached: hybrid / lru (the host path unused)",
+                         "decode, every expert cached: lru-host / lru (the host path unused)"]
+    assert g["decode, every expert cached: lru-host / lru (the host path unused)"]["met"]
+    hybrid = g["decode, every expert cached: hybrid / lru (the host path unused)"]
+    assert hybrid["value"] == pytest.approx(0.9) and not hybrid["met"]
+
+
 def test_bounds_and_the_async_goals_by_hand():
     from tools.gpu.matrix import bounds
 
