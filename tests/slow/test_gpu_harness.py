@@ -75,6 +75,15 @@ def test_gpu_smoke(tmp_path):
     assert "MoEpic's split at θ 256/512" in result["split_note"]
     assert all(c["host_read_bytes_per_token"] > 0 for c in cells if c["config"] == "async" and c["fraction"] < 1)
     assert all(c["decode_tps"] > 0 and c["prefill_tps"] > 0 and c["error"] is None for c in cells)
+    # a predictor's rows: their prefetches' outcomes; on the mailbox, how often its reader was behind
+    for c in cells:
+        if "prefetch" in c["config"]:
+            assert c["prefetch_issued"] is not None and c["prefetch_used"] >= 0, c  # (used: of any window)
+            on_mailbox = c["decode_mode"] == "async"
+            assert (c["reader_targeted"] is not None) is on_mailbox, c
+            assert not on_mailbox or 0 <= c["reader_behind"] <= c["reader_targeted"], c
+        else:
+            assert c["prefetch_issued"] is None, c
     # trace-replay rows say so; every cell has the simulator's estimate beside it; the goals are checked
     trace_rows = [c for c in cells if c["routing"] != "random"]
     assert all("benchmark only" in c["routing"] and c["override_us"] > 0 for c in trace_rows)

@@ -173,6 +173,13 @@ class Cell:
     cache_bytes: int | None = None  # VRAM of the cached experts over all MoE layers (slots, or n-cpu-moe's layers)
     teardown_error: str | None = None  # measured, then the cell's process died closing the engine (a bug to fix)
     cpu_experts_per_token: float | None = None  # experts the CPU computed per decoded token (None: none measured)
+    # rows with a predictor: prefetches issued, used and late during the timed generations; and of the layers the
+    # async decode's mailbox reader read with a target over the cell's life, those read after the target started
+    prefetch_issued: int | None = None
+    prefetch_used: int | None = None
+    prefetch_late: int | None = None
+    reader_behind: int | None = None
+    reader_targeted: int | None = None
 
     @property
     def is_random(self) -> bool:
@@ -398,6 +405,18 @@ def measure(eng: Engine, vocab: int, prefill_tokens: int, decode_tokens: int, ru
     return Measured(prefill_tokens / t_prefill, tps, ttft, stats, decoded)
 
 
+def _prefetch_figures(eng, s) -> dict:
+    """A row with a predictor: its prefetches' outcomes (``s``: the timed generations' statistics) and how often the
+    mailbox's reader was behind the device (none for the route op's predictor, which runs in step)."""
+    pre = eng.report().get("prefetch")
+    if not pre or s is None:
+        return {}
+    out = {"prefetch_issued": s.prefetch_issued, "prefetch_used": s.prefetch_hits, "prefetch_late": s.prefetch_late}
+    if pre.get("runs_on") == "mailbox":
+        out |= {"reader_behind": pre["layers_behind"], "reader_targeted": pre["layers_targeted"]}
+    return out
+
+
 def vram_bytes(cfg: EngineConfig, config: str, slots: int | None, facts, split: dict | None) -> int | None:
     """VRAM of the experts kept on the device over all MoE layers: every expert (stock-vram), none (stock-cpu),
     whole layers' (n-cpu-moe), or the cache's slots (a split row's hold tops)."""
@@ -452,7 +471,8 @@ def run_cell(model: Path, facts, config: str, fraction: float | None, routing: s
                         top_hit_rate=s.top_hit_rate if s and is_split else None, cache_bytes=vram,
                         cpu_experts_per_token=cpu_experts_per_token(
                             config, slots, len(facts.moe_layers), facts.n_expert_used,
-                            s.host_computed if s else None, m.decoded_tokens))
+                            s.host_computed if s else None, m.decoded_tokens),
+                        **_prefetch_figures(eng, s))
             if emit is not None:
                 emit(cell)
         return cell
@@ -720,8 +740,8 @@ def _f(x: float | None, fmt: str) -> str:
 def table(cells: list[Cell]) -> str:
     head = ("| routing | config | mode | cacheable | slots | expert VRAM GB | decode tok/s | TPOT ms | bound ms | "
             "sim TPOT ms | prefill tok/s | TTFT ms | hit rate | MB/token host reads + copies | hook µs (replay) | "
-            "CPU experts | CPU µs/expert |")
-    rows = [head, "|" + "---|" * 17]
+            "CPU experts | CPU µs/expert | prefetches used/issued (late); reader behind |")
+    rows = [head, "|" + "---|" * 18]
     vram = next((c.tpot_ms for c in cells if c.error is None and c.config == "stock-vram" and c.tpot_ms), None)
     order = {c: i for i, c in enumerate(CONFIGS)}
     for c in sorted(cells, key=lambda c: (not c.is_random, c.fraction or 0.0, order[c.config])):
@@ -731,7 +751,7 @@ def table(cells: list[Cell]) -> str:
         gb = _f(None if c.cache_bytes is None else c.cache_bytes / 1e9, ".3g")
         if c.error:
             rows.append(f"| {routing} | {c.config} | - | {frac} | {slots} | {gb} | failed: "
-                        f"{c.error[:160].replace('|', '/')} |||||||||||")
+                        f"{c.error[:160].replace('|', '/')} ||||||||||||")
             continue
         link = ("-" if c.host_read_bytes_per_token is None else
                 f"{c.host_read_bytes_per_token / 1e6:.1f} + {(c.copied_bytes_per_token or 0) / 1e6:.1f}")
@@ -743,12 +763,22 @@ def table(cells: list[Cell]) -> str:
                     f"{_f(c.tpot_sim_ms, '.2f')} | {c.prefill_tps:.1f} | "
                     f"{c.ttft_s * 1e3:.1f} | {hit} | {link} | {_f(c.hook_us_p50, '.1f')}"
                     f"{'' if c.override_us is None else f' ({c.override_us:.1f})'} | "
-                    f"{_f(c.host_computed, 'd')} | {_f(cpu_us_per_expert(c, vram), '.0f')} |")
+                    f"{_f(c.host_computed, 'd')} | {_f(cpu_us_per_expert(c, vram), '.0f')} | {_prefetch_cell(c)} |")
     died = [c for c in cells if c.teardown_error]
     if died:
         rows.append("\n† measured, then the cell's process failed closing the engine: "
                     + "; ".join(f"{c.config} {_f(c.fraction, '.0%')}: {c.teardown_error[:200]}" for c in died[:3]))
     return "\n".join(rows)
+
+
+def _prefetch_cell(c: Cell) -> str:
+    """The table's prefetch column: used/issued (late), and the mailbox reader's layers read too late."""
+    if c.prefetch_issued is None:
+        return "-"
+    out = f"{c.prefetch_used}/{c.prefetch_issued} ({c.prefetch_late})"
+    if c.reader_targeted:
+        out += f"; {c.reader_behind}/{c.reader_targeted} behind"
+    return out
 
 
 def markdown(result: dict, cells: list[Cell]) -> str:
