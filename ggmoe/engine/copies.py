@@ -38,6 +38,22 @@ def _writes(p: SlotPair, expert: int, slot: int) -> list[tuple[int, int, Pieces]
     return [(p.bottom, b * p.split.bottom_bytes, r) for r in p.split.bottom]
 
 
+_TENSOR_P: dict[int, object] = {}  # tensor address -> its typed pointer (``_tensor_p``)
+
+
+def _tensor_p(tensor: int) -> object:
+    """The ``ggml_tensor *`` of address ``tensor``, made once per tensor: a copy writes three slot tensors and
+    three table entries per expert, and a ``ctypes.cast`` each time cost about a microsecond apiece of the
+    mailbox reader's time per layer. Slot and table tensors live as long as their cache; a later tensor at a
+    freed one's address gets the same pointer value, so the memo is never stale."""
+    t = _TENSOR_P.get(tensor)
+    if t is None:
+        if len(_TENSOR_P) >= 1 << 16:  # bounded: caches rebuilt many times over (a server reconfiguring)
+            _TENSOR_P.clear()
+        t = _TENSOR_P[tensor] = ctypes.cast(tensor, B.ggml_tensor_p)
+    return t
+
+
 class GgmlCopyBackend:
     """The engine's copies: ggml's backend API on a copy stream (``ggmoe.engine.streams``).
 
@@ -75,7 +91,7 @@ class GgmlCopyBackend:
         for tensor, at, r in _writes(p, expert, slot):
             if r.size == 0 or r.n == 0:
                 continue  # θ = 0: an empty top
-            t = ctypes.cast(tensor, B.ggml_tensor_p)
+            t = _tensor_p(tensor)
             if r.n == 1:
                 if stream:
                     B.libggml_base.ggml_backend_tensor_set_async(stream, t, src + r.src, at + r.dst, r.size)
@@ -114,7 +130,7 @@ class GgmlCopyBackend:
             return
         tensor, offset, value = entry
         v = ctypes.c_int64(value)  # read before the call returns (a pageable source is staged by then)
-        t = ctypes.cast(tensor, B.ggml_tensor_p)
+        t = _tensor_p(tensor)
         if stream:
             B.libggml_base.ggml_backend_tensor_set_async(stream, t, ctypes.addressof(v), offset, 8)
         else:
