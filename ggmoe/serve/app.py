@@ -98,6 +98,9 @@ class ServeSettings:
 log = logging.getLogger("ggmoe.serve")
 
 
+READER_NOTE_MIN_LAYERS = 256  # layers the predictor's reader read with a target before the server judges its pace
+
+
 class Server:
     """The model, its request queue and metrics; the route handlers' shared state."""
 
@@ -140,7 +143,10 @@ class Server:
         too late to prefetch (``reader_behind_note``), one warning in the log; /metrics has the counts."""
         if self._reader_noted or self.llama.run_config is None or self.llama.run_config.prefetch is None:
             return
-        note = reader_behind_note((self.llama.stats()["cache"] or {}).get("prefetch"))
+        pre = (self.llama.stats()["cache"] or {}).get("prefetch") or {}
+        if pre.get("layers_targeted", 0) < READER_NOTE_MIN_LAYERS:  # a short first request says little yet
+            return
+        note = reader_behind_note(pre)
         if note is not None:
             self._reader_noted = True
             log.warning("%s", note)

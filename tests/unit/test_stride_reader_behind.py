@@ -127,25 +127,28 @@ def test_a_reader_a_quarter_behind_is_said(report, said):
 class _Llama:
     """What ``Server.note_reader`` reads of the model: its run configuration and its statistics."""
 
-    def __init__(self, behind: int) -> None:
+    def __init__(self, behind: int, targeted: int) -> None:
         self.run_config = SimpleNamespace(prefetch=object())
-        self.behind = behind
+        self.behind, self.targeted = behind, targeted
 
     def stats(self) -> dict:
-        return {"cache": {"prefetch": {"runs_on": "mailbox", "layers_targeted": 40, "layers_behind": self.behind}}}
+        return {"cache": {"prefetch": {"runs_on": "mailbox", "layers_targeted": self.targeted,
+                                       "layers_behind": self.behind}}}
 
 
 def test_serve_logs_a_lagging_reader_once(caplog):
     from ggmoe.serve.app import Server
 
     server = Server.__new__(Server)  # its state but the model: only note_reader runs
-    server.llama, server._reader_noted = _Llama(behind=2), False
+    server.llama, server._reader_noted = _Llama(behind=30, targeted=40), False
     with caplog.at_level(logging.WARNING, logger="ggmoe.serve"):
-        server.note_reader()  # 2 of 40: nothing said
-        server.llama.behind = 30
+        server.note_reader()  # 30 of 40: too few layers read to judge yet
+        server.llama.behind, server.llama.targeted = 20, 400
+        server.note_reader()  # 20 of 400: keeping pace
+        server.llama.behind = 300
         server.note_reader()
         server.note_reader()
     said = [r.getMessage() for r in caplog.records if "predictor: read" in r.getMessage()]
-    assert said == ["predictor: read 30 of 40 layers only after the layer it predicts had started, so those "
+    assert said == ["predictor: read 300 of 400 layers only after the layer it predicts had started, so those "
                     "prefetched nothing (the decode ran ahead of the mailbox's reader: no core was free for it; "
                     "--decode-mode sync runs the predictor in the route op instead)"]
