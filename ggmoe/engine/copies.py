@@ -71,7 +71,8 @@ class GgmlCopyBackend:
         self._markers: dict[int, Marker] = {}  # handle id -> its stream marker, until seen landed
         # the async decode's stride prefetch: (il, kind index, expert, slot) -> (table tensor, byte offset, entry
         # value) of the expert-table entry to point at the slot once that kind's copy landed, written on the
-        # stream right after it (stream order: a kernel that reads the entry then finds the copy landed); None
+        # stream after the copy's kinds (stream order: a kernel that reads the entry then finds the copy landed;
+        # an expert's entries in one strided write, ``_flip_all``); None
         # for no such write (split layers, or not the async decode)
         self.flip: Callable[[int, int, int, int], tuple[int, int, int] | None] | None = None
         # where a copy reads expert ``expert`` of kind ``kind`` (index in the layer's pairs) of layer ``il``: its
@@ -117,24 +118,36 @@ class GgmlCopyBackend:
         def work(stream: int | None) -> None:
             for i, src in zip(kinds, srcs, strict=True):
                 self._write(pairs[i], expert, slot, stream, src)
-                if flip is not None:  # a slot's entry, or a split layer's bottom row (entry_flip)
-                    self._flip(flip(il, i, expert, slot), stream)
+            if flip is not None:  # a slot's entries, or a split layer's bottom rows (entry_flip), after the copy
+                self._flip_all([e for e in (flip(il, i, expert, slot) for i in kinds) if e is not None], stream)
 
         put = getattr(self.stream, "put_on_engine", None) if engine else None
         return (put or self.stream.put)(work)
 
     @staticmethod
-    def _flip(entry: tuple[int, int, int] | None, stream: int | None) -> None:
-        """Point an expert-table entry at its slot, on the copy stream after the copy (or at once)."""
-        if entry is None:
+    def _flip_all(entries: list[tuple[int, int, int]], stream: int | None) -> None:
+        """Point expert-table entries (tensor, byte offset, value) at their slot, on the copy stream after the
+        copy (or at once). An expert's kinds' entries lie one table apart in the one tables tensor: they go in
+        one strided write (a GPU's copy stream takes each write as an API call of its own)."""
+        if not entries:
             return
-        tensor, offset, value = entry
-        v = ctypes.c_int64(value)  # read before the call returns (a pageable source is staged by then)
-        t = _tensor_p(tensor)
-        if stream:
-            B.libggml_base.ggml_backend_tensor_set_async(stream, t, ctypes.addressof(v), offset, 8)
+        tensor, first = entries[0][0], entries[0][1]
+        step = entries[1][1] - first if len(entries) > 1 else 8
+        if step <= 0 or any(t != tensor or off != first + j * step for j, (t, off, _) in enumerate(entries)):
+            for e in entries:  # not one strided run: each on its own
+                GgmlCopyBackend._flip_all([e], stream)
+            return
+        v = (ctypes.c_int64 * len(entries))(*(e[2] for e in entries))  # read before the call returns
+        t, n, at = _tensor_p(tensor), len(entries), ctypes.addressof(v)
+        if n == 1:
+            if stream:
+                B.libggml_base.ggml_backend_tensor_set_async(stream, t, at, first, 8)
+            else:
+                B.libggml_base.ggml_backend_tensor_set(t, at, first, 8)
+        elif stream:
+            B.libggml_base.ggml_backend_tensor_set_2d_async(stream, t, at, first, 8, n, step, 8)
         else:
-            B.libggml_base.ggml_backend_tensor_set(t, ctypes.addressof(v), offset, 8)
+            B.libggml_base.ggml_backend_tensor_set_2d(t, at, first, 8, n, step, 8)
 
     def issue_chunk(self, il: int, expert: int, slot: int, i: int) -> Marker:
         """Put chunk ``i`` (expert tensor kind ``i``) of ``expert``'s copy on the stream; its marker."""

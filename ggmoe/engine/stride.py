@@ -5,7 +5,7 @@ thread; while the device computes (ctypes has released the GIL), the thread poll
 order and, as each layer starts, tells the cache what the layer reads (``ExpertCache.seen_start``: what was
 readable then came from slots) and hands the prefetcher the layer's ids and input rows
 (``Prefetcher.observe_layer``), which predicts ``stride`` layers ahead and puts copies into free slots on the
-copy stream; each copy's table entry flips to its slot on the stream right after it lands. ``end_token``
+copy stream; each copy's table entries flip to its slot on the stream right after it. ``end_token``
 (after the logits were read: every layer has written) waits until the thread has handled every layer, so the
 controller between tokens never runs beside it. Nothing on the decode path waits for this thread, and no
 Python runs inside the graph.
