@@ -288,13 +288,9 @@ class ExpertCache(Admission, PrefetchBook):
         """``after_roomy_token`` of one decoded token whose ``layers`` were all read with identity (patch 0017:
         every expert resident in its own slot, nothing loading): each layer's ``n_expert_used`` experts were
         hits, whichever they were (a token's top-k are distinct), so the routing need not be read."""
-        k, stats = self.n_expert_used, self.stats.layers
-        with self.lock:  # inlined ``_count_resident``: once per token, on the decode's critical path
-            self.clock += len(layers)
+        with self.lock:
             for il in layers:
-                st = stats[il]
-                st.calls += 1
-                st.hits += k
+                self._count_resident(il, self.n_expert_used)
 
     def _count_resident(self, il: int, n_hits: int) -> LayerStats:
         """One call of layer ``il`` whose ``n_hits`` distinct experts were all resident (lock held)."""

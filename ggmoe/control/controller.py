@@ -22,7 +22,7 @@ copy into it landed: the cache writes each change as a flip, in order, and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class TokenController:
             cache.token += 1
         if observers is None:
             observers = self.observers
-        observers = tuple(o for o in observers if getattr(o, "wants_routing", True)) if observers is not None else ()
+        observers = _wanting_routing(observers) if observers is not None else ()
         rows_of = routing.tolist()  # [n_layer][n_tokens][n_expert_used]
         planner = self.planner  # a plan follows one decoded token (not a prefill's last micro-batch)
         if planner is not None and (routing.shape[1] != 1 or not planner.decoding):
@@ -90,13 +90,12 @@ class TokenController:
                     obs.on_route(event)
         return cache.take_step() if cache is not None else EMPTY_STEP
 
-    def on_identity_token(self, layers: Sequence[int], observers: Iterable[RouteObserver]) -> StepChanges | None:
+    def on_identity_token(self, layers: Collection[int], observers: Iterable[RouteObserver]) -> StepChanges | None:
         """``on_routing`` of a one-token decode whose cached ``layers`` were all read with identity (every expert
         in its own slot), where nothing reads the routing (no planner, no observer that wants it): the cache
         counts the hits without the routing being read. None where something does: call ``on_routing``."""
         cache = self.cache
-        if (cache is None or not cache.roomy or self.planner is not None
-                or any(getattr(o, "wants_routing", True) for o in observers)):
+        if cache is None or not cache.roomy or self.planner is not None or _wanting_routing(observers):
             return None
         self.tokens += 1
         cache.token += 1
@@ -109,3 +108,8 @@ class TokenController:
         predictor reads them, after a one-token decode): the caller gathers them only then."""
         planner = self.planner
         return planner is not None and n_tokens == 1 and planner.decoding and planner.predictor.needs_hidden
+
+
+def _wanting_routing(observers: Iterable[RouteObserver]) -> tuple[RouteObserver, ...]:
+    """The observers that read the routing (an observer says otherwise with ``wants_routing = False``)."""
+    return tuple(o for o in observers if getattr(o, "wants_routing", True))

@@ -256,7 +256,7 @@ class CachePipeline:
         mailbox: its layers' graphs read the slots with stock's matmuls, no table (patch 0017). A later flip of
         a layer turns it off again (``ExpertTables.apply``)."""
         cache = self.runtime.cache
-        if (self.tables is None or not self.run_config.decode.identity or not cache.roomy or cache.policy_releases
+        if (self.tables is None or not self.run_config.decode.identity or not cache.roomy  # (roomy: a keeping policy)
                 or self.mailbox is not None or self.planner is not None):
             return
         self.tables.set_identity([il for il in cache.n_slots if self.tables.is_identity(il)], True)
@@ -278,12 +278,9 @@ class CachePipeline:
         cache = self.runtime.cache
         cache.cpu_of = masks
         self.tables.set_host_part(cache.cpu_of)
-        if cache.cpu_of or self.runtime.miss_policy_note:
-            return
-        if cache.roomy and not cache.policy_releases:  # said once: the flag the user gave has nothing to do
-            self.runtime.miss_policy_note = (f"{self.runtime.miss_policy}: every expert has a slot, warmed before the "
-                                             "first token, so no miss is left for the CPU")
-        else:
+        # (a warm cache of every expert runs as wait, said by ``without_host_path_when_full``; cpu flags every
+        # expert of every other cache: no layer here is auto's choice)
+        if not cache.cpu_of and not self.runtime.miss_policy_note:
             self.runtime.miss_policy_note = ("auto: the async decode's graph reads a miss over the link sooner than "
                                              "the CPU computes it, so its host part takes no layer")
 
@@ -583,7 +580,7 @@ class CachePipeline:
         if tables.fills is not None or len(tables.identity) != len(tables.layers):
             return False
         try:
-            step = self.controller.on_identity_token(tuple(tables.layers), self.observers.items)
+            step = self.controller.on_identity_token(tables.layers.keys(), self.observers.items)
             if step is None:
                 return False
             tables.apply(step)
