@@ -23,7 +23,8 @@ class Admission:
         policy that keeps nothing (on-demand), drop the landed experts instead."""
         slot_of, copy = table.slot_of_list, table.copy
         if self.policy_releases:
-            self._release(il, table, [x for x in table.resident() if copy[slot_of[x]] is None])
+            if table.holds_any():
+                self._release(il, table, [x for x in table.resident() if copy[slot_of[x]] is None])
             return
         if table.n_loading:
             self._drop_stale_admissions(il, table, set(missing))

@@ -42,7 +42,7 @@ class TokenController:
         self.planner = planner  # plans each layer's next call before the cache admits (None: no plan)
         self.tokens = 0  # table-mode micro-batches handled
         self.calls = 0  # layer routings handled (one per MoE layer per micro-batch)
-        self._cached_layers: tuple[int, ...] | None = None  # the layers read through tables (a roomy cache)
+        self._cached_layers: tuple[int, ...] | None = None  # the layers read through tables
 
     def on_routing(self, layers: Iterable[int], routing: np.ndarray, observers: Iterable[RouteObserver] | None = None,
                    hidden: Mapping[int, np.ndarray] | None = None) -> StepChanges:
@@ -66,11 +66,10 @@ class TokenController:
         planner = self.planner  # a plan follows one decoded token (not a prefill's last micro-batch)
         if planner is not None and (routing.shape[1] != 1 or not planner.decoding):
             planner = None
-        if cache is not None and cache.roomy and planner is None and not observers and routing.shape[1] == 1:
+        if cache is not None and planner is None and not observers and routing.shape[1] == 1:
             if self._cached_layers is None:  # the cached layers (the same every call)
                 self._cached_layers = tuple(il for il in layers if il in tables)
-            self.calls += len(self._cached_layers)
-            cache.after_roomy_token(self._cached_layers, rows_of)  # a slot for every expert: one call a token
+            self.calls += cache.after_one_token(self._cached_layers, rows_of)  # one call a token: nothing else reads
             return cache.take_step()
         for il in layers:
             rows = rows_of[il]

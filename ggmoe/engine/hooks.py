@@ -31,6 +31,15 @@ from ggmoe.inspect.gating import Gating, true_probs
 
 _NAME_OFFSET = B.ggml_tensor.name.offset  # bytes from a ggml_tensor * to its name
 _HOOK_NAME = re.compile(rb"^ffn_moe_(topk|probs|logits)-(\d+)$")
+_I32_ARRAYS: dict[int, type[ctypes.Array]] = {}  # n -> c_int32 * n, made once (``c_int32 * n`` costs a lookup per call)
+
+
+def _i32_array(n: int) -> type[ctypes.Array]:
+    """The ctypes type of ``n`` int32s (the route callback's ids and slots)."""
+    t = _I32_ARRAYS.get(n)
+    if t is None:
+        t = _I32_ARRAYS[n] = ctypes.c_int32 * n
+    return t
 
 
 class Observers:
@@ -175,14 +184,14 @@ class RouteOpHook:
         try:
             if self.error is not None:
                 return 1
-            n = n_tokens * n_expert_used
-            ids = (ctypes.c_int32 * n).from_address(ids_p)  # dense [n_tokens][n_expert_used]
+            arr = _i32_array(n_tokens * n_expert_used)
+            ids = arr.from_address(ids_p)  # dense [n_tokens][n_expert_used]
             if self.routing_override is not None:
-                ids = (ctypes.c_int32 * n)(*self.routing_override(il, n_tokens))
+                ids = arr(*self.routing_override(il, n_tokens))
             cache = self.cache
             if cache is not None and il in cache.tables:
                 if slots_p:
-                    (ctypes.c_int32 * n).from_address(slots_p)[:] = cache.route_flat(il, ids[:])
+                    arr.from_address(slots_p)[:] = cache.route_flat(il, ids[:])
                     if self.after_route is not None:
                         self.after_route()
                 else:

@@ -121,7 +121,7 @@ def test_a_template_that_tries_to_escape_the_sandbox_is_refused(tmp_path, templa
         assert llm.create_completion("a", max_tokens=2)["choices"][0]["text"] is not None
 
 
-@pytest.mark.parametrize("mode, hot_path", [("sync", "route_flat"), ("async", "after_token")])
+@pytest.mark.parametrize("mode, hot_path", [("sync", "route_flat"), ("async", "after_one_token")])
 def test_a_route_callback_error_surfaces_from_the_llama_call(mode, hot_path):
     """An error in the cache's per-layer call (sync: inside the route callback; async: in the controller
     between tokens) is raised by the Llama call that ran the decode."""

@@ -240,35 +240,65 @@ class Counting:
         self.events += 1
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fmoe"])
-def test_a_roomy_cache_counts_in_one_call_what_the_layer_calls_count(policy):
-    """Every layer has a slot for every expert: the controller hands the cache the whole token at once
-    (``after_roomy_token``), which counts a layer whose experts were all resident itself and sends the rest
-    (misses: admissions; copies landing) down the per-layer path. Statistics and residency equal the
-    per-layer path's (an observer keeps the controller on it); the policy, whose ranks a cache that never
-    evicts never asks for, is told of the misses' calls only."""
+def _one_call_and_per_layer(policy: str, n_slots: int, cpu_of: dict[int, list[bool]] | None = None):
+    """The same routings through the controller twice: without observers (one cache call a token,
+    ``after_one_token``) and with one (the per-layer path). Returns each run's cache, controller and the number
+    of one-call tokens; the copies land as they are submitted, as the CPU build's do."""
     layers = [0, 1, 2]
     rng = np.random.default_rng(7)
     routings = [np.stack([rng.choice(N_EXPERT, size=(1, K), replace=False) for _ in layers]).astype(np.int32)
                 for _ in range(60)]
-    caches = []
+    runs = []
     for observers in ([], [Counting()]):
-        cache = ExpertCache(N_EXPERT, K, dict.fromkeys(layers, N_EXPERT), POLICIES.get(policy)(N_EXPERT, layers))
+        cache = ExpertCache(N_EXPERT, K, dict.fromkeys(layers, n_slots), POLICIES.get(policy)(N_EXPERT, layers))
+        if cpu_of:
+            cache.cpu_of = cpu_of
         whole = []
-        cache.after_roomy_token = lambda ls, rows, _c=cache, _w=whole: (_w.append(1),
-                                                                         type(_c).after_roomy_token(_c, ls, rows))
+        cache.after_one_token = lambda ls, rows, _c=cache, _w=whole: (_w.append(1),
+                                                                       type(_c).after_one_token(_c, ls, rows))[1]
         ctl = TokenController(cache, observers)
         for routing in routings:
             ctl.on_routing(layers, routing)
-        caches.append((cache, ctl, len(whole)))
-    (fast, fctl, n_fast), (slow, sctl, n_slow) = caches
-    assert fast.roomy and n_fast == len(routings) and n_slow == 0
-    assert fast.stats.total().misses > 0  # some tokens took the per-layer path inside the whole-token call
-    assert fast.stats.total() == slow.stats.total() and fctl.calls == sctl.calls == 60 * len(layers)
+        runs.append((cache, ctl, len(whole)))
+    return runs, layers, len(routings)
+
+
+def _same(fast, fctl, slow, sctl, layers, n_tokens):
+    assert fast.stats.total() == slow.stats.total() and fctl.calls == sctl.calls == n_tokens * len(layers)
     for il in layers:
         assert fast.stats.layers[il] == slow.stats.layers[il]
         assert fast.tables[il].expert_in_list == slow.tables[il].expert_in_list
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fmoe"])
+def test_a_roomy_cache_counts_in_one_call_what_the_layer_calls_count(policy):
+    """Every layer has a slot for every expert: the controller hands the cache the whole token at once
+    (``after_one_token``), which counts a layer whose experts were all resident itself and sends the rest
+    (misses: admissions; copies landing) down the per-layer path. Statistics and residency equal the
+    per-layer path's (an observer keeps the controller on it); the policy, whose ranks a cache that never
+    evicts never asks for, is told of the misses' calls only."""
+    ((fast, fctl, n_fast), (slow, sctl, n_slow)), layers, n_tokens = _one_call_and_per_layer(policy, N_EXPERT)
+    assert fast.roomy and n_fast == n_tokens and n_slow == 0
+    assert fast.stats.total().misses > 0  # some tokens took the per-layer path inside the whole-token call
+    _same(fast, fctl, slow, sctl, layers, n_tokens)
     assert fast.stats.total().evictions == slow.stats.total().evictions == 0
+
+
+@pytest.mark.parametrize(("policy", "n_slots", "cpu"), [
+    ("lru", 3, False),  # evictions and admissions
+    ("lfu", 4, True),  # every miss computed by the host part, then admitted
+    ("on-demand", K, True),  # the host part computes every expert, nothing kept
+    ("on-demand", K, False),  # read in place, nothing kept
+])
+def test_any_cache_steps_in_one_call_as_layer_by_layer(policy, n_slots, cpu):
+    """Without a planner or an observer, every cache (not only a roomy one) takes a decoded token in one call
+    under one lock (``after_one_token``): the same statistics, residency and evictions as the per-layer path."""
+    cpu_of = {il: [True] * N_EXPERT for il in range(3)} if cpu else None
+    ((fast, fctl, n_fast), (slow, sctl, n_slow)), layers, n_tokens = _one_call_and_per_layer(policy, n_slots, cpu_of)
+    assert not fast.roomy and n_fast == n_tokens and n_slow == 0
+    assert fast.stats.total().misses > 0
+    assert (fast.stats.total().host_computed > 0) == cpu
+    _same(fast, fctl, slow, sctl, layers, n_tokens)
 
 
 def test_a_cache_with_a_layer_that_cannot_hold_every_expert_is_not_roomy():
