@@ -41,7 +41,10 @@ def test_predictors():
 
 @pytest.mark.parametrize("predictor", ["reuse", "skip-gate", "test-fixed"])
 @pytest.mark.parametrize("miss_policy", ["wait", "cpu"])
-def test_logits_equal_stock_with_prefetching(arch_model, stock_logits, predictor, miss_policy):
+def test_logits_equal_stock_with_prefetching(arch_model, stock_logits, predictor, miss_policy, monkeypatch):
+    # lockstep: in the async decode the mailbox's reader then reads every layer whatever the machine's load (a
+    # reader behind the device predicts nothing, and its budget turns it off: no prediction to count)
+    monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
     arch, path = arch_model
     facts = inspect_model(path)
     ref = stock_logits(path)
@@ -61,8 +64,10 @@ def test_logits_equal_stock_with_prefetching(arch_model, stock_logits, predictor
     assert st.prefetch_hits + st.prefetch_wasted <= st.prefetch_issued
 
 
-def test_a_used_prefetch_is_a_prefetch_hit(qwen3moe_model):
-    """With the skip-gate predictor at stride 1 on a model whose adjacent routers agree, prefetches get used."""
+def test_a_used_prefetch_is_a_prefetch_hit(qwen3moe_model, monkeypatch):
+    """With the skip-gate predictor at stride 1 on a model whose adjacent routers agree, prefetches get used (the
+    reader in lockstep, so that it issues them whatever the machine's load)."""
+    monkeypatch.setenv("GGMOE_MAILBOX_LOCKSTEP", "1")
     cfg = EngineConfig(model_path=qwen3moe_model, n_ctx=256,
                        run=RunConfig(CacheConfig(n_slots=4),
                                      prefetch=PrefetchConfig("test-fixed", stride=1, n_prefetch=2)))
