@@ -10,6 +10,11 @@ part stays in the main graph). Unset, a GPU build
 gets a worker with the context's threads and the CPU build none: there the "device" is the same cores, so
 running the two parts side by side only adds a hand-off per layer (docs/benchmarks.md, "The host path").
 ``GGMOE_HOST_ORDER`` forces an interleaving, for tests: 1 the device part first, 2 the host part first.
+
+The hand-off (patch 0018, ``llama_ggmoe_set_host_spin``): the worker waits for its next job, and the join for the
+job, spinning for ``HOST_SPIN_US`` before they sleep, where the spinning threads have cores of their own
+(``host_spin_us``); otherwise they sleep at once, since a spinning thread beside a team on every core takes a core
+the team waits for. ``GGMOE_HOST_SPIN_US`` sets it (0: sleep at once).
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ from ggmoe.engine import patch as _patched
 
 HOST_THREADS_ENV = "GGMOE_HOST_THREADS"
 HOST_ORDER_ENV = "GGMOE_HOST_ORDER"
+HOST_SPIN_ENV = "GGMOE_HOST_SPIN_US"
+# µs a waiting side of the hand-off spins before it sleeps: a layer's host part comes a layer's device work after
+# the last one (tens of µs on the CPU build, hundreds on a GPU); asleep, the two wake-ups cost about 50 µs a layer
+# on the development VM (docs/benchmarks.md, "The host part's hand-off")
+HOST_SPIN_US = 250
+HOST_SPIN_MAX_US = 100_000  # the patch's bound
 ORDERS = {"0": 0, "free": 0, "1": 1, "device-first": 1, "2": 2, "host-first": 2}
 
 
@@ -59,9 +70,34 @@ def host_threads(n_threads: int, on_gpu: bool, asked: int | None = None) -> tupl
     return threads, ORDERS[raw]
 
 
-def set_host_threads(ctx_ptr: int, threads: int, order: int) -> None:
-    """Start (threads > 0) or stop the context's host-part worker."""
-    rc = _patched.symbols().llama_ggmoe_set_host_threads(ctx_ptr, threads, order)
+def host_spin_us(n_threads: int, threads: int, on_gpu: bool, cores: int | None = None) -> int:
+    """µs the hand-off spins before sleeping, for a worker of ``threads`` beside a context computing with
+    ``n_threads`` on ``cores`` (default: this machine's): ``GGMOE_HOST_SPIN_US`` when set, else ``HOST_SPIN_US``
+    where the spinning threads have cores of their own, else 0 (sleep at once). Beside the worker the main graph
+    runs the device part on its ``n_threads`` on the CPU build, and one thread on a GPU build (its CPU ops in a
+    layer are one task each, the start and the join); the GPU build's default worker takes every core, so its
+    hand-off sleeps unless ``--host-threads`` leaves the main thread a core."""
+    raw = os.environ.get(HOST_SPIN_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise UsageError(f"{HOST_SPIN_ENV}={raw!r}: give whole microseconds (0: sleep at once)") from None
+        if not 0 <= value <= HOST_SPIN_MAX_US:
+            raise UsageError(f"{HOST_SPIN_ENV}={raw!r}: from 0 to {HOST_SPIN_MAX_US} microseconds")
+        return value
+    cores = cores if cores is not None else os.cpu_count() or 1
+    main = 1 if on_gpu else n_threads
+    return HOST_SPIN_US if threads > 0 and main + threads <= cores else 0
+
+
+def set_host_threads(ctx_ptr: int, threads: int, order: int, spin_us: int = 0) -> None:
+    """Start (threads > 0) or stop the context's host-part worker, whose hand-off spins ``spin_us`` before it
+    sleeps."""
+    P = _patched.symbols()
+    rc = P.llama_ggmoe_set_host_spin(ctx_ptr, spin_us)
+    if rc == _patched.LLAMA_GGMOE_OK:
+        rc = P.llama_ggmoe_set_host_threads(ctx_ptr, threads, order)
     if rc != _patched.LLAMA_GGMOE_OK:
         raise UsageError(f"the host path's worker with {threads} threads was refused "
                          f"({_patched.ERROR_NAMES.get(rc, rc)})")

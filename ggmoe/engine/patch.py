@@ -125,6 +125,8 @@ _SIGNATURES: tuple[tuple[str, list[Any], Any], ...] = (
     ("llama_ggmoe_set_mmap_prefetch", [ctypes.c_bool], ctypes.c_bool),
     # int32_t llama_ggmoe_set_host_threads(struct llama_context * ctx, int32_t n_threads, int32_t order);
     ("llama_ggmoe_set_host_threads", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
+    # int32_t llama_ggmoe_set_host_spin(struct llama_context * ctx, int32_t spin_us);
+    ("llama_ggmoe_set_host_spin", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32),
     # void llama_ggmoe_set_wait_cb(struct llama_context * ctx, llama_ggmoe_wait_cb cb, void * user_data);
     # (pass wait_cb() -- a NULL function pointer -- to remove the hook)
     ("llama_ggmoe_set_wait_cb", [ctypes.c_void_p, wait_cb, ctypes.c_void_p], None),
@@ -155,6 +157,7 @@ class PatchedLib:
     llama_ggmoe_set_layer_identity: Any
     llama_ggmoe_set_mmap_prefetch: Any
     llama_ggmoe_set_host_threads: Any
+    llama_ggmoe_set_host_spin: Any
     llama_ggmoe_get_host_stats: Any
     llama_ggmoe_set_wait_cb: Any
     route_cb: Any = route_cb

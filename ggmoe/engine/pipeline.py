@@ -673,7 +673,8 @@ class CachePipeline:
 
         # the async decode's host part: per layer, the experts its graph computes on the CPU while no slot holds them
         cpu_experts = {str(il): sum(mask) for il, mask in rt.cache.cpu_of.items()}
-        return {"host_part": {"threads": rt.host_threads, "beside_link": rt.cache.cpu_beside_link,
+        return {"host_part": {"threads": rt.host_threads, "spin_us": rt.host_spin_us if rt.host_threads else 0,
+                              "beside_link": rt.cache.cpu_beside_link,
                               "async_cpu_experts": cpu_experts, **asdict(host_part_stats(self._ctx_ptr))}}
 
     def _host_tier_report(self) -> dict[str, object]:

@@ -34,7 +34,7 @@ from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.copies import GgmlCopyBackend, measure_costs
 from ggmoe.engine.disk import FileDiskReader, HostSlots, expert_extents
-from ggmoe.engine.host_part import host_threads, set_host_threads
+from ggmoe.engine.host_part import host_spin_us, host_threads, set_host_threads
 from ggmoe.engine.slot_tensors import SlotTensors
 from ggmoe.engine.streams import open_stream
 from ggmoe.inspect.facts import ModelFacts
@@ -125,7 +125,7 @@ class CacheRuntime:
                                                    n_bottom=self.n_bottom))
             self._register(ctx_ptr, n_slots, host_path)
             if host_path:
-                set_host_threads(ctx_ptr, self.host_threads, self._host_order)
+                set_host_threads(ctx_ptr, self.host_threads, self._host_order, self.host_spin_us)
         except BaseException:
             self.unregister(ctx_ptr, n_slots)
             self.close()
@@ -140,6 +140,7 @@ class CacheRuntime:
         # the host part on a worker beside the device part (patch 0015): the CPU then serves misses while the
         # link copies others, and auto splits them between the two
         self.host_threads, self._host_order = host_threads(n_threads, self.on_gpu, config.decode.host_threads)
+        self.host_spin_us = host_spin_us(n_threads, self.host_threads, self.on_gpu)
         self.miss_policy, self.miss_policy_note = effective_miss_policy(
             asked, costs, self.slots.bytes_per_expert(), n_expert_used if self.host_threads else None)
         self.miss_policy_note = self.miss_policy_note or full_note

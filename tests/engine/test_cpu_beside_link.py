@@ -17,7 +17,7 @@ from ggmoe.cache import CacheConfig
 from ggmoe.cache.decode_mode import DecodeConfig
 from ggmoe.control.run_config import RunConfig
 from ggmoe.engine import Engine, EngineConfig
-from ggmoe.engine.host_part import HOST_ORDER_ENV, HOST_THREADS_ENV, host_part_stats
+from ggmoe.engine.host_part import HOST_ORDER_ENV, HOST_SPIN_ENV, HOST_THREADS_ENV, host_part_stats
 from ggmoe.inspect import inspect_model
 
 
@@ -29,13 +29,15 @@ def _run(path, cache: CacheConfig):
 
 
 @pytest.mark.parametrize("order,counter", [("device-first", "after_device"), ("host-first", "before_device")])
+@pytest.mark.parametrize("spin", ["0", "250"])  # the hand-off sleeps at once, or spins first
 def test_misses_split_between_link_and_cpu_give_stock_logits(arch_model, stock_logits, even_profile, monkeypatch,
-                                                             order, counter):
+                                                             order, counter, spin):
     arch, path = arch_model
     facts = inspect_model(path)
     ref = stock_logits(path)
     monkeypatch.setenv(HOST_THREADS_ENV, "1")
     monkeypatch.setenv(HOST_ORDER_ENV, order)
+    monkeypatch.setenv(HOST_SPIN_ENV, spin)
     n_slots = (facts.n_expert_used + facts.n_expert) // 2
     got, st, hp, (in_effect, _) = _run(path, RunConfig(CacheConfig(n_slots=n_slots),
                                                        decode=DecodeConfig(miss_policy="auto", mode="sync",
@@ -63,13 +65,15 @@ def test_without_a_worker_the_sync_decode_waits_in_the_call(stock_logits, even_p
     assert st.deferred_waits == 0 and hp.jobs == 0
 
 
-@pytest.mark.parametrize("raw", ["-1", "two"])
-def test_a_bad_thread_count_is_one_clear_error(raw, monkeypatch):
+@pytest.mark.parametrize(("env", "raw"), [(HOST_THREADS_ENV, "-1"), (HOST_THREADS_ENV, "two"),
+                                          (HOST_SPIN_ENV, "-5"), (HOST_SPIN_ENV, "100001"), (HOST_SPIN_ENV, "fast")])
+def test_a_bad_thread_count_or_spin_is_one_clear_error(env, raw, monkeypatch):
     from ggmoe.base.errors import UsageError
     from ggmoe.models import default_model_path
 
-    monkeypatch.setenv(HOST_THREADS_ENV, raw)
-    with pytest.raises(UsageError, match=HOST_THREADS_ENV):
+    monkeypatch.setenv(HOST_THREADS_ENV, "1")
+    monkeypatch.setenv(env, raw)
+    with pytest.raises(UsageError, match=env):
         _run(default_model_path(), RunConfig(CacheConfig(n_slots=4),
                                              decode=DecodeConfig(miss_policy="cpu", mode="sync")))
 

@@ -248,16 +248,20 @@ ORDERS = [  # (worker order, the counter that shows it)
 
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("order,counter", ORDERS)
-def test_the_host_part_on_its_own_threads_gives_identical_logits_in_either_order(arch, order, counter,
+@pytest.mark.parametrize("spin_us", [0, 250])  # the hand-off sleeps at once, or spins first (patch 0018)
+def test_the_host_part_on_its_own_threads_gives_identical_logits_in_either_order(arch, order, counter, spin_us,
                                                                                   host_session):
     """Patch 0015: the host part as a job of a worker thread, beside the device part of the same layer. Both
     forced interleavings give stock's logits, and every job ran in the forced one: the two parts share no
-    state but the join. Half the misses go to the host, so each layer has device and host entries."""
+    state but the join. Half the misses go to the host, so each layer has device and host entries. With a spin
+    the waiting side (the worker for its job, the join for the job) reads the state without the lock first:
+    the same logits and the same order."""
     from ggmoe.engine.host_part import host_part_stats
 
     s = host_session(fixture_path(arch))
     ref = run_sequence(s.eng)
     router = s.attach(p_host=0.5, seed=7, host_hits=True)
+    assert s.P.llama_ggmoe_set_host_spin(s.eng.ctx_ptr, spin_us) == _patched.LLAMA_GGMOE_OK
     assert s.P.llama_ggmoe_set_host_threads(s.eng.ctx_ptr, 2, order) == _patched.LLAMA_GGMOE_OK
     got = run_sequence(s.eng)
     assert router.error is None, router.error
@@ -290,3 +294,10 @@ def test_set_host_threads_checks_its_arguments(P, host_session):
     assert P.llama_ggmoe_set_host_threads(None, 2, 0) == E.LLAMA_GGMOE_ERR_ARG
     assert P.llama_ggmoe_set_host_threads(ctx, 2, 0) == E.LLAMA_GGMOE_OK
     assert P.llama_ggmoe_set_host_threads(ctx, 0, 0) == E.LLAMA_GGMOE_OK  # stopped again
+    for bad in (-1, 100_001):
+        assert P.llama_ggmoe_set_host_spin(ctx, bad) == E.LLAMA_GGMOE_ERR_ARG
+    assert P.llama_ggmoe_set_host_spin(None, 0) == E.LLAMA_GGMOE_ERR_ARG
+    assert P.llama_ggmoe_set_host_spin(ctx, 250) == E.LLAMA_GGMOE_OK  # no worker yet: kept for the next one
+    assert P.llama_ggmoe_set_host_threads(ctx, 2, 0) == E.LLAMA_GGMOE_OK
+    assert P.llama_ggmoe_set_host_spin(ctx, 0) == E.LLAMA_GGMOE_OK  # the running worker's, from its next wait
+    assert P.llama_ggmoe_set_host_threads(ctx, 0, 0) == E.LLAMA_GGMOE_OK

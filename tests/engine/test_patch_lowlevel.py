@@ -518,7 +518,8 @@ def test_unpatched_library_raises_engine_not_patched(P):
         "llama_ggmoe_set_predictor", "llama_ggmoe_set_layer_table", "llama_ggmoe_set_table_mode",
         "llama_ggmoe_set_forced_routing", "llama_ggmoe_set_mailbox", "llama_ggmoe_set_layer_fill",
         "llama_ggmoe_set_layer_table_host", "llama_ggmoe_set_layer_identity",
-        "llama_ggmoe_set_mmap_prefetch", "llama_ggmoe_set_host_threads", "llama_ggmoe_get_host_stats",
+        "llama_ggmoe_set_mmap_prefetch", "llama_ggmoe_set_host_threads", "llama_ggmoe_set_host_spin",
+        "llama_ggmoe_get_host_stats",
         "llama_ggmoe_set_wait_cb",
     }
 

@@ -231,6 +231,28 @@ def test_the_hybrid_goal_by_hand(hybrid_tps, met):
     assert not [x for x in goals(cells[:2]) if "hybrid" in x["goal"]]  # no hybrid cell: no goal
 
 
+@pytest.mark.parametrize(("spin_tps", "row"), [(95.0, "hybrid-spin"), (80.0, "hybrid")])
+def test_the_hybrid_goal_takes_the_faster_hand_off(spin_tps, row):
+    """hybrid-spin (the worker a core short, so its hand-off spins) stands in the hybrid goal where it is faster."""
+    cells = [_cell("random", "lru", 0.5, 60.0), _cell("random", "async", 0.5, 70.0),
+             _cell("random", "hybrid", 0.5, 90.0), _cell("random", "hybrid-spin", 0.5, spin_tps)]
+    g = [x for x in goals(cells) if x["goal"].startswith("decode at 50 %: hybrid")]
+    assert len(g) == 1 and g[0]["goal"].startswith(f"decode at 50 %: {row} /")
+    assert g[0]["value"] == pytest.approx(max(90.0, spin_tps) / 70.0)
+
+
+def test_hybrid_spin_leaves_the_main_thread_a_core(monkeypatch):
+    from tools.gpu import matrix
+
+    monkeypatch.setattr(matrix.os, "cpu_count", lambda: 16)
+    assert matrix._host_threads("hybrid-spin") == 15 and matrix._host_threads("hybrid") is None
+    assert matrix._host_threads("lru-host") == 0
+    from ggmoe.engine.host_part import HOST_SPIN_US, host_spin_us
+
+    monkeypatch.delenv("GGMOE_HOST_SPIN_US", raising=False)
+    assert host_spin_us(16, matrix._host_threads("hybrid-spin"), True, 16) == HOST_SPIN_US
+
+
 def test_the_host_path_free_goals_by_hand():
     """Every expert cached: a row with the host path asked for against the same row without it, >= 0.97x."""
     cells = [_cell("random", "lru", 1.0, 100.0), _cell("random", "lru-host", 1.0, 98.0),
