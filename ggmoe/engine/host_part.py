@@ -91,6 +91,20 @@ def host_spin_us(n_threads: int, threads: int, on_gpu: bool, cores: int | None =
     return HOST_SPIN_US if threads > 0 and main + threads <= cores else 0
 
 
+def host_spin_note(n_threads: int, threads: int, on_gpu: bool, asked: int | None, spin_us: int,
+                   cores: int | None = None) -> str | None:
+    """One line where the user's ``--host-threads`` (``asked``) leaves the hand-off asleep at every layer because the
+    threads outnumber the cores (``host_spin_us`` gave 0 without ``GGMOE_HOST_SPIN_US``); None otherwise."""
+    if asked is None or not threads or spin_us or os.environ.get(HOST_SPIN_ENV, "").strip():
+        return None
+    cores = cores if cores is not None else os.cpu_count() or 1
+    main = 1 if on_gpu else n_threads
+    beside = "the main thread" if on_gpu else f"the context's {n_threads} threads"
+    return (f"--host-threads {threads} beside {beside} on {cores} cores: the worker's hand-off sleeps at every layer "
+            f"(it spins only where the threads fit the cores; here they need {main + threads}), which can cost more "
+            "than the worker gains")
+
+
 def set_host_threads(ctx_ptr: int, threads: int, order: int, spin_us: int = 0) -> None:
     """Start (threads > 0) or stop the context's host-part worker, whose hand-off spins ``spin_us`` before it
     sleeps."""

@@ -34,7 +34,7 @@ from ggmoe.engine import ggml as B
 from ggmoe.engine import patch as _patched
 from ggmoe.engine.copies import GgmlCopyBackend, measure_costs
 from ggmoe.engine.disk import FileDiskReader, HostSlots, expert_extents
-from ggmoe.engine.host_part import host_spin_us, host_threads, set_host_threads
+from ggmoe.engine.host_part import host_spin_note, host_spin_us, host_threads, set_host_threads
 from ggmoe.engine.slot_tensors import SlotTensors
 from ggmoe.engine.streams import open_stream
 from ggmoe.inspect.facts import ModelFacts
@@ -149,6 +149,9 @@ class CacheRuntime:
             if config.decode.host_threads is not None:  # said once, with why the host path is off
                 why = self.miss_policy_note or "the miss policy is wait"
                 self.miss_policy_note = f"{why}; --host-threads {config.decode.host_threads} does nothing without a host path"
+        elif note := host_spin_note(n_threads, self.host_threads, self.on_gpu, config.decode.host_threads,
+                                    self.host_spin_us):
+            self.miss_policy_note = f"{self.miss_policy_note}; {note}" if self.miss_policy_note else note
         return costs
 
     def _check_disk(self, config: RunConfig) -> None:

@@ -132,3 +132,23 @@ def test_a_run_beside_the_link_equals_its_replay(qwen3moe_model, even_profile, m
         assert tuple(getattr(s, k) for k in keys) == tuple(live[k] for k in keys), il
     total = sim.total()
     assert total.host_computed > 0 and total.demand_copies > 0  # both servers, in the replay as in the run
+
+
+@pytest.mark.parametrize(("n_threads", "spin", "said"), [(2, 0, True), (1, 250, False)])
+def test_the_hand_off_spins_where_the_threads_fit_the_cores_and_says_when_not(monkeypatch, n_threads, spin, said):
+    """On two cores (the count is the test's), ``--host-threads 1`` beside one context thread spins; beside two it
+    sleeps at every layer, and the run says so in its miss-policy note."""
+    from ggmoe.engine import host_part
+    from ggmoe.models import default_model_path
+
+    monkeypatch.delenv(HOST_SPIN_ENV, raising=False)
+    monkeypatch.setattr(host_part.os, "cpu_count", lambda: 2)
+    cfg = EngineConfig(model_path=default_model_path(), n_ctx=128, n_threads=n_threads,
+                       run=RunConfig(CacheConfig(n_slots=4, policy="on-demand"),
+                                     decode=DecodeConfig(miss_policy="cpu", mode="sync", host_threads=1)))
+    with Engine(cfg) as eng:
+        eng.generate("hello", 4)
+        hp = eng.report()["host_part"]
+        note = eng.miss_policy[1] or ""
+    assert hp["threads"] == 1 and hp["spin_us"] == spin and hp["jobs"] > 0
+    assert ("hand-off sleeps" in note) == said, note

@@ -37,3 +37,27 @@ def test_a_bad_spin_is_refused_with_its_name(raw, monkeypatch):
     monkeypatch.setenv(HOST_SPIN_ENV, raw)
     with pytest.raises(UsageError, match=HOST_SPIN_ENV):
         host_spin_us(1, 1, False, 2)
+
+
+@pytest.mark.parametrize(("n_threads", "threads", "on_gpu", "asked", "said"), [
+    (2, 1, False, 1, True),  # the user's worker beside a full team: said, with the threads it needs
+    (1, 1, False, 1, False),  # it fits: the hand-off spins, nothing to say
+    (16, 16, True, None, False),  # a GPU build's default worker: not the user's choice, nothing said
+    (16, 16, True, 16, True),
+])
+def test_a_hand_off_left_asleep_by_the_users_threads_is_said(n_threads, threads, on_gpu, asked, said, monkeypatch):
+    from ggmoe.engine.host_part import host_spin_note
+
+    monkeypatch.delenv(HOST_SPIN_ENV, raising=False)
+    spin = host_spin_us(n_threads, threads, on_gpu, 2 if not on_gpu else 16)
+    note = host_spin_note(n_threads, threads, on_gpu, asked, spin, 2 if not on_gpu else 16)
+    assert (note is not None) == said
+    if said:
+        assert f"--host-threads {threads}" in note and "sleeps" in note
+
+
+def test_a_spin_the_environment_set_is_not_second_guessed(monkeypatch):
+    from ggmoe.engine.host_part import host_spin_note
+
+    monkeypatch.setenv(HOST_SPIN_ENV, "0")
+    assert host_spin_note(2, 1, False, 1, 0, 2) is None
