@@ -264,7 +264,8 @@ def _cache_flag_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--host-threads", type=click.IntRange(min=0, max=MAX_THREADS),
                       help="Threads of the worker that computes the host path's CPU part beside the GPU's part of "
                            "each layer (0: after it, in llama.cpp's graph). Default: --threads on a GPU build, 0 on "
-                           "a CPU-only build.")(fn)
+                           "a CPU-only build. Where the worker's threads and the graph's fit the cores, each layer's "
+                           "hand-off spins instead of sleeping (GGMOE_HOST_SPIN_US sets it).")(fn)
     fn = click.option("--decode-mode", type=click.Choice(["auto", "async", "sync"]),
                       help="async: experts read through a device-side table, no sync per MoE layer, the cache "
                            "managed between tokens; sync: the route op answers every layer (needed by the host "
