@@ -87,8 +87,12 @@ def host_spin_us(n_threads: int, threads: int, on_gpu: bool, cores: int | None =
             raise UsageError(f"{HOST_SPIN_ENV}={raw!r}: from 0 to {HOST_SPIN_MAX_US} microseconds")
         return value
     cores = cores if cores is not None else os.cpu_count() or 1
-    main = 1 if on_gpu else n_threads
-    return HOST_SPIN_US if threads > 0 and main + threads <= cores else 0
+    return HOST_SPIN_US if threads > 0 and _beside_hand_off(n_threads, threads, on_gpu) <= cores else 0
+
+
+def _beside_hand_off(n_threads: int, threads: int, on_gpu: bool) -> int:
+    """Threads that compute while the hand-off waits: the main graph's (one on a GPU build) and the worker's."""
+    return (1 if on_gpu else n_threads) + threads
 
 
 def host_spin_note(n_threads: int, threads: int, on_gpu: bool, asked: int | None, spin_us: int,
@@ -98,11 +102,10 @@ def host_spin_note(n_threads: int, threads: int, on_gpu: bool, asked: int | None
     if asked is None or not threads or spin_us or os.environ.get(HOST_SPIN_ENV, "").strip():
         return None
     cores = cores if cores is not None else os.cpu_count() or 1
-    main = 1 if on_gpu else n_threads
     beside = "the main thread" if on_gpu else f"the context's {n_threads} threads"
     return (f"--host-threads {threads} beside {beside} on {cores} cores: the worker's hand-off sleeps at every layer "
-            f"(it spins only where the threads fit the cores; here they need {main + threads}), which can cost more "
-            "than the worker gains")
+            f"(it spins only where the threads fit the cores; here they need "
+            f"{_beside_hand_off(n_threads, threads, on_gpu)}), which can cost more than the worker gains")
 
 
 def set_host_threads(ctx_ptr: int, threads: int, order: int, spin_us: int = 0) -> None:
