@@ -8,7 +8,7 @@ kernels; on the CPU build, the main graph's threads. The logits are the same eit
 ``--host-threads`` (``DecodeConfig.host_threads``) or ``GGMOE_HOST_THREADS`` sets the worker's threads (0: the host
 part stays in the main graph). Unset, a GPU build
 gets a worker with the context's threads and the CPU build none: there the "device" is the same cores, so
-running the two parts side by side only adds a hand-off per layer (docs/benchmarks.md, "The host path").
+a worker only takes cores from the main graph (docs/engine.md, "The host part beside the device part").
 ``GGMOE_HOST_ORDER`` forces an interleaving, for tests: 1 the device part first, 2 the host part first.
 
 The hand-off (patch 0018, ``llama_ggmoe_set_host_spin``): the worker waits for its next job, and the join for the
