@@ -34,6 +34,9 @@ import httpx
 CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 2, "min_tokens": 8, "n_predict": 8}
 NATIVE = ("/completion", "/infill")  # llama-server's routes: n_predict -1 (the default) runs to the context's end
 ERROR_KEYS = {"message", "type", "param", "code"}
+# more fields llama-server puts in some errors, which ggmoe serve gives too (its context-size error: the prompt's
+# tokens and the context size)
+LLAMA_SERVER_EXTRAS = {"n_prompt_tokens", "n_ctx"}
 
 
 @dataclass
@@ -84,7 +87,8 @@ def check(response: httpx.Response | Any, path: str = "") -> str | None:
             err = response.json()["error"]
         except (ValueError, KeyError, TypeError):
             return f"{status} without OpenAI's error shape: {response.text[:300]}"
-        if not isinstance(err, dict) or set(err) != ERROR_KEYS or not err.get("message") or not err.get("type"):
+        if (not isinstance(err, dict) or not ERROR_KEYS <= set(err) <= ERROR_KEYS | LLAMA_SERVER_EXTRAS
+                or not err.get("message") or not err.get("type")):
             return f"{status} with a malformed error: {response.text[:300]}"
     return None
 
