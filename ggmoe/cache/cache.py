@@ -568,10 +568,7 @@ class WholeLayer:
             c.count_prefetch_hits(il, table, need)
         host: set[int] = set()
         if c.miss_policy != "wait" and len(flat) <= HOST_MAX_TOKENS * c.n_expert_used:
-            if pending or c.cpu_beside_link:
-                host, pending, missing = self._to_host(pending, missing, len(need))
-            elif missing and prefer_host(c.miss_policy, c.costs, self.slot_bytes, None):  # no copy in flight to weigh
-                host, missing = set(missing), []
+            host, pending, missing = self._to_host(pending, missing, len(need))
         if missing and not pending and not host and c._demand_now is not None and table.log is None:
             self._load_now(st, need, missing)
         elif missing:

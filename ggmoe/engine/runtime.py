@@ -140,7 +140,7 @@ class CacheRuntime:
         # the host part on a worker beside the device part (patch 0015): the CPU then serves misses while the
         # link copies others, and auto splits them between the two
         self.host_threads, self._host_order = host_threads(n_threads, self.on_gpu, config.decode.host_threads)
-        self.host_spin_us = host_spin_us(n_threads, self.host_threads, self.on_gpu)
+        self.host_spin_us = 0  # the hand-off's spin, where a host path runs (below)
         self.miss_policy, self.miss_policy_note = effective_miss_policy(
             asked, costs, self.slots.bytes_per_expert(), n_expert_used if self.host_threads else None)
         self.miss_policy_note = self.miss_policy_note or full_note
@@ -149,9 +149,12 @@ class CacheRuntime:
             if config.decode.host_threads is not None:  # said once, with why the host path is off
                 why = self.miss_policy_note or "the miss policy is wait"
                 self.miss_policy_note = f"{why}; --host-threads {config.decode.host_threads} does nothing without a host path"
-        elif note := host_spin_note(n_threads, self.host_threads, self.on_gpu, config.decode.host_threads,
-                                    self.host_spin_us):
-            self.miss_policy_note = f"{self.miss_policy_note}; {note}" if self.miss_policy_note else note
+        else:
+            self.host_spin_us = host_spin_us(n_threads, self.host_threads, self.on_gpu)
+            note = host_spin_note(n_threads, self.host_threads, self.on_gpu, config.decode.host_threads,
+                                  self.host_spin_us)
+            if note:
+                self.miss_policy_note = f"{self.miss_policy_note}; {note}" if self.miss_policy_note else note
         return costs
 
     def _check_disk(self, config: RunConfig) -> None:
